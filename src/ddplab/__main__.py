@@ -1,0 +1,3 @@
+from ddplab.cli import main
+
+raise SystemExit(main())
