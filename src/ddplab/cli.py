@@ -19,8 +19,8 @@ class UserError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        self.print_usage(sys.stderr)
-        raise SystemExit(_fail(message))
+        # One sentence, not argparse's usage dump; --help has the rest.
+        raise SystemExit(_fail(f"{message} (see '{self.prog} --help')"))
 
 
 def _fail(message: str) -> int:

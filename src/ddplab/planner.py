@@ -1,0 +1,449 @@
+"""Translate a reference training setup to new hardware, with a reason for every number (no torch).
+
+>>> ref = Reference(per_device_batch_size=32, lr=0.1)
+>>> p = plan(ref, Target(devices=8))
+>>> p.mode, p.global_batch_size, p.lr, p.warmup_recommended
+('per-device', 256, 0.8, True)
+>>> plan(ref, Target(devices=8, keep="trajectory")).per_device_batch_size
+4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from ddplab import scaling
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+KEEPS = ("trajectory", "per-device")
+RULE_CHOICES = ("auto",) + scaling.RULES
+
+
+def _require_positive(flag: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{flag} must be positive, got {value}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reference:
+    """The setup whose results you trust."""
+
+    per_device_batch_size: int
+    """Loader batch per process (for DataParallel: the loader batch DP splits across devices)."""
+    lr: float
+    """Learning rate used with that setup."""
+    devices: int = 1
+    """Devices per node."""
+    nodes: int = 1
+    accumulation_steps: int = 1
+    wrapper: str = "single"
+    """'single', 'dp' (DataParallel) or 'ddp' (DistributedDataParallel)."""
+    optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam/AdamW betas."""
+    eps: float = 1e-8
+    """Adam/AdamW epsilon."""
+    reduction: str = "mean"
+    """How the loss reduces over the batch: 'mean' or 'sum'."""
+
+    def __post_init__(self):
+        for flag, value in (("--ref-batch-size", self.per_device_batch_size), ("--ref-lr", self.lr),
+                            ("--ref-devices", self.devices), ("--ref-nodes", self.nodes),
+                            ("--ref-accumulation", self.accumulation_steps), ("--eps", self.eps)):
+            _require_positive(flag, value)
+        if self.wrapper not in scaling.WRAPPERS:
+            raise ValueError(f"--ref-wrapper must be one of {scaling.WRAPPERS}, got {self.wrapper!r}")
+        if self.wrapper == "single" and (self.devices > 1 or self.nodes > 1):
+            raise ValueError("--ref-wrapper single means one device: set --ref-wrapper ddp or dp for several")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"--betas must be two numbers in [0, 1), got {self.betas}")
+        if self.reduction not in ("mean", "sum"):
+            raise ValueError(f"--reduction must be mean or sum, got {self.reduction!r}")
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.wrapper != "ddp" else self.devices * self.nodes
+
+    @property
+    def global_batch_size(self) -> int:
+        return scaling.global_batch_size(per_device_batch_size=self.per_device_batch_size, devices=self.devices,
+                                         nodes=self.nodes, accumulation_steps=self.accumulation_steps,
+                                         wrapper=self.wrapper)
+
+    @property
+    def batch_per_device(self) -> float:
+        """Samples each device computes per micro-step (DP splits the loader batch)."""
+        return self.per_device_batch_size / self.devices if self.wrapper == "dp" else self.per_device_batch_size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target:
+    """The new hardware (always DDP: one process per device) and what to hold fixed."""
+
+    devices: int
+    """Devices (GPUs) per node."""
+    nodes: int = 1
+    per_device_batch_size: int | None = None
+    """Loader batch per rank; derived when not given."""
+    global_batch_size: int | None = None
+    accumulation_steps: int | None = None
+    max_batch_size_per_device: int | None = None
+    """Memory limit: the most samples one device can take per micro-step."""
+    keep: str | None = None
+    """'trajectory' (same global batch and lr) or 'per-device' (scale up); None decides from the batch."""
+    rule: str = "auto"
+    """LR rule: auto (linear for SGD, square-root for Adam), none, linear or sqrt."""
+
+    def __post_init__(self):
+        for flag, value in (("--devices", self.devices), ("--nodes", self.nodes),
+                            ("--batch-size", self.per_device_batch_size), ("--global-batch-size", self.global_batch_size),
+                            ("--accumulation", self.accumulation_steps),
+                            ("--max-batch-size-per-device", self.max_batch_size_per_device)):
+            _require_positive(flag, value)
+        if self.keep not in (None,) + KEEPS:
+            raise ValueError(f"--keep must be one of {KEEPS}, got {self.keep!r}")
+        if self.rule not in RULE_CHOICES:
+            raise ValueError(f"--rule must be one of {RULE_CHOICES}, got {self.rule!r}")
+        if self.per_device_batch_size and self.global_batch_size and self.accumulation_steps is None \
+                and self.global_batch_size % (self.per_device_batch_size * self.world_size):
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of --batch-size × "
+                             f"world size = {self.per_device_batch_size * self.world_size}")
+        if self.max_batch_size_per_device and self.per_device_batch_size \
+                and self.per_device_batch_size > self.max_batch_size_per_device:
+            raise ValueError("--batch-size is larger than --max-batch-size-per-device")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.nodes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Data:
+    """The dataset and schedule, for step counts (optional)."""
+
+    dataset_size: int | None = None
+    epochs: float = 1.0
+    drop_last: bool = False
+    """The DataLoader's drop_last."""
+    sampler_drop_last: bool = False
+    """DistributedSampler's drop_last."""
+    warmup_epochs: float = 5.0
+    warmup_threshold: float = 4.0
+    """Recommend warmup when the lr multiplier reaches this."""
+    critical_batch_size: float | None = None
+    """Measured critical batch size (``ddplab noise``), to warn about diminishing returns."""
+
+    def __post_init__(self):
+        for flag, value in (("--dataset-size", self.dataset_size), ("--epochs", self.epochs),
+                            ("--warmup-threshold", self.warmup_threshold),
+                            ("--critical-batch-size", self.critical_batch_size)):
+            _require_positive(flag, value)
+        if self.warmup_epochs < 0:
+            raise ValueError(f"--warmup-epochs must be zero or more, got {self.warmup_epochs}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What to run on the target, and why."""
+
+    mode: str
+    rule: str
+    world_size: int
+    per_device_batch_size: int
+    accumulation_steps: int
+    global_batch_size: int
+    reference_global_batch_size: int
+    batch_ratio: float
+    lr: float
+    lr_multiplier: float
+    betas: tuple[float, float] | None
+    eps: float | None
+    warmup_recommended: bool
+    warmup_steps: int | None
+    warmup_epochs: float | None
+    samples_per_rank: int | None
+    padded_samples: int | None
+    dropped_samples: int | None
+    loader_batches_per_rank: int | None
+    steps_per_epoch: int | None
+    total_steps: int | None
+    samples_per_epoch: int | None
+    steps_factor: float | None
+    compute_factor: float | None
+    other_mode: str
+    warnings: tuple[str, ...]
+    reasons: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["warnings"] = list(self.warnings)
+        if self.betas is None:
+            out.pop("betas")
+            out.pop("eps")
+        return out
+
+    def lr_lambda(self, step: int) -> float:
+        """LambdaLR factor on ``self.lr``: the recommended linear warmup, then 1."""
+        return scaling.warmup_factor(step, warmup_steps=self.warmup_steps or 0, lr_multiplier=self.lr_multiplier)
+
+    def scheduler(self, optimizer):
+        """A ``torch.optim.lr_scheduler.LambdaLR`` for an optimizer built with ``lr=plan.lr`` (imports torch)."""
+        from torch.optim.lr_scheduler import LambdaLR
+
+        return LambdaLR(optimizer, self.lr_lambda)
+
+
+def plan(reference: Reference, target: Target, data: Data | None = None) -> Plan:
+    """Plan the target run; raises ValueError with a sentence naming what to change."""
+    return _plan(reference, target, data or Data(), describe_other=True)
+
+
+def _plan(reference: Reference, target: Target, data: Data, *, describe_other: bool) -> Plan:
+    mode = _resolve_mode(reference, target)
+    batch, accumulation = _batch_for(mode, reference, target)
+    plan_fields, reasons, warnings = {}, {}, []
+    global_batch = batch * target.world_size * accumulation
+    k = global_batch / reference.global_batch_size
+    rule = _rule(target.rule, reference.optimizer)
+    lr_fields = _lr(reference, rule, k, mode, warnings)
+    reasons.update(_batch_reasons(reference, target, mode, batch, accumulation, global_batch, k))
+    reasons.update(lr_fields.pop("reasons"))
+    plan_fields.update(lr_fields)
+    steps = _steps(data, target.world_size, batch, accumulation, global_batch, lr_fields["lr_multiplier"])
+    reasons.update(steps.pop("reasons"))
+    warnings += _semantics_warnings(reference, target, global_batch, data)
+    return Plan(mode=mode, rule=rule, world_size=target.world_size, per_device_batch_size=batch,
+                accumulation_steps=accumulation, global_batch_size=global_batch,
+                reference_global_batch_size=reference.global_batch_size, batch_ratio=k,
+                other_mode=_other_mode(mode, reference, target) if describe_other else "", warnings=tuple(warnings), reasons=reasons,
+                **plan_fields, **steps)
+
+
+def _resolve_mode(reference: Reference, target: Target) -> str:
+    if target.keep:
+        if target.keep == "trajectory" and target.global_batch_size not in (None, reference.global_batch_size):
+            raise ValueError(f"--keep trajectory holds the reference's global batch of {reference.global_batch_size}; "
+                             f"drop --global-batch-size {target.global_batch_size} or use --keep per-device")
+        return target.keep
+    if target.global_batch_size is not None:
+        return "trajectory" if target.global_batch_size == reference.global_batch_size else "per-device"
+    if target.per_device_batch_size is not None:
+        accumulation = target.accumulation_steps or reference.accumulation_steps
+        new_global = target.per_device_batch_size * target.world_size * accumulation
+        return "trajectory" if new_global == reference.global_batch_size else "per-device"
+    return "per-device"
+
+
+def _batch_for(mode: str, reference: Reference, target: Target) -> tuple[int, int]:
+    """(per-device batch, accumulation steps) for the target."""
+    wanted_global = reference.global_batch_size if mode == "trajectory" else target.global_batch_size
+    if wanted_global is not None:
+        return _split(wanted_global, target)
+    batch = target.per_device_batch_size or _reference_device_batch(reference)
+    return batch, target.accumulation_steps or reference.accumulation_steps
+
+
+def _split(global_batch: int, target: Target) -> tuple[int, int]:
+    world = target.world_size
+    if target.per_device_batch_size:
+        if global_batch % (target.per_device_batch_size * world):
+            raise ValueError(f"--batch-size {target.per_device_batch_size} on {world} ranks cannot reach a global "
+                             f"batch of {global_batch}: it needs a multiple of {target.per_device_batch_size * world}")
+        return target.per_device_batch_size, global_batch // (target.per_device_batch_size * world)
+    if target.accumulation_steps:
+        if global_batch % (target.accumulation_steps * world):
+            raise ValueError(f"--accumulation {target.accumulation_steps} on {world} ranks cannot reach a global "
+                             f"batch of {global_batch}: it needs a multiple of {target.accumulation_steps * world}")
+        return global_batch // (target.accumulation_steps * world), target.accumulation_steps
+    return scaling.split_global_batch(global_batch, world_size=world, max_per_device=target.max_batch_size_per_device)
+
+
+def _reference_device_batch(reference: Reference) -> int:
+    per_device = reference.batch_per_device
+    if per_device != int(per_device):
+        raise ValueError(f"DataParallel splits the loader batch {reference.per_device_batch_size} unevenly over "
+                         f"{reference.devices} devices; pass --batch-size for the target")
+    return int(per_device)
+
+
+def _rule(rule: str, optimizer: str) -> str:
+    if rule != "auto":
+        return rule
+    return "linear" if optimizer == "sgd" else "sqrt"
+
+
+def _lr(reference: Reference, rule: str, k: float, mode: str, warnings: list[str]) -> dict[str, Any]:
+    multiplier = scaling.lr_multiplier(k, rule)
+    adam = reference.optimizer in ("adam", "adamw")
+    reasons = {}
+    if k == 1:
+        reasons["lr"] = ("the global batch is unchanged, so the gradient is the same average over the same number "
+                         "of samples: keep the reference lr (DDP averages over ranks)")
+    else:
+        reasons["lr"] = {
+            "none": f"--rule none: the lr stays although the global batch changed ×{k:g}",
+            "linear": f"linear rule (Goyal et al. 2017): lr × k = lr × {k:g}; keeps where SGD ends up, "
+                      f"multiplies the variance of each update by k",
+            "sqrt": f"square-root rule: lr × √k = lr × {math.sqrt(k):.4g}; keeps the variance of each update, "
+                    f"needs more epochs to travel as far",
+        }[rule]
+    reasons["lr_multiplier"] = f"new global batch / reference global batch = k = {k:g} under the {rule} rule"
+    out = {"lr": reference.lr * multiplier, "lr_multiplier": multiplier, "betas": None, "eps": None}
+    if adam:
+        out["betas"], out["eps"] = reference.betas, reference.eps
+        if rule == "sqrt" and k != 1:
+            out["betas"], out["eps"] = _adam_sqrt(reference, k, warnings)
+            reasons["betas"] = "Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β)"
+            reasons["eps"] = "the same rule: ε' = ε/√k"
+        elif rule == "linear" and k != 1:
+            warnings.append("the linear rule is derived for SGD; Adam usually scales better with --rule sqrt "
+                            "(Malladi et al. 2022)")
+    if reference.optimizer == "sgd" and rule == "sqrt" and k > 1:
+        warnings.append("the square-root rule keeps SGD's update variance but covers less ground per epoch: "
+                        "plan on more epochs than the reference")
+    return {**out, "reasons": reasons}
+
+
+def _adam_sqrt(reference: Reference, k: float, warnings: list[str]) -> tuple[tuple[float, float], float]:
+    betas, eps = scaling.adam_sqrt_rule(k, betas=reference.betas, eps=reference.eps)
+    for name, new, old in zip(("β₁", "β₂"), betas, reference.betas):
+        # 1 − k(1 − β) stays below 1 for any k > 0; only growing the batch can push it under 0.
+        if new < 0:
+            warnings.append(f"the Adam square-root rule gives {name} = 1 − {k:g}·(1 − {old:g}) = {new:.4g}, outside "
+                            f"[0, 1): clamped to 0; the batch grew too far for the rule, so scale in smaller steps "
+                            f"or tune {name}")
+    if 0 <= betas[0] < 0.5 <= reference.betas[0]:
+        warnings.append(f"β₁ drops to {betas[0]:.3g}: the rule's SDE approximation assumes momentum stays near its "
+                        "usual range, so treat these numbers as a starting point")
+    return (max(betas[0], 0.0), max(betas[1], 0.0)), eps
+
+
+def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, accumulation: int,
+                   global_batch: int, k: float) -> dict[str, str]:
+    ref_desc = _reference_formula(reference)
+    reasons = {
+        "reference_global_batch_size": ref_desc,
+        "world_size": f"{target.devices} devices × {target.nodes} nodes, one DDP process per device",
+        "global_batch_size": f"{batch} per device × {target.world_size} ranks × {accumulation} accumulation steps",
+    }
+    if mode == "trajectory":
+        reasons["per_device_batch_size"] = (
+            f"keep trajectory: reach the reference's global batch of {reference.global_batch_size} exactly"
+            + (f" within --max-batch-size-per-device {target.max_batch_size_per_device}" if target.max_batch_size_per_device else ""))
+        reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {global_batch} with "
+                                         f"{batch} per device on {target.world_size} ranks")
+    else:
+        reasons["per_device_batch_size"] = ("given by --batch-size" if target.per_device_batch_size else
+                                            "keep per-device: the reference's per-device batch, so the global batch "
+                                            + (f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"))
+        reasons["accumulation_steps"] = ("given by --accumulation" if target.accumulation_steps else
+                                         "kept from the reference")
+    return reasons
+
+
+def _reference_formula(reference: Reference) -> str:
+    if reference.wrapper == "dp":
+        return (f"DataParallel splits the loader batch of {reference.per_device_batch_size} across "
+                f"{reference.devices} devices and computes one loss on the gathered batch: global batch = "
+                f"{reference.per_device_batch_size} × {reference.accumulation_steps} accumulation")
+    return (f"{reference.per_device_batch_size} per device × {reference.devices * reference.nodes} devices × "
+            f"{reference.accumulation_steps} accumulation steps")
+
+
+def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: int, multiplier: float) -> dict[str, Any]:
+    warmup = multiplier >= data.warmup_threshold
+    out: dict[str, Any] = {"warmup_recommended": warmup, "warmup_epochs": data.warmup_epochs if warmup else None}
+    reasons = {"warmup_recommended": (
+        f"the lr grows ×{multiplier:.4g} ≥ --warmup-threshold {data.warmup_threshold:g}: ramp linearly from the "
+        f"reference lr over {data.warmup_epochs:g} epochs (Goyal et al. 2017)" if warmup else
+        f"the lr multiplier {multiplier:.4g} is below --warmup-threshold {data.warmup_threshold:g}: no warmup needed")}
+    keys = ("samples_per_rank", "padded_samples", "dropped_samples", "loader_batches_per_rank",
+            "steps_per_epoch", "total_steps", "samples_per_epoch", "warmup_steps")
+    if data.dataset_size is None:
+        out.update(dict.fromkeys(keys))
+        reasons["steps_per_epoch"] = "pass --dataset-size for step counts"
+    else:
+        out.update(_epoch_arithmetic(data, world, batch, accumulation, warmup, reasons))
+    out.update(_critical(data, global_batch, reasons))
+    return {**out, "reasons": reasons}
+
+
+def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, warmup: bool,
+                      reasons: dict[str, str]) -> dict[str, Any]:
+    n = data.dataset_size
+    if n < world:
+        raise ValueError(f"--dataset-size {n} is smaller than the world size {world}: some ranks would get no data")
+    per_rank = scaling.samples_per_rank(n, world_size=world, drop_last=data.sampler_drop_last)
+    padded = 0 if data.sampler_drop_last else scaling.padded_samples(n, world_size=world)
+    dropped = scaling.sampler_dropped_samples(n, world_size=world) if data.sampler_drop_last else 0
+    batches = scaling.loader_batches(per_rank, batch_size=batch, drop_last=data.drop_last)
+    if batches == 0:
+        raise ValueError(f"each rank gets {per_rank} samples, fewer than one batch of {batch} with --drop-last: "
+                         "lower --batch-size or drop --drop-last")
+    loader_dropped = (per_rank - batches * batch) * world if data.drop_last else 0
+    steps = scaling.optimizer_steps(loader_batches=batches, accumulation_steps=accumulation)
+    total = math.ceil(steps * data.epochs)
+    seen = (per_rank * world) - loader_dropped
+    reasons.update({
+        "samples_per_rank": (f"DistributedSampler drop_last=True gives floor({n}/{world})" if data.sampler_drop_last
+                             else f"DistributedSampler gives each rank ceil({n}/{world}), padding by repetition"),
+        "padded_samples": "samples repeated so every rank gets the same count (0 with --sampler-drop-last)",
+        "dropped_samples": "samples never seen in an epoch: the sampler's tail with --sampler-drop-last, "
+                           "each rank's last partial batch with --drop-last",
+        "loader_batches_per_rank": f"{per_rank} samples in batches of {batch}"
+                                   + (", the last partial batch dropped" if data.drop_last else ", the last may be partial"),
+        "steps_per_epoch": f"ceil({batches} loader batches / {accumulation} accumulation steps)"
+                           + ("; a final partial accumulation window still makes an optimizer step, as in Lightning "
+                              "and the Hugging Face Trainer" if batches % accumulation else ""),
+        "total_steps": f"{steps} steps per epoch × {data.epochs:g} epochs",
+        "samples_per_epoch": "samples the ranks process per epoch, repeats included",
+    })
+    out = {"samples_per_rank": per_rank, "padded_samples": padded, "dropped_samples": dropped + loader_dropped,
+           "loader_batches_per_rank": batches, "steps_per_epoch": steps, "total_steps": total,
+           "samples_per_epoch": seen, "warmup_steps": None}
+    if warmup:
+        out["warmup_steps"] = scaling.warmup_steps(warmup_epochs=data.warmup_epochs, steps_per_epoch=steps)
+        reasons["warmup_steps"] = f"{data.warmup_epochs:g} warmup epochs × {steps} steps per epoch"
+    return out
+
+
+def _critical(data: Data, global_batch: int, reasons: dict[str, str]) -> dict[str, Any]:
+    if data.critical_batch_size is None:
+        return {"steps_factor": None, "compute_factor": None}
+    crit = data.critical_batch_size
+    reasons["steps_factor"] = f"1 + B_crit/B = 1 + {crit:g}/{global_batch}: steps relative to the fewest possible"
+    reasons["compute_factor"] = f"1 + B/B_crit = 1 + {global_batch}/{crit:g}: samples relative to the fewest possible"
+    return {"steps_factor": scaling.steps_factor(global_batch, crit), "compute_factor": scaling.compute_factor(global_batch, crit)}
+
+
+def _semantics_warnings(reference: Reference, target: Target, global_batch: int, data: Data) -> list[str]:
+    warnings = []
+    if reference.reduction == "sum" and target.world_size > 1:
+        warnings.append(f"reduction='sum': DDP averages gradients over ranks, so its gradient is 1/{target.world_size} "
+                        "of the single-process sum; multiply the loss by the world size, or use a mean-reduced loss")
+    if reference.reduction == "sum" and reference.wrapper == "ddp" and reference.world_size > 1:
+        warnings.append(f"the reference itself ran DDP with a summed loss: its gradients were already 1/"
+                        f"{reference.world_size} of the sum")
+    if data.critical_batch_size and global_batch > 2 * data.critical_batch_size:
+        warnings.append(f"the global batch {global_batch} is well past the critical batch size "
+                        f"{data.critical_batch_size:g}: predicted {scaling.steps_factor(global_batch, data.critical_batch_size):.2f}× "
+                        f"the minimum steps and {scaling.compute_factor(global_batch, data.critical_batch_size):.2f}× the "
+                        "minimum compute; larger batches buy little speed")
+    return warnings
+
+
+def _other_mode(mode: str, reference: Reference, target: Target) -> str:
+    other = "per-device" if mode == "trajectory" else "trajectory"
+    try:
+        alternative = _plan(reference, dataclasses.replace(
+            target, keep=other, global_batch_size=None,
+            per_device_batch_size=None if other == "trajectory" else target.per_device_batch_size), Data(),
+            describe_other=False)
+    except ValueError as exc:
+        return f"--keep {other} is not possible here: {exc}"
+    return (f"--keep {other} would give {alternative.per_device_batch_size} per device × "
+            f"{alternative.accumulation_steps} accumulation (global {alternative.global_batch_size}) at lr {alternative.lr:.4g}")

@@ -1,0 +1,168 @@
+"""ddplab plan: formulas by hand, properties by hypothesis, the CLI's JSON and errors, no torch."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddplab import scaling
+from ddplab.cli import main
+from ddplab.planner import Data, Reference, Target, plan
+
+
+def test_hand_computed_formulas():
+    assert scaling.global_batch_size(per_device_batch_size=32, devices=8, nodes=2, accumulation_steps=4) == 2048
+    assert scaling.global_batch_size(per_device_batch_size=256, devices=4, wrapper="dp") == 256
+    assert scaling.lr_multiplier(9, "sqrt") == 3 and scaling.lr_multiplier(9, "none") == 1
+    betas, eps = scaling.adam_sqrt_rule(4, betas=(0.9, 0.999), eps=1e-8)
+    assert betas == pytest.approx((0.6, 0.996)) and eps == pytest.approx(5e-9)
+    assert scaling.samples_per_rank(10, world_size=4, drop_last=False) == 3
+    assert scaling.samples_per_rank(10, world_size=4, drop_last=True) == 2
+    assert scaling.padded_samples(10, world_size=4) == 2 and scaling.sampler_dropped_samples(10, world_size=4) == 2
+    assert scaling.loader_batches(10, batch_size=4, drop_last=False) == 3
+    assert scaling.loader_batches(10, batch_size=4, drop_last=True) == 2
+    assert scaling.optimizer_steps(loader_batches=10, accumulation_steps=4) == 3
+    assert scaling.split_global_batch(512, world_size=8, max_per_device=16) == (16, 4)
+    assert scaling.split_global_batch(96, world_size=8, max_per_device=5) == (4, 3)
+    assert scaling.warmup_factor(0, warmup_steps=10, lr_multiplier=8) == pytest.approx(1 / 8)
+    assert scaling.warmup_factor(10, warmup_steps=10, lr_multiplier=8) == 1
+    assert scaling.steps_factor(1000, 1000) == 2 and scaling.compute_factor(4000, 1000) == 5
+
+
+def test_two_processes_of_eight_keep_the_lr_of_one_of_sixteen():
+    # The folklore says halve it; DDP averages, so 2 × 8 is the gradient of 16.
+    p = plan(Reference(per_device_batch_size=16, lr=0.1), Target(devices=2, per_device_batch_size=8))
+    assert (p.mode, p.global_batch_size, p.lr) == ("trajectory", 16, 0.1)
+
+
+def test_adam_sqrt_rule_and_its_warnings():
+    p = plan(Reference(per_device_batch_size=32, lr=1e-3, optimizer="adam"), Target(devices=4))
+    assert p.rule == "sqrt" and p.lr == pytest.approx(2e-3)
+    assert p.betas == pytest.approx((0.6, 0.996)) and p.eps == pytest.approx(5e-9)
+    far = plan(Reference(per_device_batch_size=32, lr=1e-3, optimizer="adam"), Target(devices=8, nodes=2))
+    assert far.betas[0] == 0 and any("outside [0, 1)" in w for w in far.warnings)
+
+
+def test_step_accounting_follows_distributed_sampler():
+    p = plan(Reference(per_device_batch_size=4, lr=0.1), Target(devices=4, accumulation_steps=3),
+             Data(dataset_size=1001, epochs=2))
+    # ceil(1001/4) = 251 per rank, 3 padded; 63 loader batches; ceil(63/3) = 21 steps.
+    assert (p.samples_per_rank, p.padded_samples, p.dropped_samples) == (251, 3, 0)
+    assert (p.loader_batches_per_rank, p.steps_per_epoch, p.total_steps) == (63, 21, 42)
+    assert "partial accumulation window" not in p.reasons["steps_per_epoch"]
+    q = plan(Reference(per_device_batch_size=4, lr=0.1), Target(devices=4, accumulation_steps=2),
+             Data(dataset_size=1001, sampler_drop_last=True, drop_last=True))
+    assert (q.samples_per_rank, q.loader_batches_per_rank, q.steps_per_epoch) == (250, 62, 31)
+    assert q.dropped_samples == 1 + 4 * 2
+    assert "partial accumulation window" in plan(
+        Reference(per_device_batch_size=4, lr=0.1), Target(devices=4, accumulation_steps=2),
+        Data(dataset_size=1001)).reasons["steps_per_epoch"]
+
+
+def test_warmup_and_critical_batch():
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=25600, critical_batch_size=64))
+    assert p.warmup_recommended and p.warmup_steps == 5 * 100
+    assert p.lr_lambda(0) == pytest.approx(1 / 8) and p.lr_lambda(500) == 1
+    assert p.steps_factor == pytest.approx(1.25) and p.compute_factor == pytest.approx(5)
+    assert any("well past the critical batch size" in w for w in p.warnings)
+
+
+def test_sum_reduction_is_explained():
+    p = plan(Reference(per_device_batch_size=32, lr=0.1, reduction="sum"), Target(devices=4))
+    assert any("1/4 of the single-process sum" in w for w in p.warnings)
+
+
+def test_scheduler_helper_builds_a_lambda_lr():
+    import torch
+
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=2560, warmup_epochs=1))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.lr)
+    scheduler = p.scheduler(optimizer)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    for _ in range(p.warmup_steps):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.8)
+
+
+sizes = st.integers(min_value=1, max_value=64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=sizes, devices=sizes, k1=st.integers(1, 8), k2=st.integers(1, 8))
+def test_linear_rule_composes(batch, devices, k1, k2):
+    ref = Reference(per_device_batch_size=batch, lr=0.1)
+    direct = plan(ref, Target(devices=k1 * k2, keep="per-device"))
+    mid = plan(ref, Target(devices=k1, keep="per-device"))
+    via = plan(Reference(per_device_batch_size=batch, lr=mid.lr, devices=k1, wrapper="ddp"),
+               Target(devices=k1 * k2, keep="per-device"))
+    assert via.lr == pytest.approx(direct.lr, rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=sizes, devices=sizes, nodes=st.integers(1, 4), accumulation=st.integers(1, 4),
+       optimizer=st.sampled_from(["sgd", "adam"]))
+def test_trajectory_on_the_same_setup_is_the_identity(batch, devices, nodes, accumulation, optimizer):
+    ref = Reference(per_device_batch_size=batch, lr=0.3, devices=devices, nodes=nodes, accumulation_steps=accumulation,
+                    wrapper="ddp", optimizer=optimizer)
+    p = plan(ref, Target(devices=devices, nodes=nodes, keep="trajectory", per_device_batch_size=batch))
+    assert (p.per_device_batch_size, p.accumulation_steps, p.lr, p.lr_multiplier) == (batch, accumulation, 0.3, 1)
+    if optimizer == "adam":
+        assert p.betas == ref.betas and p.eps == ref.eps
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 100_000), world=st.integers(1, 64), batch=sizes, accumulation=st.integers(1, 8),
+       drop_last=st.booleans(), sampler_drop_last=st.booleans())
+def test_steps_cover_the_dataset_and_accounting_adds_up(n, world, batch, accumulation, drop_last, sampler_drop_last):
+    if n < world or (drop_last and scaling.samples_per_rank(n, world_size=world, drop_last=sampler_drop_last) < batch):
+        return
+    p = plan(Reference(per_device_batch_size=batch, lr=0.1), Target(devices=world, accumulation_steps=accumulation),
+             Data(dataset_size=n, drop_last=drop_last, sampler_drop_last=sampler_drop_last))
+    assert p.samples_per_epoch == n + p.padded_samples - p.dropped_samples
+    assert p.steps_per_epoch * p.global_batch_size >= n - p.dropped_samples
+    assert (p.steps_per_epoch - 1) * p.global_batch_size < p.samples_per_epoch
+
+
+def test_cli_json_keys(capsys):
+    assert main(["plan", "--ref-batch-size", "32", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8",
+                 "--dataset-size", "10000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("mode", "rule", "world_size", "per_device_batch_size", "accumulation_steps", "global_batch_size",
+                "reference_global_batch_size", "lr", "lr_multiplier", "betas", "eps", "samples_per_rank",
+                "padded_samples", "dropped_samples", "steps_per_epoch", "total_steps", "warmup_steps", "warnings",
+                "reasons"):
+        assert key in out, key
+    assert out["lr"] == pytest.approx(3e-4 * math.sqrt(8)) and isinstance(out["warnings"], list)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ref-batch-size", "0", "--ref-lr", "0.1", "--devices", "2"], "positive integer"),
+    (["--ref-batch-size", "32", "--ref-lr", "-1", "--devices", "2"], "positive number"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "4", "--dataset-size", "3"], "smaller than the world size"),
+    (["--ref-batch-size", "100", "--ref-lr", "0.1", "--devices", "3", "--keep", "trajectory"], "use a global batch of 99 or 102"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--keep", "trajectory", "--global-batch-size", "64"], "drop --global-batch-size"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "64", "--max-batch-size-per-device", "32"], "larger than"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--betas", "0.9"], "two numbers"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "8", "--global-batch-size", "20"], "not a multiple"),
+    (["--ref-batch-size", "250", "--ref-devices", "4", "--ref-wrapper", "dp", "--ref-lr", "0.1", "--devices", "4"], "unevenly"),
+])
+def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        raise SystemExit(main(["plan", *argv]))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") <= 2
+
+
+def test_plan_and_help_never_import_torch():
+    code = ("import sys, contextlib, io\nfrom ddplab.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['plan', '--ref-batch-size', '32', '--ref-lr', '0.1', '--devices', '8', '--dataset-size', '1000'])\n"
+            "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
