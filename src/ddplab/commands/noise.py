@@ -1,5 +1,108 @@
-"""placeholder"""
+"""``ddplab noise``: the gradient noise scale (critical batch size) of a spec trained with real DDP."""
+
+from __future__ import annotations
+
+import argparse
+
+from ddplab import render
+from ddplab.commands import positive_int
+
+DESCRIPTION = """\
+Train SPEC.py on W DDP ranks and measure the gradient noise scale B_simple = tr(Σ)/|G|²
+(McCandlish et al. 2018) from DDP's own all-reduce: each rank's gradient over its batch b
+before it, the averaged gradient over W·b after it. B_simple predicts the critical batch size:
+past it, a larger global batch B buys little: steps fall only as 1 + B_simple/B.
+
+SPEC.py defines model(), dataset(), loss(output, target) and optionally optimizer(params) and
+step(model, batch, loss_fn), as for ddplab check.
+"""
 
 
 def add_parser(subparsers) -> None:
-    pass
+    parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
+    parser.add_argument("--world-size", type=positive_int, default=2, help="DDP ranks, at least 2 (default 2)")
+    parser.add_argument("--batch-size", type=positive_int, required=True, help="per-device (per-rank) batch")
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to train (default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
+    parser.add_argument("--every", type=positive_int, default=1, help="measure every K-th step (default 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        _require_matplotlib()
+    from ddplab.noise_scale import NoiseConfig, measure_spec
+
+    config = NoiseConfig(spec_path=args.spec, world_size=args.world_size, per_device_batch_size=args.batch_size,
+                         steps=args.steps, seed=args.seed, every=args.every)
+    report = _report(config, measure_spec(config))
+    if args.plot:
+        _plot(report, args.plot)
+    if args.json:
+        render.print_json(report)
+    else:
+        _print(report)
+    return 0
+
+
+def _report(config, raw: dict) -> dict:
+    summary = raw["summary"]
+    global_batch = raw["b_big"]
+    gain = summary.adascale_gain(config.world_size, raw["b_small"])
+    return {
+        "b_simple": summary.b_simple, "b_simple_ci95": list(summary.b_simple_ci95),
+        "critical_batch_size": summary.b_simple, "g2": summary.g2, "trace_sigma": summary.trace_sigma,
+        "steps": config.steps, "measured_steps": summary.steps, "every": config.every,
+        "world_size": config.world_size, "per_device_batch_size": config.per_device_batch_size,
+        "global_batch_size": global_batch, "steps_factor": summary.steps_factor(global_batch),
+        "adascale_gain": gain, "adascale_lr_multiplier": gain,
+        "per_step": raw["history"],
+    }
+
+
+def _print(report: dict) -> None:
+    low, high = report["b_simple_ci95"]
+    rows = [
+        ["B_simple (critical batch)", f"{report['b_simple']:.4g}", f"95% interval [{low:.4g}, {high:.4g}] over "
+                                                                    f"{report['measured_steps']} measured steps"],
+        ["|G|²", f"{report['g2']:.4g}", "squared norm of the true gradient"],
+        ["tr(Σ)", f"{report['trace_sigma']:.4g}", "per-sample gradient variance, summed over parameters"],
+        ["steps factor", f"{report['steps_factor']:.3f}",
+         f"1 + B_simple/B at global batch {report['global_batch_size']}: steps relative to the fewest possible"],
+        ["AdaScale gain", f"{report['adascale_gain']:.3f}",
+         f"lr multiplier AdaScale implies for {report['world_size']} ranks vs one of {report['per_device_batch_size']}"],
+    ]
+    title = (f"ddplab noise: {report['world_size']} ranks × {report['per_device_batch_size']} per device "
+             f"(global {report['global_batch_size']}), {report['steps']} steps")
+    render.console().print(render.table(title, ["", "value", "meaning"], rows))
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'ddplab[plot]'") from None
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in report["per_step"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["b_simple_ema"] for r in report["per_step"]], label="B_simple (EMA)")
+    low, high = report["b_simple_ci95"]
+    ax.axhspan(low, high, alpha=0.2, label="95% interval over the run")
+    ax.axhline(report["b_simple"], linestyle="--", linewidth=1, label=f"run estimate {report['b_simple']:.4g}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("B_simple")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
