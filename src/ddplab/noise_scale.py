@@ -177,8 +177,9 @@ def _measure_on_rank(ctx, config: NoiseConfig):
     optimizer = spec.optimizer(ddp.parameters())
     with _progress(ctx.is_main and config.progress, config.steps) as advance:
         for step in range(config.steps):
-            indices = training.batch_indices(len(dataset), world_size=ctx.world_size, rank=ctx.rank,
-                                             per_device_batch_size=config.per_device_batch_size, seed=config.seed, step=step)
+            # Full batches only: the estimator needs every rank's batch to hold exactly b samples.
+            indices = training.rank_batch(len(dataset), world_size=ctx.world_size, rank=ctx.rank, drop_last=True,
+                                          per_device_batch_size=config.per_device_batch_size, seed=config.seed, step=step)
             optimizer.zero_grad(set_to_none=True)
             spec.step(ddp, training.collate(dataset, indices, ctx.device), spec.loss).backward()
             gns.step()

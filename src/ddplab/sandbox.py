@@ -230,6 +230,8 @@ class _UpdateStats:
             return 0.0, 0.0
         mean = s1 / n
         variance = max(s2 / n - mean * mean, 0.0) * n / (n - 1)
+        if variance == 0.0:
+            return 0.0, 0.0
         m4 = s4 / n - 4 * mean * s3 / n + 6 * mean ** 2 * s2 / n - 3 * mean ** 4
         # Standard error of a sample variance: sqrt((μ₄ − σ⁴) / n).
         return variance, math.sqrt(max(m4 - variance ** 2, 0.0) / n)

@@ -46,6 +46,10 @@ def load_spec(path: str) -> Spec:
     if not os.path.isfile(path):
         raise ValueError(f"spec file {path!r} does not exist")
     name = f"ddplab_spec_{abs(hash(os.path.abspath(path)))}"
+    # Specs may import helpers that sit beside them, as a script would.
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     module = sys.modules.get(name)
     if module is None:
         module_spec = importlib.util.spec_from_file_location(name, path)

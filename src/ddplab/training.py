@@ -17,15 +17,43 @@ def rank_indices(dataset_size: int, *, world_size: int, rank: int, seed: int, ep
     return list(sampler)
 
 
-def batch_indices(dataset_size: int, *, world_size: int, rank: int, per_device_batch_size: int, seed: int, step: int) -> list[int]:
-    """The indices of ``rank``'s batch at global ``step``, walking through epochs as needed."""
-    per_rank = len(DistributedSampler(range(dataset_size), num_replicas=world_size, rank=0))
-    steps_per_epoch = per_rank // per_device_batch_size
-    if steps_per_epoch == 0:
+def steps_per_epoch(dataset_size: int, *, world_size: int, per_device_batch_size: int, drop_last: bool) -> int:
+    """Loader batches per rank in one epoch of DistributedSampler's shard."""
+    per_rank = -(-dataset_size // world_size)
+    steps = per_rank // per_device_batch_size if drop_last else -(-per_rank // per_device_batch_size)
+    if steps == 0:
         raise ValueError(f"each rank gets {per_rank} samples, fewer than --batch-size {per_device_batch_size}")
-    epoch, within = divmod(step, steps_per_epoch)
+    return steps
+
+
+def rank_batch(dataset_size: int, *, world_size: int, rank: int, per_device_batch_size: int, seed: int, step: int,
+               drop_last: bool = False) -> list[int]:
+    """Indices of ``rank``'s batch at global ``step``, walking through epochs as a DataLoader would."""
+    per_epoch = steps_per_epoch(dataset_size, world_size=world_size, per_device_batch_size=per_device_batch_size,
+                                drop_last=drop_last)
+    epoch, within = divmod(step, per_epoch)
     indices = rank_indices(dataset_size, world_size=world_size, rank=rank, seed=seed, epoch=epoch)
     return indices[within * per_device_batch_size:(within + 1) * per_device_batch_size]
+
+
+def reference_batch(dataset_size: int, *, world_size: int, per_device_batch_size: int, seed: int, step: int,
+                    keep_padding: bool = False) -> list[int]:
+    """The ranks' batches at ``step`` concatenated in rank order: one process's global batch.
+
+    DistributedSampler pads an epoch to a multiple of W by repeating samples; a single process
+    would not see those repeats, so they are left out unless ``keep_padding``.
+    """
+    per_epoch = steps_per_epoch(dataset_size, world_size=world_size, per_device_batch_size=per_device_batch_size,
+                                drop_last=False)
+    within = step % per_epoch
+    batch = []
+    for rank in range(world_size):
+        indices = rank_batch(dataset_size, world_size=world_size, rank=rank, per_device_batch_size=per_device_batch_size,
+                             seed=seed, step=step)
+        # Rank r's j-th sample sits at position r + W·j of the padded permutation; past N it is a repeat.
+        first = within * per_device_batch_size
+        batch += [i for j, i in enumerate(indices, start=first) if keep_padding or rank + world_size * j < dataset_size]
+    return batch
 
 
 def collate(dataset, indices: list[int], device: torch.device, dtype: torch.dtype | None = None):

@@ -1,0 +1,25 @@
+"""Mistake: the forward calls the inner module, so DDP never all-reduces (NO_ALLREDUCE)."""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+import _harness
+
+
+def train(rank, world_size):
+    data = _harness.dataset()
+    ddp = DDP(_harness.model())
+    sampler = DistributedSampler(data, shuffle=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=16, sampler=sampler):
+            optimizer.zero_grad()
+            F.mse_loss(ddp.module(x), y).backward()  # the bug: bypasses the wrapper
+            optimizer.step()
+
+
+if __name__ == "__main__":
+    _harness.main(train)

@@ -1,0 +1,25 @@
+"""Mistake: a temporary DDP wrapper, collected before backward, so no all-reduce (NO_ALLREDUCE)."""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+import _harness
+
+
+def train(rank, world_size):
+    data = _harness.dataset()
+    model = _harness.model()
+    sampler = DistributedSampler(data, shuffle=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=16, sampler=sampler):
+            optimizer.zero_grad()
+            F.mse_loss(DDP(model)(x), y).backward()  # the bug: the wrapper dies before backward
+            optimizer.step()
+
+
+if __name__ == "__main__":
+    _harness.main(train)
