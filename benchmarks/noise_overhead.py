@@ -1,28 +1,34 @@
 """Step time of plain DDP vs DDP + GradientNoiseScale: the overhead of measuring the noise scale.
 
-    python benchmarks/noise_overhead.py [--rounds 8] [--steps-per-round 10] [--out benchmarks/results/noise_overhead.json]
+    python benchmarks/noise_overhead.py [--rounds 80] [--steps-per-round 1] [--out benchmarks/results/noise_overhead.json]
 
 Two ranks (gloo on CPU, or NCCL with a GPU per rank), a 10.5M-parameter MLP, per-rank batch 64.
-The variants (plain DDP, measuring every step, measuring every 4th step) are separate DDP
-wrappers over equal models in one launch; they take turns, round by round, so drift in the
-machine's speed falls on all of them alike. Reported: the median step time of each.
+The variants are separate DDP wrappers over equal models in one launch; they take turns step by
+step, so drift in the machine's speed falls on all of them alike. Reported: the median step
+time of each, and its overhead over plain DDP.
 """
 
 import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ddplab.launch import LaunchConfig, launch
 from ddplab.noise_scale import GradientNoiseScale
 
-VARIANTS = {"plain DDP": None, "noise scale, every step": 1, "noise scale, every 4th step": 4}
+# name → None (plain DDP), ("hook",) (torch's own Python allreduce hook: what any Python comm hook costs),
+# or (every, via) for GradientNoiseScale.
+VARIANTS = {"plain DDP": None, "torch's Python allreduce hook": ("hook",),
+            "noise scale (default), every step": (1, "auto"), "noise scale (default), every 4th step": (4, "auto"),
+            "noise scale via comm hook, every step": (1, "comm_hook")}
 
 
 def _model():
@@ -36,16 +42,24 @@ def _bench(ctx, rounds: int, steps_per_round: int, batch: int):
     runs = {}
     for name, every in VARIANTS.items():
         ddp = DistributedDataParallel(_model().to(ctx.device), device_ids=device_ids)
-        gns = GradientNoiseScale(ddp, per_device_batch_size=batch, every=every) if every else None
+        gns = None
+        if every == ("hook",):
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif every:
+            gns = GradientNoiseScale(ddp, per_device_batch_size=batch, every=every[0], via=every[1])
         runs[name] = (ddp, gns, torch.optim.SGD(ddp.parameters(), lr=1e-4), [])
     generator = torch.Generator().manual_seed(ctx.rank)
     x = torch.randn(batch, 1024, generator=generator).to(ctx.device)
     y = torch.randint(0, 10, (batch,), generator=generator).to(ctx.device)
+    order = random.Random(0)  # the same shuffled order on every rank
+    names = list(runs)
     for round_ in range(rounds + 1):
-        for name, (ddp, gns, optimizer, times) in runs.items():
+        order.shuffle(names)
+        for name in names:
+            ddp, gns, optimizer, times = runs[name]
             for _ in range(steps_per_round):
                 _sync(ctx)
-                started = time.perf_counter()
+                wall, cpu = time.perf_counter(), time.process_time()
                 optimizer.zero_grad(set_to_none=True)
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
                 if gns:
@@ -53,7 +67,7 @@ def _bench(ctx, rounds: int, steps_per_round: int, batch: int):
                 optimizer.step()
                 _sync(ctx)
                 if round_ > 0:  # round 0 warms up
-                    times.append(time.perf_counter() - started)
+                    times.append((time.perf_counter() - wall, time.process_time() - cpu))
     params = sum(p.numel() for p in _model().parameters())
     return {name: run[3] for name, run in runs.items()}, params
 
@@ -66,24 +80,26 @@ def _sync(ctx):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps-per-round", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--steps-per-round", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "noise_overhead.json"))
     args = parser.parse_args()
     times, params = launch(_bench, LaunchConfig(world_size=2, deadline_s=3000), args.rounds, args.steps_per_round,
                            args.batch_size)[0]
-    baseline = statistics.median(times["plain DDP"])
     record = {"machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}",
               "backend": "nccl" if torch.cuda.device_count() >= 2 else "gloo", "world_size": 2,
               "per_device_batch_size": args.batch_size, "parameters": params,
-              "steps_timed_per_variant": len(times["plain DDP"]), "median_step_seconds": {}, "overhead_percent": {}}
+              "steps_timed_per_variant": len(times["plain DDP"]), "variants": {}}
+    base_wall = statistics.median(w for w, _ in times["plain DDP"])
+    base_cpu = statistics.median(c for _, c in times["plain DDP"])
     for name, values in times.items():
-        median = statistics.median(values)
-        record["median_step_seconds"][name] = median
-        record["overhead_percent"][name] = 100 * (median / baseline - 1)
-        print(f"{name:30} {median * 1000:8.1f} ms/step  overhead {record['overhead_percent'][name]:+.2f}%")
+        wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
+        record["variants"][name] = {"median_step_ms": 1000 * wall, "overhead_percent": 100 * (wall / base_wall - 1),
+                                    "median_cpu_ms": 1000 * cpu, "cpu_overhead_percent": 100 * (cpu / base_cpu - 1)}
+        print(f"{name:30} {wall * 1000:7.1f} ms/step ({100 * (wall / base_wall - 1):+5.2f}%)   "
+              f"rank-0 CPU {cpu * 1000:7.1f} ms/step ({100 * (cpu / base_cpu - 1):+5.2f}%)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(record, fh, indent=2)

@@ -37,8 +37,9 @@ def _train(ctx, variant: str, steps: int = 6):
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
     user_hook = {"fp16": default_hooks.fp16_compress_hook, "allreduce": default_hooks.allreduce_hook}.get(variant.split("+")[0])
     gns = None
-    if variant.endswith("+gns"):
-        gns = GradientNoiseScale(ddp, per_device_batch_size=8, comm_hook=user_hook, state=None)
+    if "+gns" in variant:
+        via = "comm_hook" if variant.endswith("+gns_comm") else "auto"
+        gns = GradientNoiseScale(ddp, per_device_batch_size=8, comm_hook=user_hook, state=None, every=1, via=via)
     elif user_hook:
         ddp.register_comm_hook(None, user_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -50,20 +51,25 @@ def _train(ctx, variant: str, steps: int = 6):
         if gns:
             gns.step()
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()], len(gns.history) if gns else None
+    return [p.detach().clone() for p in model.parameters()], gns.history if gns else None
 
 
 def _all_variants(ctx):
-    return {v: _train(ctx, v) for v in ("plain", "plain+gns", "allreduce", "allreduce+gns", "fp16", "fp16+gns")}
+    return {v: _train(ctx, v) for v in ("plain", "plain+gns", "plain+gns_comm", "allreduce", "allreduce+gns",
+                                        "fp16", "fp16+gns")}
 
 
 def test_training_is_unchanged_by_the_measurement():
     results = launch(_all_variants, LaunchConfig(world_size=2))[0]
     equal = lambda a, b: all(torch.equal(x, y) for x, y in zip(results[a][0], results[b][0]))  # noqa: E731
-    assert equal("plain", "plain+gns"), "not bit-identical to DDP's built-in all-reduce"
+    assert equal("plain", "plain+gns"), "the default path changed training"
+    assert equal("plain", "plain+gns_comm"), "not bit-identical to DDP's built-in all-reduce"
     assert equal("allreduce", "allreduce+gns") and equal("fp16", "fp16+gns")
     assert not equal("plain", "fp16")  # the comparison can tell runs apart
-    assert results["fp16+gns"][1] == 6
+    assert len(results["fp16+gns"][1]) == 6
+    # Both ways of seeing the local gradient measure the same numbers.
+    for a, b in zip(results["plain+gns"][1], results["plain+gns_comm"][1]):
+        assert a.g_small_sq == pytest.approx(b.g_small_sq, rel=1e-5) and a.g_big_sq == pytest.approx(b.g_big_sq, rel=1e-5)
 
 
 def _noise_json(capsys, spec, world_size, batch, steps):
@@ -102,6 +108,19 @@ def _world_size_one(ctx):
     return GradientNoiseScale(DistributedDataParallel(torch.nn.Linear(2, 1)), per_device_batch_size=4)
 
 
+@pytest.mark.slow
+def test_measuring_every_fourth_step_keeps_the_stated_accuracy(capsys):
+    assert main(["noise", LINEAR_SPEC, "--world-size", "2", "--batch-size", "16", "--steps", "1600", "--every", "4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec = importlib.util.spec_from_file_location("linear_spec", LINEAR_SPEC)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert out["measured_steps"] == 400
+    assert out["b_simple"] == pytest.approx(module.TRUE_B_SIMPLE, rel=0.05)
+    assert out["b_simple_ci95"][0] <= module.TRUE_B_SIMPLE <= out["b_simple_ci95"][1]
+
+
 def test_one_rank_is_refused_with_a_reason():
     from ddplab.launch import LaunchError
 
@@ -117,3 +136,36 @@ def test_cli_plot_and_bad_input(tmp_path, capsys):
     assert main(["noise", LINEAR_SPEC, "--batch-size", "8", "--world-size", "1"]) == 2
     assert main(["noise", "missing_spec.py", "--batch-size", "8"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def _accumulation_pairs(ctx):
+    """Per-step norms from one step of 2b vs two no_sync micro-steps of b (loss / 2), both paths."""
+    out = {}
+    for via in ("grad_hooks", "comm_hook"):
+        for accumulation in (1, 2):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+            ddp = DistributedDataParallel(model)
+            gns = GradientNoiseScale(ddp, per_device_batch_size=8 // accumulation, accumulation_steps=accumulation,
+                                     every=1, via=via)
+            generator = torch.Generator().manual_seed(ctx.rank)
+            for _ in range(3):
+                x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 1, generator=generator)
+                for micro, (xs, ys) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
+                    sync = micro == accumulation - 1
+                    with (torch.enable_grad() if sync else ddp.no_sync()):
+                        (torch.nn.functional.mse_loss(ddp(xs), ys) / accumulation).backward()
+                gns.step()
+                ddp.zero_grad()
+            out[via, accumulation] = [(r.g_small_sq, r.g_big_sq) for r in gns.history], gns.b_small
+    return out
+
+
+def test_accumulation_is_accounted_for():
+    out = launch(_accumulation_pairs, LaunchConfig(world_size=2))[0]
+    for via in ("grad_hooks", "comm_hook"):
+        (whole, b_whole), (micro, b_micro) = out[via, 1], out[via, 2]
+        assert b_whole == b_micro == 8
+        assert len(whole) == len(micro) == 3
+        for (small_a, big_a), (small_b, big_b) in zip(whole, micro):
+            assert small_a == pytest.approx(small_b, rel=1e-5) and big_a == pytest.approx(big_b, rel=1e-5)

@@ -1,11 +1,11 @@
 """Measure the gradient noise scale of a plain DDP run through DDP's communication hook.
 
-Each rank's bucket holds its local gradient (batch b) before the all-reduce and the averaged
-one (batch W·b) after it: the two squared norms give unbiased |G|² and tr(Σ) every step, for
-one extra all-reduce of two scalars per measured step. Training is unchanged: without a user
+Each rank's bucket holds its local gradient (batch b) before the all-reduce, and ``.grad``
+holds the averaged one (batch W·b) after it: the two squared norms give unbiased |G|² and
+tr(Σ) every step, for one extra all-reduce of two scalars per measured step. Training is unchanged: without a user
 hook the reduction reproduces DDP's own arithmetic bit for bit.
 
-    gns = GradientNoiseScale(ddp_model, per_device_batch_size=64)
+    gns = GradientNoiseScale(ddp_model, per_device_batch_size=64)   # measures every 4th step
     for batch in loader:
         loss_fn(ddp_model(x), y).backward()
         gns.step()              # after backward, once per optimizer step
@@ -38,18 +38,32 @@ class StepEstimate:
 class GradientNoiseScale:
     """Gradient noise scale (B_simple) of a DDP model, measured from its own all-reduce.
 
+    Two ways to see the local gradient, chosen by ``via``:
+
+    - ``"grad_hooks"`` (the default without a user hook): per-parameter post-accumulate-grad
+      hooks read ``.grad`` while it still holds the local gradient (DDP copies it into its
+      bucket and writes the averaged result back only when backward ends). DDP's built-in C++
+      reduction stays untouched, so training is identical by construction and the comm-hook
+      slot stays free. On CPU any Python comm hook costs ~5% of a step by itself, so this is
+      the path that meets a 3% overhead budget (benchmarks/noise_overhead.py).
+    - ``"comm_hook"``: DDP's one comm-hook slot, wrapping your own hook when given (needed
+      then, and with ``gradient_as_bucket_view=True``, where ``.grad`` is the bucket itself).
+      Without a user hook it reproduces the reducer's arithmetic: ×1/W, then all-reduce.
+
     Args:
-        ddp_model: the ``DistributedDataParallel`` model; its one comm-hook slot is taken.
+        ddp_model: the ``DistributedDataParallel`` model.
         per_device_batch_size: samples per rank per micro-step.
         accumulation_steps: micro-steps per optimizer step (the others run under ``no_sync``).
         comm_hook, state: your own DDP comm hook and its state, which this wraps (e.g. fp16/bf16
-            compression); None reproduces DDP's built-in all-reduce exactly.
-        every: measure every K-th step only (the others pay nothing but the hook call).
+            compression).
+        every: measure every K-th optimizer step (default 4: ≤ 1% of a step on the 10M-parameter
+            CPU benchmark, ~5% when measuring every step); the others cost nothing but the hook calls.
         ema_decay: decay of the running averages behind ``b_simple``.
+        via: "auto", "grad_hooks" or "comm_hook" (see above).
     """
 
     def __init__(self, ddp_model, *, per_device_batch_size: int, accumulation_steps: int = 1, comm_hook=None,
-                 state=None, every: int = 1, ema_decay: float = 0.95, process_group=None):
+                 state=None, every: int = 4, ema_decay: float = 0.95, process_group=None, via: str = "auto"):
         self.group = process_group or dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -64,9 +78,20 @@ class GradientNoiseScale:
         self.every, self.comm_hook, self.user_state = every, comm_hook, state
         self.steps, self.history = 0, []
         self._ema_g2, self._ema_trace = est.Ema(ema_decay), est.Ema(ema_decay)
-        device = next(ddp_model.parameters()).device
+        self._params = [p for p in ddp_model.parameters() if p.requires_grad]
+        device = self._params[0].device
         self._sums = torch.zeros(2, dtype=torch.float64, device=device)  # local |g|², this rank's share of |G|²
-        ddp_model.register_comm_hook(self, GradientNoiseScale._hook)
+        self.via = _choose_path(via, comm_hook, ddp_model)
+        self._ddp = ddp_model
+        if self.via == "comm_hook":
+            ddp_model.register_comm_hook(self, GradientNoiseScale._hook)
+        else:
+            self._handles = [p.register_post_accumulate_grad_hook(self._local_grad_ready) for p in self._params]
+
+    def _local_grad_ready(self, param) -> None:
+        # Under no_sync the grad only accumulates; the synchronising micro-step holds all A·b samples.
+        if self.measuring and self._ddp.require_backward_grad_sync:
+            self._sums[0] += _squared_norm(param.grad)
 
     @property
     def measuring(self) -> bool:
@@ -74,33 +99,35 @@ class GradientNoiseScale:
 
     @staticmethod
     def _hook(self: "GradientNoiseScale", bucket):
-        measuring = self.measuring
         buffer = bucket.buffer()
-        if measuring:
+        if self.measuring:
+            # The local gradient, before the in-place reduction overwrites it.
             self._sums[0] += _squared_norm(buffer)
-        if self.comm_hook is None:
-            # DDP's reducer multiplies by 1/W, then sums: the same order is bit-identical.
-            buffer.mul_(1.0 / self.world_size)
-            future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
-            future = future.then(lambda fut: fut.value()[0])
-        else:
-            future = self.comm_hook(self.user_state, bucket)
-        return future.then(self._measure_reduced) if measuring else future
+        if self.comm_hook is not None:
+            return self.comm_hook(self.user_state, bucket)
+        # DDP's reducer multiplies by 1/W, then sums: the same order is bit-identical.
+        buffer.mul_(1.0 / self.world_size)
+        return dist.all_reduce(buffer, group=self.group, async_op=True).get_future().then(_first_tensor)
 
-    def _measure_reduced(self, future):
-        reduced = future.value()
-        # The averaged gradient is identical on every rank: each squares a 1/W share.
-        flat = reduced.view(-1)
-        share = -(-flat.numel() // self.world_size)
-        self._sums[1] += _squared_norm(flat[self.rank * share:(self.rank + 1) * share])
-        return reduced
+    def _global_share(self) -> torch.Tensor:
+        """This rank's 1/W share of |averaged gradient|², read from the reduced .grad fields."""
+        total = torch.zeros((), dtype=torch.float64, device=self._sums.device)
+        for grad in self._grads():
+            flat = grad.reshape(-1)
+            share = -(-flat.numel() // self.world_size)
+            total += _squared_norm(flat[self.rank * share:(self.rank + 1) * share])
+        return total
 
     def step(self) -> StepEstimate | None:
-        """Close one optimizer step (call after backward): one small all-reduce when measured."""
+        """Close one optimizer step: call after backward, before the optimizer touches the gradients.
+
+        On measured steps this reads the averaged gradient and makes one small all-reduce.
+        """
         measured = self.measuring
         self.steps += 1
         if not measured:
             return None
+        self._sums[1] = self._global_share()
         sums = self._sums.clone()
         self._sums.zero_()
         dist.all_reduce(sums, group=self.group)
@@ -111,6 +138,9 @@ class GradientNoiseScale:
         self.history.append(record)
         return record
 
+    def _grads(self):
+        return [p.grad for p in self._params if p.grad is not None]
+
     @property
     def b_simple(self) -> float:
         """Running B_simple = EMA(tr Σ) / EMA(|G|²)."""
@@ -120,6 +150,22 @@ class GradientNoiseScale:
         """B_simple over the measured steps (the last ``last`` of them), with a 95% interval."""
         window = self.history[-last:] if last else self.history
         return est.summarize([r.g2 for r in window], [r.trace_sigma for r in window])
+
+
+def _choose_path(via: str, comm_hook, ddp_model) -> str:
+    if via not in ("auto", "grad_hooks", "comm_hook"):
+        raise ValueError(f"via must be auto, grad_hooks or comm_hook, got {via!r}")
+    if via == "grad_hooks" and (comm_hook is not None or ddp_model.gradient_as_bucket_view):
+        raise ValueError("via='grad_hooks' cannot see the local gradient with a user comm hook or "
+                         "gradient_as_bucket_view=True; use via='comm_hook'")
+    if via != "auto":
+        return via
+    return "comm_hook" if comm_hook is not None or ddp_model.gradient_as_bucket_view else "grad_hooks"
+
+
+def _first_tensor(future):
+    # DDP wants a future of the bucket tensor; the all-reduce's future holds a one-tensor list.
+    return future.value()[0]
 
 
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
