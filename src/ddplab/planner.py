@@ -21,6 +21,11 @@ KEEPS = ("trajectory", "per-device")
 RULE_CHOICES = ("auto",) + scaling.RULES
 
 
+def _count(n: float, noun: str, plural: str | None = None) -> str:
+    """'1 device', '8 devices', '2.5 epochs'."""
+    return f"{n:g} {noun}" if n == 1 else f"{n:g} {plural or noun + 's'}"
+
+
 def _require_positive(flag: str, value: float | None) -> None:
     if value is not None and not value > 0:
         raise ValueError(f"{flag} must be positive, got {value}")
@@ -327,8 +332,9 @@ def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, 
     ref_desc = _reference_formula(reference)
     reasons = {
         "reference_global_batch_size": ref_desc,
-        "world_size": f"{target.devices} devices × {target.nodes} nodes, one DDP process per device",
-        "global_batch_size": f"{batch} per device × {target.world_size} ranks × {accumulation} accumulation steps",
+        "world_size": f"{_count(target.devices, 'device')} × {_count(target.nodes, 'node')}, one DDP process per device",
+        "global_batch_size": f"{batch} per device × {_count(target.world_size, 'rank')} × "
+                             f"{_count(accumulation, 'accumulation step')}",
     }
     if mode == "trajectory":
         reasons["per_device_batch_size"] = (
@@ -348,10 +354,10 @@ def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, 
 def _reference_formula(reference: Reference) -> str:
     if reference.wrapper == "dp":
         return (f"DataParallel splits the loader batch of {reference.per_device_batch_size} across "
-                f"{reference.devices} devices and computes one loss on the gathered batch: global batch = "
-                f"{reference.per_device_batch_size} × {reference.accumulation_steps} accumulation")
-    return (f"{reference.per_device_batch_size} per device × {reference.devices * reference.nodes} devices × "
-            f"{reference.accumulation_steps} accumulation steps")
+                f"{_count(reference.devices, 'device')} and computes one loss on the gathered batch: global batch = "
+                f"{reference.per_device_batch_size} × {_count(reference.accumulation_steps, 'accumulation step')}")
+    return (f"{reference.per_device_batch_size} per device × {_count(reference.devices * reference.nodes, 'device')} × "
+            f"{_count(reference.accumulation_steps, 'accumulation step')}")
 
 
 def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: int, multiplier: float) -> dict[str, Any]:
@@ -359,7 +365,7 @@ def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: 
     out: dict[str, Any] = {"warmup_recommended": warmup, "warmup_epochs": data.warmup_epochs if warmup else None}
     reasons = {"warmup_recommended": (
         f"the lr grows ×{multiplier:.4g} ≥ --warmup-threshold {data.warmup_threshold:g}: ramp linearly from the "
-        f"reference lr over {data.warmup_epochs:g} epochs (Goyal et al. 2017)" if warmup else
+        f"reference lr over {_count(data.warmup_epochs, 'epoch')} (Goyal et al. 2017)" if warmup else
         f"the lr multiplier {multiplier:.4g} is below --warmup-threshold {data.warmup_threshold:g}: no warmup needed")}
     keys = ("samples_per_rank", "padded_samples", "dropped_samples", "loader_batches_per_rank",
             "steps_per_epoch", "total_steps", "samples_per_epoch", "warmup_steps")
@@ -396,10 +402,10 @@ def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, war
                            "each rank's last partial batch with --drop-last",
         "loader_batches_per_rank": f"{per_rank} samples in batches of {batch}"
                                    + (", the last partial batch dropped" if data.drop_last else ", the last may be partial"),
-        "steps_per_epoch": f"ceil({batches} loader batches / {accumulation} accumulation steps)"
+        "steps_per_epoch": f"ceil({_count(batches, 'loader batch', 'loader batches')} / {_count(accumulation, 'accumulation step')})"
                            + ("; a final partial accumulation window still makes an optimizer step, as in Lightning "
                               "and the Hugging Face Trainer" if batches % accumulation else ""),
-        "total_steps": f"{steps} steps per epoch × {data.epochs:g} epochs",
+        "total_steps": f"{_count(steps, 'step')} per epoch × {_count(data.epochs, 'epoch')}",
         "samples_per_epoch": "samples the ranks process per epoch, repeats included",
     })
     out = {"samples_per_rank": per_rank, "padded_samples": padded, "dropped_samples": dropped + loader_dropped,
@@ -407,7 +413,7 @@ def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, war
            "samples_per_epoch": seen, "warmup_steps": None}
     if warmup:
         out["warmup_steps"] = scaling.warmup_steps(warmup_epochs=data.warmup_epochs, steps_per_epoch=steps)
-        reasons["warmup_steps"] = f"{data.warmup_epochs:g} warmup epochs × {steps} steps per epoch"
+        reasons["warmup_steps"] = f"{_count(data.warmup_epochs, 'warmup epoch')} × {_count(steps, 'step')} per epoch"
     return out
 
 

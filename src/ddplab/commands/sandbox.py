@@ -132,5 +132,6 @@ def _run_table(args: argparse.Namespace) -> int:
         return 0
     out = render.console()
     out.print(sandbox_table.render_study(study))
-    out.print(f"wall time {seconds:.2f} s, start-up included; the multi runs shared one launch of 8 ranks")
+    out.print(f"wall time {seconds:.2f} s for the nine runs, starting the 8 ranks included (Python and torch "
+              "imports not); the multi runs shared one launch")
     return 0
