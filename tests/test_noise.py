@@ -72,9 +72,9 @@ def test_training_is_unchanged_by_the_measurement():
         assert a.g_small_sq == pytest.approx(b.g_small_sq, rel=1e-5) and a.g_big_sq == pytest.approx(b.g_big_sq, rel=1e-5)
 
 
-def _noise_json(capsys, spec, world_size, batch, steps):
+def _noise_json(capsys, spec, world_size, batch, steps, *flags):
     assert main(["noise", spec, "--world-size", str(world_size), "--batch-size", str(batch),
-                 "--steps", str(steps), "--json"]) == 0
+                 "--steps", str(steps), "--json", *flags]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -121,11 +121,42 @@ def test_measuring_every_fourth_step_keeps_the_stated_accuracy(capsys):
     assert out["b_simple_ci95"][0] <= module.TRUE_B_SIMPLE <= out["b_simple_ci95"][1]
 
 
-def test_one_rank_is_refused_with_a_reason():
+def test_one_rank_without_accumulation_is_refused_with_a_reason():
     from ddplab.launch import LaunchError
 
-    with pytest.raises(LaunchError, match="world size >= 2"):
+    with pytest.raises(LaunchError, match="world size >= 2, or gradient accumulation"):
         launch(_world_size_one, LaunchConfig(world_size=1))
+
+
+@pytest.mark.slow
+def test_one_process_with_accumulation_matches_the_closed_form(capsys):
+    out = _noise_json(capsys, LINEAR_SPEC, 1, 16, 400, "--accumulation", "4")
+    spec = importlib.util.spec_from_file_location("linear_spec", LINEAR_SPEC)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (out["world_size"], out["accumulation_steps"], out["global_batch_size"]) == (1, 4, 64)
+    assert out["g2"] == pytest.approx(4 * module.D, rel=0.1)
+    assert out["b_simple"] == pytest.approx(module.TRUE_B_SIMPLE, rel=0.05)
+    assert out["b_simple_ci95"][0] <= module.TRUE_B_SIMPLE <= out["b_simple_ci95"][1]
+
+
+def test_one_process_micro_steps_need_no_process_group():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    gns = GradientNoiseScale(model, per_device_batch_size=2, accumulation_steps=2, every=1)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        (torch.nn.functional.mse_loss(model(xs), ys) / 2).backward()
+    record = gns.step()
+    # Contributions c_i = grad of loss_i / 2: a micro-batch's gradient is 2·c_i, the whole batch's Σ c_i.
+    grads = []
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        model.zero_grad()
+        (torch.nn.functional.mse_loss(model(xs), ys) / 2).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
+    assert record.g_small_sq == pytest.approx(sum((2 * g).dot(2 * g).item() for g in grads) / 2, rel=1e-6)
+    total = grads[0] + grads[1]
+    assert record.g_big_sq == pytest.approx(total.dot(total).item(), rel=1e-6)
 
 
 def test_cli_plot_and_bad_input(tmp_path, capsys):
@@ -134,8 +165,9 @@ def test_cli_plot_and_bad_input(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "B_simple" in capsys.readouterr().out
     assert main(["noise", LINEAR_SPEC, "--batch-size", "8", "--world-size", "1"]) == 2
+    assert "needs --accumulation 2" in capsys.readouterr().err
     assert main(["noise", "missing_spec.py", "--batch-size", "8"]) == 2
-    assert "at least 2" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
 
 
 def _accumulation_pairs(ctx):

@@ -15,6 +15,7 @@ hook the reduction reproduces DDP's own arithmetic bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -46,6 +47,8 @@ class GradientNoiseScale:
       reduction stays untouched, so training is identical by construction and the comm-hook
       slot stays free. On CPU any Python comm hook costs ~5% of a step by itself, so this is
       the path that meets a 3% overhead budget (benchmarks/noise_overhead.py).
+    - one process (world size 1) with ``accumulation_steps`` ≥ 2: post-accumulate-grad hooks
+      difference consecutive micro-batches, each a small batch of b, their mean the big one of A·b.
     - ``"comm_hook"``: DDP's one comm-hook slot, wrapping your own hook when given (needed
       then, and with ``gradient_as_bucket_view=True``, where ``.grad`` is the bucket itself).
       Without a user hook it reproduces the reducer's arithmetic: ×1/W, then all-reduce.
@@ -64,34 +67,44 @@ class GradientNoiseScale:
 
     def __init__(self, ddp_model, *, per_device_batch_size: int, accumulation_steps: int = 1, comm_hook=None,
                  state=None, every: int = 4, ema_decay: float = 0.95, process_group=None, via: str = "auto"):
-        self.group = process_group or dist.group.WORLD
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        if self.world_size < 2:
-            raise ValueError("the gradient noise scale needs the local and the averaged gradient, so world size >= 2; "
-                             "on one process, measure with 2 ranks instead")
-        if per_device_batch_size < 1 or accumulation_steps < 1 or every < 1:
-            raise ValueError("per_device_batch_size, accumulation_steps and every must be positive")
-        # Accumulated micro-batches make the synchronising bucket a gradient over A·b samples.
-        self.b_small = per_device_batch_size * accumulation_steps
-        self.b_big = self.world_size * self.b_small
+        self.group = process_group or (dist.group.WORLD if dist.is_initialized() else None)
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        _validate(self.world_size, per_device_batch_size, accumulation_steps, every)
+        self.accumulation_steps = accumulation_steps
+        if self.world_size == 1:
+            # One process: each micro-batch is a small batch, their mean the big one.
+            self.b_small, self.b_big = per_device_batch_size, per_device_batch_size * accumulation_steps
+        else:
+            # Accumulated micro-batches make the synchronising gradient one over A·b samples.
+            self.b_small = per_device_batch_size * accumulation_steps
+            self.b_big = self.world_size * self.b_small
         self.every, self.comm_hook, self.user_state = every, comm_hook, state
         self.steps, self.history = 0, []
         self._ema_g2, self._ema_trace = est.Ema(ema_decay), est.Ema(ema_decay)
-        self._params = [p for p in ddp_model.parameters() if p.requires_grad]
-        device = self._params[0].device
-        self._sums = torch.zeros(2, dtype=torch.float64, device=device)  # local |g|², this rank's share of |G|²
-        self.via = _choose_path(via, comm_hook, ddp_model)
         self._ddp = ddp_model
+        self._params = [p for p in ddp_model.parameters() if p.requires_grad]
+        self._sums = torch.zeros(2, dtype=torch.float64, device=self._params[0].device)  # |g_small|², |G_big|² share
+        self._previous: dict[int, torch.Tensor] = {}
+        self.via = _choose_path(via, comm_hook, ddp_model, self.world_size)
         if self.via == "comm_hook":
             ddp_model.register_comm_hook(self, GradientNoiseScale._hook)
         else:
-            self._handles = [p.register_post_accumulate_grad_hook(self._local_grad_ready) for p in self._params]
+            ready = self._local_grad_ready if self.via == "grad_hooks" else self._micro_grad_ready
+            self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self._params]
 
     def _local_grad_ready(self, param) -> None:
         # Under no_sync the grad only accumulates; the synchronising micro-step holds all A·b samples.
         if self.measuring and self._ddp.require_backward_grad_sync:
             self._sums[0] += _squared_norm(param.grad)
+
+    def _micro_grad_ready(self, param) -> None:
+        # One process: this micro-batch's gradient is what it added to the accumulated .grad.
+        if not self.measuring:
+            return
+        previous = self._previous.get(id(param))
+        self._sums[0] += _squared_norm(param.grad if previous is None else param.grad - previous)
+        self._previous[id(param)] = param.grad.detach().clone()
 
     @property
     def measuring(self) -> bool:
@@ -127,16 +140,34 @@ class GradientNoiseScale:
         self.steps += 1
         if not measured:
             return None
-        self._sums[1] = self._global_share()
-        sums = self._sums.clone()
-        self._sums.zero_()
-        dist.all_reduce(sums, group=self.group)
-        g_small_sq, g_big_sq = sums[0].item() / self.world_size, sums[1].item()
+        g_small_sq, g_big_sq = self._micro_step_norms() if self.via == "micro_steps" else self._rank_norms()
         g2, trace = est.unbiased_estimates(g_small_sq, g_big_sq, self.b_small, self.b_big)
         ema = self._ema_trace.update(trace) / self._ema_g2.update(g2)
         record = StepEstimate(self.steps - 1, g_small_sq, g_big_sq, g2, trace, ema)
         self.history.append(record)
         return record
+
+    def _rank_norms(self) -> tuple[float, float]:
+        """Mean local |g|² over ranks and |averaged g|², in one small all-reduce."""
+        self._sums[1] = self._global_share()
+        sums = self._sums.clone()
+        self._sums.zero_()
+        dist.all_reduce(sums, group=self.group)
+        return sums[0].item() / self.world_size, sums[1].item()
+
+    def _micro_step_norms(self) -> tuple[float, float]:
+        """|g|² of one micro-batch (mean over them) and of all of them, from the contributions c_i.
+
+        With each micro-step's loss divided by A (the usual recipe, as on the DDP path) a
+        micro-batch's gradient is A·c_i and the accumulated Σc_i is the mean over A·b samples.
+        B_simple does not depend on that convention; |G|² and tr(Σ) are in its units.
+        """
+        accumulation = self.accumulation_steps
+        g_small_sq = self._sums[0].item() * accumulation
+        g_big_sq = sum(_squared_norm(g).item() for g in self._grads())
+        self._sums.zero_()
+        self._previous.clear()
+        return g_small_sq, g_big_sq
 
     def _grads(self):
         return [p.grad for p in self._params if p.grad is not None]
@@ -152,15 +183,28 @@ class GradientNoiseScale:
         return est.summarize([r.g2 for r in window], [r.trace_sigma for r in window])
 
 
-def _choose_path(via: str, comm_hook, ddp_model) -> str:
+def _validate(world_size: int, per_device_batch_size: int, accumulation_steps: int, every: int) -> None:
+    if per_device_batch_size < 1 or accumulation_steps < 1 or every < 1:
+        raise ValueError("per_device_batch_size, accumulation_steps and every must be positive")
+    if world_size == 1 and accumulation_steps < 2:
+        raise ValueError("the gradient noise scale compares gradients over two batch sizes: it needs world size >= 2, "
+                         "or gradient accumulation with at least 2 micro-steps on one process")
+
+
+def _choose_path(via: str, comm_hook, ddp_model, world_size: int) -> str:
     if via not in ("auto", "grad_hooks", "comm_hook"):
         raise ValueError(f"via must be auto, grad_hooks or comm_hook, got {via!r}")
-    if via == "grad_hooks" and (comm_hook is not None or ddp_model.gradient_as_bucket_view):
+    bucket_view = getattr(ddp_model, "gradient_as_bucket_view", False)
+    if world_size == 1:
+        if comm_hook is not None or via == "comm_hook":
+            raise ValueError("on one process there is no all-reduce to hook: drop comm_hook / via='comm_hook'")
+        return "micro_steps"
+    if via == "grad_hooks" and (comm_hook is not None or bucket_view):
         raise ValueError("via='grad_hooks' cannot see the local gradient with a user comm hook or "
                          "gradient_as_bucket_view=True; use via='comm_hook'")
     if via != "auto":
         return via
-    return "comm_hook" if comm_hook is not None or ddp_model.gradient_as_bucket_view else "grad_hooks"
+    return "comm_hook" if comm_hook is not None or bucket_view else "grad_hooks"
 
 
 def _first_tensor(future):
@@ -188,15 +232,18 @@ class NoiseConfig:
     seed: int = 0
     every: int = 1
     """Measure every K-th step."""
+    accumulation_steps: int = 1
+    """Micro-batches of ``per_device_batch_size`` per optimizer step (all but the last under no_sync)."""
     progress: bool = True
 
     def __post_init__(self):
-        if self.world_size < 2:
-            raise ValueError("--world-size must be at least 2: the noise scale compares each rank's gradient "
-                             "with the averaged one")
-        for flag, value in (("--batch-size", self.per_device_batch_size), ("--steps", self.steps), ("--every", self.every)):
+        for flag, value in (("--world-size", self.world_size), ("--batch-size", self.per_device_batch_size),
+                            ("--steps", self.steps), ("--every", self.every), ("--accumulation", self.accumulation_steps)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.world_size == 1 and self.accumulation_steps < 2:
+            raise ValueError("--world-size 1 needs --accumulation 2 or more: the noise scale compares gradients over "
+                             "two batch sizes (each rank's and the average, or each micro-batch's and their mean)")
 
 
 def measure_spec(config: NoiseConfig, launch_config=None) -> dict:
@@ -219,20 +266,33 @@ def _measure_on_rank(ctx, config: NoiseConfig):
     dataset = spec.dataset()
     model = training.seeded_model(spec, config.seed, device=ctx.device)
     ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    gns = GradientNoiseScale(ddp, per_device_batch_size=config.per_device_batch_size, every=config.every)
+    gns = GradientNoiseScale(ddp, per_device_batch_size=config.per_device_batch_size, every=config.every,
+                             accumulation_steps=config.accumulation_steps)
     optimizer = spec.optimizer(ddp.parameters())
     with _progress(ctx.is_main and config.progress, config.steps) as advance:
         for step in range(config.steps):
-            # Full batches only: the estimator needs every rank's batch to hold exactly b samples.
-            indices = training.rank_batch(len(dataset), world_size=ctx.world_size, rank=ctx.rank, drop_last=True,
-                                          per_device_batch_size=config.per_device_batch_size, seed=config.seed, step=step)
             optimizer.zero_grad(set_to_none=True)
-            spec.step(ddp, training.collate(dataset, indices, ctx.device), spec.loss).backward()
+            _accumulate(ctx, config, spec, dataset, ddp, step)
             gns.step()
             optimizer.step()
             advance(gns.b_simple)
     return {"history": [dataclasses.asdict(r) for r in gns.history], "summary": gns.summary(),
             "b_small": gns.b_small, "b_big": gns.b_big} if ctx.is_main else None
+
+
+def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, step: int) -> None:
+    """One optimizer step's micro-batches: all but the last under no_sync, each loss divided by their count."""
+    from ddplab import training
+
+    accumulation = config.accumulation_steps
+    for micro in range(accumulation):
+        # Full batches only: the estimator needs every batch to hold exactly b samples.
+        indices = training.rank_batch(len(dataset), world_size=ctx.world_size, rank=ctx.rank, drop_last=True,
+                                      per_device_batch_size=config.per_device_batch_size, seed=config.seed,
+                                      step=step * accumulation + micro)
+        context = ddp.no_sync() if micro < accumulation - 1 else contextlib.nullcontext()
+        with context:
+            (spec.step(ddp, training.collate(dataset, indices, ctx.device), spec.loss) / accumulation).backward()
 
 
 class _progress:

@@ -22,11 +22,15 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
-    parser.add_argument("--world-size", type=positive_int, default=2, help="DDP ranks, at least 2 (default 2)")
+    parser.add_argument("--world-size", type=positive_int, default=2,
+                        help="DDP ranks (default 2); 1 works with --accumulation 2 or more")
     parser.add_argument("--batch-size", type=positive_int, required=True, help="per-device (per-rank) batch")
     parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to train (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
-    parser.add_argument("--every", type=positive_int, default=1, help="measure every K-th step (default 1)")
+    parser.add_argument("--accumulation", type=positive_int, default=1,
+                        help="micro-batches of --batch-size per optimizer step, under no_sync (default 1)")
+    parser.add_argument("--every", type=positive_int, default=1,
+                        help="measure every K-th step (default 1 here; the library defaults to 4 inside training)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
     parser.set_defaults(run=run)
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ddplab.noise_scale import NoiseConfig, measure_spec
 
     config = NoiseConfig(spec_path=args.spec, world_size=args.world_size, per_device_batch_size=args.batch_size,
-                         steps=args.steps, seed=args.seed, every=args.every)
+                         steps=args.steps, seed=args.seed, every=args.every, accumulation_steps=args.accumulation)
     report = _report(config, measure_spec(config))
     if args.plot:
         _plot(report, args.plot)
@@ -52,14 +56,15 @@ def run(args: argparse.Namespace) -> int:
 def _report(config, raw: dict) -> dict:
     summary = raw["summary"]
     global_batch = raw["b_big"]
-    gain = summary.adascale_gain(config.world_size, raw["b_small"])
+    scale = raw["b_big"] / raw["b_small"]
+    gain = summary.adascale_gain(scale, raw["b_small"])
     return {
         "b_simple": summary.b_simple, "b_simple_ci95": list(summary.b_simple_ci95),
         "critical_batch_size": summary.b_simple, "g2": summary.g2, "trace_sigma": summary.trace_sigma,
         "steps": config.steps, "measured_steps": summary.steps, "every": config.every,
         "world_size": config.world_size, "per_device_batch_size": config.per_device_batch_size,
-        "global_batch_size": global_batch, "steps_factor": summary.steps_factor(global_batch),
-        "adascale_gain": gain, "adascale_lr_multiplier": gain,
+        "accumulation_steps": config.accumulation_steps, "global_batch_size": global_batch, "steps_factor": summary.steps_factor(global_batch),
+        "adascale_scale": scale, "adascale_gain": gain, "adascale_lr_multiplier": gain, "b_small": raw["b_small"],
         "per_step": raw["history"],
     }
 
@@ -74,7 +79,8 @@ def _print(report: dict) -> None:
         ["steps factor", f"{report['steps_factor']:.3f}",
          f"1 + B_simple/B at global batch {report['global_batch_size']}: steps relative to the fewest possible"],
         ["AdaScale gain", f"{report['adascale_gain']:.3f}",
-         f"lr multiplier AdaScale implies for {report['world_size']} ranks vs one of {report['per_device_batch_size']}"],
+         f"lr multiplier AdaScale implies for a batch of {report['global_batch_size']} vs {report['b_small']} "
+         f"(scale {report['adascale_scale']:g})"],
     ]
     title = (f"ddplab noise: {report['world_size']} ranks × {report['per_device_batch_size']} per device "
              f"(global {report['global_batch_size']}), {report['steps']} steps")
