@@ -60,3 +60,14 @@ def test_cli_bad_spec(tmp_path, capsys):
     empty.write_text("x = 1\n")
     assert main(["check", str(empty), "--batch-size", "4"]) == 2
     assert "must define model(), dataset(), loss()" in capsys.readouterr().err
+
+
+def test_gradient_ratio_is_exact_or_nothing():
+    import torch
+
+    from ddplab.equivalence import _gradient_ratio
+
+    g = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64)
+    assert _gradient_ratio(4 * g, g) == pytest.approx(4)
+    assert _gradient_ratio(g + torch.tensor([0.0, 0.0, 1e-3], dtype=torch.float64), g) is None
+    assert _gradient_ratio(g, torch.zeros(3, dtype=torch.float64)) is None

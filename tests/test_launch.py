@@ -64,3 +64,20 @@ def test_ranks_past_the_deadline_are_killed():
 def test_bad_launch_config_is_rejected(kwargs):
     with pytest.raises(ValueError):
         LaunchConfig(**kwargs)
+
+
+def _killed_by_signal(ctx):
+    import os
+    import signal
+
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_ends_the_run_and_is_named():
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 died.*SIGKILL") as info:
+        launch(_killed_by_signal, LaunchConfig(world_size=2, pg_timeout_s=30))
+    assert info.value.rank == 1
+    assert time.monotonic() - started < 20

@@ -166,3 +166,12 @@ def test_plan_and_help_never_import_torch():
             "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_documented_examples_run():
+    import doctest
+
+    from ddplab import planner
+
+    for module in (scaling, planner):
+        assert doctest.testmod(module).failed == 0

@@ -153,10 +153,11 @@ def _kill_all(context) -> None:
 
 
 def _rank_failure(workdir: str, first_rank: int, fallback: str) -> LaunchError:
-    paths = [os.path.join(workdir, name) for name in os.listdir(workdir) if name.startswith("error-")]
-    if not paths:
+    # The first rank seen to fail, if it left no traceback, died (a signal, os._exit): that is the cause.
+    if not os.path.exists(os.path.join(workdir, f"error-{first_rank}.txt")):
         return LaunchError(f"rank {first_rank} died: {fallback.strip()}", rank=first_rank)
-    # The earliest error is the cause; later ones are usually peers losing their connection.
+    paths = [os.path.join(workdir, name) for name in os.listdir(workdir) if name.startswith("error-")]
+    # Else the earliest traceback; later ones are usually peers losing their connection.
     path = min(paths, key=os.path.getmtime)
     rank = int(os.path.basename(path)[len("error-"):-len(".txt")])
     with open(path) as fh:
