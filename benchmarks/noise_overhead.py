@@ -33,7 +33,7 @@ VARIANTS = {"plain DDP": None, "torch's Python allreduce hook": ("hook",),
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024),
+    return torch.nn.Sequential(torch.nn.Linear(1024, 4608), torch.nn.ReLU(), torch.nn.Linear(4608, 1024),
                                torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
 
 
