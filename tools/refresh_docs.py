@@ -26,8 +26,10 @@ NOISE = re.compile(r"^(W\d{4} .*|\*{10,}|Setting OMP_NUM_THREADS.*|.*OMP_NUM_THR
 def run(command: str) -> str:
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                COLUMNS="120", TERM="dumb", NO_COLOR="1")
-    done = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = (done.stdout + done.stderr).splitlines()
+    # One stream, so output lands in the order a terminal would show it.
+    done = subprocess.run(command, shell=True, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    lines = done.stdout.splitlines()
     text = "\n".join(line.rstrip() for line in lines if not NOISE.match(line))
     return text + (f"\n(exit code {done.returncode})" if done.returncode else "")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 
 import torch
 import torch.distributed as dist
@@ -302,7 +303,8 @@ class _progress:
         self.enabled, self.total, self.bar = enabled, total, None
 
     def __enter__(self):
-        if not self.enabled:
+        # Only for a person at a terminal; logs and pipes get the report alone.
+        if not (self.enabled and sys.stderr.isatty()):
             return lambda b_simple: None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

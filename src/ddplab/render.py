@@ -39,12 +39,15 @@ def num(value: float, digits: int = 4) -> str:
     return f"{value:.{digits - 1}e}"
 
 
-def table(title: str, columns: list[str], rows: list[list[str]], caption: str | None = None):
+def table(title: str, columns: list[str], rows: list[list[str]]):
+    """A titled table; the title is its own line, so it never wraps to the table's width."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
-    out = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    out = Table()
     for column in columns:
         out.add_column(column, overflow="fold")
     for row in rows:
         out.add_row(*row)
-    return out
+    return Group(Text(title, style="bold"), out)
