@@ -77,7 +77,7 @@ def test_the_deterministic_sandbox_is_clean_and_the_bypass_is_caught(tmp_path):
     assert _serious(report) == {"NO_ALLREDUCE": "error", "PARAMS_DIVERGED": "error"}
 
 
-def test_audit_passes_the_commands_exit_code_through(tmp_path, capsys):
+def test_audit_passes_the_commands_exit_code_through(capsys):
     assert main(["audit", "--", sys.executable, "-c", "raise SystemExit(7)"]) == 7
     assert "nothing to audit" in capsys.readouterr().err
     assert main(["audit"]) == 2

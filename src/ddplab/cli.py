@@ -13,10 +13,6 @@ import sys
 COMMANDS = ("sandbox", "plan", "check", "audit", "noise")
 
 
-class UserError(Exception):
-    """Bad input: printed as one sentence, exit code 2, no traceback."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         # One sentence, not argparse's usage dump; --help has the rest.
@@ -55,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (UserError, ValueError) as exc:
+    # Bad input raises ValueError with one sentence: exit code 2, no traceback.
+    except ValueError as exc:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130

@@ -214,7 +214,7 @@ def _plan(reference: Reference, target: Target, data: Data, *, describe_other: b
     global_batch = batch * target.world_size * accumulation
     k = global_batch / reference.global_batch_size
     rule = _rule(target.rule, reference.optimizer)
-    lr_fields = _lr(reference, rule, k, mode, warnings)
+    lr_fields = _lr(reference, rule, k, warnings)
     reasons.update(_batch_reasons(reference, target, mode, batch, accumulation, global_batch, k))
     reasons.update(lr_fields.pop("reasons"))
     plan_fields.update(lr_fields)
@@ -281,7 +281,7 @@ def _rule(rule: str, optimizer: str) -> str:
     return "linear" if optimizer == "sgd" else "sqrt"
 
 
-def _lr(reference: Reference, rule: str, k: float, mode: str, warnings: list[str]) -> dict[str, Any]:
+def _lr(reference: Reference, rule: str, k: float, warnings: list[str]) -> dict[str, Any]:
     multiplier = scaling.lr_multiplier(k, rule)
     adam = reference.optimizer in ("adam", "adamw")
     reasons = {}

@@ -13,7 +13,7 @@ def train(rank, world_size):
     ddp = DDP(_harness.model())
     loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data, shuffle=True))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for epoch in range(2):  # the bug: no loader.sampler.set_epoch(epoch)
+    for _epoch in range(2):  # the bug: no loader.sampler.set_epoch(_epoch)
         for x, y in loader:
             optimizer.zero_grad()
             F.mse_loss(ddp(x), y).backward()

@@ -1,7 +1,6 @@
 """Mistake: a summed loss under DDP's averaging: gradients 1/W of the single-process sum (SUM_REDUCTION)."""
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 

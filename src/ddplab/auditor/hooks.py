@@ -173,7 +173,7 @@ def attach(ddp: DistributedDataParallel) -> None:
         audit.side_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
     audit.attached = True
     key = id(ddp)
-    ddp.register_forward_pre_hook(functools.partial(_wrapper_pre_forward, key), with_kwargs=True)
+    ddp.register_forward_pre_hook(_wrapper_pre_forward, with_kwargs=True)
     ddp.register_forward_hook(functools.partial(_wrapper_post_forward, key))
     # One hook per inner module, pointing at its newest wrapper: rebuilt wrappers must not pile up hooks.
     first_wrapper = "_ddplab_wrapper" not in ddp.module.__dict__
@@ -188,7 +188,7 @@ def attach(ddp: DistributedDataParallel) -> None:
 
 # --- hooks on the wrapper and its module ---
 
-def _wrapper_pre_forward(key, ddp, args, kwargs):
+def _wrapper_pre_forward(ddp, args, kwargs):
     audit = state()
     audit.ddp_forward_depth += 1
     # Runs before DDP's forward: whether DDP is about to broadcast rank 0's buffers.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -85,8 +86,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_wall_time(result, seconds: float):
-    import dataclasses
-
     return dataclasses.replace(result, seconds=seconds)
 
 
