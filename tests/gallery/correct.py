@@ -29,6 +29,10 @@ def train(rank, world_size):
             if last:
                 optimizer.step()
                 optimizer.zero_grad()
+                with torch.no_grad():  # a quick evaluation between steps is no training forward
+                    ddp.eval()
+                    ddp(x)
+                    ddp.train()
 
 
 if __name__ == "__main__":

@@ -193,12 +193,18 @@ def _wrapper_pre_forward(ddp, args, kwargs):
     audit.ddp_forward_depth += 1
     # Runs before DDP's forward: whether DDP is about to broadcast rank 0's buffers.
     audit.buffers_synced = ddp.will_sync_module_buffers()
-    if audit.armed:
-        tensors = [t for t in _tensors((args, kwargs))]
-        audit.forwards.append({"fingerprint": _fingerprint(tensors), "synced": ddp.require_backward_grad_sync,
-                               "batch": tensors[0].shape[0] if tensors and tensors[0].dim() else 1})
+    # Evaluation forwards (no grad) take no part in a training step.
+    if audit.armed and torch.is_grad_enabled():
+        _record_forward(audit, (args, kwargs), synced=ddp.require_backward_grad_sync)
         _check_batchnorm(audit, audit.forwards[-1]["batch"])
     return None
+
+
+def _record_forward(audit: AuditState, inputs, *, synced: bool) -> None:
+    """What the cross-rank checks need from one training forward: its data and whether it all-reduces."""
+    tensors = list(_tensors(inputs))
+    audit.forwards.append({"fingerprint": _fingerprint(tensors), "synced": synced,
+                           "batch": tensors[0].shape[0] if tensors and tensors[0].dim() else 1})
 
 
 def _wrapper_post_forward(key, ddp, args, output):
@@ -233,9 +239,7 @@ def _inner_pre_forward(module, args):
     if audit.ddp_forward_depth == 0 and torch.is_grad_enabled():
         audit.add("NO_ALLREDUCE", "a forward reached the inner module without passing the DDP wrapper "
                                   "(ddp_model.module(x)), so DDP never prepares an all-reduce")
-        tensors = list(_tensors(args))
-        audit.forwards.append({"fingerprint": _fingerprint(tensors), "synced": False,
-                               "batch": tensors[0].shape[0] if tensors and tensors[0].dim() else 1})
+        _record_forward(audit, args, synced=False)
         return None
     buffers = [b for b in module.buffers() if b.is_floating_point()]
     # DDP has just broadcast rank 0's buffers: compare here, not after the step.
