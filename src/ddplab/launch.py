@@ -188,6 +188,12 @@ def _run_in_torchrun_group(fn, config: LaunchConfig, args):
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if dist.is_initialized():
+        # The caller's group: use it, and leave its teardown to its owner.
+        backend = dist.get_backend()
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        return fn(RankContext(rank=rank, local_rank=local_rank, world_size=world_size, backend=backend,
+                              device=device), *args)
     backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     ctx = _init_group(rank, local_rank, world_size, backend, config, store=None)
     try:
@@ -203,11 +209,9 @@ def _init_group(rank, local_rank, world_size, backend, config: LaunchConfig, sto
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=config.pg_timeout_s)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+    # device_id binds NCCL to this rank's GPU at once; store=None means torchrun's env:// rendezvous.
+    dist.init_process_group(backend, store=store, rank=rank if store else -1, world_size=world_size if store else -1,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
     return RankContext(rank=rank, local_rank=local_rank, world_size=world_size,
                        backend=backend, device=device)
 
