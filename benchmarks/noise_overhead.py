@@ -38,10 +38,9 @@ def _model():
 
 
 def _bench(ctx, rounds: int, steps_per_round: int, batch: int):
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     runs = {}
     for name, every in VARIANTS.items():
-        ddp = DistributedDataParallel(_model().to(ctx.device), device_ids=device_ids)
+        ddp = DistributedDataParallel(_model().to(ctx.device), device_ids=ctx.device_ids)
         gns = None
         if every == ("hook",):
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)

@@ -78,14 +78,15 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckR
     """Train on the ranks, then in one process, compare, and diagnose a divergence."""
     spec = load_spec(cfg.spec_path)
     ranks = launch(_train_on_rank, launch_config or LaunchConfig(world_size=cfg.world_size), cfg)[0]
-    reference = _reference(spec, cfg, "global")
+    dataset = spec.dataset()
+    reference = _reference(spec, dataset, cfg, "global")
     per_step = [_diff(a, b) for a, b in zip(ranks.params, reference.params)]
     divergent = next((i for i, d in enumerate(per_step) if d["max_rel_diff"] > cfg.tolerance), None)
-    has_padding = len(spec.dataset()) % cfg.world_size != 0
+    has_padding = len(dataset) % cfg.world_size != 0
     common = dict(config=cfg, per_step=per_step, first_divergent_step=divergent, has_padding=has_padding)
     if divergent is None:
         return CheckResult(verdict=EQUIVALENT, cause=None, fix=None, explanation=_equivalent_text(cfg, per_step), **common)
-    verdict, cause, explanation, fix = _diagnose(spec, cfg, ranks, reference, divergent, has_padding)
+    verdict, cause, explanation, fix = _diagnose(spec, dataset, cfg, ranks, reference, divergent, has_padding)
     return CheckResult(verdict=verdict, cause=cause, explanation=explanation, fix=fix, **common)
 
 
@@ -95,7 +96,7 @@ def _train_on_rank(ctx: RankContext, cfg: CheckConfig) -> Trajectory | None:
     spec = load_spec(cfg.spec_path)
     dataset = spec.dataset()
     model = training.seeded_model(spec, cfg.seed, dtype=torch.float64, device=ctx.device)
-    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
     optimizer = spec.optimizer(ddp.parameters())
     params, grads = [], []
     for step in range(cfg.steps):
@@ -109,13 +110,12 @@ def _train_on_rank(ctx: RankContext, cfg: CheckConfig) -> Trajectory | None:
     return Trajectory(params, grads) if ctx.is_main else None
 
 
-def _reference(spec: Spec, cfg: CheckConfig, hypothesis: str) -> Trajectory:
+def _reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: str) -> Trajectory:
     """One process on the concatenated batches; ``hypothesis`` reproduces a suspected cause.
 
     'global': the plain single-process run. 'padding': keep DistributedSampler's repeated
     samples. 'per-rank': average W per-rank losses, each over its own rank's batch, as DDP does.
     """
-    dataset = spec.dataset()
     model = training.seeded_model(spec, cfg.seed, dtype=torch.float64)
     optimizer = spec.optimizer(model.parameters())
     params, grads, used_rng = [], [], False
@@ -161,7 +161,8 @@ def _matches(ranks: Trajectory, reference: Trajectory, tolerance: float) -> bool
     return all(_diff(a, b)["max_rel_diff"] <= tolerance for a, b in zip(ranks.params, reference.params))
 
 
-def _diagnose(spec: Spec, cfg: CheckConfig, ranks: Trajectory, reference: Trajectory, step: int, has_padding: bool):
+def _diagnose(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, reference: Trajectory, step: int,
+              has_padding: bool):
     world = cfg.world_size
     if reference.used_rng:
         return (STOCHASTIC, "RANDOMNESS",
@@ -181,14 +182,14 @@ def _diagnose(spec: Spec, cfg: CheckConfig, ranks: Trajectory, reference: Trajec
                 f"from step {step} the gradients differ by exactly a factor of {factor}: typically a loss summed over "
                 f"{factor} accumulation micro-steps and not divided by their count",
                 f"divide each micro-step's loss by the number of accumulation steps ({factor})")
-    if has_padding and _matches(ranks, _reference(spec, cfg, "padding"), cfg.tolerance):
+    if has_padding and _matches(ranks, _reference(spec, dataset, cfg, "padding"), cfg.tolerance):
         return (DIVERGES, "PADDING",
-                f"the dataset of {len(spec.dataset())} samples does not split evenly over {world} ranks, so "
+                f"the dataset of {len(dataset)} samples does not split evenly over {world} ranks, so "
                 "DistributedSampler repeats samples to pad the last batches: confirmed by a reference that trains on "
                 "the same repeats",
                 "make the dataset size a multiple of the world size, or use DistributedSampler(drop_last=True) and "
                 "accept dropping the tail")
-    if _matches(ranks, _reference(spec, cfg, "per-rank"), cfg.tolerance):
+    if _matches(ranks, _reference(spec, dataset, cfg, "per-rank"), cfg.tolerance):
         if _has_batchnorm(spec):
             return (DIVERGES, "BATCHNORM",
                     f"BatchNorm normalises each rank's {cfg.per_device_batch_size} samples with their own statistics, "

@@ -73,6 +73,11 @@ class RankContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What DistributedDataParallel's ``device_ids`` wants for this rank."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
 
 def under_torchrun() -> bool:
     """True when a launcher (torchrun, elastic) already assigned this process a rank."""
@@ -191,9 +196,8 @@ def _run_in_torchrun_group(fn, config: LaunchConfig, args):
     if dist.is_initialized():
         # The caller's group: use it, and leave its teardown to its owner.
         backend = dist.get_backend()
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         return fn(RankContext(rank=rank, local_rank=local_rank, world_size=world_size, backend=backend,
-                              device=device), *args)
+                              device=_device(backend, local_rank)), *args)
     backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     ctx = _init_group(rank, local_rank, world_size, backend, config, store=None)
     try:
@@ -203,10 +207,13 @@ def _run_in_torchrun_group(fn, config: LaunchConfig, args):
         teardown()
 
 
+def _device(backend: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
 def _init_group(rank, local_rank, world_size, backend, config: LaunchConfig, store) -> RankContext:
-    device = torch.device("cpu")
+    device = _device(backend, local_rank)
     if backend == "nccl":
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=config.pg_timeout_s)
     # device_id binds NCCL to this rank's GPU at once; store=None means torchrun's env:// rendezvous.

@@ -1,9 +1,9 @@
-"""Measure the gradient noise scale of a plain DDP run through DDP's communication hook.
+"""Measure the gradient noise scale of a plain DDP run.
 
-Each rank's bucket holds its local gradient (batch b) before the all-reduce, and ``.grad``
-holds the averaged one (batch W·b) after it: the two squared norms give unbiased |G|² and
-tr(Σ) every step, for one extra all-reduce of two scalars per measured step. Training is unchanged: without a user
-hook the reduction reproduces DDP's own arithmetic bit for bit.
+During backward each rank's ``.grad`` holds its local gradient (batch b); once DDP has
+reduced, it holds the averaged one (batch W·b). The two squared norms give unbiased |G|² and
+tr(Σ) every measured step, for one extra all-reduce of two scalars. Training is unchanged:
+DDP's own reduction is left alone, or, on the comm-hook path, reproduced bit for bit.
 
     gns = GradientNoiseScale(ddp_model, per_device_batch_size=64)   # measures every 4th step
     for batch in loader:
@@ -165,7 +165,7 @@ class GradientNoiseScale:
         """
         accumulation = self.accumulation_steps
         g_small_sq = self._sums[0].item() * accumulation
-        g_big_sq = sum(_squared_norm(g).item() for g in self._grads())
+        g_big_sq = torch.stack([_squared_norm(g) for g in self._grads()]).sum().item()
         self._sums.zero_()
         self._previous.clear()
         return g_small_sq, g_big_sq
@@ -266,7 +266,7 @@ def _measure_on_rank(ctx, config: NoiseConfig):
     spec = load_spec(config.spec_path)
     dataset = spec.dataset()
     model = training.seeded_model(spec, config.seed, device=ctx.device)
-    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
     gns = GradientNoiseScale(ddp, per_device_batch_size=config.per_device_batch_size, every=config.every,
                              accumulation_steps=config.accumulation_steps)
     optimizer = spec.optimizer(ddp.parameters())

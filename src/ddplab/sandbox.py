@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler
 
-from ddplab import sandbox_theory
+from ddplab import sandbox_theory, training
 from ddplab.launch import LaunchConfig, RankContext, launch
 
 DATASET_SIZE = 256
@@ -250,16 +249,14 @@ def train(cfg: SandboxConfig, ctx: RankContext | None = None, *, keep_weights: b
     model = Neuron(cfg.n_experiments).to(device)
     forward, counter = model, {"allreduces": 0}
     if cfg.mode == "multi":
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
         ddp.register_comm_hook(counter, _count_allreduces)
         # The classic bug calls the inner module: DDP never sees the forward, so never all-reduces.
         forward = ddp.module if cfg.bypass_ddp else ddp
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    sampler = DistributedSampler(range(DATASET_SIZE), num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
     stats = _UpdateStats(device)
     for epoch in range(cfg.n_epochs):
-        sampler.set_epoch(epoch)
-        indices = list(sampler)
+        indices = training.rank_indices(DATASET_SIZE, world_size=world_size, rank=rank, seed=cfg.seed, epoch=epoch)
         for step in range(cfg.steps_per_epoch):
             x, y = batch(cfg, epoch, indices[step * cfg.per_device_batch_size:(step + 1) * cfg.per_device_batch_size], device)
             optimizer.zero_grad(set_to_none=True)
@@ -307,12 +304,10 @@ def _train_one_experiment(cfg: SandboxConfig, experiment: int, ctx: RankContext 
     device = ctx.device if ctx else torch.device("cpu")
     rank, world_size = (ctx.rank, ctx.world_size) if ctx else (0, 1)
     model = Neuron(1).to(device)
-    forward = DistributedDataParallel(model) if cfg.mode == "multi" else model
+    forward = DistributedDataParallel(model, device_ids=ctx.device_ids) if cfg.mode == "multi" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    sampler = DistributedSampler(range(DATASET_SIZE), num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
     for epoch in range(cfg.n_epochs):
-        sampler.set_epoch(epoch)
-        indices = list(sampler)
+        indices = training.rank_indices(DATASET_SIZE, world_size=world_size, rank=rank, seed=cfg.seed, epoch=epoch)
         for step in range(cfg.steps_per_epoch):
             chunk = torch.tensor(indices[step * cfg.per_device_batch_size:(step + 1) * cfg.per_device_batch_size])
             x, y = _experiment_samples(cfg, epoch, chunk, experiment)

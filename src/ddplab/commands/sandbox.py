@@ -77,16 +77,12 @@ def run(args: argparse.Namespace) -> int:
     result = sandbox.run(cfg, LaunchConfig(world_size=world_size))
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return 0
-    result = _with_wall_time(result, time.perf_counter() - started)
+    result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     if args.json:
         render.print_json(result.to_json())
     else:
         _print_run(result)
     return 0
-
-
-def _with_wall_time(result, seconds: float):
-    return dataclasses.replace(result, seconds=seconds)
 
 
 def _print_run(result) -> None:
