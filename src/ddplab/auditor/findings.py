@@ -1,6 +1,9 @@
 """What the audit can find, what each finding does to training, and how to fix it (pure Python).
 
-Ranks record findings locally and write them to files; the report merges them by code.
+Each rank records what it saw: findings it can make alone (a summed loss, a bypassed wrapper),
+and digests of its parameters, gradients and batches at each audited optimizer step. Ranks never
+compare with each other while training; :func:`merge` compares their records afterwards (or
+rank 0 does, once every record is in the store), so the auditor has no collective to hang on.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "NO_ALLREDUCE": (
         ERROR,
         "gradients were not all-reduced: every rank trains alone on its own data, as W separate runs",
-        "call the DDP wrapper itself for every forward (ddp_model(x), never ddp_model.module(x)), and keep the "
+        "call the DDP wrapper for every training forward (ddp_model(x), not the model it wraps), and keep the "
         "wrapper alive until backward: build it once, outside the training loop"),
     "PARAMS_DIVERGED": (
         ERROR,
@@ -27,18 +30,20 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "per-rank seeds in the model, or a forward that bypasses the wrapper"),
     "SAME_DATA_ON_ALL_RANKS": (
         ERROR,
-        "every rank receives the same batches: the W ranks repeat each other's work, and an epoch covers only "
+        "ranks trained on the same batches: the W ranks repeat each other's work, and an epoch covers only "
         "1/W of the data it should",
-        "give the DataLoader sampler=DistributedSampler(dataset) (and shuffle=False on the loader), or shard the "
-        "data by rank yourself"),
+        "give the DataLoader sampler=DistributedSampler(dataset) (and shuffle=False on the loader), or seed each "
+        "rank's random batches differently (e.g. seed + rank)"),
     "SET_EPOCH_MISSING": (
         WARNING,
-        "a shuffling DistributedSampler was iterated twice with the same epoch: every epoch sees the same order",
+        "a shuffling DistributedSampler fed training the same sample order in two passes over the data: without "
+        "set_epoch every epoch repeats the first one's order",
         "call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader"),
     "SUM_REDUCTION": (
         WARNING,
         "backward starts from a loss summed over the batch: DDP averages gradients over ranks, so the gradient is "
-        "1/W of what one process summing the global batch gets (the effective lr is W times smaller)",
+        "1/W of what one process summing the global batch gets (with SGD the step is W times smaller; Adam-style "
+        "optimizers mostly normalise the scale away, but not their epsilon or an L2 penalty in the loss)",
         "use reduction='mean', divide the summed loss by a sample or token count, or multiply it by the world size"),
     "BATCHNORM_NOT_SYNCED": (
         WARNING,
@@ -50,6 +55,10 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "performance: gradient accumulation all-reduces on every micro-step; the result is unchanged but "
         "communication is accumulation-steps times larger",
         "wrap every micro-step but the last in `with ddp_model.no_sync():`"),
+    "AUDIT_INCOMPLETE": (
+        INFO,
+        "the audit did not cover the whole run; training itself was not affected",
+        "nothing to fix in training; the detail says what the audit could not see"),
     "RUN_INFO": (INFO, "", ""),
 }
 
@@ -84,55 +93,154 @@ class Report:
     global_batch_size: int | None
     lr: float | None
     steps_audited: int
+    steps_requested: int | None
     findings: list[Finding]
 
     @property
     def has_error(self) -> bool:
         return any(f.severity == ERROR for f in self.findings)
 
+    @property
+    def problems(self) -> list[Finding]:
+        return [f for f in self.findings if f.code != "RUN_INFO"]
+
+    def headline(self) -> str:
+        steps = f"{self.steps_audited} optimizer steps audited"
+        if self.steps_requested and self.steps_audited < self.steps_requested:
+            steps += f" (the run made fewer than the {self.steps_requested} asked for)"
+        return f"world size {self.world_size}, global batch {self.global_batch_size}, lr {self.lr}, {steps}"
+
+    def signature(self) -> list[list]:
+        """What a reader would see change between two reports of one run (JSON-shaped)."""
+        return sorted([f.code, f.severity, sorted(f.ranks)] for f in self.problems)
+
     def to_json(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "global_batch_size": self.global_batch_size, "lr": self.lr,
-                "steps_audited": self.steps_audited, "findings": [f.to_json() for f in self.findings]}
+                "steps_audited": self.steps_audited, "steps_requested": self.steps_requested,
+                "findings": [f.to_json() for f in self.findings]}
 
 
 def merge(rank_records: list[dict[str, Any]]) -> Report:
-    """Merge per-rank records (as written by the auditor) into one report."""
+    """Merge per-rank records into one report: their own findings, then what comparing them shows."""
     merged: dict[str, Finding] = {}
-    for record in sorted(rank_records, key=lambda r: r.get("rank", 0)):
-        for raw in record.get("findings", []):
-            finding = Finding(**raw)
-            if finding.code in merged:
-                merged[finding.code].ranks = sorted(set(merged[finding.code].ranks) | set(finding.ranks))
-            else:
-                merged[finding.code] = finding
-    main = min(rank_records, key=lambda r: r.get("rank", 0)) if rank_records else {}
+    records = sorted(rank_records, key=lambda r: r.get("rank", 0))
+    local = [Finding(**raw) for record in records for raw in record.get("findings", [])]
+    for finding in local + cross_rank_findings(records):
+        if finding.code in merged:
+            known = merged[finding.code]
+            known.ranks = sorted(set(known.ranks) | set(finding.ranks))
+            if SEVERITY_ORDER[finding.severity] < SEVERITY_ORDER[known.severity]:
+                known.severity, known.detail = finding.severity, finding.detail
+        else:
+            merged[finding.code] = dataclasses.replace(finding, ranks=sorted(finding.ranks))
+    main = records[0] if records else {}
     findings = sorted(merged.values(), key=lambda f: (SEVERITY_ORDER[f.severity], f.code))
     return Report(main.get("world_size"), main.get("global_batch_size"), main.get("lr"),
-                  max((r.get("steps_audited", 0) for r in rank_records), default=0), findings)
+                  max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings)
 
+
+# --- comparing ranks' records ---
+
+def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
+    """Parameters, buffers and gradients compared step by step; batches compared over the whole window."""
+    out = []
+    windows: dict[tuple[str, int], dict[int, dict]] = {}
+    for record in records:
+        for window in record.get("windows", []):
+            windows.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window
+    for field, code, what in (("params", "PARAMS_DIVERGED", "parameters after optimizer step"),
+                              ("buffers", "PARAMS_DIVERGED", "buffers right after DDP broadcast them, at step"),
+                              ("grads", "NO_ALLREDUCE", "gradients used by optimizer step")):
+        finding = _first_difference(windows, field, code, what)
+        if finding is not None:
+            out.append(finding)
+    duplicate = _duplicate_batches(records)
+    if duplicate is not None:
+        out.append(duplicate)
+    return out
+
+
+def _first_difference(windows, field: str, code: str, what: str) -> Finding | None:
+    for (wrapper, step), by_rank in sorted(windows.items(), key=lambda item: item[0][1]):
+        present = {rank: w[field] for rank, w in by_rank.items() if w.get(field)}
+        if len(present) < 2:
+            continue
+        reference_rank = min(present)
+        reference = {name: (digest, norm) for name, digest, norm in present[reference_rank]}
+        differing = [rank for rank, tensors in present.items()
+                     if [t[1] for t in tensors] != [reference.get(t[0], (None,))[0] for t in tensors]]
+        if differing:
+            rank = differing[0]
+            name, _, norm = next(t for t in present[rank] if reference.get(t[0], (None,))[0] != t[1])
+            ref_norm = reference.get(name, (None, 0.0))[1]
+            size = f"; norms {ref_norm:.6g} vs {norm:.6g}" if ref_norm != norm else "; equal norms, other values"
+            detail = (f"{what} {step}: '{name}' on rank {rank} differs from rank {reference_rank}{size}")
+            finding = Finding.make(code, reference_rank, detail)
+            finding.ranks = sorted({reference_rank, *differing})
+            return finding
+    return None
+
+
+def _duplicate_batches(records: list[dict[str, Any]]) -> Finding | None:
+    """Evidence of unsharded data: most of a rank's training batches also reached another rank, at any step."""
+    by_wrapper: dict[str, dict[int, list[str]]] = {}
+    for record in records:
+        for wrapper, batches in record.get("batches", {}).items():
+            by_wrapper.setdefault(wrapper, {})[record["rank"]] = batches
+    for ranks in by_wrapper.values():
+        involved, shared_total = set(), 0
+        for rank, batches in ranks.items():
+            distinct = set(batches)
+            # One batch repeated is a fixed-batch benchmark or an overfitting test, not unsharded data.
+            if len(distinct) < 2:
+                continue
+            others = set().union(*(set(b) for r, b in ranks.items() if r != rank))
+            shared = distinct & others
+            if len(shared) >= 2 and len(shared) * 2 >= len(distinct):
+                involved.add(rank)
+                shared_total = max(shared_total, len(shared))
+        if len(involved) >= 2:
+            finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(involved),
+                                   f"up to {shared_total} distinct training batches of one rank also reached another "
+                                   "rank during the audited window")
+            finding.ranks = sorted(involved)
+            return finding
+    return None
+
+
+# --- records on disk ---
 
 def read_records(directory: str) -> list[dict[str, Any]]:
-    """Every rank's record file in ``directory`` (the latest per rank)."""
-    latest: dict[int, dict[str, Any]] = {}
+    """Every rank's record in ``directory``: its own file first, else a copy rank 0 fetched from the store."""
+    own: dict[int, dict[str, Any]] = {}
+    copies: dict[int, dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
-        if name.startswith("rank-") and name.endswith(".json"):
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        try:
             with open(os.path.join(directory, name)) as fh:
                 record = json.load(fh)
-            rank = record.get("rank", 0)
-            # Several processes can report one rank (a launcher, a parent): keep the one that audited most.
-            if rank not in latest or record.get("steps_audited", 0) >= latest[rank].get("steps_audited", 0):
-                latest[rank] = record
-    return list(latest.values())
+        except (OSError, ValueError):
+            continue  # a file cut short by a kill: the rank's older files or copies still count
+        rank = record.get("rank", 0)
+        # Several processes can report one rank (a launcher, a parent): keep the one that audited most.
+        if rank not in own or _weight(record) >= _weight(own[rank]):
+            own[rank] = record
+        for peer in record.get("peers", []):
+            copies.setdefault(peer.get("rank", 0), peer)
+    return list({**copies, **own}.values())
+
+
+def _weight(record: dict[str, Any]) -> tuple[int, int]:
+    return record.get("steps_audited", 0), len(record.get("windows", []))
 
 
 def render_text(report: Report) -> str:
-    """A plain-text report, for logs and for rank 0's interim print."""
-    lines = [f"ddplab audit: world size {report.world_size}, global batch {report.global_batch_size}, "
-             f"lr {report.lr}, {report.steps_audited} optimizer steps audited"]
-    problems = [f for f in report.findings if f.code != "RUN_INFO"]
-    if not problems:
+    """A plain-text report, for logs and for rank 0's report inside the run."""
+    lines = [f"ddplab audit: {report.headline()}"]
+    if not report.problems:
         lines.append("  no DDP mistakes found")
-    for finding in problems:
+    for finding in report.problems:
         data = finding.to_json()
         lines.append(f"  {finding.severity.upper():7} {finding.code} on ranks {data['ranks']}: {data['message']}")
         lines.append(f"          fix: {finding.fix}")

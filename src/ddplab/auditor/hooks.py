@@ -1,16 +1,29 @@
-"""The auditor inside a training process: hooks that watch DDP, never change what it computes.
+"""The auditor inside a training process: it watches DDP and never changes what it computes.
 
-Installed once per process (``install``), it wraps ``DistributedDataParallel.__init__`` to
-attach to every wrapper, registers global optimizer step hooks, and patches samplers, data
-loaders and loss functions. Comparisons across ranks use a side gloo group created with
-``use_local_synchronization=True``; no DDP communication hook is ever registered.
+A guest in someone else's program, it keeps to four rules:
+
+- **No collectives.** Ranks never wait for each other on the auditor's behalf. Each rank records
+  digests of its parameters, gradients and batches at every audited optimizer step, writes them
+  to its own file as it goes, and publishes them once to the process group's key-value store;
+  rank 0 reads its peers' records only once the store already holds them (a non-blocking
+  check), so a rank that takes a path alone (evaluation on rank 0, a probe optimizer, ZeRO's
+  per-rank inner optimizer) can never leave another waiting.
+- **No state in the user's objects.** Side tables keyed weakly by the wrapper, its module and its
+  parameters; global module and optimizer hooks instead of hooks stored on the user's modules,
+  so ``torch.save(ddp.module)`` pickles exactly what it would without the audit.
+- **Evidence, not patterns.** A finding needs its effect: gradients stepped that DDP never
+  reduced, an epoch order repeated in a second training pass, batches repeated across ranks.
+- **Disarm rather than fail.** Every hook runs under a guard; an internal error turns the audit
+  off for the rest of the process and is reported as AUDIT_INCOMPLETE.
+
+The heavy work (digests, module hooks) runs only during the audited window: the first
+``steps`` optimizer steps that update a DDP model's parameters.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import gc
 import json
 import os
 import sys
@@ -19,19 +32,52 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import findings as fnd
+from ddplab.auditor import tensors
 
 ENV_DIR, ENV_STEPS = "DDPLAB_AUDIT_DIR", "DDPLAB_AUDIT_STEPS"
+STORE_PREFIX = "ddplab-audit/v2/"
 SMALL_BATCH = 16
+# Training batches fingerprinted per wrapper: longer than the step window, so streams shifted in time still meet.
+DATA_WINDOW_FACTOR = 4
+# Sync forwards rank 0 keeps looking for its peers' records after its own window closed.
+REPORT_PATIENCE = 1000
 LOSS_FUNCTIONS = ("l1_loss", "mse_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
                   "binary_cross_entropy_with_logits", "smooth_l1_loss", "huber_loss", "kl_div",
                   "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss", "multilabel_soft_margin_loss",
                   "hinge_embedding_loss", "margin_ranking_loss", "cosine_embedding_loss", "multi_margin_loss",
                   "triplet_margin_loss", "ctc_loss")
+
+
+class WrapperInfo:
+    """What the auditor knows about one DDP wrapper (held weakly: it dies with the wrapper)."""
+
+    def __init__(self, ddp: DistributedDataParallel, key: str, group: list[int]):
+        self.key, self.group = key, group
+        ignored = getattr(ddp, "parameters_to_ignore", set())
+        # Weak: a script that builds many models must not keep their parameters alive through the audit.
+        self.param_refs = [(n, weakref.ref(p)) for n, p in ddp.module.named_parameters()
+                           if p.requires_grad and n not in ignored]
+        self.steps = 0  # optimizer steps that updated this wrapper's parameters
+        self.reductions = 0  # backward passes through a synchronising forward since the last step
+        self.accumulated_reductions = 0  # of those, the ones that started on gradients already accumulated
+        self.in_backward = False
+        self.pending = False  # a training forward waits for its backward
+        self.batches: list[str] = []
+        self.forward_batch = 0  # samples per rank in this step's training forwards
+        self.bypassed = False
+        self.syncs_buffers = False
+        self.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+                                    for m in ddp.module.modules())
+
+    def params(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p) for name, ref in self.param_refs if (p := ref()) is not None]
 
 
 class AuditState:
@@ -40,37 +86,48 @@ class AuditState:
     def __init__(self, steps: int, out_dir: str | None):
         self.steps_to_audit, self.out_dir = steps, out_dir
         self.findings: dict[str, fnd.Finding] = {}
-        self.steps = 0
-        self.attached = False
-        self.side_group = None
+        self.windows: list[dict] = []
+        self.batches: dict[str, list[str]] = {}  # training batch fingerprints per wrapper, kept past its life
+        self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
+        self.modules: WeakIdKeyDictionary = WeakIdKeyDictionary()  # inner module → its newest wrapper's info
+        # parameter → its wrapper's info, which outlives a temporary wrapper so its steps still count
+        self.owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.sampler_passes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.steps = 0  # audited optimizer steps, all wrappers together
+        self.total_steps = 0
+        self.wrapper_count = 0
         self.ddp_forward_depth = 0
-        self.forwards: list[dict] = []  # DDP forwards since the last optimizer step
-        self.sharding_sampler_seen = False
-        self.sampler_epochs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.pending_wrappers: set[int] = set()
-        self.batchnorm_layers = 0
+        self.stepping: set[int] = set()
         self.global_batch_size = None
         self.lr = None
+        self.optimizer = None
+        self.attached_pid = None
+        self.disabled = None  # the reason, once the auditor turned itself off
+        self.published = False
         self.reported = False
-        self.buffers_synced = False
-        # Known while the process group lives; the exit report comes after it is destroyed.
+        self.report_polls = 0
+        self.peers: list[dict] = []
+        self.interim = None  # the findings rank 0 printed during the run
+        self.module_hook = None
         self.rank, self.world_size = 0, 1
-
-    # --- state and reporting ---
 
     @property
     def armed(self) -> bool:
-        """Step-level checks run for the first N optimizer steps."""
-        return self.attached and self.steps < self.steps_to_audit and self.world_size > 1
+        """Step-level checks run for the first N optimizer steps, while the auditor is healthy."""
+        return self.attached_pid is not None and self.disabled is None and self.steps < self.steps_to_audit
 
     def add(self, code: str, detail: str = "", severity: str | None = None) -> None:
         if code not in self.findings:
             self.findings[code] = fnd.Finding.make(code, self.rank, detail, severity)
+            # Written as found: a rank that ends in os._exit, a kill or a crash loses nothing.
+            self.write()
 
     def record(self) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "global_batch_size": self.global_batch_size,
-                "lr": self.lr, "steps_audited": min(self.steps, self.steps_to_audit),
-                "findings": [vars(f) for f in self._with_info()]}
+                "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
+                "steps_requested": self.steps_to_audit, "findings": [vars(f) for f in self._with_info()],
+                "windows": self.windows, "batches": self.batches,
+                "peers": self.peers, "interim": self.interim}
 
     def _with_info(self) -> list[fnd.Finding]:
         info = fnd.Finding.make("RUN_INFO", self.rank, f"world size {self.world_size}, global batch "
@@ -78,13 +135,40 @@ class AuditState:
         return list(self.findings.values()) + [info]
 
     def write(self) -> None:
-        """This rank's findings to its own file (no collectives: safe at exit)."""
-        if not (self.out_dir and self.attached):
+        """This rank's record to its own file (no collectives: safe at exit, in a signal, anywhere)."""
+        if not (self.out_dir and self.attached_pid == os.getpid()):
             return
         path = os.path.join(self.out_dir, f"rank-{self.rank}-{os.getpid()}.json")
-        with open(path + ".tmp", "w") as fh:
-            json.dump(self.record(), fh)
-        os.replace(path + ".tmp", path)
+        try:
+            with open(path + ".tmp", "w") as fh:
+                json.dump(self.record(), fh)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass  # the audit directory is gone: the parent already reported
+
+    def disarm(self, reason: str) -> None:
+        """Turn the audit off for the rest of this process, and say why."""
+        if self.disabled is None:
+            self.disabled = reason
+            _remove_module_hook(self)
+            self.add("AUDIT_INCOMPLETE", f"the auditor turned itself off on rank {self.rank}: {reason}")
+
+    def report(self, timeout: float = 30.0) -> fnd.Report:
+        """Every rank's record, waiting up to ``timeout`` seconds for the peers' (call from your own code)."""
+        _publish(self)
+        store = _store()
+        records = [self.record()]
+        if store is not None and self.world_size > 1:
+            import datetime
+
+            keys = [f"{STORE_PREFIX}{rank}" for rank in range(self.world_size) if rank != self.rank]
+            try:
+                store.wait(keys, datetime.timedelta(seconds=timeout))
+                records += [json.loads(store.get(key)) for key in keys]
+            except Exception as exc:  # noqa: BLE001 - a peer that never published: report what is here
+                records[0]["findings"].append(vars(fnd.Finding.make(
+                    "AUDIT_INCOMPLETE", self.rank, f"not every rank's record arrived within {timeout:g} s ({exc})")))
+        return fnd.merge(records)
 
 
 _STATE: AuditState | None = None
@@ -96,12 +180,21 @@ def state() -> AuditState:
     return _STATE
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def _guarded(where: str):
+    """Run a hook so that no error inside the auditor reaches the user's program."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            audit = _STATE
+            if audit is None or audit.disabled is not None:
+                return None
+            try:
+                return fn(audit, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the guest never breaks its host
+                audit.disarm(f"{where}: {type(exc).__name__}: {exc}")
+                return None
+        return guarded
+    return wrap
 
 
 # --- installation ---
@@ -112,38 +205,13 @@ def install(steps: int = 5, out_dir: str | None = None) -> AuditState:
     if _STATE is not None:
         return _STATE
     _STATE = AuditState(steps, out_dir)
-    _patch_ddp_init()
+    _patch_ddp()
     register_optimizer_step_pre_hook(_before_optimizer_step)
     register_optimizer_step_post_hook(_after_optimizer_step)
-    _patch_samplers_and_loaders()
+    _patch_sampler()
     _patch_losses()
-    _patch_destroy_process_group()
     atexit.register(_at_exit)
     return _STATE
-
-
-def _at_exit() -> None:
-    _STATE.write()
-    _release_side_group()
-
-
-def _release_side_group() -> None:
-    # A gloo group left for interpreter shutdown can abort the process in its destructor.
-    if _STATE is not None and _STATE.side_group is not None:
-        _STATE.side_group = None
-        gc.collect()
-
-
-def _patch_destroy_process_group() -> None:
-    original = dist.destroy_process_group
-
-    @functools.wraps(original)
-    def destroy_process_group(group=None):
-        if group is None:
-            _release_side_group()
-        return original(group)
-
-    dist.destroy_process_group = destroy_process_group
 
 
 def install_from_env() -> AuditState | None:
@@ -153,191 +221,323 @@ def install_from_env() -> AuditState | None:
     return install(int(os.environ.get(ENV_STEPS, "5")), os.environ[ENV_DIR])
 
 
-def _patch_ddp_init() -> None:
-    original = DistributedDataParallel.__init__
+def _at_exit() -> None:
+    if _STATE is not None:
+        _STATE.write()
 
-    @functools.wraps(original)
+
+def _patch_ddp() -> None:
+    original_init, original_forward = DistributedDataParallel.__init__, DistributedDataParallel.forward
+
+    @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        attach(self)
+        original_init(self, *args, **kwargs)
+        _attach_guarded(self)
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        _before_ddp_forward(self, args, kwargs)
+        try:
+            output = original_forward(self, *args, **kwargs)
+        finally:
+            _leave_ddp_forward()
+        _after_ddp_forward(self, output)
+        return output
 
     DistributedDataParallel.__init__ = __init__
+    DistributedDataParallel.forward = forward
 
 
 def attach(ddp: DistributedDataParallel) -> None:
     """Watch one DDP wrapper: its forwards, its inner module's forwards, its lifetime."""
-    audit = state()
-    audit.rank, audit.world_size = _rank(), _world_size()
-    if audit.side_group is None and audit.world_size > 1:
-        ranks = list(range(audit.world_size))
-        audit.side_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-    audit.attached = True
-    key = id(ddp)
-    ddp.register_forward_pre_hook(_wrapper_pre_forward, with_kwargs=True)
-    ddp.register_forward_hook(functools.partial(_wrapper_post_forward, key))
-    # One hook per inner module, pointing at its newest wrapper: rebuilt wrappers must not pile up hooks.
-    first_wrapper = "_ddplab_wrapper" not in ddp.module.__dict__
-    object.__setattr__(ddp.module, "_ddplab_wrapper", weakref.ref(ddp))
-    if first_wrapper:
-        ddp.module.register_forward_pre_hook(_inner_pre_forward)
-    # A wrapper collected between its forward and backward takes its all-reduce with it.
-    weakref.finalize(ddp, _wrapper_collected, key)
-    audit.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
-                                 for m in ddp.module.modules())
+    _attach_guarded(ddp)
 
 
-# --- hooks on the wrapper and its module ---
+@_guarded("attaching to the DDP wrapper")
+def _attach_guarded(audit: AuditState, ddp: DistributedDataParallel) -> None:
+    if ddp in audit.wrappers:
+        return
+    audit.rank, audit.world_size = dist.get_rank(), dist.get_world_size()
+    group = dist.get_process_group_ranks(ddp.process_group)
+    key = f"ddp{audit.wrapper_count}-{'.'.join(map(str, group))}"
+    audit.wrapper_count += 1
+    info = audit.wrappers[ddp] = WrapperInfo(ddp, key, group)
+    audit.batches[key] = info.batches
+    audit.modules[ddp.module] = info
+    for _, param in info.params():
+        audit.owners[param] = info
+    # A wrapper collected between a training forward and its backward takes its all-reduce with it.
+    weakref.finalize(ddp, _wrapper_collected, info)
+    audit.attached_pid = os.getpid()
+    if audit.module_hook is None and audit.armed:
+        audit.module_hook = register_module_forward_pre_hook(_module_pre_forward)
+    audit.write()
 
-def _wrapper_pre_forward(ddp, args, kwargs):
-    audit = state()
+
+def _remove_module_hook(audit: AuditState) -> None:
+    if audit.module_hook is not None:
+        audit.module_hook.remove()
+        audit.module_hook = None
+
+
+# --- the wrapper's forward ---
+
+@_guarded("before a DDP forward")
+def _before_ddp_forward(audit: AuditState, ddp, args, kwargs) -> None:
     audit.ddp_forward_depth += 1
-    # Runs before DDP's forward: whether DDP is about to broadcast rank 0's buffers.
-    audit.buffers_synced = ddp.will_sync_module_buffers()
-    # Evaluation forwards (no grad) take no part in a training step.
-    if audit.armed and torch.is_grad_enabled():
-        _record_forward(audit, (args, kwargs), synced=ddp.require_backward_grad_sync)
-        _check_batchnorm(audit, audit.forwards[-1]["batch"])
+    info = audit.wrappers.get(ddp)
+    if info is None or not torch.is_grad_enabled():
+        return  # evaluation forwards take no part in a training step
+    # Read before DDP's own pre-forward: whether it is about to broadcast rank 0's buffers.
+    info.syncs_buffers = ddp.require_backward_grad_sync and ddp.will_sync_module_buffers()
+    _record_training_batch(audit, info, (args, kwargs))
+
+
+def _leave_ddp_forward() -> None:
+    if _STATE is not None:
+        _STATE.ddp_forward_depth = max(0, _STATE.ddp_forward_depth - 1)
+
+
+@_guarded("after a DDP forward")
+def _after_ddp_forward(audit: AuditState, ddp, output) -> None:
+    info = audit.wrappers.get(ddp)
+    if info is None:
+        return
+    info.syncs_buffers = False
+    if not (audit.armed and torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+        return
+    node = next((t.grad_fn for t in tensors.iter_tensors(output) if t.grad_fn is not None), None)
+    if node is not None:
+        # A hook on the graph node, not on the user's tensor: it fires when backward reaches this output.
+        node.register_prehook(functools.partial(_backward_reached, info))
+        info.pending = True
+
+
+def _record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None:
+    if len(info.batches) < DATA_WINDOW_FACTOR * audit.steps_to_audit:
+        fingerprint = tensors.fingerprint(inputs)
+        if fingerprint is not None:
+            info.batches.append(fingerprint)
+            if len(info.batches) == DATA_WINDOW_FACTOR * audit.steps_to_audit:
+                audit.write()
+    if audit.armed:
+        size = tensors.first_dim(inputs)
+        info.forward_batch += size or 0
+        if size is not None:
+            _check_batchnorm(audit, info, size)
+
+
+def _backward_reached(info: WrapperInfo, grad_outputs):
+    _count_reduction(info)
     return None
 
 
-def _record_forward(audit: AuditState, inputs, *, synced: bool) -> None:
-    """What the cross-rank checks need from one training forward: its data and whether it all-reduces."""
-    tensors = list(_tensors(inputs))
-    audit.forwards.append({"fingerprint": _fingerprint(tensors), "synced": synced,
-                           "batch": tensors[0].shape[0] if tensors and tensors[0].dim() else 1})
+@_guarded("counting DDP reductions")
+def _count_reduction(audit: AuditState, info: WrapperInfo) -> None:
+    info.pending = False
+    if info.in_backward:
+        return
+    info.in_backward = True
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_done, info))
+    # Gradients already present when this reduction starts accumulate with it into one optimizer step.
+    accumulating = any(p.grad is not None and bool(p.grad.any()) for _, p in info.params())
+    info.accumulated_reductions = info.accumulated_reductions + 1 if accumulating else 1
+    info.reductions += 1
 
 
-def _wrapper_post_forward(key, ddp, args, output):
-    audit = state()
-    audit.ddp_forward_depth -= 1
-    if audit.armed and ddp.require_backward_grad_sync and torch.is_grad_enabled():
-        audit.pending_wrappers.add(key)
-        for tensor in _tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(functools.partial(_backward_reached, key))
-                break
-    return None
+def _backward_done(info: WrapperInfo) -> None:
+    info.in_backward = False
 
 
-def _backward_reached(key, grad):
-    state().pending_wrappers.discard(key)
-    return None
-
-
-def _wrapper_collected(key):
+def _wrapper_collected(info: WrapperInfo) -> None:
     audit = _STATE
-    if audit is not None and audit.armed and key in audit.pending_wrappers:
-        audit.pending_wrappers.discard(key)
-        audit.add("NO_ALLREDUCE", "the DDP wrapper was garbage-collected between its forward and backward "
-                                  "(a temporary wrapper such as loss_fn(DDP(model)(x), y))")
+    if audit is not None and audit.armed and info.pending:
+        audit.add("NO_ALLREDUCE", "the DDP wrapper was garbage-collected between a training forward and its "
+                                  "backward (a temporary wrapper such as loss_fn(DDP(model)(x), y)), so its "
+                                  "all-reduce never ran")
 
 
-def _inner_pre_forward(module, args):
-    audit = state()
-    if not audit.armed:
-        return None
-    if audit.ddp_forward_depth == 0 and torch.is_grad_enabled():
-        audit.add("NO_ALLREDUCE", "a forward reached the inner module without passing the DDP wrapper "
-                                  "(ddp_model.module(x)), so DDP never prepares an all-reduce")
-        _record_forward(audit, args, synced=False)
-        return None
-    buffers = [b for b in module.buffers() if b.is_floating_point()]
-    # DDP has just broadcast rank 0's buffers: compare here, not after the step.
-    if audit.buffers_synced and buffers and audit.side_group is not None:
-        if not _same_on_all_ranks(audit, buffers):
-            audit.add("PARAMS_DIVERGED", "buffers differ across ranks right after DDP synchronised them")
-    return None
+@_guarded("watching module forwards")
+def _module_pre_forward(audit: AuditState, module, args) -> None:
+    info = audit.modules.get(module)
+    if info is None or not audit.armed:
+        return
+    if audit.ddp_forward_depth == 0:
+        if torch.is_grad_enabled():
+            # A training forward that skipped the wrapper: DDP will not reduce what it computes.
+            info.bypassed = True
+            _record_training_batch(audit, info, args)
+        return
+    if info.syncs_buffers:
+        # DDP has just broadcast rank 0's buffers: they must now be equal everywhere.
+        buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+        _window(audit, info)["buffers"] = tensors.named_digests(buffers)
 
 
-def _check_batchnorm(audit: AuditState, per_rank_batch: int) -> None:
-    if audit.batchnorm_layers and "BATCHNORM_NOT_SYNCED" not in audit.findings:
+def _check_batchnorm(audit: AuditState, info: WrapperInfo, per_rank_batch: int) -> None:
+    if info.batchnorm_layers and "BATCHNORM_NOT_SYNCED" not in audit.findings:
         small = per_rank_batch < SMALL_BATCH
         audit.add("BATCHNORM_NOT_SYNCED",
-                  f"{audit.batchnorm_layers} BatchNorm layers, {per_rank_batch} samples per rank"
+                  f"{info.batchnorm_layers} BatchNorm layers, {per_rank_batch} samples per rank"
                   + (f": fewer than {SMALL_BATCH}, so the statistics are noisy" if small else ""),
                   severity=fnd.WARNING if small else fnd.INFO)
 
 
-# --- optimizer step hooks: the cross-rank comparisons ---
+def _window(audit: AuditState, info: WrapperInfo) -> dict:
+    """This wrapper's record for its current step, created on first use."""
+    if audit.windows and audit.windows[-1]["wrapper"] == info.key and audit.windows[-1]["step"] == info.steps:
+        return audit.windows[-1]
+    for window in reversed(audit.windows):
+        if window["wrapper"] == info.key and window["step"] == info.steps:
+            return window
+    window = {"wrapper": info.key, "group": info.group, "step": info.steps}
+    audit.windows.append(window)
+    return window
+
+
+# --- optimizer steps ---
 
 def _before_optimizer_step(optimizer, args, kwargs):
-    audit = state()
-    if not audit.armed:
-        return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    if grads and not _same_on_all_ranks(audit, grads):
-        audit.add("NO_ALLREDUCE", "confirmed: gradients differ across ranks after backward")
-    forwards, audit.forwards = audit.forwards, []
-    audit.pending_wrappers.clear()
-    _check_data_and_accumulation(audit, forwards)
-    audit.lr = optimizer.param_groups[0].get("lr")
-    if forwards:
-        audit.global_batch_size = sum(f["batch"] for f in forwards) * audit.world_size
+    audit = _STATE
+    if audit is not None:
+        # A step inside another's step (ZeRO's per-rank inner optimizer) is not a step of the model.
+        audit.stepping.add(id(optimizer))
     return None
-
-
-def _check_data_and_accumulation(audit: AuditState, forwards: list[dict]) -> None:
-    fingerprints = [f["fingerprint"] for f in forwards]
-    gathered = [None] * audit.world_size
-    dist.all_gather_object(gathered, (fingerprints, audit.sharding_sampler_seen), group=audit.side_group)
-    identical = fingerprints and all(g[0] == fingerprints for g in gathered)
-    if identical and not any(g[1] for g in gathered):
-        audit.add("SAME_DATA_ON_ALL_RANKS", "every rank's batches were identical and no DistributedSampler or other "
-                                            "sharding sampler was used")
-    if len(forwards) > 1 and all(f["synced"] for f in forwards):
-        audit.add("ACCUMULATION_SYNCS_EVERY_STEP", f"{len(forwards)} forwards per optimizer step, all outside no_sync")
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
-    audit = state()
-    if not audit.armed:
+    audit = _STATE
+    if audit is None:
         return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if params and not _same_on_all_ranks(audit, params):
-        audit.add("PARAMS_DIVERGED", "parameters differ across ranks after an optimizer step")
-    audit.steps += 1
-    if audit.steps == audit.steps_to_audit:
-        _interim_report(audit)
+    audit.stepping.discard(id(optimizer))
+    if not audit.stepping:
+        _optimizer_stepped(optimizer)
     return None
 
 
-def _interim_report(audit: AuditState) -> None:
-    """After N steps: merge over the side group and print on rank 0."""
-    gathered = [None] * audit.world_size
-    dist.all_gather_object(gathered, audit.record(), group=audit.side_group)
+@_guarded("after an optimizer step")
+def _optimizer_stepped(audit: AuditState, optimizer) -> None:
+    info = _owner(audit, optimizer)
+    if info is None:
+        return  # a probe or auxiliary optimizer that updates no DDP model: not part of the audit
+    audit.total_steps += 1
+    if audit.armed:
+        _audit_step(audit, info, optimizer)
+    elif audit.disabled is None:
+        _poll_peers(audit)
+
+
+def _owner(audit: AuditState, optimizer) -> WrapperInfo | None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            info = audit.owners.get(param)
+            if info is not None:
+                return info
+    return None
+
+
+def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
+    params = info.params()
+    stepped = [(n, p) for n, p in params if p.grad is not None]
+    if stepped and info.reductions == 0:
+        how = ("a training forward reached the module DDP wraps without passing through the wrapper"
+               if info.bypassed else "no backward went through a synchronising forward of the DDP wrapper")
+        audit.add("NO_ALLREDUCE", f"the optimizer stepped on gradients DDP never all-reduced: {how}")
+    if info.accumulated_reductions >= 2:
+        audit.add("ACCUMULATION_SYNCS_EVERY_STEP",
+                  f"{info.accumulated_reductions} all-reduces of micro-batches accumulated into one optimizer step")
+    window = _window(audit, info)
+    window["grads"] = tensors.named_digests([(n, p.grad) for n, p in stepped])
+    window["params"] = tensors.named_digests(params)
+    audit.lr = optimizer.param_groups[0].get("lr")
+    audit.optimizer = type(optimizer).__name__
+    if info.forward_batch:
+        audit.global_batch_size = info.forward_batch * len(info.group)
+    info.steps += 1
+    info.reductions = info.accumulated_reductions = info.forward_batch = 0
+    info.bypassed = False
+    audit.steps += 1
     audit.write()
-    if audit.rank == 0 and not audit.reported:
-        audit.reported = True
-        print(f"[rank 0, after {audit.steps} steps] " + fnd.render_text(fnd.merge(gathered)), file=sys.stderr, flush=True)
+    if audit.steps == audit.steps_to_audit:
+        _remove_module_hook(audit)
+        _publish(audit)
+        _poll_peers(audit)
 
 
-# --- samplers, loaders and losses ---
+# --- rank 0's report during the run ---
 
-def _patch_samplers_and_loaders() -> None:
-    original_sampler_iter = DistributedSampler.__iter__
-    original_loader_iter = DataLoader.__iter__
+def _store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
 
-    @functools.wraps(original_sampler_iter)
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - no default store: files alone carry the records
+        return None
+
+
+def _publish(audit: AuditState) -> None:
+    """This rank's record into the store, once, for rank 0 to read without waiting."""
+    if audit.published or audit.world_size == 1:
+        return
+    audit.published = True
+    store = _store()
+    if store is not None:
+        store.set(f"{STORE_PREFIX}{audit.rank}", json.dumps(audit.record()))
+
+
+def _poll_peers(audit: AuditState) -> None:
+    """Rank 0 prints the report once every peer's record is in the store; it never waits for one."""
+    if audit.rank != 0 or audit.reported or audit.report_polls >= REPORT_PATIENCE or audit.world_size == 1:
+        return
+    audit.report_polls += 1
+    store = _store()
+    keys = [f"{STORE_PREFIX}{rank}" for rank in range(1, audit.world_size)]
+    if store is None or not store.check(keys):
+        return
+    audit.reported = True
+    audit.peers = [json.loads(store.get(key)) for key in keys]
+    report = fnd.merge([audit.record(), *audit.peers])
+    audit.interim = report.signature()
+    audit.write()
+    print(f"[rank 0, after {audit.steps} steps] " + fnd.render_text(report), file=sys.stderr, flush=True)
+
+
+# --- samplers and losses ---
+
+def _patch_sampler() -> None:
+    original_iter = DistributedSampler.__iter__
+
+    @functools.wraps(original_iter)
     def sampler_iter(self):
-        audit = state()
-        audit.sharding_sampler_seen = audit.sharding_sampler_seen or self.num_replicas > 1
-        if self.shuffle and self.num_replicas > 1:
-            seen = audit.sampler_epochs.setdefault(self, set())
-            if self.epoch in seen:
-                audit.add("SET_EPOCH_MISSING", f"epoch {self.epoch} iterated twice")
-            seen.add(self.epoch)
-        return original_sampler_iter(self)
-
-    @functools.wraps(original_loader_iter)
-    def loader_iter(self):
-        sampler = getattr(self.batch_sampler, "sampler", None) or self.sampler
-        if getattr(sampler, "num_replicas", 1) > 1:
-            state().sharding_sampler_seen = True
-        return original_loader_iter(self)
+        iterator = original_iter(self)
+        audit = _STATE
+        if audit is None or audit.disabled is not None or not (self.shuffle and self.num_replicas > 1):
+            return iterator
+        return _counted(iterator, self, self.epoch, audit.total_steps)
 
     DistributedSampler.__iter__ = sampler_iter
-    DataLoader.__iter__ = loader_iter
+
+
+def _counted(iterator, sampler, epoch: int, steps_at_start: int):
+    """Pass the indices through; past half of the shard, note a training pass over ``epoch``'s order."""
+    half, drawn = max(1, len(sampler) // 2), 0
+    for index in iterator:
+        drawn += 1
+        if drawn == half:
+            _training_pass(sampler, epoch, steps_at_start)
+        yield index
+
+
+@_guarded("watching DistributedSampler")
+def _training_pass(audit: AuditState, sampler, epoch: int, steps_at_start: int) -> None:
+    # A peek at one batch or an evaluation pass is no training pass: only a pass that fed optimizer steps counts.
+    if audit.total_steps == steps_at_start:
+        return
+    passes = audit.sampler_passes.setdefault(sampler, [])
+    if epoch in passes:
+        audit.add("SET_EPOCH_MISSING", f"training pass {len(passes) + 1} drew the same order as an earlier one "
+                                       f"(sampler epoch {epoch} both times): set_epoch was not called")
+    passes.append(epoch)
 
 
 def _patch_losses() -> None:
@@ -345,57 +545,40 @@ def _patch_losses() -> None:
     for name in LOSS_FUNCTIONS:
         original = getattr(functional, name, None)
         if original is not None:
-            setattr(functional, name, _tag_sum_reduction(original))
+            setattr(functional, name, _tag_reduction(original))
     original_backward = torch.Tensor.backward
 
     @functools.wraps(original_backward)
     def backward(self, *args, **kwargs):
-        audit = _STATE
-        # Dividing the summed loss by a count makes a new, untagged tensor: no finding.
-        if audit is not None and getattr(self, "_ddplab_sum_reduced", False) and audit.armed:
-            audit.add("SUM_REDUCTION", "loss computed with reduction='sum' reached backward as it is")
+        if _STATE is not None and _STATE.armed:
+            _check_loss(self)
         return original_backward(self, *args, **kwargs)
 
     torch.Tensor.backward = backward
 
 
-def _tag_sum_reduction(loss_fn):
+def _tag_reduction(loss_fn):
     @functools.wraps(loss_fn)
     def wrapper(*args, **kwargs):
         out = loss_fn(*args, **kwargs)
-        if kwargs.get("reduction") == "sum" and isinstance(out, torch.Tensor):
-            out._ddplab_sum_reduced = True
+        reduction = kwargs.get("reduction")
+        # Tagged on the autograd node, which lives and dies with this loss's graph; the tensor is untouched.
+        if reduction in ("sum", "none") and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            out.grad_fn.metadata["ddplab_reduction"] = reduction
         return out
     return wrapper
 
 
-# --- comparing tensors across ranks ---
-
-def _same_on_all_ranks(audit: AuditState, tensors: list[torch.Tensor]) -> bool:
-    """Cheap checksums of the tensors, gathered over the side group and compared."""
-    local = torch.stack([_checksum(t) for t in tensors]).reshape(-1)
-    gathered = [torch.empty_like(local) for _ in range(audit.world_size)]
-    dist.all_gather(gathered, local, group=audit.side_group)
-    scale = local.abs().max().clamp_min(1e-30)
-    return all(((g - local).abs().max() / scale).item() <= 1e-6 for g in gathered)
-
-
-def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1).to("cpu", torch.float64)
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(7).add_(1)
-    return torch.stack([flat.sum(), flat.pow(2).sum(), (flat * weights).sum()])
-
-
-def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), tuple(_checksum(t).tolist())) for t in tensors)
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+@_guarded("inspecting a loss")
+def _check_loss(audit: AuditState, loss: torch.Tensor) -> None:
+    node = loss.grad_fn
+    if node is None:
+        return
+    if node.metadata.get("ddplab_reduction") == "sum":
+        audit.add("SUM_REDUCTION", "a loss computed with reduction='sum' reached backward as it is")
+    elif node.name() == "SumBackward0" and node.next_functions:
+        child = node.next_functions[0][0]
+        # Per-sample losses summed and never divided by a count: the same as reduction='sum'.
+        if child is not None and child.metadata.get("ddplab_reduction") == "none":
+            audit.add("SUM_REDUCTION", "per-sample losses (reduction='none') were summed with .sum() and reached "
+                                       "backward without division by a count")

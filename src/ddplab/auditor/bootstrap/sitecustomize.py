@@ -12,8 +12,19 @@ def _install_auditor():
         from ddplab.auditor import hooks
 
         hooks.install_from_env()
+        _mark("loaded", "")
     except Exception as exc:  # never break the user's program because auditing failed
         print(f"ddplab audit: auditing disabled in this process: {exc!r}", file=sys.stderr)
+        _mark("failed", repr(exc))
+
+
+def _mark(kind, text):
+    # Tells the parent the auditor reached this process (or why not), even if no DDP model follows.
+    try:
+        with open(os.path.join(os.environ["DDPLAB_AUDIT_DIR"], f"{kind}-{os.getpid()}.txt"), "w") as fh:
+            fh.write(text)
+    except OSError:
+        pass
 
 
 def _chain_next_sitecustomize():
