@@ -323,13 +323,13 @@ def _lr(reference: Reference, rule: str, k: float, warnings: list[str]) -> dict[
                     f"needs more epochs to travel as far",
         }[rule]
     reasons["lr_multiplier"] = _multiplier_reason(rule, k)
-    out = {"lr": _representable("lr", reference.lr * multiplier, reference.lr, multiplier),
+    out = {"lr": _representable("lr", reference.lr * multiplier, "--ref-lr", reference.lr, multiplier),
            "lr_multiplier": multiplier, "betas": None, "eps": None}
     if adam:
         out["betas"], out["eps"] = reference.betas, reference.eps
         if rule == "sqrt" and k != 1:
             out["betas"], out["eps"] = _adam_sqrt(reference, k, warnings)
-            _representable("Adam eps", out["eps"], reference.eps, 1 / math.sqrt(k))
+            _representable("Adam eps", out["eps"], "--eps", reference.eps, 1 / math.sqrt(k))
             reasons["betas"] = "Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β)"
             reasons["eps"] = "the same rule: ε' = ε/√k"
         elif rule == "linear" and k != 1:
@@ -348,10 +348,9 @@ def _multiplier_reason(rule: str, k: float) -> str:
             "sqrt": f"{ratio}; the square-root rule multiplies the lr by √k = {math.sqrt(k):.4g}"}[rule]
 
 
-def _representable(name: str, value: float, reference: float, factor: float) -> float:
+def _representable(name: str, value: float, flag: str, reference: float, factor: float) -> float:
     """``value`` when it is a positive finite float; a sentence when the scaling overflowed or underflowed."""
     if not 0 < value < math.inf:
-        flag = "--ref-lr" if name == "lr" else "--eps"
         raise ValueError(f"the planned {name}, {flag} {reference:g} × {factor:.4g}, comes out as {value:g}, which "
                          f"no optimizer can use: check {flag}")
     return value
@@ -380,27 +379,34 @@ def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, 
         "global_batch_size": f"{batch} per device × {_count(target.world_size, 'rank')} × "
                              f"{_count(accumulation, 'accumulation step')}",
     }
-    if mode == "per-device" and not target.per_device_batch_size and batch != reference.batch_per_device:
-        per_rank = batch * accumulation
-        reasons["per_device_batch_size"] = (
-            f"keep per-device: the reference's {per_rank} samples per rank per step, split to fit "
-            f"--max-batch-size-per-device {target.max_batch_size_per_device}; the global batch "
-            + (f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"))
-        reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {per_rank} samples per rank "
-                                         f"with at most {target.max_batch_size_per_device} per device")
-    elif mode == "trajectory":
+    if mode == "trajectory":
         reasons["per_device_batch_size"] = (
             f"keep trajectory: reach the reference's global batch of {reference.global_batch_size} exactly"
             + (f" within --max-batch-size-per-device {target.max_batch_size_per_device}" if target.max_batch_size_per_device else ""))
         reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {global_batch} with "
                                          f"{batch} per device on {target.world_size} ranks")
     else:
-        reasons["per_device_batch_size"] = ("given by --batch-size" if target.per_device_batch_size else
-                                            "keep per-device: the reference's per-device batch, so the global batch "
-                                            + (f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"))
-        reasons["accumulation_steps"] = ("given by --accumulation" if target.accumulation_steps else
-                                         "kept from the reference")
+        reasons.update(_per_device_reasons(reference, target, batch, accumulation, k))
     return reasons
+
+
+def _per_device_reasons(reference: Reference, target: Target, batch: int, accumulation: int, k: float) -> dict[str, str]:
+    limit = target.max_batch_size_per_device
+    within = f" with at most {limit} per device" if limit else ""
+    grows = f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"
+    if target.per_device_batch_size:
+        batch_reason = "given by --batch-size"
+    elif target.global_batch_size:
+        batch_reason = f"--global-batch-size {target.global_batch_size} over {target.world_size} ranks{within}"
+    elif batch != reference.batch_per_device:
+        batch_reason = (f"keep per-device: the reference's {batch * accumulation} samples per rank per step, in "
+                        f"micro-batches that fit --max-batch-size-per-device {limit}; the global batch {grows}")
+    else:
+        return {"per_device_batch_size": f"keep per-device: the reference's per-device batch, so the global batch {grows}",
+                "accumulation_steps": "given by --accumulation" if target.accumulation_steps else "kept from the reference"}
+    derived = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
+    return {"per_device_batch_size": batch_reason,
+            "accumulation_steps": "given by --accumulation" if target.accumulation_steps else derived}
 
 
 def _reference_formula(reference: Reference) -> str:

@@ -55,7 +55,8 @@ def add_parser(subparsers) -> None:
                      help="lr rule (default auto: linear for SGD, square root for Adam/AdamW)")
     data = parser.add_argument_group("data and schedule (for step counts)")
     data.add_argument("--dataset-size", type=positive_int, default=None, help="samples in the training set")
-    data.add_argument("--epochs", type=positive_float, default=1.0, help="(default 1)")
+    data.add_argument("--epochs", type=positive_float, default=1.0,
+                      help="epochs in the run (default 1); the warmup is clamped to fit in it")
     data.add_argument("--drop-last", nargs="?", const=True, default=False, type=parse_bool,
                       help="the DataLoader's drop_last")
     data.add_argument("--sampler-drop-last", nargs="?", const=True, default=False, type=parse_bool,
@@ -63,7 +64,7 @@ def add_parser(subparsers) -> None:
     data.add_argument("--warmup-epochs", type=non_negative_float, default=5.0,
                       help="warmup length when warmup is recommended (default 5; needs --dataset-size for steps)")
     data.add_argument("--warmup-steps", type=non_negative_int, default=None,
-                      help="warmup length in optimizer steps, instead of --warmup-epochs")
+                      help="warmup length in optimizer steps (overrides the epochs)")
     data.add_argument("--warmup-threshold", type=positive_float, default=4.0,
                       help="recommend warmup when the lr grows at least this much (default 4)")
     data.add_argument("--critical-batch-size", type=positive_float, default=None,
