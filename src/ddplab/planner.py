@@ -153,7 +153,8 @@ class Data:
             _require_positive(flag, value)
         if not 0 <= self.warmup_epochs < math.inf:
             raise ValueError(f"--warmup-epochs must be zero or more, got {self.warmup_epochs}")
-        if self.warmup_steps is not None and not (self.warmup_steps >= 0 and self.warmup_steps == int(self.warmup_steps)):
+        steps = self.warmup_steps
+        if steps is not None and not (steps >= 0 and steps == int(steps)):
             raise ValueError(f"--warmup-steps must be a whole number, zero or more, got {self.warmup_steps}")
 
 
@@ -390,23 +391,27 @@ def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, 
     return reasons
 
 
-def _per_device_reasons(reference: Reference, target: Target, batch: int, accumulation: int, k: float) -> dict[str, str]:
+def _per_device_reasons(reference: Reference, target: Target, batch: int, accumulation: int,
+                        k: float) -> dict[str, str]:
     limit = target.max_batch_size_per_device
     within = f" with at most {limit} per device" if limit else ""
     grows = f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"
+    split = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
     if target.per_device_batch_size:
         batch_reason = "given by --batch-size"
+        accumulation_reason = split if target.global_batch_size else "kept from the reference"
     elif target.global_batch_size:
         batch_reason = f"--global-batch-size {target.global_batch_size} over {target.world_size} ranks{within}"
+        accumulation_reason = split
     elif batch != reference.batch_per_device:
         batch_reason = (f"keep per-device: the reference's {batch * accumulation} samples per rank per step, in "
                         f"micro-batches that fit --max-batch-size-per-device {limit}; the global batch {grows}")
+        accumulation_reason = split
     else:
-        return {"per_device_batch_size": f"keep per-device: the reference's per-device batch, so the global batch {grows}",
-                "accumulation_steps": "given by --accumulation" if target.accumulation_steps else "kept from the reference"}
-    derived = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
+        batch_reason = f"keep per-device: the reference's per-device batch, so the global batch {grows}"
+        accumulation_reason = "kept from the reference"
     return {"per_device_batch_size": batch_reason,
-            "accumulation_steps": "given by --accumulation" if target.accumulation_steps else derived}
+            "accumulation_steps": "given by --accumulation" if target.accumulation_steps else accumulation_reason}
 
 
 def _reference_formula(reference: Reference) -> str:
