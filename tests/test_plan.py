@@ -294,6 +294,9 @@ def test_memory_limit_applies_in_per_device_mode():
     five = plan(ref, Target(devices=8, max_batch_size_per_device=5))
     assert (five.per_device_batch_size, five.accumulation_steps) == (4, 8)
     assert "--max-batch-size-per-device 5" in five.reasons["per_device_batch_size"]
+    given = plan(ref, Target(devices=8, global_batch_size=512, max_batch_size_per_device=16))
+    assert (given.per_device_batch_size, given.accumulation_steps) == (16, 4)
+    assert given.reasons["per_device_batch_size"] == "--global-batch-size 512 over 8 ranks with at most 16 per device"
     with pytest.raises(ValueError, match="drop --accumulation"):
         plan(ref, Target(devices=8, max_batch_size_per_device=5, accumulation_steps=2))
     # The other mode's summary respects the limit too.
