@@ -64,8 +64,9 @@ def test_step_accounting_follows_distributed_sampler():
 
 
 def test_warmup_and_critical_batch():
-    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=25600, critical_batch_size=64))
-    assert p.warmup_recommended and p.warmup_steps == 5 * 100
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8),
+             Data(dataset_size=25600, epochs=10, critical_batch_size=64))
+    assert p.warmup_recommended and p.warmup_steps == 5 * 100 and p.total_steps == 1000
     assert p.lr_lambda(0) == pytest.approx(1 / 8) and p.lr_lambda(500) == 1
     assert p.steps_factor == pytest.approx(1.25) and p.compute_factor == pytest.approx(5)
     assert any("well past the critical batch size" in w for w in p.warnings)
@@ -74,19 +75,6 @@ def test_warmup_and_critical_batch():
 def test_sum_reduction_is_explained():
     p = plan(Reference(per_device_batch_size=32, lr=0.1, reduction="sum"), Target(devices=4))
     assert any("1/4 of the single-process sum" in w for w in p.warnings)
-
-
-def test_scheduler_helper_builds_a_lambda_lr():
-    import torch
-
-    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=2560, warmup_epochs=1))
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.lr)
-    scheduler = p.scheduler(optimizer)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
-    for _ in range(p.warmup_steps):
-        optimizer.step()
-        scheduler.step()
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.8)
 
 
 sizes = st.integers(min_value=1, max_value=64)
@@ -175,3 +163,176 @@ def test_the_documented_examples_run():
 
     for module in (scaling, planner):
         assert doctest.testmod(module).failed == 0
+
+
+# Item 21: the warmup fits the run, has a known length, and lr_lambda follows the table.
+
+def _cli_json(argv, capsys) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_readme_adamw_warmup_is_clamped_to_the_run(capsys):
+    out = _cli_json(["--ref-batch-size", "32", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8",
+                     "--nodes", "2", "--dataset-size", "100000", "--epochs", "3"], capsys)
+    # 100000/16 = 6250 per rank, ceil(6250/32) = 196 steps per epoch, 588 in 3 epochs; 5 × 196 = 980 > 588.
+    assert (out["steps_per_epoch"], out["total_steps"], out["warmup_steps"]) == (196, 588, 588)
+    assert "980, clamped to the run's 588 steps" in out["reasons"]["warmup_steps"]
+    assert any("does not end before the 588-step run" in w for w in out["warnings"])
+
+
+def test_default_single_epoch_clamps_five_warmup_epochs():
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=10_000))
+    # ceil(10000/8) = 1250 per rank → ceil(1250/32) = 40 steps, and the default run is one epoch.
+    assert (p.steps_per_epoch, p.total_steps, p.warmup_steps) == (40, 40, 40)
+    assert p.lr_lambda(39) < 1 and p.lr_lambda(40) == 1
+    assert any("clamped to 40 steps" in w for w in p.warnings)
+    fits = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=10_000, epochs=6))
+    assert fits.warmup_steps == 200 and not any("clamped" in w for w in fits.warnings)
+
+
+def test_warmup_without_a_dataset_size_is_unknown_not_skipped():
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8))
+    assert p.warmup_recommended and p.warmup_steps is None
+    assert any("length in steps is unknown" in w for w in p.warnings)
+    with pytest.raises(ValueError, match="length is unknown"):
+        p.lr_lambda(0)
+    with pytest.raises(ValueError, match="length is unknown"):
+        p.scheduler(None)
+    given = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(warmup_steps=100))
+    assert given.warmup_steps == 100 and given.warmup_epochs is None and not given.warnings
+    assert given.lr_lambda(0) == pytest.approx(1 / 8) and given.lr_lambda(50) == pytest.approx(1 / 8 + 7 / 16)
+    assert given.lr_lambda(99) < 1 == given.lr_lambda(100)
+
+
+def test_warmup_steps_flag_reaches_the_table(capsys):
+    out = _cli_json(["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "8", "--warmup-steps", "300",
+                     "--dataset-size", "100000", "--epochs", "2"], capsys)
+    # ceil(100000/8) = 12500 per rank → 391 steps per epoch, 782 in two epochs.
+    assert (out["warmup_steps"], out["total_steps"], out["reasons"]["warmup_steps"]) == (300, 782, "given by --warmup-steps")
+    assert out["warmup_epochs"] == pytest.approx(300 / 391)
+    clamped = _cli_json(["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "8", "--warmup-steps", "5000",
+                         "--dataset-size", "100000"], capsys)
+    assert clamped["warmup_steps"] == clamped["total_steps"] == 391
+
+
+warmup_configs = st.fixed_dictionaries({
+    "batch": st.integers(1, 64), "devices": st.integers(1, 16), "accumulation": st.integers(1, 4),
+    "optimizer": st.sampled_from(["sgd", "adam"]), "rule": st.sampled_from(["auto", "linear", "sqrt", "none"]),
+    "dataset_size": st.one_of(st.none(), st.integers(16, 200_000)), "epochs": st.sampled_from([0.5, 1, 2, 3, 90]),
+    "warmup_epochs": st.sampled_from([0, 0.5, 1, 5]), "warmup_steps": st.one_of(st.none(), st.integers(0, 5000)),
+    "threshold": st.sampled_from([1.5, 2, 4]),
+})
+
+
+def _plan_from(c):
+    return plan(Reference(per_device_batch_size=c["batch"], lr=0.1, optimizer=c["optimizer"]),
+                Target(devices=c["devices"], accumulation_steps=c["accumulation"], rule=c["rule"]),
+                Data(dataset_size=c["dataset_size"], epochs=c["epochs"], warmup_epochs=c["warmup_epochs"],
+                     warmup_steps=c["warmup_steps"], warmup_threshold=c["threshold"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=warmup_configs)
+def test_lr_lambda_follows_the_table(c):
+    if c["dataset_size"] is not None and c["dataset_size"] < c["devices"]:
+        return
+    p = _plan_from(c)
+    if p.warmup_steps is None:
+        # No length: either no warmup is wanted (factor 1 throughout) or lr_lambda refuses.
+        if p.warmup_recommended:
+            with pytest.raises(ValueError):
+                p.lr_lambda(0)
+        else:
+            assert all(p.lr_lambda(s) == 1 for s in (0, 1, 1000))
+        return
+    warmup = p.warmup_steps
+    expected_steps = c["warmup_steps"] if c["warmup_steps"] is not None else \
+        math.ceil(c["warmup_epochs"] * p.steps_per_epoch)
+    if p.total_steps is not None:
+        expected_steps = min(expected_steps, p.total_steps)
+        assert warmup <= p.total_steps
+        assert any("does not end before" in w for w in p.warnings) == (0 < p.total_steps <= (
+            c["warmup_steps"] if c["warmup_steps"] is not None else math.ceil(c["warmup_epochs"] * p.steps_per_epoch)))
+    assert warmup == expected_steps
+    # Goyal et al.: the reference lr (= lr / multiplier) at step 0, linear to the planned lr at the table's step.
+    for step in {0, 1, warmup // 2, max(warmup - 1, 0)}:
+        if step < warmup:
+            assert p.lr * p.lr_lambda(step) == pytest.approx(0.1 + (p.lr - 0.1) * step / warmup, rel=1e-12)
+    for step in (warmup, warmup + 1, 10 * warmup + 7):
+        assert p.lr_lambda(step) == 1
+
+
+@pytest.mark.parametrize("data", [
+    Data(dataset_size=2560, epochs=2, warmup_epochs=1),
+    Data(dataset_size=2560, epochs=0.5),  # warmup clamped to the 5-step run
+    Data(warmup_steps=7),  # no dataset size, explicit length
+])
+def test_scheduler_steps_the_lr_the_plan_tabulates(data):
+    import torch
+
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), data)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=p.lr)
+    scheduler = p.scheduler(optimizer)
+    seen = []
+    for _ in range(p.warmup_steps + 2):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([p.lr * p.lr_lambda(step) for step in range(len(seen))], rel=1e-12)
+    assert seen[0] == pytest.approx(0.1) and seen[p.warmup_steps] == pytest.approx(0.8) and max(seen) <= 0.8 + 1e-12
+
+
+# Item 22: the memory limit in per-device mode, a float overflow, the none rule.
+
+def test_memory_limit_applies_in_per_device_mode():
+    ref = Reference(per_device_batch_size=32, lr=0.1)
+    free = plan(ref, Target(devices=8))
+    one = plan(ref, Target(devices=8, max_batch_size_per_device=1))
+    assert (one.mode, one.per_device_batch_size, one.accumulation_steps) == ("per-device", 1, 32)
+    assert (one.global_batch_size, one.lr) == (free.global_batch_size, free.lr) == (256, 0.8)
+    five = plan(ref, Target(devices=8, max_batch_size_per_device=5))
+    assert (five.per_device_batch_size, five.accumulation_steps) == (4, 8)
+    assert "--max-batch-size-per-device 5" in five.reasons["per_device_batch_size"]
+    given = plan(ref, Target(devices=8, global_batch_size=512, max_batch_size_per_device=16))
+    assert (given.per_device_batch_size, given.accumulation_steps) == (16, 4)
+    assert given.reasons["per_device_batch_size"] == "--global-batch-size 512 over 8 ranks with at most 16 per device"
+    with pytest.raises(ValueError, match="drop --accumulation"):
+        plan(ref, Target(devices=8, max_batch_size_per_device=5, accumulation_steps=2))
+    # The other mode's summary respects the limit too.
+    traj = plan(Reference(per_device_batch_size=256, lr=0.1), Target(devices=4, keep="trajectory",
+                                                                      max_batch_size_per_device=16))
+    assert "16 per device × 16 accumulation (global 1024)" in traj.other_mode
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=sizes, accumulation=st.integers(1, 4), devices=st.integers(1, 16), limit=st.integers(1, 64))
+def test_memory_limit_keeps_the_per_device_global_batch(batch, accumulation, devices, limit):
+    ref = Reference(per_device_batch_size=batch, lr=0.1, accumulation_steps=accumulation)
+    free = plan(ref, Target(devices=devices, keep="per-device"))
+    limited = plan(ref, Target(devices=devices, keep="per-device", max_batch_size_per_device=limit))
+    assert limited.per_device_batch_size <= limit
+    assert (limited.global_batch_size, limited.lr) == (free.global_batch_size, free.lr)
+    assert limited.per_device_batch_size * limited.accumulation_steps == batch * accumulation
+
+
+def test_huge_reference_lr_is_an_error_not_infinity(capsys):
+    with pytest.raises(ValueError, match="no optimizer can use"):
+        plan(Reference(per_device_batch_size=32, lr=1e308), Target(devices=8))
+    assert main(["plan", "--ref-batch-size", "32", "--ref-lr", "1e308", "--devices", "8", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--ref-lr" in captured.err and "Infinity" not in captured.err
+    # The same lr on the same global batch is representable and stays.
+    assert plan(Reference(per_device_batch_size=32, lr=1e308), Target(devices=1)).lr == 1e308
+
+
+@pytest.mark.parametrize("rule, multiplier, phrase", [
+    ("none", 1, "the lr is not scaled, although k = new global batch / reference global batch = 8"),
+    ("linear", 8, "= 8; the linear rule multiplies the lr by k"),
+    ("sqrt", math.sqrt(8), "the square-root rule multiplies the lr by √k = 2.828"),
+])
+def test_multiplier_reason_names_the_rule_that_applied(rule, multiplier, phrase):
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8, rule=rule))
+    assert p.lr_multiplier == pytest.approx(multiplier) and p.lr == pytest.approx(0.1 * multiplier)
+    assert phrase in p.reasons["lr_multiplier"]
+    assert "under the none rule" not in p.reasons["lr_multiplier"]

@@ -14,9 +14,41 @@ COMMANDS = ("sandbox", "plan", "check", "audit", "noise")
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse with one spelling policy and one error style for every subcommand."""
+
     def error(self, message):
-        # One sentence, not argparse's usage dump; --help has the rest.
+        # One sentence, not argparse's usage dump; this (sub)command's --help has the rest.
         raise SystemExit(_fail(f"{message} (see '{self.prog} --help')"))
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        # Report unknown flags here, so the hint names this subcommand's --help rather than the top level's.
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def _parse_optional(self, arg_string):
+        # --world_size means --world-size on every subcommand; values and a command after `--` are never touched.
+        return super()._parse_optional(_hyphenated(arg_string, self._option_string_actions))
+
+
+def _hyphenated(arg_string: str, known) -> str:
+    """``--foo_bar[=x]`` as ``--foo-bar[=x]`` unless the parser knows the underscore spelling itself."""
+    name, sep, value = arg_string.partition("=")
+    if not name.startswith("--") or "_" not in name or name in known:
+        return arg_string
+    return name.replace("_", "-") + sep + value
+
+
+def _friendly_types(parser: argparse.ArgumentParser) -> None:
+    """Swap ``type=int``/``float`` for types whose errors are a sentence, on every (sub)parser."""
+    from ddplab.commands import integer, number
+
+    for action in parser._actions:
+        action.type = {int: integer, float: number}.get(action.type, action.type)
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                _friendly_types(subparser)
 
 
 def _fail(message: str) -> int:
@@ -30,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "See, plan, audit and measure data-parallel training with PyTorch DDP.\n\n"
             "Vocabulary: --batch-size is always the per-device (per-rank) loader batch; the global\n"
-            "(effective) batch is per-device batch × devices × nodes × accumulation steps."),
+            "(effective) batch is per-device batch × devices × nodes × accumulation steps.\n"
+            "Every flag may be spelled with underscores too: --world_size is --world-size."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=_version())
@@ -38,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     for name in COMMANDS:
         importlib.import_module(f"ddplab.commands.{name}").add_parser(subparsers)
+    _friendly_types(parser)
     return parser
 
 

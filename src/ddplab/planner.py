@@ -27,8 +27,9 @@ def _count(n: float, noun: str, plural: str | None = None) -> str:
 
 
 def _require_positive(flag: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{flag} must be positive, got {value}")
+    # `not value > 0` also catches NaN; infinity is no size, rate or epoch count either.
+    if value is not None and not 0 < value < math.inf:
+        raise ValueError(f"{flag} must be a positive number, got {value}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,6 +138,9 @@ class Data:
     sampler_drop_last: bool = False
     """DistributedSampler's drop_last."""
     warmup_epochs: float = 5.0
+    """Warmup length in epochs, turned into steps with the dataset size."""
+    warmup_steps: int | None = None
+    """Warmup length in optimizer steps; replaces warmup_epochs (and needs no dataset size)."""
     warmup_threshold: float = 4.0
     """Recommend warmup when the lr multiplier reaches this."""
     critical_batch_size: float | None = None
@@ -147,8 +151,11 @@ class Data:
                             ("--warmup-threshold", self.warmup_threshold),
                             ("--critical-batch-size", self.critical_batch_size)):
             _require_positive(flag, value)
-        if self.warmup_epochs < 0:
+        if not 0 <= self.warmup_epochs < math.inf:
             raise ValueError(f"--warmup-epochs must be zero or more, got {self.warmup_epochs}")
+        steps = self.warmup_steps
+        if steps is not None and not (steps >= 0 and steps == int(steps)):
+            raise ValueError(f"--warmup-steps must be a whole number, zero or more, got {self.warmup_steps}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,14 +199,25 @@ class Plan:
         return out
 
     def lr_lambda(self, step: int) -> float:
-        """LambdaLR factor on ``self.lr``: the recommended linear warmup, then 1."""
+        """LambdaLR factor on ``self.lr``: linear warmup over ``warmup_steps`` (the table's), then 1.
+
+        Raises ValueError when warmup is recommended but its length is unknown (no dataset size or
+        warmup steps): skipping the warmup silently would start at the full scaled lr.
+        """
+        self._require_warmup_length()
         return scaling.warmup_factor(step, warmup_steps=self.warmup_steps or 0, lr_multiplier=self.lr_multiplier)
 
     def scheduler(self, optimizer):
         """A ``torch.optim.lr_scheduler.LambdaLR`` for an optimizer built with ``lr=plan.lr`` (imports torch)."""
+        self._require_warmup_length()
         from torch.optim.lr_scheduler import LambdaLR
 
         return LambdaLR(optimizer, self.lr_lambda)
+
+    def _require_warmup_length(self) -> None:
+        if self.warmup_recommended and self.warmup_steps is None:
+            raise ValueError(f"warmup is recommended (lr ×{self.lr_multiplier:.4g}) but its length is unknown: "
+                             "plan with a dataset size (--dataset-size) or warmup steps (--warmup-steps)")
 
 
 def plan(reference: Reference, target: Target, data: Data | None = None) -> Plan:
@@ -218,7 +236,7 @@ def _plan(reference: Reference, target: Target, data: Data, *, describe_other: b
     reasons.update(_batch_reasons(reference, target, mode, batch, accumulation, global_batch, k))
     reasons.update(lr_fields.pop("reasons"))
     plan_fields.update(lr_fields)
-    steps = _steps(data, target.world_size, batch, accumulation, global_batch, lr_fields["lr_multiplier"])
+    steps = _steps(data, target.world_size, batch, accumulation, global_batch, lr_fields, warnings)
     reasons.update(steps.pop("reasons"))
     warnings += _semantics_warnings(reference, target, global_batch, data)
     return Plan(mode=mode, rule=rule, world_size=target.world_size, per_device_batch_size=batch,
@@ -249,7 +267,16 @@ def _batch_for(mode: str, reference: Reference, target: Target) -> tuple[int, in
     if wanted_global is not None:
         return _split(wanted_global, target)
     batch = target.per_device_batch_size or _reference_device_batch(reference)
-    return batch, target.accumulation_steps or reference.accumulation_steps
+    accumulation = target.accumulation_steps or reference.accumulation_steps
+    limit = target.max_batch_size_per_device
+    if limit is None or batch <= limit:
+        return batch, accumulation
+    if target.accumulation_steps:
+        raise ValueError(f"the reference's per-device batch of {batch} does not fit --max-batch-size-per-device "
+                         f"{limit}; pass --batch-size too, or drop --accumulation to have it derived")
+    # Same samples per rank per optimizer step, in micro-batches that fit: the global batch is unchanged.
+    return scaling.split_global_batch(batch * accumulation * target.world_size, world_size=target.world_size,
+                                      max_per_device=limit)
 
 
 def _split(global_batch: int, target: Target) -> tuple[int, int]:
@@ -296,12 +323,14 @@ def _lr(reference: Reference, rule: str, k: float, warnings: list[str]) -> dict[
             "sqrt": f"square-root rule: lr × √k = lr × {math.sqrt(k):.4g}; keeps the variance of each update, "
                     f"needs more epochs to travel as far",
         }[rule]
-    reasons["lr_multiplier"] = f"new global batch / reference global batch = k = {k:g} under the {rule} rule"
-    out = {"lr": reference.lr * multiplier, "lr_multiplier": multiplier, "betas": None, "eps": None}
+    reasons["lr_multiplier"] = _multiplier_reason(rule, k)
+    out = {"lr": _representable("lr", reference.lr * multiplier, "--ref-lr", reference.lr, multiplier),
+           "lr_multiplier": multiplier, "betas": None, "eps": None}
     if adam:
         out["betas"], out["eps"] = reference.betas, reference.eps
         if rule == "sqrt" and k != 1:
             out["betas"], out["eps"] = _adam_sqrt(reference, k, warnings)
+            _representable("Adam eps", out["eps"], "--eps", reference.eps, 1 / math.sqrt(k))
             reasons["betas"] = "Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β)"
             reasons["eps"] = "the same rule: ε' = ε/√k"
         elif rule == "linear" and k != 1:
@@ -311,6 +340,21 @@ def _lr(reference: Reference, rule: str, k: float, warnings: list[str]) -> dict[
         warnings.append("the square-root rule keeps SGD's update variance but covers less ground per epoch: "
                         "plan on more epochs than the reference")
     return {**out, "reasons": reasons}
+
+
+def _multiplier_reason(rule: str, k: float) -> str:
+    ratio = f"k = new global batch / reference global batch = {k:g}"
+    return {"none": f"--rule none: the lr is not scaled, although {ratio}",
+            "linear": f"{ratio}; the linear rule multiplies the lr by k",
+            "sqrt": f"{ratio}; the square-root rule multiplies the lr by √k = {math.sqrt(k):.4g}"}[rule]
+
+
+def _representable(name: str, value: float, flag: str, reference: float, factor: float) -> float:
+    """``value`` when it is a positive finite float; a sentence when the scaling overflowed or underflowed."""
+    if not 0 < value < math.inf:
+        raise ValueError(f"the planned {name}, {flag} {reference:g} × {factor:.4g}, comes out as {value:g}, which "
+                         f"no optimizer can use: check {flag}")
+    return value
 
 
 def _adam_sqrt(reference: Reference, k: float, warnings: list[str]) -> tuple[tuple[float, float], float]:
@@ -343,12 +387,31 @@ def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, 
         reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {global_batch} with "
                                          f"{batch} per device on {target.world_size} ranks")
     else:
-        reasons["per_device_batch_size"] = ("given by --batch-size" if target.per_device_batch_size else
-                                            "keep per-device: the reference's per-device batch, so the global batch "
-                                            + (f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"))
-        reasons["accumulation_steps"] = ("given by --accumulation" if target.accumulation_steps else
-                                         "kept from the reference")
+        reasons.update(_per_device_reasons(reference, target, batch, accumulation, k))
     return reasons
+
+
+def _per_device_reasons(reference: Reference, target: Target, batch: int, accumulation: int,
+                        k: float) -> dict[str, str]:
+    limit = target.max_batch_size_per_device
+    within = f" with at most {limit} per device" if limit else ""
+    grows = f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"
+    split = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
+    if target.per_device_batch_size:
+        batch_reason = "given by --batch-size"
+        accumulation_reason = split if target.global_batch_size else "kept from the reference"
+    elif target.global_batch_size:
+        batch_reason = f"--global-batch-size {target.global_batch_size} over {target.world_size} ranks{within}"
+        accumulation_reason = split
+    elif batch != reference.batch_per_device:
+        batch_reason = (f"keep per-device: the reference's {batch * accumulation} samples per rank per step, in "
+                        f"micro-batches that fit --max-batch-size-per-device {limit}; the global batch {grows}")
+        accumulation_reason = split
+    else:
+        batch_reason = f"keep per-device: the reference's per-device batch, so the global batch {grows}"
+        accumulation_reason = "kept from the reference"
+    return {"per_device_batch_size": batch_reason,
+            "accumulation_steps": "given by --accumulation" if target.accumulation_steps else accumulation_reason}
 
 
 def _reference_formula(reference: Reference) -> str:
@@ -360,26 +423,60 @@ def _reference_formula(reference: Reference) -> str:
             f"{_count(reference.accumulation_steps, 'accumulation step')}")
 
 
-def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: int, multiplier: float) -> dict[str, Any]:
+def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: int, lr_fields: dict[str, Any],
+           warnings: list[str]) -> dict[str, Any]:
+    multiplier = lr_fields["lr_multiplier"]
     warmup = multiplier >= data.warmup_threshold
-    out: dict[str, Any] = {"warmup_recommended": warmup, "warmup_epochs": data.warmup_epochs if warmup else None}
+    out: dict[str, Any] = {"warmup_recommended": warmup}
+    length = _count(data.warmup_steps, "step") if data.warmup_steps is not None else _count(data.warmup_epochs, "epoch")
     reasons = {"warmup_recommended": (
         f"the lr grows ×{multiplier:.4g} ≥ --warmup-threshold {data.warmup_threshold:g}: ramp linearly from the "
-        f"reference lr over {_count(data.warmup_epochs, 'epoch')} (Goyal et al. 2017)" if warmup else
+        f"reference lr over {length} (Goyal et al. 2017)" if warmup else
         f"the lr multiplier {multiplier:.4g} is below --warmup-threshold {data.warmup_threshold:g}: no warmup needed")}
     keys = ("samples_per_rank", "padded_samples", "dropped_samples", "loader_batches_per_rank",
-            "steps_per_epoch", "total_steps", "samples_per_epoch", "warmup_steps")
+            "steps_per_epoch", "total_steps", "samples_per_epoch")
     if data.dataset_size is None:
         out.update(dict.fromkeys(keys))
         reasons["steps_per_epoch"] = "pass --dataset-size for step counts"
     else:
-        out.update(_epoch_arithmetic(data, world, batch, accumulation, warmup, reasons))
+        out.update(_epoch_arithmetic(data, world, batch, accumulation, reasons))
+    out.update(_warmup(data, warmup, out["steps_per_epoch"], out["total_steps"], lr_fields["lr"], reasons, warnings))
     out.update(_critical(data, global_batch, reasons))
     return {**out, "reasons": reasons}
 
 
-def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, warmup: bool,
-                      reasons: dict[str, str]) -> dict[str, Any]:
+def _warmup(data: Data, recommended: bool, steps_per_epoch: int | None, total: int | None, lr: float,
+            reasons: dict[str, str], warnings: list[str]) -> dict[str, Any]:
+    """The warmup length ``lr_lambda`` ramps over, in steps and epochs; never past the end of the run."""
+    in_epochs = None
+    if data.warmup_steps is not None:
+        steps, why = int(data.warmup_steps), "given by --warmup-steps"
+    elif not recommended:
+        return {"warmup_steps": None, "warmup_epochs": None}
+    elif steps_per_epoch is None:
+        reasons["warmup_steps"] = (f"pass --dataset-size (to count {_count(data.warmup_epochs, 'warmup epoch')} in "
+                                   "steps) or --warmup-steps")
+        warnings.append("warmup is recommended but its length in steps is unknown: pass --dataset-size or "
+                        "--warmup-steps; until then lr_lambda and scheduler() raise rather than skip the warmup")
+        return {"warmup_steps": None, "warmup_epochs": data.warmup_epochs}
+    else:
+        steps = scaling.warmup_steps(warmup_epochs=data.warmup_epochs, steps_per_epoch=steps_per_epoch)
+        in_epochs = data.warmup_epochs
+        why = f"{_count(data.warmup_epochs, 'warmup epoch')} × {_count(steps_per_epoch, 'step')} per epoch"
+    if total is not None and 0 < total <= steps:
+        # A ramp that outlasts the run never reaches the planned lr: clamp it, and say so.
+        warnings.append(f"a warmup of {steps:,} steps ({why}) does not end before the {total:,}-step run "
+                        f"({_count(data.epochs, 'epoch')}) does: clamped to {total:,} steps, so the lr climbs all run "
+                        f"and never reaches {lr:.4g}; pass the run's real --epochs, or a shorter --warmup-epochs or "
+                        "--warmup-steps")
+        why, steps, in_epochs = f"{why} = {steps:,}, clamped to the run's {total:,} steps", total, None
+    reasons["warmup_steps"] = why
+    if in_epochs is None and steps_per_epoch:
+        in_epochs = steps / steps_per_epoch
+    return {"warmup_steps": steps, "warmup_epochs": in_epochs}
+
+
+def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, reasons: dict[str, str]) -> dict[str, Any]:
     n = data.dataset_size
     if n < world:
         raise ValueError(f"--dataset-size {n} is smaller than the world size {world}: some ranks would get no data")
@@ -408,13 +505,9 @@ def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, war
         "total_steps": f"{_count(steps, 'step')} per epoch × {_count(data.epochs, 'epoch')}",
         "samples_per_epoch": "samples the ranks process per epoch, repeats included",
     })
-    out = {"samples_per_rank": per_rank, "padded_samples": padded, "dropped_samples": dropped + loader_dropped,
-           "loader_batches_per_rank": batches, "steps_per_epoch": steps, "total_steps": total,
-           "samples_per_epoch": seen, "warmup_steps": None}
-    if warmup:
-        out["warmup_steps"] = scaling.warmup_steps(warmup_epochs=data.warmup_epochs, steps_per_epoch=steps)
-        reasons["warmup_steps"] = f"{_count(data.warmup_epochs, 'warmup epoch')} × {_count(steps, 'step')} per epoch"
-    return out
+    return {"samples_per_rank": per_rank, "padded_samples": padded, "dropped_samples": dropped + loader_dropped,
+            "loader_batches_per_rank": batches, "steps_per_epoch": steps, "total_steps": total,
+            "samples_per_epoch": seen}
 
 
 def _critical(data: Data, global_batch: int, reasons: dict[str, str]) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """One module per ddplab subcommand: ``add_parser`` declares flags, ``run`` does the work.
 
-Modules import torch inside ``run`` only, so building the parser stays instant.
+Modules import torch inside ``run`` only, so building the parser stays instant. The argument
+types raise ``argparse.ArgumentTypeError`` with a sentence, so a bad number reads
+"argument --devices: expected a positive integer, got 'x'" and never names a Python function.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def parse_bool(text: str) -> bool:
@@ -18,15 +21,47 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
 
 
+def integer(text: str) -> int:
+    """Any integer (the CLI's replacement for ``type=int``)."""
+    return _parse(int, text, "an integer")
+
+
+def number(text: str) -> float:
+    """Any number ``float`` accepts (the CLI's replacement for ``type=float``)."""
+    return _parse(float, text, "a number")
+
+
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _parse(int, text, "a positive integer")
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _parse(int, text, "an integer, zero or more")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer, zero or more, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    value = _parse(float, text, "a positive number")
+    # `not value > 0` also rejects NaN.
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _parse(float, text, "a number, zero or more")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number, zero or more, got {text!r}")
+    return value
+
+
+def _parse(kind: type, text: str, expected: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddplab import render
-from ddplab.commands import parse_bool, positive_float, positive_int
+from ddplab.commands import non_negative_float, non_negative_int, parse_bool, positive_float, positive_int
 
 DESCRIPTION = """\
 Translate a reference setup to new hardware (DDP, one process per device).
@@ -49,18 +49,22 @@ def add_parser(subparsers) -> None:
     tgt.add_argument("--global-batch-size", type=positive_int, default=None, help="global (effective) batch")
     tgt.add_argument("--accumulation", type=positive_int, default=None, help="gradient accumulation steps")
     tgt.add_argument("--max-batch-size-per-device", type=positive_int, default=None,
-                     help="most samples a device fits per micro-step (trajectory mode adds accumulation)")
+                     help="most samples a device fits per micro-step (a larger batch becomes accumulation steps)")
     tgt.add_argument("--keep", choices=("trajectory", "per-device"), default=None, help="what to hold fixed")
     tgt.add_argument("--rule", choices=("auto", "none", "linear", "sqrt"), default="auto",
                      help="lr rule (default auto: linear for SGD, square root for Adam/AdamW)")
     data = parser.add_argument_group("data and schedule (for step counts)")
     data.add_argument("--dataset-size", type=positive_int, default=None, help="samples in the training set")
-    data.add_argument("--epochs", type=positive_float, default=1.0, help="(default 1)")
+    data.add_argument("--epochs", type=positive_float, default=1.0,
+                      help="epochs in the run (default 1); the warmup is clamped to fit in it")
     data.add_argument("--drop-last", nargs="?", const=True, default=False, type=parse_bool,
                       help="the DataLoader's drop_last")
     data.add_argument("--sampler-drop-last", nargs="?", const=True, default=False, type=parse_bool,
                       help="DistributedSampler's drop_last")
-    data.add_argument("--warmup-epochs", type=float, default=5.0, help="(default 5)")
+    data.add_argument("--warmup-epochs", type=non_negative_float, default=5.0,
+                      help="warmup length when warmup is recommended (default 5; needs --dataset-size for steps)")
+    data.add_argument("--warmup-steps", type=non_negative_int, default=None,
+                      help="warmup length in optimizer steps (overrides the epochs)")
     data.add_argument("--warmup-threshold", type=positive_float, default=4.0,
                       help="recommend warmup when the lr grows at least this much (default 4)")
     data.add_argument("--critical-batch-size", type=positive_float, default=None,
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_size_per_device=args.max_batch_size_per_device, keep=args.keep, rule=args.rule)
     data = planner.Data(
         dataset_size=args.dataset_size, epochs=args.epochs, drop_last=args.drop_last,
-        sampler_drop_last=args.sampler_drop_last, warmup_epochs=args.warmup_epochs,
+        sampler_drop_last=args.sampler_drop_last, warmup_epochs=args.warmup_epochs, warmup_steps=args.warmup_steps,
         warmup_threshold=args.warmup_threshold, critical_batch_size=args.critical_batch_size)
     result = planner.plan(reference, target, data)
     if args.json:
@@ -119,7 +123,9 @@ def _print_plan(result) -> None:
     rows = []
     for key, label in ROWS:
         value = values.get(key)
-        if value is None or (key == "warmup_steps" and not result.warmup_recommended):
+        if key == "warmup_steps" and value is None and result.warmup_recommended:
+            value = "unknown"
+        if value is None:
             continue
         rows.append([label, _show(value), result.reasons.get(key, "")])
     title = f"ddplab plan: keep {result.mode}, {result.rule} rule"

@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
         "256/(b·W) steps and DDP averages the W gradients. Under torchrun it joins torchrun's group."),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_flags(multi, default_batch=16)
-    multi.add_argument("--world-size", "--world_size", type=positive_int, default=None,
+    multi.add_argument("--world-size", type=positive_int, default=None,
                        help="ranks to start (default: the visible GPUs when ≥ 2, else 8 CPU ranks; under torchrun its WORLD_SIZE)")
     multi.add_argument("--bypass-ddp", action="store_true",
                        help="reproduce the classic bug: forward through the inner module, so DDP never all-reduces (noisy data)")
@@ -47,15 +47,15 @@ def add_parser(subparsers) -> None:
 
 def _add_run_flags(parser: argparse.ArgumentParser, *, default_batch: int) -> None:
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="SGD learning rate (default 1e-3)")
-    parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=default_batch,
+    parser.add_argument("--batch-size", type=positive_int, default=default_batch,
                         help=f"per-device (per-rank) loader batch (default {default_batch})")
     parser.add_argument("--deterministic", nargs="?", const=True, default=True, type=parse_bool,
                         help="x = 1, y = 0 (default True); '--deterministic False' for noisy data")
     parser.add_argument("--no-deterministic", "--noisy", dest="deterministic", action="store_false",
                         help="noisy data: x = 1 + N(0,1), y = N(0,1)")
-    parser.add_argument("--n-experiments", "--n_experiments", dest="n_experiments", type=positive_int, default=None,
+    parser.add_argument("--n-experiments", type=positive_int, default=None,
                         help="independent experiments, vectorized (default 1 deterministic, 10,000 noisy)")
-    parser.add_argument("--n-epochs", "--n_epochs", dest="n_epochs", type=positive_int, default=1, help="epochs (default 1)")
+    parser.add_argument("--n-epochs", type=positive_int, default=1, help="epochs (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
