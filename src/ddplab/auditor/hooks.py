@@ -520,24 +520,29 @@ def _patch_sampler() -> None:
 
 def _counted(iterator, sampler, epoch: int, steps_at_start: int):
     """Pass the indices through; past half of the shard, note a training pass over ``epoch``'s order."""
-    half, drawn = max(1, len(sampler) // 2), 0
+    half, drawn, counted = max(1, len(sampler) // 2), 0, False
     for index in iterator:
         drawn += 1
-        if drawn == half:
-            _training_pass(sampler, epoch, steps_at_start)
+        if drawn >= half and not counted:
+            counted = _training_pass(sampler, epoch, steps_at_start) is not False
         yield index
+    # Loader workers draw indices ahead of training: the end of the pass is the last chance to see its steps.
+    if drawn >= half and not counted:
+        _training_pass(sampler, epoch, steps_at_start)
 
 
 @_guarded("watching DistributedSampler")
-def _training_pass(audit: AuditState, sampler, epoch: int, steps_at_start: int) -> None:
+def _training_pass(audit: AuditState, sampler, epoch: int, steps_at_start: int) -> bool:
+    """Note a pass over ``epoch``'s order if it fed optimizer steps; True once noted."""
     # A peek at one batch or an evaluation pass is no training pass: only a pass that fed optimizer steps counts.
     if audit.total_steps == steps_at_start:
-        return
+        return False
     passes = audit.sampler_passes.setdefault(sampler, [])
     if epoch in passes:
         audit.add("SET_EPOCH_MISSING", f"training pass {len(passes) + 1} drew the same order as an earlier one "
                                        f"(sampler epoch {epoch} both times): set_epoch was not called")
     passes.append(epoch)
+    return True
 
 
 def _patch_losses() -> None:
