@@ -71,3 +71,54 @@ def test_gradient_ratio_is_exact_or_nothing():
     assert _gradient_ratio(4 * g, g) == pytest.approx(4)
     assert _gradient_ratio(g + torch.tensor([0.0, 0.0, 1e-3], dtype=torch.float64), g) is None
     assert _gradient_ratio(g, torch.zeros(3, dtype=torch.float64)) is None
+
+
+
+def _cli_under_torchrun(*runs):
+    """Each ddplab command line in ``runs``: (exit code, stdout, stderr), in this torchrun worker."""
+    import contextlib
+    import io
+
+    out = []
+    for argv in runs:
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(argv)
+        out.append((code, stdout.getvalue(), stderr.getvalue()))
+    return out
+
+
+def _torchrun(nproc_per_node, *runs):
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+    from torch.distributed.launcher.api import elastic_launch
+
+    config = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
+                           rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex, max_restarts=0,
+                           monitor_interval=0.1, start_method="fork")
+    return elastic_launch(config, _cli_under_torchrun)(*runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
+    # One command that starts a group per worker process, as torchrun runs it: a second one would meet stale keys.
+    mismatch = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--world-size", "3"]
+    check_run = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--steps", "3", "--json"]
+    results = _torchrun(4, mismatch, check_run)
+    for rank in range(4):
+        code, stdout, stderr = results[rank][0]
+        assert code == 2 and stdout == "" and stderr.count("\n") == 1
+        assert "--world-size 3 disagrees with torchrun's WORLD_SIZE 4" in stderr
+    assert all(results[rank][1] == (0, "", "") for rank in (1, 2, 3))  # quiet, and successful
+    code, stdout, _ = results[0][1]
+    report = json.loads(stdout)
+    # The reference splits its global batch over torchrun's 4 ranks, not --world-size's default 2.
+    assert code == 0 and (report["verdict"], report["world_size"], report["global_batch_size"]) == ("EQUIVALENT", 4, 32)
+    noise_run = ["noise", os.path.join(SPECS, "mlp_fixed.py"), "--batch-size", "8", "--steps", "6", "--json"]
+    results = _torchrun(2, noise_run)
+    assert results[1] == [(0, "", "")]
+    code, stdout, _ = results[0][0]
+    report = json.loads(stdout)
+    assert code == 0 and (report["world_size"], report["global_batch_size"], len(report["per_step"])) == (2, 16, 6)
