@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from ddplab import training
-from ddplab.launch import LaunchConfig, RankContext, launch
+from ddplab.launch import LaunchConfig, RankContext
 from ddplab.spec import Spec, load_spec
 
 Verdict = Literal["EQUIVALENT", "DIVERGES", "STOCHASTIC", "NON_FINITE"]
@@ -79,7 +79,9 @@ class CheckResult:
     non_finite: dict[str, Any] | None = None
     """Where inf or nan first appeared: step, side ('ranks', 'single_process' or 'both') and what."""
     unused_parameters: tuple[str, ...] = ()
-    """Parameters the forward does not use; DDP then ran with find_unused_parameters=True."""
+    """Parameters without a gradient on the first global batch."""
+    find_unused_parameters: bool = False
+    """Whether DDP looked for unused parameters (some parameter was unused on some step)."""
 
     def to_json(self) -> dict[str, Any]:
         cfg = self.config
@@ -88,6 +90,7 @@ class CheckResult:
                 "per_device_batch_size": cfg.per_device_batch_size, "global_batch_size": cfg.global_batch_size,
                 "steps": cfg.steps, "seed": cfg.seed, "first_divergent_step": self.first_divergent_step,
                 "non_finite": self.non_finite, "unused_parameters": list(self.unused_parameters),
+                "find_unused_parameters": self.find_unused_parameters,
                 "per_step": self.per_step}
 
 
@@ -103,8 +106,9 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckR
     # The spec's mistakes surface here, in one sentence, before any rank starts.
     facts = training.validate(spec, world_size=cfg.world_size, per_device_batch_size=cfg.per_device_batch_size,
                               seed=cfg.seed, dtype=torch.float64)
-    with training.rank_errors():
-        ranks = launch(_train_on_rank, launch_config or LaunchConfig(world_size=cfg.world_size), cfg, facts)[0]
+    results, facts = training.launch_spec(_train_on_rank, launch_config or LaunchConfig(world_size=cfg.world_size),
+                                          cfg, facts)
+    ranks = results[0]
     if ranks is None:  # a torchrun rank other than 0
         return None
     dataset = spec.dataset()
@@ -121,7 +125,8 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, reference
     non_finite = _first_non_finite(ranks, reference)
     has_padding = len(dataset) % cfg.world_size != 0
     common = dict(config=cfg, per_step=per_step, first_divergent_step=divergent, has_padding=has_padding,
-                  non_finite=non_finite, unused_parameters=facts.unused_parameters)
+                  non_finite=non_finite, unused_parameters=facts.unused_parameters,
+                  find_unused_parameters=facts.find_unused_parameters)
     if non_finite is not None and (divergent is None or divergent >= non_finite["step"]):
         explanation, fix = _non_finite_text(cfg, non_finite)
         return CheckResult(verdict=NON_FINITE, cause=None, explanation=explanation, fix=fix, **common)

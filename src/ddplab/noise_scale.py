@@ -253,7 +253,7 @@ def measure_spec(config: NoiseConfig, launch_config=None) -> dict | None:
     Under torchrun every rank calls this: rank 0 returns the report, the others None.
     """
     from ddplab import training
-    from ddplab.launch import LaunchConfig, launch
+    from ddplab.launch import LaunchConfig
     from ddplab.spec import load_spec
 
     training.world_size_for(config.world_size, default=config.world_size)
@@ -261,8 +261,8 @@ def measure_spec(config: NoiseConfig, launch_config=None) -> dict | None:
     facts = training.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
                               per_device_batch_size=config.per_device_batch_size, drop_last=True)
     launch_config = launch_config or LaunchConfig(world_size=config.world_size)
-    with training.rank_errors():
-        return launch(_measure_on_rank, launch_config, config, facts)[0]
+    results, _ = training.launch_spec(_measure_on_rank, launch_config, config, facts)
+    return results[0]
 
 
 def _measure_on_rank(ctx, config: NoiseConfig, facts):

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 REQUIRED = ("model", "dataset", "loss")
+# In DDP's error when a parameter got no gradient and find_unused_parameters was off.
+UNUSED_PARAMETERS_MARK = "find_unused_parameters"
 
 
 class SpecError(ValueError):
@@ -62,12 +64,12 @@ def describe(exc: BaseException) -> str:
     """One line for an exception: 'raised KeyError: x', or 'called sys.exit(7)'."""
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r}); a spec must return, not exit"
+    if UNUSED_PARAMETERS_MARK in str(exc):
+        # DDP's own wording runs to a paragraph; its cause in a sentence.
+        return (f"raised {type(exc).__name__}: DDP expected a gradient for every parameter, but a previous step "
+                "left some without one (the forward uses parameters conditionally)")
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    text = f"raised {type(exc).__name__}" + (f": {lines[0].strip()}" if lines else "")
-    if "find_unused_parameters" in str(exc):
-        # DDP's own wording, many lines long; the cause in a sentence.
-        text += " (some parameter got no gradient on this step: the forward does not use every parameter every time)"
-    return text
+    return f"raised {type(exc).__name__}" + (f": {lines[0].strip()}" if lines else "")
 
 
 @contextlib.contextmanager

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DistributedSampler, default_collate
 
-from ddplab.launch import LaunchError, RankContext, under_torchrun
-from ddplab.spec import Spec, SpecError, describe, shown_path
+from ddplab.launch import LaunchConfig, LaunchError, RankContext, launch, under_torchrun
+from ddplab.spec import UNUSED_PARAMETERS_MARK, Spec, SpecError, describe, shown_path
 
 
 def rank_indices(dataset_size: int, *, world_size: int, rank: int, seed: int, epoch: int) -> list[int]:
@@ -118,7 +118,9 @@ class SpecFacts:
 
     dataset_size: int
     unused_parameters: tuple[str, ...]
-    """Trainable parameters that got no gradient: DDP must then look for unused ones."""
+    """Trainable parameters that got no gradient on the trial batch."""
+    find_unused_parameters: bool = False
+    """Whether DDP must look for parameters without a gradient: some were unused on some batch."""
 
 
 def validate(spec: Spec, *, world_size: int, per_device_batch_size: int, seed: int, drop_last: bool = False,
@@ -146,7 +148,7 @@ def validate(spec: Spec, *, world_size: int, per_device_batch_size: int, seed: i
     if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
         raise SpecError(f"spec file {spec.shown}: optimizer(params) must return a torch.optim.Optimizer, "
                         f"got {type(optimizer).__name__}")
-    return SpecFacts(dataset_size=len(dataset), unused_parameters=unused)
+    return SpecFacts(dataset_size=len(dataset), unused_parameters=unused, find_unused_parameters=bool(unused))
 
 
 def _check_loss(spec: Spec, loss) -> None:
@@ -162,10 +164,27 @@ def wrap_ddp(model: torch.nn.Module, ctx: RankContext, facts: SpecFacts):
     """``model`` in DistributedDataParallel, told to look for unused parameters only when there are some."""
     from torch.nn.parallel import DistributedDataParallel
 
-    # Without find_unused_parameters DDP waits for a gradient that never comes, and fails at the next step;
-    # with it when every parameter is used, it only warns and costs a graph traversal per step.
+    # Without find_unused_parameters DDP waits for a gradient that never comes and fails at the next step;
+    # with it when every parameter is used, each rank prints a warning and pays a graph traversal per step.
     return DistributedDataParallel(model, device_ids=ctx.device_ids,
-                                   find_unused_parameters=bool(facts.unused_parameters))
+                                   find_unused_parameters=facts.find_unused_parameters)
+
+
+def launch_spec(fn, launch_config: LaunchConfig, config, facts: SpecFacts) -> tuple[list, SpecFacts]:
+    """``launch(fn, launch_config, config, facts)`` and the facts it ran with; spec errors come back as one sentence.
+
+    A forward that leaves a parameter unused on a later batch only (the trial batch used them all)
+    fails inside DDP; ranks we start ourselves are then started once more, looking for unused
+    parameters. Under torchrun the ranks are not ours to restart: that failure is reported.
+    """
+    with rank_errors():
+        try:
+            return launch(fn, launch_config, config, facts), facts
+        except LaunchError as exc:
+            if facts.find_unused_parameters or UNUSED_PARAMETERS_MARK not in str(exc):
+                raise
+        facts = dataclasses.replace(facts, find_unused_parameters=True)
+        return launch(fn, launch_config, config, facts), facts
 
 
 @contextlib.contextmanager

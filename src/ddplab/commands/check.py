@@ -88,4 +88,7 @@ def _notes(result) -> list[str]:
         names = ", ".join(result.unused_parameters[:5]) + (" …" if len(result.unused_parameters) > 5 else "")
         notes.append(f"the forward does not use {names} (no gradient): DDP ran with find_unused_parameters=True, "
                      "and those parameters are compared like the rest")
+    elif result.find_unused_parameters:
+        notes.append("the forward left some parameter without a gradient on a later step: DDP ran again with "
+                     "find_unused_parameters=True")
     return notes
