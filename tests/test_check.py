@@ -209,7 +209,8 @@ USER_ERRORS = {
     "empty_dataset": (SPEC_HEAD.replace("64", "0") + LINEAR, ": dataset() is empty"),
     "exits": (SPEC_HEAD + "import sys\ndef model():\n    sys.exit(7)\n", ": model() called sys.exit(7)"),
     "exits_at_import": ("import sys\nsys.exit(7)\n", "does not load: line 2 calls sys.exit(7)"),
-    "float_loss": (SPEC_HEAD + LINEAR + "def step(model, batch, loss_fn):\n    return loss_fn(model(batch[0]), batch[1]).item()\n",
+    "float_loss": (SPEC_HEAD + LINEAR + "def step(model, batch, loss_fn):\n"
+                   "    return loss_fn(model(batch[0]), batch[1]).item()\n",
                    "the loss must be a single-number tensor, got float"),
     "not_pairs": (SPEC_HEAD.replace("TensorDataset(torch.randn(64, 6), torch.randint(0, 2, (64,)))",
                                     "[torch.zeros(6)] * 64") + LINEAR, "items must be (input, target) pairs"),

@@ -104,14 +104,13 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckR
     training.world_size_for(cfg.world_size, default=cfg.world_size)
     spec = load_spec(cfg.spec_path)
     # The spec's mistakes surface here, in one sentence, before any rank starts.
-    facts = training.validate(spec, world_size=cfg.world_size, per_device_batch_size=cfg.per_device_batch_size,
-                              seed=cfg.seed, dtype=torch.float64)
+    facts, dataset = training.validate(spec, world_size=cfg.world_size, seed=cfg.seed, dtype=torch.float64,
+                                       per_device_batch_size=cfg.per_device_batch_size)
     results, facts = training.launch_spec(_train_on_rank, launch_config or LaunchConfig(world_size=cfg.world_size),
                                           cfg, facts)
     ranks = results[0]
     if ranks is None:  # a torchrun rank other than 0
         return None
-    dataset = spec.dataset()
     reference = _reference(spec, dataset, cfg, "global")
     return _compare(spec, dataset, cfg, ranks, reference, facts)
 
@@ -131,7 +130,8 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, reference
         explanation, fix = _non_finite_text(cfg, non_finite)
         return CheckResult(verdict=NON_FINITE, cause=None, explanation=explanation, fix=fix, **common)
     if divergent is None:
-        return CheckResult(verdict=EQUIVALENT, cause=None, fix=None, explanation=_equivalent_text(cfg, per_step), **common)
+        return CheckResult(verdict=EQUIVALENT, cause=None, fix=None, explanation=_equivalent_text(cfg, per_step),
+                           **common)
     # Diagnose on the finite steps only: references are compared to the ranks up to there.
     finite = ranks.first(non_finite["step"]) if non_finite else ranks
     verdict, cause, explanation, fix = _diagnose(spec, dataset, cfg, finite, reference, divergent, has_padding)

@@ -258,8 +258,8 @@ def measure_spec(config: NoiseConfig, launch_config=None) -> dict | None:
 
     training.world_size_for(config.world_size, default=config.world_size)
     # The spec's mistakes surface here, in one sentence, before any rank starts.
-    facts = training.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
-                              per_device_batch_size=config.per_device_batch_size, drop_last=True)
+    facts, _ = training.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
+                                 per_device_batch_size=config.per_device_batch_size, drop_last=True)
     launch_config = launch_config or LaunchConfig(world_size=config.world_size)
     results, _ = training.launch_spec(_measure_on_rank, launch_config, config, facts)
     return results[0]

@@ -154,11 +154,11 @@ class GuardedDataset:
 def load_spec(path: str) -> Spec:
     """Import ``path`` as a module and collect its functions; SpecError (a ValueError) says what is wrong."""
     if not os.path.isfile(path):
-        raise SpecError(f"spec file {path!r} does not exist")
+        raise SpecError(f"spec file {path} does not exist")
     module = _import(path)
     missing = [fn for fn in REQUIRED if not callable(getattr(module, fn, None))]
     if missing:
-        raise SpecError(f"spec file {path!r} must define {', '.join(f'{m}()' for m in missing)}")
+        raise SpecError(f"spec file {shown_path(path)} must define {', '.join(f'{m}()' for m in missing)}")
     path = os.path.abspath(path)
     user_step = getattr(module, "step", None)
     return Spec(path=path,
@@ -181,7 +181,7 @@ def _import(path: str):
         return module
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise SpecError(f"spec file {path!r} is not a Python file")
+        raise SpecError(f"spec file {shown_path(path)} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     # Registered so forked and spawned ranks can unpickle what the spec defines.
     sys.modules[name] = module

@@ -23,7 +23,8 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
     parser.add_argument("--world-size", type=positive_int, default=None,
-                        help="DDP ranks (default 2; under torchrun its WORLD_SIZE); 1 works with --accumulation 2 or more")
+                        help="DDP ranks (default 2; under torchrun its WORLD_SIZE); 1 works with --accumulation 2 "
+                             "or more")
     parser.add_argument("--batch-size", type=positive_int, required=True, help="per-device (per-rank) batch")
     parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to train (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
