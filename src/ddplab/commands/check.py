@@ -82,8 +82,9 @@ def _notes(result) -> list[str]:
                if d["samples_per_rank"] != cfg.per_device_batch_size]
     if partial:
         steps = ", ".join(f"{i} ({n} per rank)" for i, n in partial)
-        notes.append(f"steps {steps} end an epoch with a partial batch: fewer than --batch-size "
-                     f"{cfg.per_device_batch_size} samples per rank, as in a DataLoader without drop_last")
+        label, verb = ("step", "ends") if len(partial) == 1 else ("steps", "end")
+        notes.append(f"{label} {steps} {verb} an epoch with a partial batch of fewer than --batch-size "
+                     f"{cfg.per_device_batch_size} samples per rank, as a DataLoader without drop_last does")
     if result.unused_parameters:
         names = ", ".join(result.unused_parameters[:5]) + (" …" if len(result.unused_parameters) > 5 else "")
         notes.append(f"the forward does not use {names} (no gradient): DDP ran with find_unused_parameters=True, "
