@@ -247,26 +247,32 @@ class NoiseConfig:
                              "two batch sizes (each rank's and the average, or each micro-batch's and their mean)")
 
 
-def measure_spec(config: NoiseConfig, launch_config=None) -> dict:
-    """Train the spec on ``world_size`` ranks with the noise scale attached; rank 0's report."""
-    from ddplab.launch import LaunchConfig, launch
+def measure_spec(config: NoiseConfig, launch_config=None) -> dict | None:
+    """Train the spec on ``world_size`` ranks with the noise scale attached; rank 0's report.
+
+    Under torchrun every rank calls this: rank 0 returns the report, the others None.
+    """
+    from ddplab import training
+    from ddplab.launch import LaunchConfig
     from ddplab.spec import load_spec
 
-    load_spec(config.spec_path)  # fail fast in the parent, before any rank starts
+    training.world_size_for(config.world_size, default=config.world_size)
+    # The spec's mistakes surface here, in one sentence, before any rank starts.
+    facts, _ = training.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
+                                 per_device_batch_size=config.per_device_batch_size, drop_last=True)
     launch_config = launch_config or LaunchConfig(world_size=config.world_size)
-    return launch(_measure_on_rank, launch_config, config)[0]
+    results, _ = training.launch_spec(_measure_on_rank, launch_config, config, facts)
+    return results[0]
 
 
-def _measure_on_rank(ctx, config: NoiseConfig):
-    from torch.nn.parallel import DistributedDataParallel
-
+def _measure_on_rank(ctx, config: NoiseConfig, facts):
     from ddplab import training
     from ddplab.spec import load_spec
 
     spec = load_spec(config.spec_path)
     dataset = spec.dataset()
     model = training.seeded_model(spec, config.seed, device=ctx.device)
-    ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
+    ddp = training.wrap_ddp(model, ctx, facts)
     gns = GradientNoiseScale(ddp, per_device_batch_size=config.per_device_batch_size, every=config.every,
                              accumulation_steps=config.accumulation_steps)
     optimizer = spec.optimizer(ddp.parameters())

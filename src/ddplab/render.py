@@ -21,15 +21,23 @@ def console(stderr: bool = False):
 
 
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=_jsonable)
+    """One standard JSON object: inf and nan, which JSON cannot hold, are written as null."""
+    json.dump(_standard(obj), sys.stdout, indent=2, allow_nan=False)
     sys.stdout.write("\n")
 
 
-def _jsonable(value: Any) -> Any:
+def _standard(value: Any) -> Any:
     if hasattr(value, "to_json"):
-        return value.to_json()
-    if isinstance(value, tuple):
-        return list(value)
+        return _standard(value.to_json())
+    if isinstance(value, dict):
+        return {key: _standard(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_standard(item) for item in value]
+    if isinstance(value, float):
+        # json.dump would write NaN / Infinity, which strict parsers (JavaScript, jq) reject.
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 

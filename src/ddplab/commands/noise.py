@@ -22,8 +22,9 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
-    parser.add_argument("--world-size", type=positive_int, default=2,
-                        help="DDP ranks (default 2); 1 works with --accumulation 2 or more")
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="DDP ranks (default 2; under torchrun its WORLD_SIZE); 1 works with --accumulation 2 "
+                             "or more")
     parser.add_argument("--batch-size", type=positive_int, required=True, help="per-device (per-rank) batch")
     parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to train (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
@@ -40,10 +41,15 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _require_matplotlib()
     from ddplab.noise_scale import NoiseConfig, measure_spec
+    from ddplab.training import world_size_for
 
-    config = NoiseConfig(spec_path=args.spec, world_size=args.world_size, per_device_batch_size=args.batch_size,
-                         steps=args.steps, seed=args.seed, every=args.every, accumulation_steps=args.accumulation)
-    report = _report(config, measure_spec(config))
+    config = NoiseConfig(spec_path=args.spec, world_size=world_size_for(args.world_size, default=2),
+                         per_device_batch_size=args.batch_size, steps=args.steps, seed=args.seed, every=args.every,
+                         accumulation_steps=args.accumulation)
+    raw = measure_spec(config)
+    if raw is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
+    report = _report(config, raw)
     if args.plot:
         _plot(report, args.plot)
     if args.json:
