@@ -166,7 +166,7 @@ class GradientNoiseScale:
             self.skipped_steps += 1
             return None
         g2, trace = est.unbiased_estimates(g_small_sq, g_big_sq, self.b_small, self.b_big, self.dataset_size)
-        ema = self._ema_trace.update(trace) / self._ema_g2.update(g2)
+        ema = _ratio(self._ema_trace.update(trace), self._ema_g2.update(g2))
         record = StepEstimate(self.steps - 1, g_small_sq, g_big_sq, g2, trace, ema)
         self.history.append(record)
         return record
@@ -198,8 +198,8 @@ class GradientNoiseScale:
 
     @property
     def b_simple(self) -> float:
-        """Running B_simple = EMA(tr Σ) / EMA(|G|²)."""
-        return self._ema_trace.get() / self._ema_g2.get()
+        """Running B_simple = EMA(tr Σ) / EMA(|G|²); math.inf while EMA(|G|²) ≤ 0, NaN before the first step."""
+        return _ratio(self._ema_trace.get(), self._ema_g2.get())
 
     def summary(self, last: int | None = None) -> est.Summary:
         """B_simple over the measured steps (the last ``last`` of them), with Fieller's 95% interval."""
@@ -231,6 +231,11 @@ def _choose_path(via: str, comm_hook, ddp_model, world_size: int) -> str:
     if via != "auto":
         return via
     return "comm_hook" if comm_hook is not None or bucket_view else "grad_hooks"
+
+
+def _ratio(trace: float, g2: float) -> float:
+    # |G|² ≤ 0 is "not resolved yet", not a negative noise scale.
+    return max(trace, 0.0) / g2 if g2 > 0 else (math.nan if math.isnan(g2) else math.inf)
 
 
 def _first_tensor(future):

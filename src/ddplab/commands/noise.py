@@ -113,17 +113,16 @@ def _b_simple_cells(report: dict) -> list[str]:
         return [value, f"95% interval [{low:.4g}, {high:.4g}] (Fieller) over {measured} measured steps"]
     if report["b_simple_status"] == "g2_unresolved":
         return [value, f"|G|² not resolved: B_simple > {interval[0]:.4g} at 95% over {measured} measured steps"]
-    return [value, f"no interval ({measured} measured steps)"]
+    return [value, f"no interval: {measured} measured step{'s' if measured != 1 else ''}"]
 
 
 def _title(report: dict) -> str:
     lr = ", ".join(f"{v:g}" for v in report["lr"] or []) or "?"
-    motion = ("weights move: B_simple averages over the trajectory" if report["weights_moved"]
-              else "weights fixed")
+    motion = "weights move: B_simple averages over the trajectory" if report["weights_moved"] else "weights fixed"
     size = report["dataset_size"]
+    samples = f"; {size} samples, corrected for drawing without replacement" if size else ""
     return (f"ddplab noise: {report['world_size']} ranks × {report['per_device_batch_size']} per device "
-            f"(global {report['global_batch_size']}), {report['steps']} steps, lr {lr} ({motion})"
-            + (f", {size} samples (finite-dataset correction)" if size else ""))
+            f"(global {report['global_batch_size']}), {report['steps']} steps\nlr {lr}, {motion}{samples}")
 
 
 def _require_matplotlib() -> None:
