@@ -412,6 +412,12 @@ def test_a_non_finite_step_is_skipped_and_counted_on_one_process():
     assert math.isfinite(gns.b_simple) and math.isfinite(gns.summary().b_simple)
 
 
+def _unpoisoned(gns) -> bool:
+    # An overflow let into the averages turns them into inf or NaN for good.
+    summary = gns.summary()
+    return math.isfinite(summary.g2) and math.isfinite(summary.trace_sigma) and not math.isnan(gns.b_simple)
+
+
 def _subgroup_runs(ctx):
     """Two DDP models over subgroups {0, 1} and {2, 3}: with and without the noise scale, one overflowing step."""
     import torch.distributed as dist
@@ -439,7 +445,7 @@ def _subgroup_runs(ctx):
                 optimizer.step()
         out[variant] = ([p.detach().clone() for p in model.parameters()],
                         [(r.step, r.g_small_sq, r.g_big_sq) for r in gns.history] if gns else None,
-                        gns and (gns.world_size, gns.skipped_steps, gns.b_simple))
+                        gns and (gns.world_size, gns.skipped_steps, _unpoisoned(gns)))
         del ddp, gns, optimizer
     return out
 
@@ -453,8 +459,7 @@ def test_a_subgroup_model_trains_identically_and_overflowing_steps_are_skipped()
         assert result["comm_hook"][2][:2] == result["grad_hooks"][2][:2] == (2, 0)
         for (_, small_a, big_a), (_, small_b, big_b) in zip(result["comm_hook"][1], result["grad_hooks"][1]):
             assert small_a == pytest.approx(small_b, rel=1e-5) and big_a == pytest.approx(big_b, rel=1e-5)
-        world, skipped, b_simple = result["overflow"][2]
-        assert (world, skipped) == (2, 1) and math.isfinite(b_simple)
+        assert result["overflow"][2] == (2, 1, True)
         assert [r[0] for r in result["overflow"][1]] == [0, 1, 3, 4]
         assert result["overflow"][1][:2] == result["grad_hooks"][1][:2]
     # Each subgroup measures its own pair of ranks: the two groups' numbers differ, ranks within one agree.
