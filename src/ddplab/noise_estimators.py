@@ -61,7 +61,7 @@ def batch_factor(batch: float, dataset_size: int | None = None) -> float:
 
 def unbiased_estimates(g_small_sq: float, g_big_sq: float, b_small: float, b_big: float,
                        dataset_size: int | None = None) -> tuple[float, float]:
-    """(|G|², tr Σ) from one pair of squared gradient norms; ``dataset_size`` N for batches drawn without replacement."""
+    """(|G|², tr Σ) from one pair of squared norms; ``dataset_size`` N when batches are drawn without replacement."""
     if not b_big > b_small > 0:
         raise ValueError(f"need 0 < B_small < B_big, got {b_small} and {b_big}")
     if dataset_size is not None and not dataset_size >= max(b_big, 2):
@@ -116,7 +116,7 @@ class Summary:
                     "smaller --every)")
         if self.status == "inconsistent":
             return ("the |G|² and tr(Σ) estimates fit no B_simple ≥ 0 (|G|² or tr(Σ) significantly negative): "
-                    "the batches do not match the sampling model (batch sizes, repeated samples, or rank-dependent data)")
+                    "the batches do not match the sampling model (batch sizes, repeated samples, rank-dependent data)")
         if self.status == "g2_unresolved":
             return (f"|G|² not resolved: B_simple > {self.b_simple_ci95[0]:.4g} at 95% "
                     f"(the mean |G|² estimate {self.g2:.4g} is within its error of 0); measure more steps")
@@ -127,7 +127,7 @@ class Summary:
         return 1.0 + self.b_simple / global_batch
 
     def adascale_gain(self, scale: float, base_batch: float) -> float:
-        """AdaScale's gain r = (σ² + μ²)/(σ²/S + μ²), σ² the variance at ``base_batch``; the lr multiplier it implies."""
+        """AdaScale's gain r = (σ² + μ²)/(σ²/S + μ²), σ² the variance at ``base_batch``: its lr multiplier."""
         sigma2, mu2 = max(self.trace_sigma, 0.0) / base_batch, max(self.g2, 0.0)
         if sigma2 + mu2 == 0:
             return 1.0

@@ -310,10 +310,11 @@ def _measure_on_rank(ctx, config: NoiseConfig):
             advance(gns.b_simple)
     # Weights that move make B_simple an average over the trajectory, not one point's value.
     moved = any(not torch.equal(a, p.detach()) for a, p in zip(start, model.parameters()))
+    lrs = sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})
     return {"history": [dataclasses.asdict(r) for r in gns.history], "summary": gns.summary(),
             "b_small": gns.b_small, "b_big": gns.b_big, "dataset_size": len(dataset),
             "skipped_steps": gns.skipped_steps, "weights_moved": moved,
-            "lr": sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})} if ctx.is_main else None
+            "lr": lrs} if ctx.is_main else None
 
 
 def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, step: int) -> None:

@@ -91,8 +91,8 @@ def _print(report: dict) -> None:
             ["|G|²", f"{report['g2']:.4g}", "squared norm of the true gradient"],
             ["tr(Σ)", f"{report['trace_sigma']:.4g}", "per-sample gradient variance, summed over parameters"]]
     if report["steps_factor"] is not None:
-        rows.append(["steps factor", f"{report['steps_factor']:.3f}",
-                     f"1 + B_simple/B at global batch {report['global_batch_size']}: steps relative to the fewest possible"])
+        rows.append(["steps factor", f"{report['steps_factor']:.3f}", f"1 + B_simple/B at global batch "
+                     f"{report['global_batch_size']}: steps relative to the fewest possible"])
     rows.append(["AdaScale gain", f"{report['adascale_gain']:.3f}",
                  f"lr multiplier AdaScale implies for a batch of {report['global_batch_size']} vs {report['b_small']} "
                  f"(scale {report['adascale_scale']:g})"])
