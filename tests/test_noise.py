@@ -2,8 +2,10 @@
 
 import importlib.util
 import json
+import math
 import os
 
+import numpy
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -23,6 +25,14 @@ def test_estimators_recover_exact_inputs():
     g2, trace, b_small, b_big = 3.0, 50.0, 8, 32
     small, big = g2 + trace / b_small, g2 + trace / b_big
     assert est.unbiased_estimates(small, big, b_small, b_big) == pytest.approx((g2, trace))
+    # Without replacement from N: E|G_B|² = |G|² + tr Σ·(N − B)/(B·(N − 1)).
+    n = 100
+    small, big = (g2 + trace * (n - b) / (b * (n - 1)) for b in (b_small, b_big))
+    assert est.unbiased_estimates(small, big, b_small, b_big, dataset_size=n) == pytest.approx((g2, trace))
+    # The whole dataset in one batch is the true gradient.
+    assert est.unbiased_estimates(small, g2, b_small, n, dataset_size=n) == pytest.approx((g2, trace))
+    with pytest.raises(ValueError, match="dataset_size"):
+        est.unbiased_estimates(small, big, b_small, b_big, dataset_size=16)
     summary = est.summarize([g2] * 40, [trace] * 40)
     assert summary.b_simple == pytest.approx(trace / g2) and summary.b_simple_ci95 == pytest.approx((trace / g2,) * 2)
     assert summary.steps_factor(100) == pytest.approx(1 + trace / g2 / 100)
@@ -201,3 +211,256 @@ def test_accumulation_is_accounted_for():
         assert len(whole) == len(micro) == 3
         for (small_a, big_a), (small_b, big_b) in zip(whole, micro):
             assert small_a == pytest.approx(small_b, rel=1e-5) and big_a == pytest.approx(big_b, rel=1e-5)
+
+
+# --- statistics against exact values: finite datasets, interval coverage, unresolved |G|² ---
+
+SMALL_DATA_SPEC = os.path.join(ROOT, "tests", "specs", "noise_small_data.py")
+
+
+def _per_example_gradients(spec_path: str, seed: int) -> torch.Tensor:
+    """Every example's gradient at the spec's seeded initial weights, as rows (float64)."""
+    from torch.func import functional_call, grad, vmap
+
+    from ddplab import training
+    from ddplab.spec import load_spec
+
+    spec = load_spec(spec_path)
+    model = training.seeded_model(spec, seed, dtype=torch.float64)
+    x, y = spec.dataset().tensors
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return spec.loss(functional_call(model, p, (xi[None],)), yi[None])
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x.double(), y)
+    return torch.cat([g.reshape(len(x), -1) for g in grads.values()], dim=1)
+
+
+def _exact(per_example: torch.Tensor) -> tuple[float, float]:
+    """|G|² and tr Σ with Σ = (1/N) Σ (g_i − G)(g_i − G)ᵀ, the convention of noise_estimators."""
+    mean = per_example.mean(0)
+    return mean.dot(mean).item(), (per_example - mean).square().sum(1).mean().item()
+
+
+def _summarize(pairs, b_small, b_big, dataset_size):
+    estimates = [est.unbiased_estimates(s, g, b_small, b_big, dataset_size) for s, g in pairs]
+    return est.summarize([e[0] for e in estimates], [e[1] for e in estimates])
+
+
+def test_finite_dataset_correction_against_exact_per_example_gradients():
+    """Batches as ddplab noise draws them from 500 samples: the corrected estimate covers the exact B_simple."""
+    from ddplab import training
+
+    grads = _per_example_gradients(SMALL_DATA_SPEC, seed=1).numpy()
+    n, world_size, b = len(grads), 2, 16
+    g2, trace = _exact(torch.from_numpy(grads))
+    exact = trace / g2
+    pairs = []
+    for step in range(2000):
+        means = [grads[training.rank_batch(n, world_size=world_size, rank=r, per_device_batch_size=b, seed=1,
+                                           step=step, drop_last=True)].mean(0) for r in range(world_size)]
+        pairs.append((sum(m @ m for m in means) / world_size, (sum(means) / world_size) @ (sum(means) / world_size)))
+    # The sampling model itself: E|G_B|² = |G|² + tr Σ·(N − B)/(B·(N − 1)), within 4 standard errors.
+    for column, batch in ((0, b), (1, world_size * b)):
+        values = torch.tensor([p[column] for p in pairs])
+        expected = g2 + trace * est.batch_factor(batch, n)
+        assert abs(values.mean().item() - expected) < 4 * values.std().item() / len(values) ** 0.5
+    corrected = _summarize(pairs, b, world_size * b, n)
+    low, high = corrected.b_simple_ci95
+    assert low <= exact <= high
+    assert abs(corrected.b_simple - exact) <= high - low
+    # The textbook estimator reads high by about B_simple/N (~14% here): its interval misses.
+    textbook = _summarize(pairs, b, world_size * b, None)
+    assert textbook.b_simple_ci95[0] > exact
+    assert textbook.b_simple / corrected.b_simple - 1 == pytest.approx(exact / n, rel=0.5)
+
+
+def _population(rng, n: int, dim: int, b_simple: float):
+    """Heavy-tailed per-example gradients (Student t, 5 dof) with an exact B_simple."""
+    noise = rng.standard_t(5, size=(n, dim)) * rng.uniform(0.2, 2.0, size=dim)
+    noise -= noise.mean(0)
+    mean = rng.normal(size=dim)
+    mean *= (noise ** 2).sum(1).mean() ** 0.5 / b_simple ** 0.5 / (mean @ mean) ** 0.5
+    return mean + noise
+
+
+def _simulated_runs(rng, population, world_size: int, b: int, steps: int, repetitions: int):
+    """Per-step (|g_b|² mean over ranks, |G_B|²), epoch by epoch without replacement, as DDP draws them."""
+    n = len(population)
+    per_epoch = n // (world_size * b)
+    for _ in range(repetitions):
+        epochs = -(-steps // per_epoch)
+        order = [rng.permutation(n)[:per_epoch * world_size * b] for _ in range(epochs)]
+        batches = population[numpy.concatenate(order).reshape(-1, world_size, b)[:steps]].mean(axis=2)
+        yield list(zip((batches ** 2).sum(2).mean(1), (batches.mean(1) ** 2).sum(1)))
+
+
+def _delta_interval(g2s, traces, n_batches=20):
+    """The linearised (delta-method) interval the Fieller interval replaced, for comparison."""
+    steps = len(g2s)
+    ratio, size = sum(traces) / sum(g2s), steps // n_batches
+    residuals = [(sum(traces[i * size:(i + 1) * size]) - ratio * sum(g2s[i * size:(i + 1) * size])) / size
+                 for i in range(n_batches)]
+    mean = sum(residuals) / n_batches
+    half = est.t95(n_batches - 1) * (sum((r - mean) ** 2 for r in residuals) / (n_batches - 1) / n_batches) ** 0.5
+    return ratio - half / (sum(g2s) / steps), ratio + half / (sum(g2s) / steps)
+
+
+@pytest.mark.parametrize("b_simple, steps", [(200, 600), (300, 100)])
+def test_interval_covers_the_exact_value_when_b_simple_is_far_above_the_batch(b_simple, steps):
+    """200 simulated runs at global batch 16 (B_simple 12-19× larger): the 95% interval covers ≥ 90% of them."""
+    rng = numpy.random.default_rng(b_simple)
+    n, world_size, b = 4000, 2, 8
+    population = _population(rng, n, 30, b_simple)
+    g2, trace = _exact(torch.from_numpy(population))
+    exact = trace / g2
+    covered = delta_covered = bounded = 0
+    for pairs in _simulated_runs(rng, population, world_size, b, steps, repetitions=200):
+        estimates = [est.unbiased_estimates(s, g, b, world_size * b, n) for s, g in pairs]
+        g2s, traces = [e[0] for e in estimates], [e[1] for e in estimates]
+        low, high = est.summarize(g2s, traces).b_simple_ci95
+        covered += low <= exact <= high
+        bounded += math.isfinite(high)
+        delta_low, delta_high = _delta_interval(g2s, traces)
+        delta_covered += delta_low <= exact <= delta_high
+    assert covered >= 180
+    if steps == 600:
+        assert bounded >= 190  # the interval is finite: coverage is not bought with [X, ∞)
+    else:
+        assert delta_covered < 170  # where |G|² is barely resolved the delta method falls short
+
+
+def test_unresolved_g2_is_said_in_words_and_the_json_stays_standard(capsys, tmp_path):
+    from ddplab.commands import noise as command
+    from ddplab.noise_scale import NoiseConfig
+
+    rng = numpy.random.default_rng(0)
+    config = NoiseConfig(spec_path="x.py", world_size=2, per_device_batch_size=8, steps=40)
+    # |G|² = 0.1 against per-step noise of 5: not resolved; the mean estimate happens to be ≤ 0 or not.
+    for shift in (0.0, -1.0):
+        g2s = list(0.1 + shift + 5 * rng.standard_normal(40))
+        traces = list(50 + 5 * rng.standard_normal(40))
+        summary = est.summarize(g2s, traces)
+        assert summary.status == "g2_unresolved" and summary.b_simple_ci95[1] == math.inf
+        assert 0 < summary.b_simple_ci95[0] < 50 / 0.1
+        raw = {"summary": summary, "b_small": 8, "b_big": 16, "dataset_size": 500, "skipped_steps": 0,
+               "weights_moved": False, "lr": [0.0], "history": [{"step": 0, "b_simple_ema": math.inf}]}
+        report = command._report(config, raw)
+        json.dumps(report, allow_nan=False)
+        assert report["b_simple_ci95"][1] is None and report["b_simple_status"] == "g2_unresolved"
+        assert (report["b_simple"] is None) == (sum(g2s) <= 0)
+        command._print(report)
+        out = capsys.readouterr().out
+        assert "|G|² not resolved: B_simple >" in out and "inf" not in out
+        command._plot(report, str(tmp_path / "unresolved.png"))
+
+
+def _fit_no_b_simple():
+    # |G|² clearly positive, tr Σ clearly negative: no B_simple ≥ 0 fits.
+    return est.summarize([1.0, 1.1, 0.9, 1.0], [-5.0, -5.2, -4.8, -5.1])
+
+
+def test_one_measured_step_and_impossible_estimates_have_no_interval():
+    assert est.summarize([1.0], [3.0]).status == "no_interval"
+    assert _fit_no_b_simple().status == "inconsistent" and "sampling model" in _fit_no_b_simple().describe()
+
+
+@pytest.mark.timeout(120)
+def test_small_dataset_run_matches_the_exact_value_and_reports_its_setting(capsys):
+    """ddplab noise on 500 samples (2 ranks × 100): the interval covers B_simple from per-example gradients."""
+    g2, trace = _exact(_per_example_gradients(SMALL_DATA_SPEC, seed=1))
+    exact = trace / g2
+    out = _noise_json(capsys, SMALL_DATA_SPEC, 2, 100, 200, "--seed", "1")
+    json.dumps(out, allow_nan=False)
+    low, high = out["b_simple_ci95"]
+    assert low <= exact <= high and abs(out["b_simple"] - exact) <= high - low
+    assert out["g2"] == pytest.approx(g2, rel=(high - low) / exact)
+    textbook = _summarize([(r["g_small_sq"], r["g_big_sq"]) for r in out["per_step"]], 100, 200, None)
+    assert textbook.b_simple_ci95[0] > exact  # without the correction the run would miss
+    assert (out["dataset_size"], out["lr"], out["weights_moved"], out["skipped_steps"]) == (500, [0.0], False, 0)
+    # One measured step: said in words; trained weights are reported as moving.
+    assert main(["noise", os.path.join(ROOT, "tests", "specs", "correct.py"), "--batch-size", "8", "--steps", "5",
+                 "--every", "1000"]) == 0
+    text = capsys.readouterr().out
+    assert "no interval" in text and "weights move" in text and "lr 0.1" in text and "inf" not in text
+
+
+def test_sampler_seeds_give_unrelated_orders_in_every_epoch():
+    from ddplab import training
+
+    orders = {seed: [training.rank_indices(64, world_size=1, rank=0, seed=seed, epoch=e) for e in range(4)]
+              for seed in (1, 2)}
+    # DistributedSampler alone shuffles epoch e with seed + e: seed 2's epoch 0 would be seed 1's epoch 1.
+    assert not any(a == b for a in orders[1] for b in orders[2])
+    assert training.rank_indices(64, world_size=1, rank=0, seed=1, epoch=0) == orders[1][0]
+
+
+def test_a_non_finite_step_is_skipped_and_counted_on_one_process():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    gns = GradientNoiseScale(model, per_device_batch_size=2, accumulation_steps=2, every=1)
+    for step in range(4):
+        model.zero_grad()
+        x, y = torch.randn(4, 3), torch.randn(4, 1)
+        if step == 1:
+            x[0, 0] = math.inf
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            (torch.nn.functional.mse_loss(model(xs), ys) / 2).backward()
+        assert (gns.step() is None) == (step == 1)
+    assert gns.skipped_steps == 1 and [r.step for r in gns.history] == [0, 2, 3]
+    assert math.isfinite(gns.b_simple) and math.isfinite(gns.summary().b_simple)
+
+
+def _unpoisoned(gns) -> bool:
+    # An overflow let into the averages turns them into inf or NaN for good.
+    summary = gns.summary()
+    return math.isfinite(summary.g2) and math.isfinite(summary.trace_sigma) and not math.isnan(gns.b_simple)
+
+
+def _subgroup_runs(ctx):
+    """Two DDP models over subgroups {0, 1} and {2, 3}: with and without the noise scale, one overflowing step."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[ctx.rank // 2]
+    out = {}
+    for variant in ("plain", "comm_hook", "grad_hooks", "overflow"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
+        gns = None if variant == "plain" else GradientNoiseScale(
+            ddp, per_device_batch_size=8, every=1, via="grad_hooks" if variant == "overflow" else variant)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        generator = torch.Generator().manual_seed(ctx.rank)
+        for step in range(5):
+            x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            optimizer.zero_grad()
+            # An fp16-style overflow on one rank of each group at step 2; the step is skipped, as GradScaler would.
+            scale = math.inf if variant == "overflow" and step == 2 and ctx.rank % 2 == 0 else 1.0
+            (scale * torch.nn.functional.cross_entropy(ddp(x), y)).backward()
+            if gns:
+                gns.step()
+            if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                optimizer.step()
+        out[variant] = ([p.detach().clone() for p in model.parameters()],
+                        [(r.step, r.g_small_sq, r.g_big_sq) for r in gns.history] if gns else None,
+                        gns and (gns.world_size, gns.skipped_steps, _unpoisoned(gns)))
+        del ddp, gns, optimizer
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_subgroup_model_trains_identically_and_overflowing_steps_are_skipped():
+    results = launch(_subgroup_runs, LaunchConfig(world_size=4))
+    for rank, result in enumerate(results):
+        plain = result["plain"][0]
+        assert all(torch.equal(a, b) for a, b in zip(plain, result["comm_hook"][0])), f"rank {rank}: training changed"
+        assert result["comm_hook"][2][:2] == result["grad_hooks"][2][:2] == (2, 0)
+        for (_, small_a, big_a), (_, small_b, big_b) in zip(result["comm_hook"][1], result["grad_hooks"][1]):
+            assert small_a == pytest.approx(small_b, rel=1e-5) and big_a == pytest.approx(big_b, rel=1e-5)
+        assert result["overflow"][2] == (2, 1, True)
+        assert [r[0] for r in result["overflow"][1]] == [0, 1, 3, 4]
+        assert result["overflow"][1][:2] == result["grad_hooks"][1][:2]
+    # Each subgroup measures its own pair of ranks: the two groups' numbers differ, ranks within one agree.
+    assert results[0]["comm_hook"][1] == results[1]["comm_hook"][1] != results[2]["comm_hook"][1]

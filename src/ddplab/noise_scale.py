@@ -5,6 +5,10 @@ reduced, it holds the averaged one (batch W·b). The two squared norms give unbi
 tr(Σ) every measured step, for one extra all-reduce of two scalars. Training is unchanged:
 DDP's own reduction is left alone, or, on the comm-hook path, reproduced bit for bit.
 
+Batches drawn without replacement from a dataset of N examples (one shuffled pass per epoch)
+make a batch mean less noisy than N = ∞ predicts; pass ``dataset_size=len(dataset)`` to correct
+for it (noise_estimators explains the estimators, the 1/N convention for Σ and the interval).
+
     gns = GradientNoiseScale(ddp_model, per_device_batch_size=64)   # measures every 4th step
     for batch in loader:
         loss_fn(ddp_model(x), y).backward()
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sys
 
 import torch
@@ -63,12 +68,22 @@ class GradientNoiseScale:
         every: measure every K-th optimizer step (default 4: ≤ 1% of a step on the 10M-parameter
             CPU benchmark, ~5% when measuring every step); the others cost nothing but the hook calls.
         ema_decay: decay of the running averages behind ``b_simple``.
+        process_group: the group DDP reduces over; default the DDP model's own ``process_group``.
         via: "auto", "grad_hooks" or "comm_hook" (see above).
+        dataset_size: N, when each epoch draws the batches without replacement from N examples
+            (a shuffled sampler): corrects |G|² and tr Σ for it. Leave None for sampling with
+            replacement or a stream; on a finite dataset B_simple then reads high by about B_simple/N.
+
+    A measured step whose norms are not finite (an fp16 GradScaler overflow, a NaN loss) is left
+    out of every average and counted in ``skipped_steps``; every rank sees the same reduced
+    norms, so all skip together. With GradScaler the norms are in scaled units; B_simple is not.
     """
 
     def __init__(self, ddp_model, *, per_device_batch_size: int, accumulation_steps: int = 1, comm_hook=None,
-                 state=None, every: int = 4, ema_decay: float = 0.95, process_group=None, via: str = "auto"):
-        self.group = process_group or (dist.group.WORLD if dist.is_initialized() else None)
+                 state=None, every: int = 4, ema_decay: float = 0.95, process_group=None, via: str = "auto",
+                 dataset_size: int | None = None):
+        # A DDP model over a subgroup reduces over that group, not WORLD; a plain module is one process.
+        self.group = process_group or getattr(ddp_model, "process_group", None)
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         _validate(self.world_size, per_device_batch_size, accumulation_steps, every)
@@ -80,8 +95,11 @@ class GradientNoiseScale:
             # Accumulated micro-batches make the synchronising gradient one over A·b samples.
             self.b_small = per_device_batch_size * accumulation_steps
             self.b_big = self.world_size * self.b_small
+        if dataset_size is not None and dataset_size < max(self.b_big, 2):
+            raise ValueError(f"dataset_size {dataset_size} is smaller than the batch of {self.b_big} it must supply")
+        self.dataset_size = dataset_size
         self.every, self.comm_hook, self.user_state = every, comm_hook, state
-        self.steps, self.history = 0, []
+        self.steps, self.skipped_steps, self.history = 0, 0, []
         self._ema_g2, self._ema_trace = est.Ema(ema_decay), est.Ema(ema_decay)
         self._ddp = ddp_model
         self._params = [p for p in ddp_model.parameters() if p.requires_grad]
@@ -136,14 +154,19 @@ class GradientNoiseScale:
         """Close one optimizer step: call after backward, before the optimizer touches the gradients.
 
         On measured steps this reads the averaged gradient and makes one small all-reduce.
+        Returns the step's estimate; None on unmeasured and skipped (non-finite) steps.
         """
         measured = self.measuring
         self.steps += 1
         if not measured:
             return None
         g_small_sq, g_big_sq = self._micro_step_norms() if self.via == "micro_steps" else self._rank_norms()
-        g2, trace = est.unbiased_estimates(g_small_sq, g_big_sq, self.b_small, self.b_big)
-        ema = self._ema_trace.update(trace) / self._ema_g2.update(g2)
+        # One overflowed step would make every later average inf or NaN: leave it out, count it.
+        if not (math.isfinite(g_small_sq) and math.isfinite(g_big_sq)):
+            self.skipped_steps += 1
+            return None
+        g2, trace = est.unbiased_estimates(g_small_sq, g_big_sq, self.b_small, self.b_big, self.dataset_size)
+        ema = _ratio(self._ema_trace.update(trace), self._ema_g2.update(g2))
         record = StepEstimate(self.steps - 1, g_small_sq, g_big_sq, g2, trace, ema)
         self.history.append(record)
         return record
@@ -175,12 +198,14 @@ class GradientNoiseScale:
 
     @property
     def b_simple(self) -> float:
-        """Running B_simple = EMA(tr Σ) / EMA(|G|²)."""
-        return self._ema_trace.get() / self._ema_g2.get()
+        """Running B_simple = EMA(tr Σ) / EMA(|G|²); math.inf while EMA(|G|²) ≤ 0, NaN before the first step."""
+        return _ratio(self._ema_trace.get(), self._ema_g2.get())
 
     def summary(self, last: int | None = None) -> est.Summary:
-        """B_simple over the measured steps (the last ``last`` of them), with a 95% interval."""
+        """B_simple over the measured steps (the last ``last`` of them), with Fieller's 95% interval."""
         window = self.history[-last:] if last else self.history
+        if not window:
+            raise ValueError(f"no finite measured steps to summarize ({self.skipped_steps} skipped as non-finite)")
         return est.summarize([r.g2 for r in window], [r.trace_sigma for r in window])
 
 
@@ -206,6 +231,11 @@ def _choose_path(via: str, comm_hook, ddp_model, world_size: int) -> str:
     if via != "auto":
         return via
     return "comm_hook" if comm_hook is not None or bucket_view else "grad_hooks"
+
+
+def _ratio(trace: float, g2: float) -> float:
+    # |G|² ≤ 0 is "not resolved yet", not a negative noise scale.
+    return max(trace, 0.0) / g2 if g2 > 0 else (math.nan if math.isnan(g2) else math.inf)
 
 
 def _first_tensor(future):
@@ -274,8 +304,9 @@ def _measure_on_rank(ctx, config: NoiseConfig, facts):
     model = training.seeded_model(spec, config.seed, device=ctx.device)
     ddp = training.wrap_ddp(model, ctx, facts)
     gns = GradientNoiseScale(ddp, per_device_batch_size=config.per_device_batch_size, every=config.every,
-                             accumulation_steps=config.accumulation_steps)
+                             accumulation_steps=config.accumulation_steps, dataset_size=len(dataset))
     optimizer = spec.optimizer(ddp.parameters())
+    start = [p.detach().clone() for p in model.parameters()]
     with _progress(ctx.is_main and config.progress, config.steps) as advance:
         for step in range(config.steps):
             optimizer.zero_grad(set_to_none=True)
@@ -283,8 +314,13 @@ def _measure_on_rank(ctx, config: NoiseConfig, facts):
             gns.step()
             optimizer.step()
             advance(gns.b_simple)
+    # Weights that move make B_simple an average over the trajectory, not one point's value.
+    moved = any(not torch.equal(a, p.detach()) for a, p in zip(start, model.parameters()))
+    lrs = sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})
     return {"history": [dataclasses.asdict(r) for r in gns.history], "summary": gns.summary(),
-            "b_small": gns.b_small, "b_big": gns.b_big} if ctx.is_main else None
+            "b_small": gns.b_small, "b_big": gns.b_big, "dataset_size": len(dataset),
+            "skipped_steps": gns.skipped_steps, "weights_moved": moved,
+            "lr": lrs} if ctx.is_main else None
 
 
 def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, step: int) -> None:

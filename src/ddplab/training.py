@@ -22,9 +22,24 @@ from ddplab.launch import LaunchConfig, LaunchError, RankContext, launch, under_
 from ddplab.spec import UNUSED_PARAMETERS_MARK, Spec, SpecError, describe, shown_path
 
 
+def sampler_seed(seed: int) -> int:
+    """The DistributedSampler seed for a run's ``seed``: splitmix64-mixed, below 2**62.
+
+    The sampler shuffles epoch e with seed + e, so raw seeds 1 and 2 would share all but one
+    epoch's order; mixed seeds lie far apart and give unrelated orders in every epoch.
+    """
+    mask = (1 << 64) - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    # Headroom below torch's 2**64 seed limit for the epochs added to it.
+    return (z ^ (z >> 31)) >> 2
+
+
 def rank_indices(dataset_size: int, *, world_size: int, rank: int, seed: int, epoch: int) -> list[int]:
-    """What DistributedSampler (shuffled, padded) yields to ``rank`` in ``epoch``."""
-    sampler = DistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    """What DistributedSampler (shuffled, padded) yields to ``rank`` in ``epoch`` of the run with ``seed``."""
+    sampler = DistributedSampler(range(dataset_size), num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=sampler_seed(seed))
     sampler.set_epoch(epoch)
     return list(sampler)
 
