@@ -279,7 +279,7 @@ def _supervise(processes: list, config: LaunchConfig, workdir: str) -> None:
             raise _stopped_answering(processes, errors, config, workdir)
         if deadline is not None and now >= deadline:
             alive = [r for r, p in enumerate(processes) if p.exitcode is None]
-            raise LaunchError(f"ranks {alive} still running after the {config.deadline_s:g} s deadline (--deadline); "
+            raise LaunchError(f"{_ranks(alive)} still running after the {config.deadline_s:g} s deadline (--deadline); "
                               "stopped them", rank=alive[0] if alive else None)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -249,12 +250,15 @@ class NoiseConfig:
 
 def measure_spec(config: NoiseConfig, launch_config=None) -> dict:
     """Train the spec on ``world_size`` ranks with the noise scale attached; rank 0's report."""
-    from ddplab.launch import LaunchConfig, launch
+    from ddplab.launch import LaunchConfig, LaunchError, launch
     from ddplab.spec import load_spec
 
     load_spec(config.spec_path)  # fail fast in the parent, before any rank starts
     launch_config = launch_config or LaunchConfig(world_size=config.world_size)
-    return launch(_measure_on_rank, launch_config, config)[0]
+    try:
+        return launch(_measure_on_rank, launch_config, config)[0]
+    except LaunchError as exc:
+        return _partial_report(exc)
 
 
 def _measure_on_rank(ctx, config: NoiseConfig):
@@ -270,6 +274,7 @@ def _measure_on_rank(ctx, config: NoiseConfig):
     gns = GradientNoiseScale(ddp, per_device_batch_size=config.per_device_batch_size, every=config.every,
                              accumulation_steps=config.accumulation_steps)
     optimizer = spec.optimizer(ddp.parameters())
+    publish = _Publisher(ctx, gns)
     with _progress(ctx.is_main and config.progress, config.steps) as advance:
         for step in range(config.steps):
             optimizer.zero_grad(set_to_none=True)
@@ -277,8 +282,13 @@ def _measure_on_rank(ctx, config: NoiseConfig):
             gns.step()
             optimizer.step()
             advance(gns.b_simple)
+            publish(completed_steps=step + 1)
+    return _rank_report(gns, completed_steps=config.steps) if ctx.is_main else None
+
+
+def _rank_report(gns: GradientNoiseScale, *, completed_steps: int) -> dict:
     return {"history": [dataclasses.asdict(r) for r in gns.history], "summary": gns.summary(),
-            "b_small": gns.b_small, "b_big": gns.b_big} if ctx.is_main else None
+            "b_small": gns.b_small, "b_big": gns.b_big, "completed_steps": completed_steps}
 
 
 def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, step: int) -> None:
@@ -294,6 +304,31 @@ def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, step: int) -> None
         context = ddp.no_sync() if micro < accumulation - 1 else contextlib.nullcontext()
         with context:
             (spec.step(ddp, training.collate(dataset, indices, ctx.device), spec.loss) / accumulation).backward()
+
+
+# --- partial results: what a run stopped by --deadline or a failing rank had measured ---
+
+class _Publisher:
+    """Rank 0 checkpoints its report so far: at the first measured step, then at most once a second."""
+
+    def __init__(self, ctx, gns: GradientNoiseScale, interval_s: float = 1.0):
+        self.ctx, self.gns, self.interval_s, self.last = ctx, gns, interval_s, None
+
+    def __call__(self, *, completed_steps: int) -> None:
+        if not self.ctx.is_main or not self.gns.history:
+            return
+        now = time.monotonic()
+        if self.last is None or now - self.last >= self.interval_s:
+            self.ctx.checkpoint(_rank_report(self.gns, completed_steps=completed_steps))
+            self.last = now
+
+
+def _partial_report(exc) -> dict:
+    """Rank 0's last checkpoint, marked with why the run stopped; re-raises when there is none."""
+    partial = exc.partial.get(0)
+    if partial is None:
+        raise exc
+    return {**partial, "stopped": str(exc)}
 
 
 class _progress:

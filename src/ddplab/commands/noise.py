@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ddplab import render
-from ddplab.commands import positive_int
+from ddplab.commands import add_launch_flags, launch_config, positive_int
 
 DESCRIPTION = """\
 Train SPEC.py on W DDP ranks and measure the gradient noise scale B_simple = tr(Σ)/|G|²
@@ -33,6 +34,7 @@ def add_parser(subparsers) -> None:
                         help="measure every K-th step (default 1 here; the library defaults to 4 inside training)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
+    add_launch_flags(parser)
     parser.set_defaults(run=run)
 
 
@@ -43,14 +45,14 @@ def run(args: argparse.Namespace) -> int:
 
     config = NoiseConfig(spec_path=args.spec, world_size=args.world_size, per_device_batch_size=args.batch_size,
                          steps=args.steps, seed=args.seed, every=args.every, accumulation_steps=args.accumulation)
-    report = _report(config, measure_spec(config))
+    report = _report(config, measure_spec(config, launch_config(args, args.world_size)))
     if args.plot:
         _plot(report, args.plot)
     if args.json:
         render.print_json(report)
     else:
         _print(report)
-    return 0
+    return _stopped_early(report)
 
 
 def _report(config, raw: dict) -> dict:
@@ -66,7 +68,17 @@ def _report(config, raw: dict) -> dict:
         "accumulation_steps": config.accumulation_steps, "global_batch_size": global_batch, "steps_factor": summary.steps_factor(global_batch),
         "adascale_scale": scale, "adascale_gain": gain, "adascale_lr_multiplier": gain, "b_small": raw["b_small"],
         "per_step": raw["history"],
+        "completed_steps": raw["completed_steps"], "stopped_early": raw.get("stopped"),
     }
+
+
+def _stopped_early(report: dict) -> int:
+    """Exit code 1, with the reason on stderr, when the figures cover only part of the run."""
+    if report["stopped_early"] is None:
+        return 0
+    print(f"ddplab: stopped early: the figures cover the first {report['completed_steps']} of {report['steps']} "
+          f"steps. {report['stopped_early']}", file=sys.stderr)
+    return 1
 
 
 def _print(report: dict) -> None:
