@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -254,3 +255,42 @@ def test_noise_past_its_deadline_reports_what_it_measured(capsys):
     assert [r["step"] for r in report["per_step"]] == list(range(done))
     summary = est.summarize([r["g2"] for r in report["per_step"]], [r["trace_sigma"] for r in report["per_step"]])
     assert report["b_simple"] == pytest.approx(summary.b_simple) and report["measured_steps"] == done
+
+
+def _say_pid_then_sleep(ctx, out):
+    with open(os.path.join(out, f"pid-{ctx.rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_the_callers_sigterm_handler_runs_once_the_ranks_are_stopped(tmp_path, monkeypatch):
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir()
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    pid_files = [out / f"pid-{r}" for r in range(2)]
+
+    def ranks():
+        return [int(path.read_text()) for path in pid_files if path.exists() and path.read_text()]
+
+    seen = []
+
+    def callers_handler(signum, frame):
+        seen.append((signum, [pid for pid in ranks() if _alive(pid)], list(tmp.iterdir())))
+
+    def signal_when_started():
+        while len(ranks()) < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        threading.Thread(target=signal_when_started, daemon=True).start()
+        with pytest.raises(LaunchError, match="cancelled by SIGTERM"):
+            launch(_say_pid_then_sleep, LaunchConfig(world_size=2), str(out))
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # Delivered once, after every rank ended and the launch directory was gone.
+    assert seen == [(signal.SIGTERM, [], [])]

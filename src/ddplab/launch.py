@@ -340,13 +340,12 @@ def _stack(process, path: str) -> str:
 
 def _user_frames(dump: str) -> str:
     """The main thread's frames above the launch layer's own (faulthandler lists the innermost first)."""
-    frames = []
-    for line in dump.splitlines():
-        if "in _rank_entry" in line:
-            break
-        if line.startswith("  File"):
-            frames.append(line)
-    return "\n".join(frames)
+    for block in dump.split("\n\n"):
+        lines = [line for line in block.splitlines() if line.startswith("  File")]
+        ends = [i for i, line in enumerate(lines) if line.endswith("in _rank_entry")]
+        if ends:
+            return "\n".join(lines[:ends[0]])
+    return ""
 
 
 def _stop(processes: list) -> None:
