@@ -364,12 +364,17 @@ def _stop(processes: list) -> None:
 
 
 def _errors(workdir: str, world_size: int) -> dict[int, dict]:
-    return {r: _load(_path(workdir, "error", r)) for r in range(world_size) if os.path.exists(_path(workdir, "error", r))}
+    """Each failed rank's traceback, when it failed and whether in a collective."""
+    return _saved(workdir, "error", world_size)
 
 
 def _partials(workdir: str, world_size: int) -> dict[int, Any]:
-    return {r: _load(_path(workdir, "partial", r)) for r in range(world_size)
-            if os.path.exists(_path(workdir, "partial", r))}
+    return _saved(workdir, "partial", world_size)
+
+
+def _saved(workdir: str, kind: str, world_size: int) -> dict[int, Any]:
+    paths = {r: _path(workdir, kind, r) for r in range(world_size)}
+    return {r: _load(path) for r, path in paths.items() if os.path.exists(path)}
 
 
 def _path(workdir: str, kind: str, rank: int, ext: str = "pkl") -> str:
