@@ -90,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as exc:
+        # A failed launch says which rank failed and why; the parent's own traceback adds nothing.
+        launch = sys.modules.get("ddplab.launch")
+        if launch is None or not isinstance(exc, launch.LaunchError):
+            raise
+        print(f"ddplab: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,19 +4,28 @@ Every ddplab feature that runs DDP goes through :func:`launch`. On CPU it forks 
 the already-imported parent (about 0.2 s for 8 ranks instead of ~15 s of spawning), with
 gloo; with one GPU per rank it spawns them and uses NCCL; under torchrun (``RANK`` and
 ``WORLD_SIZE`` set) it runs the function once in this process, in torchrun's group.
+
+While ranks run, SIGTERM, SIGINT and SIGHUP (those the parent does not ignore) cancel the
+launch: the ranks are stopped, the launch directory removed, and the signal is then
+delivered again under the caller's own handler (by default the process ends with it). Ranks
+die with the parent even when it is SIGKILLed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import gc
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -24,17 +33,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+CANCEL_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_GRACE_S = 1.0
+"""How long a stopped rank gets between SIGTERM and SIGKILL."""
+CULPRIT_GRACE_S = 5.0
+"""After a collective times out, how long the other ranks get to time out too before the ones
+that did not are named as having stopped answering (at most the collective timeout)."""
 
 
 class LaunchError(RuntimeError):
-    """A rank raised, died or outlived the launch deadline."""
+    """A rank raised, died, stopped answering, or the launch outlived its deadline.
 
-    def __init__(self, message: str, *, rank: int | None = None):
+    ``rank`` is the rank to blame (None when there is none); ``partial`` maps a rank to the last
+    object it published with :meth:`RankContext.checkpoint`, so a caller can report what was
+    measured before the run stopped.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, partial: dict[int, Any] | None = None):
         super().__init__(message)
         self.rank = rank
+        self.partial = partial or {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,17 +66,20 @@ class LaunchConfig:
     backend: str | None = None
     """'gloo' or 'nccl'; None picks NCCL when every rank has its own GPU, else gloo."""
     pg_timeout_s: float = 60.0
-    """Process-group timeout: a collective that does not complete raises after this."""
-    deadline_s: float = 600.0
-    """Overall deadline for the launch; ranks still alive after it are killed."""
+    """Process-group timeout (--timeout): a collective that does not complete raises after this."""
+    deadline_s: float | None = None
+    """Wall-clock limit for the whole launch (--deadline); ranks still running after it are
+    stopped. None: no limit (cancel with a signal)."""
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"--world-size must be at least 1, got {self.world_size}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"--backend must be gloo or nccl, got {self.backend!r}")
-        if self.pg_timeout_s <= 0 or self.deadline_s <= 0:
-            raise ValueError("timeouts must be positive")
+        if not self.pg_timeout_s > 0:
+            raise ValueError(f"--timeout must be positive, got {self.pg_timeout_s}")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError(f"--deadline must be positive, got {self.deadline_s}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +91,8 @@ class RankContext:
     world_size: int
     backend: str
     device: torch.device
+    workdir: str | None = dataclasses.field(default=None, repr=False)
+    """The launch directory (None under torchrun)."""
 
     @property
     def is_main(self) -> bool:
@@ -77,6 +102,16 @@ class RankContext:
     def device_ids(self) -> list[int] | None:
         """What DistributedDataParallel's ``device_ids`` wants for this rank."""
         return [self.device.index] if self.device.type == "cuda" else None
+
+    def checkpoint(self, partial: Any) -> None:
+        """Publish this rank's latest partial result (picklable), replacing the previous one.
+
+        If the launch fails or outlives its deadline, :class:`LaunchError` carries it in
+        ``partial``. Each call pickles ``partial`` to a file: call it at most every second or so.
+        Under torchrun there is no launch directory and this does nothing.
+        """
+        if self.workdir is not None:
+            _save(os.path.join(self.workdir, f"partial-{self.rank}.pkl"), partial)
 
 
 def under_torchrun() -> bool:
@@ -100,42 +135,116 @@ def launch(fn: Callable[..., Any], config: LaunchConfig, *args: Any) -> list[Any
 
     Under torchrun only this process's result is returned (a one-element list); the
     function must use collectives for anything rank 0 needs from the others.
+
+    Raises:
+        LaunchError: a rank raised, died or stopped answering, or the deadline passed.
+        ValueError: CPU ranks would be forked from a process that has initialised CUDA.
     """
     if under_torchrun():
         return [_run_in_torchrun_group(fn, config, args)]
     backend = config.backend or ("nccl" if gpus_for(config.world_size) else "gloo")
-    workdir = tempfile.mkdtemp(prefix="ddplab-launch-")
-    try:
-        _start_and_join(fn, config, backend, workdir, args)
-        return [_load(os.path.join(workdir, f"result-{r}.pkl")) for r in range(config.world_size)]
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _start_and_join(fn, config: LaunchConfig, backend: str, workdir: str, args) -> None:
     # CUDA cannot survive a fork, and a spawned child re-imports everything anyway.
     start_method = "spawn" if backend == "nccl" else "fork"
     if start_method == "fork":
+        _refuse_fork_after_cuda()
+    with _CancelOnSignals():
+        workdir = tempfile.mkdtemp(prefix="ddplab-launch-")
+        try:
+            _start_and_join(fn, config, backend, start_method, workdir, args)
+            return [_load(_path(workdir, "result", r)) for r in range(config.world_size)]
+        except LaunchError as exc:
+            # The ranks are stopped by now: their last checkpoints are final.
+            exc.partial = _partials(workdir, config.world_size)
+            raise
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _refuse_fork_after_cuda() -> None:
+    if torch.cuda.is_initialized():
+        raise ValueError(
+            "CUDA is already initialised in this process, and CPU ranks forked from it would crash: "
+            "launch the ranks before anything touches CUDA (e.g. a spec that allocates on the GPU at import), "
+            "or give every rank a GPU of its own (NCCL ranks are spawned, not forked)")
+
+
+class _Cancelled(BaseException):
+    """A cancelling signal arrived while ranks ran (BaseException: no ``except Exception`` swallows it)."""
+
+
+# The handlers a launch replaced; a forked rank puts them back before running anything.
+_replaced_handlers: dict[int, Any] = {}
+
+
+class _CancelOnSignals:
+    """While ranks run, turn SIGTERM/SIGINT/SIGHUP into a cancellation that stops them first.
+
+    The handler only records the signal; the supervising loop notices it within 0.1 s, stops
+    the ranks and removes the launch directory, and on exit the signal is raised again under
+    the handler it had before, so the caller sees exactly what it would have without us
+    (SIG_DFL: the process ends by that signal, exit status 128+signum in a shell).
+    """
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.previous: dict[int, Any] = {}
+        self.received: int | None = None
+
+    def __enter__(self) -> "_CancelOnSignals":
+        # Python delivers signals to the main thread only; elsewhere leave dispositions alone.
+        if threading.current_thread() is threading.main_thread():
+            for signum in CANCEL_SIGNALS:
+                current = signal.getsignal(signum)
+                # An ignored signal (nohup's SIGHUP, SIGINT in a background job) stays ignored.
+                if current not in (signal.SIG_IGN, None):
+                    self.previous[signum] = signal.signal(signum, self._handle)
+        _replaced_handlers.clear()
+        _replaced_handlers.update(self.previous)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.owner:
+            # A rank forked a moment ago that has not restored its handlers yet.
+            signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        if self.received is None:
+            self.received = signum
+            _cancel_requested.set()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        _replaced_handlers.clear()
+        _cancel_requested.clear()
+        if self.received is None:
+            return
+        name = signal.Signals(self.received).name
+        signal.raise_signal(self.received)
+        # The caller's handler returned instead of ending the process or raising.
+        raise LaunchError(f"launch cancelled by {name}; stopped every rank") from None
+
+
+# Set by the signal handler, read by the supervising loop.
+_cancel_requested = threading.Event()
+
+
+def _start_and_join(fn, config: LaunchConfig, backend: str, start_method: str, workdir: str, args) -> None:
+    if start_method == "fork":
         _prepare_parent_for_fork()
-    context = mp.start_processes(
-        _rank_entry,
-        args=(fn, args, config, backend, workdir),
-        nprocs=config.world_size,
-        join=False,
-        start_method=start_method,
-    )
-    deadline = time.monotonic() + config.deadline_s
+    context = multiprocessing.get_context(start_method)
+    processes = []
     try:
-        while not context.join(timeout=0.1, grace_period=2.0):
-            if time.monotonic() > deadline:
-                alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
-                raise LaunchError(
-                    f"ranks {alive} still running after the {config.deadline_s:.0f} s launch "
-                    "deadline; killed them", rank=alive[0] if alive else None)
-    except mp.ProcessExitedException as exc:
-        raise _rank_failure(workdir, exc.error_index, str(exc)) from None
+        for rank in range(config.world_size):
+            process = context.Process(target=_rank_entry, args=(rank, fn, args, config, backend, workdir, os.getpid()),
+                                      name=f"ddplab-rank-{rank}")
+            process.start()
+            processes.append(process)
+        _supervise(processes, config, workdir)
     finally:
-        _kill_all(context)
+        _stop(processes)
+        if start_method == "fork":
+            gc.unfreeze()
 
 
 def _prepare_parent_for_fork() -> None:
@@ -148,45 +257,172 @@ def _prepare_parent_for_fork() -> None:
     gc.freeze()
 
 
-def _kill_all(context) -> None:
-    for process in context.processes:
-        if process.is_alive():
-            # A rank hung in C++ ignores SIGTERM and the parent-death signal alike.
-            os.kill(process.pid, signal.SIGKILL)
-        process.join(timeout=5)
-    gc.unfreeze()
+def _supervise(processes: list, config: LaunchConfig, workdir: str) -> None:
+    """Wait until every rank returned; raise on the first failure, the deadline or a signal."""
+    deadline = None if config.deadline_s is None else time.monotonic() + config.deadline_s
+    grace_until = None
+    while True:
+        running = [p.sentinel for p in processes if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running, timeout=0.1)
+        if _cancel_requested.is_set():
+            raise _Cancelled()
+        errors = _errors(workdir, len(processes))
+        _raise_if_died_or_raised(processes, errors, workdir)
+        if all(p.exitcode == 0 for p in processes):
+            return
+        now = time.monotonic()
+        if errors and grace_until is None:
+            # A collective failed: give the peers waiting in it the time to time out too.
+            grace_until = now + min(CULPRIT_GRACE_S, config.pg_timeout_s)
+        if grace_until is not None and now >= grace_until:
+            raise _stopped_answering(processes, errors, config, workdir)
+        if deadline is not None and now >= deadline:
+            alive = [r for r, p in enumerate(processes) if p.exitcode is None]
+            raise LaunchError(f"{_ranks(alive)} still running after the {config.deadline_s:g} s deadline (--deadline); "
+                              "stopped them", rank=alive[0] if alive else None)
 
 
-def _rank_failure(workdir: str, first_rank: int, fallback: str) -> LaunchError:
-    # The first rank seen to fail, if it left no traceback, died (a signal, os._exit): that is the cause.
-    if not os.path.exists(os.path.join(workdir, f"error-{first_rank}.txt")):
-        return LaunchError(f"rank {first_rank} died: {fallback.strip()}", rank=first_rank)
-    paths = [os.path.join(workdir, name) for name in os.listdir(workdir) if name.startswith("error-")]
-    # Else the earliest traceback; later ones are usually peers losing their connection.
-    path = min(paths, key=os.path.getmtime)
-    rank = int(os.path.basename(path)[len("error-"):-len(".txt")])
-    with open(path) as fh:
-        return LaunchError(f"rank {rank} raised:\n{fh.read()}", rank=rank)
+def _raise_if_died_or_raised(processes: list, errors: dict, workdir: str) -> None:
+    for rank, process in enumerate(processes):
+        if rank in errors or process.exitcode is None:
+            continue
+        if process.exitcode < 0:
+            raise LaunchError(f"rank {rank} died: terminated with signal {signal.Signals(-process.exitcode).name}",
+                              rank=rank)
+        if process.exitcode > 0 or not os.path.exists(_path(workdir, "result", rank)):
+            raise LaunchError(f"rank {rank} died: exited with code {process.exitcode} without a result", rank=rank)
+    # A collective failure is a consequence; an exception of any other kind is a cause.
+    causes = {r: e for r, e in errors.items() if not e["collective"]}
+    if causes:
+        rank = min(causes, key=lambda r: causes[r]["time"])
+        raise LaunchError(f"rank {rank} raised:\n{causes[rank]['traceback']}", rank=rank)
 
 
-def _rank_entry(local_rank: int, fn, args, config: LaunchConfig, backend: str, workdir: str):
+def _stopped_answering(processes: list, errors: dict, config: LaunchConfig, workdir: str) -> LaunchError:
+    """Blame the ranks that did not fail in the collective the others timed out in."""
+    first = min(errors, key=lambda r: errors[r]["time"])
+    culprits = [r for r in range(len(processes)) if r not in errors]
+    if not culprits:
+        # Every rank waited (mismatched collectives): report the first failure as it is.
+        return LaunchError(f"rank {first} raised:\n{errors[first]['traceback']}", rank=first)
+    waiting = _ranks(sorted(errors))
+    reason = errors[first]["traceback"].strip().splitlines()[-1]
+    parts = [f"{_ranks(culprits)} stopped answering: {waiting} waited in a collective and failed "
+             f"(--timeout {config.pg_timeout_s:g} s): {reason}"]
+    for rank in culprits:
+        if processes[rank].exitcode == 0:
+            parts.append(f"rank {rank} had returned without joining that collective")
+        else:
+            stack = _stack(processes[rank], _path(workdir, "stack", rank, ext="txt"))
+            parts.append(f"rank {rank} was still busy" + (f" in:\n{stack}" if stack else ""))
+    return LaunchError("\n".join(parts), rank=culprits[0])
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _stack(process, path: str) -> str:
+    """A live rank's Python stack, dumped by faulthandler on SIGUSR1 (empty if it cannot say)."""
+    try:
+        os.kill(process.pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return ""
+    for _ in range(20):
+        time.sleep(0.05)
+        with open(path) as fh:
+            text = fh.read()
+        if text.strip():
+            return _user_frames(text)
+    return ""
+
+
+def _user_frames(dump: str) -> str:
+    """The main thread's frames above the launch layer's own (faulthandler lists the innermost first)."""
+    for block in dump.split("\n\n"):
+        lines = [line for line in block.splitlines() if line.startswith("  File")]
+        ends = [i for i, line in enumerate(lines) if line.endswith("in _rank_entry")]
+        if ends:
+            return "\n".join(lines[:ends[0]])
+    return ""
+
+
+def _stop(processes: list) -> None:
+    """SIGTERM every live rank, SIGKILL what is left after a short grace, reap them all."""
+    for process in processes:
+        if process.exitcode is None:
+            process.terminate()
+    end = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, end - time.monotonic()))
+    for process in processes:
+        if process.exitcode is None:
+            # A rank whose own code handles SIGTERM may be stuck in C++ and never run the handler.
+            process.kill()
+        process.join(5)
+
+
+def _errors(workdir: str, world_size: int) -> dict[int, dict]:
+    """Each failed rank's traceback, when it failed and whether in a collective."""
+    return _saved(workdir, "error", world_size)
+
+
+def _partials(workdir: str, world_size: int) -> dict[int, Any]:
+    return _saved(workdir, "partial", world_size)
+
+
+def _saved(workdir: str, kind: str, world_size: int) -> dict[int, Any]:
+    paths = {r: _path(workdir, kind, r) for r in range(world_size)}
+    return {r: _load(path) for r, path in paths.items() if os.path.exists(path)}
+
+
+def _path(workdir: str, kind: str, rank: int, ext: str = "pkl") -> str:
+    return os.path.join(workdir, f"{kind}-{rank}.{ext}")
+
+
+def _rank_entry(rank: int, fn, args, config: LaunchConfig, backend: str, workdir: str, parent_pid: int):
+    _die_with_parent(parent_pid)
+    for signum, previous in _replaced_handlers.items():
+        signal.signal(signum, previous)
     if backend == "gloo":
         # Forked children deadlock in an inherited intra-op thread pool; one thread each.
         torch.set_num_threads(1)
+    # On SIGUSR1 the parent gets this rank's stack, to say where a rank that stopped answering is.
+    stack_file = open(_path(workdir, "stack", rank, ext="txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
-        ctx = _init_group(local_rank, local_rank, config.world_size, backend, config,
+        ctx = _init_group(rank, rank, config.world_size, backend, config, workdir=workdir,
                           store=dist.FileStore(os.path.join(workdir, "store"), config.world_size))
         result = fn(ctx, *args)
-        _save(os.path.join(workdir, f"result-{local_rank}.pkl"), result)
-    except BaseException:
-        with open(os.path.join(workdir, f"error-{local_rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
+        _save(_path(workdir, "result", rank), result)
+    except BaseException as exc:
+        _save(_path(workdir, "error", rank), {"traceback": traceback.format_exc(), "time": time.time(),
+                                              "collective": _is_collective_failure(exc)})
         sys.stderr.flush()
-        # Skip teardown: a group whose peer failed can hang in its destructor.
-        os._exit(1)
+        # Wait to be stopped: exiting would break the peers' connections and hide who failed first.
+        while True:
+            time.sleep(60)
     # fn's frame, and with it every DDP model and optimizer, is gone by now.
     del result, ctx
     teardown()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # SIGKILL, not torch's SIGINT: a parent started with SIGINT ignored would orphan its ranks.
+    if sys.platform == "linux":
+        from torch.multiprocessing import _prctl_pr_set_pdeathsig
+
+        _prctl_pr_set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """A collective that timed out or lost a peer: the symptom of another rank's failure, not a cause."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("timed out", "timeout", "connection closed", "connection reset"))
 
 
 def _run_in_torchrun_group(fn, config: LaunchConfig, args):
@@ -211,7 +447,7 @@ def _device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _init_group(rank, local_rank, world_size, backend, config: LaunchConfig, store) -> RankContext:
+def _init_group(rank, local_rank, world_size, backend, config: LaunchConfig, store, workdir=None) -> RankContext:
     device = _device(backend, local_rank)
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -220,7 +456,7 @@ def _init_group(rank, local_rank, world_size, backend, config: LaunchConfig, sto
     dist.init_process_group(backend, store=store, rank=rank if store else -1, world_size=world_size if store else -1,
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     return RankContext(rank=rank, local_rank=local_rank, world_size=world_size,
-                       backend=backend, device=device)
+                       backend=backend, device=device, workdir=workdir)
 
 
 def teardown() -> None:

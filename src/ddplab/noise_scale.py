@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -280,10 +281,11 @@ class NoiseConfig:
 def measure_spec(config: NoiseConfig, launch_config=None) -> dict | None:
     """Train the spec on ``world_size`` ranks with the noise scale attached; rank 0's report.
 
-    Under torchrun every rank calls this: rank 0 returns the report, the others None.
+    Under torchrun every rank calls this: rank 0 returns the report, the others None. A run
+    stopped early (``--deadline``, a failing rank) returns rank 0's last checkpoint, marked "stopped".
     """
     from ddplab import training
-    from ddplab.launch import LaunchConfig
+    from ddplab.launch import LaunchConfig, LaunchError
     from ddplab.spec import load_spec
 
     training.world_size_for(config.world_size, default=config.world_size)
@@ -291,7 +293,10 @@ def measure_spec(config: NoiseConfig, launch_config=None) -> dict | None:
     facts, _ = training.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
                                  per_device_batch_size=config.per_device_batch_size, drop_last=True)
     launch_config = launch_config or LaunchConfig(world_size=config.world_size)
-    results, _ = training.launch_spec(_measure_on_rank, launch_config, config, facts)
+    try:
+        results, _ = training.launch_spec(_measure_on_rank, launch_config, config, facts)
+    except LaunchError as exc:
+        return _partial_report(exc)
     return results[0]
 
 
@@ -307,6 +312,17 @@ def _measure_on_rank(ctx, config: NoiseConfig, facts):
                              accumulation_steps=config.accumulation_steps, dataset_size=len(dataset))
     optimizer = spec.optimizer(ddp.parameters())
     start = [p.detach().clone() for p in model.parameters()]
+
+    def report(completed_steps: int) -> dict:
+        # Weights that move make B_simple an average over the trajectory, not one point's value.
+        moved = any(not torch.equal(a, p.detach()) for a, p in zip(start, model.parameters()))
+        lrs = sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})
+        return {"history": [dataclasses.asdict(r) for r in gns.history], "summary": gns.summary(),
+                "b_small": gns.b_small, "b_big": gns.b_big, "dataset_size": len(dataset),
+                "skipped_steps": gns.skipped_steps, "weights_moved": moved, "lr": lrs,
+                "completed_steps": completed_steps}
+
+    publish = _Publisher(ctx, gns, report)
     with _progress(ctx.is_main and config.progress, config.steps) as advance:
         for step in range(config.steps):
             optimizer.zero_grad(set_to_none=True)
@@ -314,13 +330,8 @@ def _measure_on_rank(ctx, config: NoiseConfig, facts):
             gns.step()
             optimizer.step()
             advance(gns.b_simple)
-    # Weights that move make B_simple an average over the trajectory, not one point's value.
-    moved = any(not torch.equal(a, p.detach()) for a, p in zip(start, model.parameters()))
-    lrs = sorted({float(group["lr"]) for group in optimizer.param_groups if "lr" in group})
-    return {"history": [dataclasses.asdict(r) for r in gns.history], "summary": gns.summary(),
-            "b_small": gns.b_small, "b_big": gns.b_big, "dataset_size": len(dataset),
-            "skipped_steps": gns.skipped_steps, "weights_moved": moved,
-            "lr": lrs} if ctx.is_main else None
+            publish(completed_steps=step + 1)
+    return report(config.steps) if ctx.is_main else None
 
 
 def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, step: int) -> None:
@@ -336,6 +347,31 @@ def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, step: int) -> None
         context = ddp.no_sync() if micro < accumulation - 1 else contextlib.nullcontext()
         with context:
             (spec.step(ddp, training.collate(dataset, indices, ctx.device), spec.loss) / accumulation).backward()
+
+
+# --- partial results: what a run stopped by --deadline or a failing rank had measured ---
+
+class _Publisher:
+    """Rank 0 checkpoints its report so far: at the first measured step, then at most once a second."""
+
+    def __init__(self, ctx, gns: GradientNoiseScale, report, interval_s: float = 1.0):
+        self.ctx, self.gns, self.report, self.interval_s, self.last = ctx, gns, report, interval_s, None
+
+    def __call__(self, *, completed_steps: int) -> None:
+        if not self.ctx.is_main or not self.gns.history:
+            return
+        now = time.monotonic()
+        if self.last is None or now - self.last >= self.interval_s:
+            self.ctx.checkpoint(self.report(completed_steps))
+            self.last = now
+
+
+def _partial_report(exc) -> dict:
+    """Rank 0's last checkpoint, marked with why the run stopped; re-raises when there is none."""
+    partial = exc.partial.get(0)
+    if partial is None:
+        raise exc
+    return {**partial, "stopped": str(exc)}
 
 
 class _progress:

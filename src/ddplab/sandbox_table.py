@@ -58,12 +58,12 @@ class Study:
         }
 
 
-def run_study(seed: int = 0) -> Study:
+def run_study(seed: int = 0, launch_config: LaunchConfig | None = None) -> Study:
     """Run the nine configurations: every multi run in one launch of the ranks, then the singles."""
     named = study_configs(seed)
     multi_at = [i for i, (_, cfg) in enumerate(named) if cfg.mode == "multi"]
     # Fork the ranks first: the parent must hold no worker threads when it forks.
-    multi_results = run_multi([named[i][1] for i in multi_at], LaunchConfig(world_size=WORLD_SIZE))
+    multi_results = run_multi([named[i][1] for i in multi_at], launch_config or LaunchConfig(world_size=WORLD_SIZE))
     results: list[SandboxResult | None] = [None] * len(named)
     for i, result in zip(multi_at, multi_results):
         results[i] = result

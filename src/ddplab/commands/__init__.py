@@ -65,3 +65,26 @@ def _parse(kind: type, text: str, expected: str):
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+DEFAULT_TIMEOUT_S = 60.0
+"""The collective timeout (``LaunchConfig.pg_timeout_s``), repeated here so --help needs no torch."""
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """--timeout and --deadline, for every command that starts ranks."""
+    group = parser.add_argument_group("launch")
+    group.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                       help="how long a collective waits for the other ranks before the run fails, naming the rank "
+                            f"that stopped answering (the process-group timeout; default {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--deadline", type=positive_float, default=None, metavar="SECONDS",
+                       help="wall-clock limit for the whole run; ranks still running are stopped and what they "
+                            "measured so far is reported where the command can (default: none; SIGTERM/Ctrl-C "
+                            "cancel cleanly). Not applied under torchrun")
+
+
+def launch_config(args: argparse.Namespace, world_size: int):
+    """The LaunchConfig the launch flags ask for."""
+    from ddplab.launch import LaunchConfig
+
+    return LaunchConfig(world_size=world_size, pg_timeout_s=args.timeout, deadline_s=args.deadline)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddplab import render
-from ddplab.commands import positive_float, positive_int
+from ddplab.commands import add_launch_flags, launch_config, positive_float, positive_int
 
 DESCRIPTION = """\
 Train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
@@ -38,6 +38,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tolerance", type=positive_float, default=1e-9,
                         help="largest relative parameter difference called equal (default 1e-9, float64)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_launch_flags(parser)
     parser.set_defaults(run=run)
 
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     config = CheckConfig(spec_path=args.spec, world_size=world_size_for(args.world_size, default=2),
                          per_device_batch_size=args.batch_size, steps=args.steps, seed=args.seed,
                          tolerance=args.tolerance)
-    result = check(config)
+    result = check(config, launch_config(args, config.world_size))
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
     if args.json:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from ddplab import render
-from ddplab.commands import positive_int
+from ddplab.commands import add_launch_flags, launch_config, positive_int
 
 DESCRIPTION = """\
 Train SPEC.py on W DDP ranks and measure the gradient noise scale B_simple = tr(Σ)/|G|²
@@ -41,6 +42,7 @@ def add_parser(subparsers) -> None:
                         help="measure every K-th step (default 1 here; the library defaults to 4 inside training)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
+    add_launch_flags(parser)
     parser.set_defaults(run=run)
 
 
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     config = NoiseConfig(spec_path=args.spec, world_size=world_size_for(args.world_size, default=2),
                          per_device_batch_size=args.batch_size, steps=args.steps, seed=args.seed, every=args.every,
                          accumulation_steps=args.accumulation)
-    raw = measure_spec(config)
+    raw = measure_spec(config, launch_config(args, config.world_size))
     if raw is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
     report = _report(config, raw)
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         render.print_json(report)
     else:
         _print(report)
-    return 0
+    return _stopped_early(report)
 
 
 def _report(config, raw: dict) -> dict:
@@ -84,12 +86,22 @@ def _report(config, raw: dict) -> dict:
         "steps_factor": _finite(summary.steps_factor(global_batch)),
         "adascale_scale": scale, "adascale_gain": gain, "adascale_lr_multiplier": gain, "b_small": raw["b_small"],
         "per_step": [{key: _finite(value) for key, value in record.items()} for record in raw["history"]],
+        "completed_steps": raw["completed_steps"], "stopped_early": raw.get("stopped"),
     }
 
 
 def _finite(value):
     # JSON has no Infinity or NaN: an unbounded or undefined number is null.
     return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def _stopped_early(report: dict) -> int:
+    """Exit code 1, with the reason on stderr, when the figures cover only part of the run."""
+    if report["stopped_early"] is None:
+        return 0
+    print(f"ddplab: stopped early: the figures cover the first {report['completed_steps']} of {report['steps']} "
+          f"steps. {report['stopped_early']}", file=sys.stderr)
+    return 1
 
 
 def _print(report: dict) -> None:

@@ -8,7 +8,7 @@ import os
 import time
 
 from ddplab import render
-from ddplab.commands import parse_bool, positive_float, positive_int
+from ddplab.commands import add_launch_flags, launch_config, parse_bool, positive_float, positive_int
 
 EXPLAIN = """\
 A one-parameter model w·x (w starts at 1.0) trained with plain SGD on an L1 loss over 256
@@ -36,12 +36,14 @@ def add_parser(subparsers) -> None:
                        help="ranks to start (default: the visible GPUs when ≥ 2, else 8 CPU ranks; under torchrun its WORLD_SIZE)")
     multi.add_argument("--bypass-ddp", action="store_true",
                        help="reproduce the classic bug: forward through the inner module, so DDP never all-reduces (noisy data)")
+    add_launch_flags(multi)
     table = modes.add_parser("table", help="the classic nine-run study in one go, measurement beside theory",
                              description="Runs the classic study: single vs 8 DDP ranks of 16, deterministic and noisy, with the\n"
                                          "linear and square-root LR rules. All multi runs share one launch of the ranks.",
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     table.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
     table.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_launch_flags(table)
     parser.set_defaults(run=run)
 
 
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "table":
         return _run_table(args)
     from ddplab import sandbox
-    from ddplab.launch import LaunchConfig, default_world_size, under_torchrun
+    from ddplab.launch import default_world_size, under_torchrun
 
     world_size = 1
     if args.mode == "multi":
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         deterministic=args.deterministic, n_experiments=args.n_experiments or (1 if args.deterministic else 10_000),
         n_epochs=args.n_epochs, seed=args.seed, bypass_ddp=getattr(args, "bypass_ddp", False))
     started = time.perf_counter()
-    result = sandbox.run(cfg, LaunchConfig(world_size=world_size))
+    result = sandbox.run(cfg, launch_config(args, world_size) if args.mode == "multi" else None)
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return 0
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
@@ -120,7 +122,7 @@ def _run_table(args: argparse.Namespace) -> int:
     from ddplab import sandbox_table
 
     started = time.perf_counter()
-    study = sandbox_table.run_study(seed=args.seed)
+    study = sandbox_table.run_study(seed=args.seed, launch_config=launch_config(args, sandbox_table.WORLD_SIZE))
     seconds = time.perf_counter() - started
     if args.json:
         render.print_json({**study.to_json(), "seconds": seconds})
