@@ -227,7 +227,7 @@ def _per_example_gradients(spec_path: str, seed: int) -> torch.Tensor:
 
     spec = load_spec(spec_path)
     model = training.seeded_model(spec, seed, dtype=torch.float64)
-    x, y = spec.dataset().tensors
+    x, y = spec.dataset().data.tensors  # the TensorDataset inside the guard
     params = {name: p.detach() for name, p in model.named_parameters()}
 
     def loss(p, xi, yi):

@@ -86,7 +86,7 @@ def _report(config, raw: dict) -> dict:
         "steps_factor": _finite(summary.steps_factor(global_batch)),
         "adascale_scale": scale, "adascale_gain": gain, "adascale_lr_multiplier": gain, "b_small": raw["b_small"],
         "per_step": [{key: _finite(value) for key, value in record.items()} for record in raw["history"]],
-        "completed_steps": raw["completed_steps"], "stopped_early": raw.get("stopped"),
+        "completed_steps": raw.get("completed_steps", config.steps), "stopped_early": raw.get("stopped"),
     }
 
 
