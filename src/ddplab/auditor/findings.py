@@ -55,6 +55,26 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "performance: gradient accumulation all-reduces on every micro-step; the result is unchanged but "
         "communication is accumulation-steps times larger",
         "wrap every micro-step but the last in `with ddp_model.no_sync():`"),
+    "NOT_DISTRIBUTED": (
+        ERROR,
+        "several processes were started but each trains alone, on the whole dataset: W duplicate runs, W times "
+        "the compute for the result of one",
+        "make the processes join one distributed run: init_process_group and DistributedDataParallel in a plain "
+        "loop; with Accelerate on CPU, Accelerator(cpu=True) or ACCELERATE_USE_CPU=1 (check "
+        "accelerator.num_processes == WORLD_SIZE)"),
+    "SCHEDULER_STEPS_PER_PROCESS": (
+        WARNING,
+        "the lr scheduler steps several times per optimizer step, so a warmup or decay given in optimizer steps "
+        "runs that many times faster: warmup ends early, and a decay reaches its end while training goes on",
+        "give the schedule's lengths in scheduler steps (multiply warmup and total steps by num_processes), or "
+        "prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) and step it once per "
+        "optimizer step yourself"),
+    "LR_SCALED_NOT_SCHEDULE": (
+        WARNING,
+        "the optimizer's lr was scaled for the world size after its scheduler was built: the scheduler's base_lrs "
+        "(and the groups' initial_lr) keep the old lr, so its next step brings the unscaled schedule back",
+        "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
+        "(ddplab.integrations' ScaleLearningRate does all three)"),
     "AUDIT_INCOMPLETE": (
         INFO,
         "the audit did not cover the whole run; training itself was not affected",

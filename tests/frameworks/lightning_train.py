@@ -1,0 +1,58 @@
+"""Lightning under strategy="ddp" on CPU, 2 processes started by Lightning itself.
+
+Correct by default: a mean loss, accumulate_grad_batches=2 (Lightning's no_sync), Lightning's own
+DistributedSampler, a per-step LambdaLR. --mistake plants one mistake:
+  sum_reduction  a summed loss (Lightning divides it by accumulate_grad_batches before backward)
+  lr_scaled      the lr multiplied by the world size after the scheduler was built
+"""
+
+import argparse
+import sys
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+import _data
+
+
+class Regression(L.LightningModule):
+    def __init__(self, mistake: str):
+        super().__init__()
+        self.net, self.mistake = _data.model(), mistake
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y, reduction="sum" if self.mistake == "sum_reduction" else "mean")
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
+        if self.mistake == "lr_scaled":
+            for group in optimizer.param_groups:
+                group["lr"] *= self.trainer.world_size
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mistake", choices=("none", "sum_reduction", "lr_scaled"), default="none")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    loader = torch.utils.data.DataLoader(_data.dataset(), batch_size=16, shuffle=True)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, accumulate_grad_batches=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    module = Regression(args.mistake)
+    trainer.fit(module, loader)
+    if trainer.global_rank == 0:
+        print(f"lightning-done steps={trainer.global_step}", flush=True)
+    _data.write_result(trainer.global_rank, steps=trainer.global_step, world_size=trainer.world_size)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
