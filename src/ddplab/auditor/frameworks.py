@@ -145,6 +145,10 @@ def _scheduler_built(audit, scheduler, optimizer) -> None:
 @_guarded("counting lr scheduler steps")
 def _scheduler_stepped(audit, scheduler) -> None:
     watch = _FRAMEWORKS.schedulers.get(scheduler)
+    if watch is None and getattr(scheduler, "optimizer", None) is not None:
+        # Built before the auditor was installed (ddplab.audit called from the script): watched from now on.
+        _scheduler_built(scheduler, scheduler.optimizer)
+        return
     if watch is not None:
         watch.since_step += 1
 

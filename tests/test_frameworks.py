@@ -1,0 +1,246 @@
+"""ddplab inside Lightning, Accelerate and the Transformers Trainer: real runs on CPU with gloo, 2 processes.
+
+Each framework's correct script must audit clean with its output and exit code intact; each planted
+mistake must give exactly its finding; each callback is checked against values computed from the data.
+One launch per script (framework imports are slow); tests skip when their framework is not installed.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddplab import noise_estimators as est
+from ddplab import scaling
+from ddplab.cli import main
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frameworks")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+
+
+@pytest.fixture
+def in_scripts(monkeypatch, tmp_path):
+    """Run from the scripts' folder; each script writes rank 0's numbers to the returned path."""
+    monkeypatch.chdir(HERE)
+    result = tmp_path / "result.json"
+    monkeypatch.setenv("DDPLAB_TEST_RESULT", str(result))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return result
+
+
+def _audit(tmp_path, capfd, command, *flags):
+    """(exit code, report, the command's stdout) of ``ddplab audit`` on ``command``."""
+    report = tmp_path / "audit.json"
+    code = main(["audit", "--json-file", str(report), *flags, "--", *command])
+    out = capfd.readouterr().out
+    return code, json.loads(report.read_text()), out
+
+
+def _serious(report):
+    return {f["code"]: f["severity"] for f in report["findings"] if f["severity"] in ("error", "warning")}
+
+
+def _finding(report, code):
+    return next(f for f in report["findings"] if f["code"] == code)
+
+
+# --- Lightning: it starts its own worker processes from `python train.py` ---
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_correct_script_is_clean_and_its_lr_scaled_by_the_callback(in_scripts, tmp_path, capfd, monkeypatch):
+    pytest.importorskip("lightning")
+    monkeypatch.setenv("DDPLAB_TEST_EXIT", "3")
+    code, report, out = _audit(tmp_path, capfd, [sys.executable, "lightning_train.py"])
+    assert code == 3 and "lightning-done steps=8" in out  # the script's own exit code and output
+    assert _serious(report) == {}
+    assert report["world_size"] == 2 and report["steps_audited"] == 5
+    assert report["global_batch_size"] == 64  # 16 per process × 2 processes × accumulate_grad_batches 2
+    result = json.loads(in_scripts.read_text())
+    # ScaleLearningRate: reference global batch 32 → 64 is ×2 (linear rule for SGD), base_lrs and initial_lr too.
+    assert result["lr_multiplier"] == 2.0 and result["base_lrs"] == [0.1] and result["initial_lr"] == 0.1
+    expected = [0.05 * 2 / (1 + 0.1 * step) * scaling.warmup_factor(step, warmup_steps=4, lr_multiplier=2)
+                for step in range(8)]
+    assert result["applied"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mistake, expected, says", [
+    ("sum_reduction", {"SUM_REDUCTION": "warning"}, "accumulate_grad_batches=2"),
+    ("lr_scaled", {"LR_SCALED_NOT_SCHEDULE": "warning"}, "lr 0.1 is W = 2 times what LambdaLR set (0.05)"),
+])
+def test_lightning_mistakes_are_found(mistake, expected, says, in_scripts, tmp_path, capfd):
+    pytest.importorskip("lightning")
+    code, report, out = _audit(tmp_path, capfd, [sys.executable, "lightning_train.py", "--mistake", mistake])
+    assert code == 0 and "lightning-done steps=8" in out
+    assert _serious(report) == expected
+    assert says in _finding(report, next(iter(expected)))["message"]
+
+
+def _exact_noise(steps: int, world_size: int, batch: int):
+    """Each measured step's (mean local |g|², |averaged g|²) at w = 0, from the data and the unshuffled shards."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("linear_regression_spec", os.path.join(HERE, "lightning_noise.py"))
+    script = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, HERE)
+    try:
+        spec.loader.exec_module(script)
+        x, y = script.load_spec().dataset().tensors
+    finally:
+        sys.path.remove(HERE)
+    x, y = x.double(), y.double()
+    # DistributedSampler without shuffling: rank r holds samples r, r + W, r + 2W, ...
+    index = torch.arange(steps * batch).reshape(steps, 1, batch) * world_size + torch.arange(world_size).reshape(1, -1, 1)
+    # d/dw of mean (x·w − y)² at w = 0 is −(2/b) Σ y x.
+    grads = -2.0 / batch * (y[index] * x[index]).sum(dim=2)  # steps × ranks × D
+    small = grads.square().sum(dim=2).mean(dim=1)
+    big = grads.mean(dim=1).square().sum(dim=1)
+    return small.tolist(), big.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_noise_scale_callback_matches_the_exact_norms_and_the_closed_form(in_scripts, monkeypatch):
+    pytest.importorskip("lightning")
+    steps = 400
+    monkeypatch.setenv("DDPLAB_TEST_STEPS", str(steps))
+    done = subprocess.run([sys.executable, "lightning_noise.py"], capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(in_scripts.read_text())
+    assert (result["b_small"], result["b_big"]) == (16, 32) and len(result["history"]) == steps
+    small, big = _exact_noise(steps, world_size=2, batch=16)
+    assert [r["g_small_sq"] for r in result["history"]] == pytest.approx(small, rel=1e-5)
+    assert [r["g_big_sq"] for r in result["history"]] == pytest.approx(big, rel=1e-5)
+    estimates = [est.unbiased_estimates(s, b, 16, 32) for s, b in zip(small, big)]
+    exact = est.summarize([g2 for g2, _ in estimates], [trace for _, trace in estimates])
+    assert result["b_simple"] == pytest.approx(exact.b_simple, rel=1e-4)
+    spec_module = {}
+    exec(open(os.path.join(HERE, "..", "..", "examples", "linear_regression_spec.py")).read(), spec_module)
+    assert result["b_simple"] == pytest.approx(spec_module["TRUE_B_SIMPLE"], rel=0.1)
+    # The Audit callback audited 3 steps and found nothing.
+    assert result["audit"] == {} and result["audited"] == 3
+
+
+# --- Accelerate ---
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_accelerate_correct_script_is_clean(in_scripts, tmp_path, capfd):
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "accelerate_train.py"])
+    assert code == 0 and "accelerate-done steps=16 processes=2" in out
+    assert _serious(report) == {}
+    assert report["world_size"] == 2 and report["global_batch_size"] == 32  # 8 × 2 processes × 2 accumulation
+    # Its schedule was lengthened by num_processes on purpose: reported as info, with the lr per optimizer step.
+    finding = _finding(report, "SCHEDULER_STEPS_PER_PROCESS")
+    assert finding["severity"] == "info" and "stepped 2 times per optimizer step" in finding["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_accelerate_schedule_that_ends_half_way_is_a_warning(in_scripts, tmp_path, capfd):
+    pytest.importorskip("accelerate")
+    sys.path.insert(0, HERE)
+    try:
+        import accelerate_train
+    finally:
+        sys.path.remove(HERE)
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "accelerate_train.py", "--mistake", "schedule"])
+    assert code == 0 and "accelerate-done steps=16" in out
+    assert _serious(report) == {"SCHEDULER_STEPS_PER_PROCESS": "warning"}
+    # Two scheduler steps per optimizer step: the first optimizer step at lr 0 is the first k with factor(2k) = 0.
+    factor = accelerate_train.linear_decay(accelerate_train.STEPS, warmup=2)
+    first_zero = next(k for k in range(accelerate_train.STEPS) if factor(2 * k) == 0)
+    assert first_zero == 8
+    assert f"reached 0 at optimizer step {first_zero}" in _finding(report, "SCHEDULER_STEPS_PER_PROCESS")["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_accelerate_processes_that_each_train_alone_are_not_distributed(in_scripts, tmp_path, capfd):
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*ACCELERATE_LAUNCH, "accelerate_train.py", "--mistake",
+                                                 "not_distributed"], "--strict")
+    assert out.count("accelerate-done steps=16 processes=1") == 2  # two whole runs, side by side
+    assert code == 3  # --strict: the command succeeded, an error was found
+    assert _serious(report) == {"NOT_DISTRIBUTED": "error"}
+    assert _finding(report, "NOT_DISTRIBUTED")["ranks"] == [0, 1] and report["world_size"] == 2
+
+
+# --- the Transformers Trainer ---
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_transformers_trainer_correct_script_is_clean(in_scripts, tmp_path, capfd):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "transformers_train.py"])
+    assert code == 0 and "trainer-done steps=8" in out
+    assert _serious(report) == {}
+    assert report["world_size"] == 2 and report["steps_audited"] == 5
+    assert report["global_batch_size"] == 32  # 8 per device × 2 processes × gradient_accumulation_steps 2
+
+
+# --- the scheduler checks in a plain loop (no framework needed) ---
+
+def _plain_schedules(ctx, mistake):
+    import ddplab
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    handle = ddplab.audit(ddp, steps=3)  # before the scheduler: it is watched from its construction
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / 8))
+    if mistake == "lr_scaled":
+        for group in optimizer.param_groups:
+            group["lr"] *= math.sqrt(ctx.world_size)
+    generator = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(8):
+        x = torch.randn(8, 4, generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True)).backward()
+        optimizer.step()
+        for _ in range(2 if mistake == "twice" else 1):
+            scheduler.step()
+    return {code: (f.severity, f.detail) for code, f in handle.findings.items()}
+
+
+@pytest.mark.parametrize("mistake, expected", [
+    ("none", {}),
+    ("twice", {"SCHEDULER_STEPS_PER_PROCESS": "warning"}),
+    ("lr_scaled", {"LR_SCALED_NOT_SCHEDULE": "warning"}),
+])
+def test_scheduler_mistakes_in_a_plain_loop(mistake, expected):
+    from ddplab.launch import LaunchConfig, launch
+
+    for found in launch(_plain_schedules, LaunchConfig(world_size=2), mistake):
+        assert {code: severity for code, (severity, _) in found.items()} == expected
+        if mistake == "twice":
+            # Stepping twice, the 8-step decay gives lr 0 at scheduler step 8 = before optimizer step 4.
+            assert "reached 0 at optimizer step 4" in found["SCHEDULER_STEPS_PER_PROCESS"][1]
+        if mistake == "lr_scaled":
+            assert "sqrt(W) = 1.414 times" in found["LR_SCALED_NOT_SCHEDULE"][1]
+
+
+def test_scaling_an_optimizer_keeps_its_scheduler_and_the_warmup_composes():
+    from ddplab.integrations import _lr
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    _lr.scale_optimizer(optimizer, [scheduler], 4.0)
+    warmup = _lr.Warmup(optimizer, warmup_steps=2, lr_multiplier=4.0)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.base_lrs == [pytest.approx(0.4)] and optimizer.param_groups[0]["initial_lr"] == pytest.approx(0.4)
+    # During each update: the scheduled lr (from the scaled base) × the warmup factor (1/4 → 1 over 2 steps).
+    assert warmup.applied == pytest.approx([0.4 * 0.25, 0.4 / 2 * 0.625, 0.4 / 3, 0.4 / 4])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4 / 5)  # the scheduler's own lr, undisturbed
