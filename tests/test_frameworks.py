@@ -20,6 +20,7 @@ from ddplab.cli import main
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frameworks")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+LINEAR_SPEC = os.path.join(os.path.dirname(HERE), "..", "examples", "linear_regression_spec.py")
 ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
 
 
@@ -84,25 +85,25 @@ def test_lightning_mistakes_are_found(mistake, expected, says, in_scripts, tmp_p
 
 
 def _exact_noise(steps: int, world_size: int, batch: int):
-    """Each measured step's (mean local |g|², |averaged g|²) at w = 0, from the data and the unshuffled shards."""
+    """Each measured step's (mean local |g|², |averaged g|²) at w = 0, from the data and each rank's shard."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("linear_regression_spec", os.path.join(HERE, "lightning_noise.py"))
-    script = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, HERE)
-    try:
-        spec.loader.exec_module(script)
-        x, y = script.load_spec().dataset().tensors
-    finally:
-        sys.path.remove(HERE)
-    x, y = x.double(), y.double()
-    # DistributedSampler without shuffling: rank r holds samples r, r + W, r + 2W, ...
-    index = torch.arange(steps * batch).reshape(steps, 1, batch) * world_size + torch.arange(world_size).reshape(1, -1, 1)
+    from torch.utils.data import DistributedSampler
+
+    spec = importlib.util.spec_from_file_location("linear_regression_spec", LINEAR_SPEC)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dataset = module.dataset()
+    x, y = (t.double() for t in dataset.tensors)
+    # Lightning's automatic sampler for training always shuffles (seed 0 without seed_everything).
+    shards = [list(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0))
+              for rank in range(world_size)]
+    index = torch.tensor([shard[:steps * batch] for shard in shards]).reshape(world_size, steps, batch).transpose(0, 1)
     # d/dw of mean (x·w − y)² at w = 0 is −(2/b) Σ y x.
     grads = -2.0 / batch * (y[index] * x[index]).sum(dim=2)  # steps × ranks × D
     small = grads.square().sum(dim=2).mean(dim=1)
     big = grads.mean(dim=1).square().sum(dim=1)
-    return small.tolist(), big.tolist()
+    return small.tolist(), big.tolist(), module.TRUE_B_SIMPLE
 
 
 @pytest.mark.slow
@@ -115,15 +116,13 @@ def test_lightning_noise_scale_callback_matches_the_exact_norms_and_the_closed_f
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(in_scripts.read_text())
     assert (result["b_small"], result["b_big"]) == (16, 32) and len(result["history"]) == steps
-    small, big = _exact_noise(steps, world_size=2, batch=16)
+    small, big, true_b_simple = _exact_noise(steps, world_size=2, batch=16)
     assert [r["g_small_sq"] for r in result["history"]] == pytest.approx(small, rel=1e-5)
     assert [r["g_big_sq"] for r in result["history"]] == pytest.approx(big, rel=1e-5)
     estimates = [est.unbiased_estimates(s, b, 16, 32) for s, b in zip(small, big)]
     exact = est.summarize([g2 for g2, _ in estimates], [trace for _, trace in estimates])
     assert result["b_simple"] == pytest.approx(exact.b_simple, rel=1e-4)
-    spec_module = {}
-    exec(open(os.path.join(HERE, "..", "..", "examples", "linear_regression_spec.py")).read(), spec_module)
-    assert result["b_simple"] == pytest.approx(spec_module["TRUE_B_SIMPLE"], rel=0.1)
+    assert result["b_simple"] == pytest.approx(true_b_simple, rel=0.1)
     # The Audit callback audited 3 steps and found nothing.
     assert result["audit"] == {} and result["audited"] == 3
 

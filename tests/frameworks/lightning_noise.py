@@ -1,7 +1,8 @@
 """Lightning, 2 processes: the GradientNoiseScale and Audit callbacks on linear regression at fixed weights.
 
-lr 0 holds the weights at 0, where each batch's gradient is known exactly, and the loader does not
-shuffle, so the test can recompute every measured step's squared norms from the data alone.
+lr 0 holds the weights at 0, where each batch's gradient is known exactly, and Lightning's automatic
+DistributedSampler (shuffled, seed 0) fixes each rank's batches, so the test can recompute every
+measured step's squared norms from the data alone.
 """
 
 import importlib.util
