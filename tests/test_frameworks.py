@@ -187,6 +187,23 @@ def test_transformers_trainer_correct_script_is_clean(in_scripts, tmp_path, capf
     assert report["global_batch_size"] == 32  # 8 per device × 2 processes × gradient_accumulation_steps 2
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_transformers_trainer_loss_normalised_per_device_is_found(in_scripts, tmp_path, capfd):
+    import re
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "transformers_train.py", "--mistake", "per_device"])
+    assert code == 0 and "trainer-done steps=8" in out
+    assert _serious(report) == {"LOSS_NORMALISED_PER_DEVICE": "warning"}
+    message = _finding(report, "LOSS_NORMALISED_PER_DEVICE")["message"]
+    low, high, ratio = re.search(r"had (\d+) label tokens and rank \d (\d+), so a token on rank \d weighed ([\d.]+)",
+                                 message).groups()
+    assert "average_tokens_across_devices=False" in message and int(low) < int(high)
+    assert float(ratio) == pytest.approx(int(high) / int(low), rel=1e-2)
+
+
 # --- the scheduler checks in a plain loop (no framework needed) ---
 
 def _plain_schedules(ctx, mistake):

@@ -2,8 +2,10 @@
 
 Correct: the model divides its summed token loss by ``num_items_in_batch`` (the Trainer's token count,
 across devices with ``average_tokens_across_devices``), gradient accumulation 2, a linear schedule with warmup.
+--mistake per_device turns average_tokens_across_devices off: each device divides by its own token count.
 """
 
+import argparse
 import sys
 import tempfile
 
@@ -46,12 +48,16 @@ class TinyLM(torch.nn.Module):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mistake", choices=("none", "per_device"), default="none")
+    mistake = parser.parse_args().mistake
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=8, gradient_accumulation_steps=2,
                                  max_steps=8, learning_rate=0.05, lr_scheduler_type="linear", warmup_steps=2,
                                  use_cpu=True, ddp_backend="gloo", report_to="none", save_strategy="no",
-                                 logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+                                 logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                                 average_tokens_across_devices=mistake != "per_device")
         trainer = Trainer(model=TinyLM(), args=args, train_dataset=TokenData())
         result = trainer.train()
     if trainer.is_world_process_zero():

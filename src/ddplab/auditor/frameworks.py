@@ -10,6 +10,9 @@ plain loop. This module adds what only their idioms make possible, each judged b
   steps a prepared scheduler once per process); a warning once the lr reaches 0 while training goes on.
 - ``LR_SCALED_NOT_SCHEDULE``: the optimizer's lr was scaled by W or √W after its scheduler was built,
   so the scheduler's ``base_lrs`` hold the old value and its next step undoes the scaling.
+- ``LOSS_NORMALISED_PER_DEVICE``: the Trainer normalises a token-level loss by each device's own token
+  count (``average_tokens_across_devices`` off, or a model that takes no ``num_items_in_batch``);
+  each rank records its label-token count per step, and the finding needs counts that differ.
 - ``SUM_REDUCTION`` through the framework's own division of the loss by the accumulation steps
   (Lightning's closure, ``Accelerator.backward``), which hides the summed loss from :mod:`hooks`.
 
@@ -279,7 +282,8 @@ def _world_size() -> int:
 def _patch_imported_frameworks(audit) -> None:
     for name, patch in (("lightning.pytorch.loops.optimization.automatic", _patch_lightning),
                         ("pytorch_lightning.loops.optimization.automatic", _patch_lightning),
-                        ("accelerate.accelerator", _patch_accelerate)):
+                        ("accelerate.accelerator", _patch_accelerate),
+                        ("transformers.trainer", _patch_trainer)):
         module = sys.modules.get(name)
         if module is not None and name not in _FRAMEWORKS.patched:
             _FRAMEWORKS.patched.add(name)
@@ -330,3 +334,49 @@ def _patch_accelerate(module) -> None:
         return original(self, loss, **kwargs)
 
     accelerator.backward = backward
+
+
+# --- the Trainer's token counts ---
+
+def _patch_trainer(module) -> None:
+    trainer = module.Trainer
+    original = getattr(trainer, "_get_num_items_in_batch", None)
+    if original is None:
+        return  # another Trainer version: nothing to watch
+
+    @functools.wraps(original)
+    def _get_num_items_in_batch(self, batch_samples, device):
+        num_items = original(self, batch_samples, device)
+        _record_tokens(self, batch_samples, num_items)
+        return num_items
+
+    trainer._get_num_items_in_batch = _get_num_items_in_batch
+
+
+@_guarded("counting the Trainer's label tokens")
+def _record_tokens(audit, trainer, batch_samples, num_items) -> None:
+    from ddplab.auditor import hooks
+
+    info = audit.wrappers.get(getattr(trainer, "model_wrapped", None))
+    if info is None or not audit.armed:
+        return
+    across = bool(getattr(trainer.args, "average_tokens_across_devices", False)) and num_items is not None
+    if across:
+        return  # one count over all devices divides every rank's loss: no per-device normalisation
+    tokens = _label_tokens(batch_samples)
+    if tokens is not None:
+        window = hooks._window(audit, info)
+        window["tokens"] = tokens
+        window["tokens_why"] = ("average_tokens_across_devices=False" if num_items is not None
+                                else "the model takes no num_items_in_batch, so it averages over its own tokens")
+
+
+def _label_tokens(batch_samples) -> int | None:
+    """Label tokens (not -100) in one optimizer step's micro-batches; None unless labels are token sequences."""
+    total = 0
+    for batch in batch_samples:
+        labels = batch.get("labels") if isinstance(batch, dict) or hasattr(batch, "get") else None
+        if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
+            return None
+        total += int(labels.ne(-100).sum())
+    return total
