@@ -84,26 +84,52 @@ def test_lightning_mistakes_are_found(mistake, expected, says, in_scripts, tmp_p
     assert says in _finding(report, next(iter(expected)))["message"]
 
 
-def _exact_noise(steps: int, world_size: int, batch: int):
-    """Each measured step's (mean local |g|², |averaged g|²) at w = 0, from the data and each rank's shard."""
+def _linear_regression():
     import importlib.util
-
-    from torch.utils.data import DistributedSampler
 
     spec = importlib.util.spec_from_file_location("linear_regression_spec", LINEAR_SPEC)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    dataset = module.dataset()
+    return module
+
+
+def _exact_norms(dataset, index: torch.Tensor):
+    """Per step, (mean local |g|², |averaged g|²) at w = 0; ``index`` is steps × ranks × samples per rank and step."""
     x, y = (t.double() for t in dataset.tensors)
+    # d/dw of the mean of (x·w − y)² over n samples, at w = 0: −(2/n) Σ y x.
+    grads = -2.0 / index.shape[2] * (y[index] * x[index]).sum(dim=2)  # steps × ranks × D
+    return grads.square().sum(dim=2).mean(dim=1).tolist(), grads.mean(dim=1).square().sum(dim=1).tolist()
+
+
+def _lightning_shards(dataset, steps: int, world_size: int, batch: int) -> torch.Tensor:
+    from torch.utils.data import DistributedSampler
+
     # Lightning's automatic sampler for training always shuffles (seed 0 without seed_everything).
     shards = [list(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0))
               for rank in range(world_size)]
-    index = torch.tensor([shard[:steps * batch] for shard in shards]).reshape(world_size, steps, batch).transpose(0, 1)
-    # d/dw of mean (x·w − y)² at w = 0 is −(2/b) Σ y x.
-    grads = -2.0 / batch * (y[index] * x[index]).sum(dim=2)  # steps × ranks × D
-    small = grads.square().sum(dim=2).mean(dim=1)
-    big = grads.mean(dim=1).square().sum(dim=1)
-    return small.tolist(), big.tolist(), module.TRUE_B_SIMPLE
+    return torch.tensor([shard[:steps * batch] for shard in shards]).reshape(world_size, steps, batch).transpose(0, 1)
+
+
+def _round_robin_batches(steps: int, world_size: int, batch: int, accumulation: int) -> torch.Tensor:
+    """Accelerate (and the Trainer through it) deal the loader's batches out in turn: rank r's micro-batch m is
+    loader batch m·W + r."""
+    micro = torch.arange(steps * accumulation).reshape(steps, 1, accumulation, 1)
+    rank = torch.arange(world_size).reshape(1, world_size, 1, 1)
+    first = (micro * world_size + rank) * batch
+    return (first + torch.arange(batch)).reshape(steps, world_size, accumulation * batch)
+
+
+def _check_noise(result, dataset, index, b_small: int, b_big: int, true_b_simple: float) -> None:
+    steps = index.shape[0]
+    assert (result["b_small"], result["b_big"]) == (b_small, b_big) and len(result["history"]) == steps
+    small, big = _exact_norms(dataset, index)
+    assert [r["g_small_sq"] for r in result["history"]] == pytest.approx(small, rel=1e-5)
+    assert [r["g_big_sq"] for r in result["history"]] == pytest.approx(big, rel=1e-5)
+    estimates = [est.unbiased_estimates(s, b, b_small, b_big) for s, b in zip(small, big)]
+    exact = est.summarize([g2 for g2, _ in estimates], [trace for _, trace in estimates])
+    assert result["b_simple"] == pytest.approx(exact.b_simple, rel=1e-4)
+    # And the closed form of linear regression at fixed weights (within the sampling error of this many steps).
+    assert result["b_simple"] == pytest.approx(true_b_simple, rel=0.1)
 
 
 @pytest.mark.slow
@@ -115,14 +141,9 @@ def test_lightning_noise_scale_callback_matches_the_exact_norms_and_the_closed_f
     done = subprocess.run([sys.executable, "lightning_noise.py"], capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(in_scripts.read_text())
-    assert (result["b_small"], result["b_big"]) == (16, 32) and len(result["history"]) == steps
-    small, big, true_b_simple = _exact_noise(steps, world_size=2, batch=16)
-    assert [r["g_small_sq"] for r in result["history"]] == pytest.approx(small, rel=1e-5)
-    assert [r["g_big_sq"] for r in result["history"]] == pytest.approx(big, rel=1e-5)
-    estimates = [est.unbiased_estimates(s, b, 16, 32) for s, b in zip(small, big)]
-    exact = est.summarize([g2 for g2, _ in estimates], [trace for _, trace in estimates])
-    assert result["b_simple"] == pytest.approx(exact.b_simple, rel=1e-4)
-    assert result["b_simple"] == pytest.approx(true_b_simple, rel=0.1)
+    spec = _linear_regression()
+    dataset = spec.dataset()
+    _check_noise(result, dataset, _lightning_shards(dataset, steps, 2, 16), 16, 32, spec.TRUE_B_SIMPLE)
     # The Audit callback audited 3 steps and found nothing.
     assert result["audit"] == {} and result["audited"] == 3
 
@@ -202,6 +223,24 @@ def test_transformers_trainer_loss_normalised_per_device_is_found(in_scripts, tm
                                  message).groups()
     assert "average_tokens_across_devices=False" in message and int(low) < int(high)
     assert float(ratio) == pytest.approx(int(high) / int(low), rel=1e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("framework", ["accelerate", "transformers"])
+def test_noise_scale_of_accelerate_and_the_trainer_matches_the_exact_norms(framework, in_scripts, monkeypatch):
+    pytest.importorskip("accelerate")
+    if framework == "transformers":
+        pytest.importorskip("transformers")
+    steps = 200
+    monkeypatch.setenv("DDPLAB_TEST_STEPS", str(steps))
+    done = subprocess.run([*TORCHRUN, "noise_train.py", "--framework", framework], capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = _linear_regression()
+    # Accumulation 2 on each rank: the small batch is 2 × 16 samples, the big one 2 ranks × 32.
+    index = _round_robin_batches(steps, world_size=2, batch=16, accumulation=2)
+    _check_noise(json.loads(in_scripts.read_text()), spec.dataset(), index, 32, 64, spec.TRUE_B_SIMPLE)
 
 
 # --- the scheduler checks in a plain loop (no framework needed) ---
