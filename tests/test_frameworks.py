@@ -299,3 +299,30 @@ def test_scaling_an_optimizer_keeps_its_scheduler_and_the_warmup_composes():
     # During each update: the scheduled lr (from the scaled base) × the warmup factor (1/4 → 1 over 2 steps).
     assert warmup.applied == pytest.approx([0.4 * 0.25, 0.4 / 2 * 0.625, 0.4 / 3, 0.4 / 4])
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4 / 5)  # the scheduler's own lr, undisturbed
+
+
+def _scaled_with_base_lrs(ctx):
+    import ddplab
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    handle = ddplab.audit(ddp, steps=2)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    # Scaled by hand after the scheduler, but everywhere it keeps the lr: the schedule follows, no finding.
+    for group in optimizer.param_groups:
+        group["lr"] *= ctx.world_size
+        group["initial_lr"] *= ctx.world_size
+    scheduler.base_lrs = [lr * ctx.world_size for lr in scheduler.base_lrs]
+    for _ in range(2):
+        optimizer.zero_grad()
+        ddp(torch.randn(4, 4)).sum().div(4).backward()
+        optimizer.step()
+        scheduler.step()
+    return sorted(handle.findings)
+
+
+def test_an_lr_scaled_with_its_base_lrs_is_no_finding():
+    from ddplab.launch import LaunchConfig, launch
+
+    assert launch(_scaled_with_base_lrs, LaunchConfig(world_size=2)) == [[], []]

@@ -45,6 +45,7 @@ class SchedulerWatch:
     def __init__(self):
         self.since_step = 0
         self.per_step: list[int] = []
+        self.base_lrs: list[float] | None = None  # as built: scaled later together with the lr, no finding
 
 
 class OptimizerWatch:
@@ -102,6 +103,7 @@ def install() -> None:
         # Registered first: the scheduler's own initial step happens inside __init__.
         _scheduler_built(self, optimizer)
         original_init(self, optimizer, *args, **kwargs)
+        _scheduler_ready(self)
 
     @functools.wraps(original_step)
     def step(self, *args, **kwargs):
@@ -143,6 +145,13 @@ def _scheduler_built(audit, scheduler, optimizer) -> None:
         watch = _FRAMEWORKS.optimizers[optimizer] = OptimizerWatch()
     watch.schedulers.add(scheduler)
     _FRAMEWORKS.schedulers[scheduler] = SchedulerWatch()
+
+
+@_guarded("watching an lr scheduler")
+def _scheduler_ready(audit, scheduler) -> None:
+    watch = _FRAMEWORKS.schedulers.get(scheduler)
+    if watch is not None:
+        watch.base_lrs = list(getattr(scheduler, "base_lrs", []))
 
 
 @_guarded("counting lr scheduler steps")
@@ -219,8 +228,10 @@ def _check_lr_scaled(audit, watch: OptimizerWatch, optimizer) -> None:
         return
     for scheduler in list(watch.schedulers):
         last = getattr(scheduler, "_last_lr", None) or []
+        built = _FRAMEWORKS.schedulers.get(scheduler)
         for index, (group, scheduled) in enumerate(zip(optimizer.param_groups, last)):
-            if not scheduled or group["lr"] == scheduled:
+            # base_lrs scaled too (by hand, or by ScaleLearningRate): the schedule follows the new lr.
+            if not scheduled or group["lr"] == scheduled or built is None or built.base_lrs != scheduler.base_lrs:
                 continue
             ratio = group["lr"] / scheduled
             for name, factor in (("W", world_size), ("sqrt(W)", math.sqrt(world_size))):
