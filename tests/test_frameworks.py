@@ -75,6 +75,7 @@ def test_lightning_correct_script_is_clean_and_its_lr_scaled_by_the_callback(in_
 @pytest.mark.parametrize("mistake, expected, says", [
     ("sum_reduction", {"SUM_REDUCTION": "warning"}, "accumulate_grad_batches=2"),
     ("lr_scaled", {"LR_SCALED_NOT_SCHEDULE": "warning"}, "lr 0.1 is W = 2 times what LambdaLR set (0.05)"),
+    ("no_sampler", {"SAME_DATA_ON_ALL_RANKS": "error"}, "distinct training batches"),
 ])
 def test_lightning_mistakes_are_found(mistake, expected, says, in_scripts, tmp_path, capfd):
     pytest.importorskip("lightning")

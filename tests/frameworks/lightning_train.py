@@ -5,6 +5,7 @@ DistributedSampler, a per-step LambdaLR, and ddplab's ScaleLearningRate callback
 base_lrs too, with a 4-step warmup). Exits with DDPLAB_TEST_EXIT (default 0). --mistake plants one mistake:
   sum_reduction  a summed loss (Lightning divides it by accumulate_grad_batches before backward)
   lr_scaled      the lr multiplied by the world size after the scheduler was built
+  no_sampler     use_distributed_sampler=False with a plain shuffled loader and one seed on every rank
 """
 
 import argparse
@@ -45,15 +46,17 @@ class Regression(L.LightningModule):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mistake", choices=("none", "sum_reduction", "lr_scaled"), default="none")
+    parser.add_argument("--mistake", choices=("none", "sum_reduction", "lr_scaled", "no_sampler"), default="none")
     args = parser.parse_args()
     torch.set_num_threads(1)
     loader = torch.utils.data.DataLoader(_data.dataset(), batch_size=16, shuffle=True)
     # The trusted setup: one process, 16 samples, 2 accumulation steps (global batch 32).
     scale = ScaleLearningRate(reference_lr=REFERENCE_LR, reference_global_batch_size=32, warmup_steps=WARMUP)
+    if args.mistake == "no_sampler":
+        L.seed_everything(0)  # the same shuffle on every rank, and no DistributedSampler to shard it
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, accumulate_grad_batches=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[scale] if args.mistake == "none" else [])
+                        use_distributed_sampler=args.mistake != "no_sampler", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[scale] if args.mistake == "none" else [])
     module = Regression(args.mistake)
     trainer.fit(module, loader)
     if trainer.global_rank == 0:
