@@ -327,3 +327,49 @@ def test_an_lr_scaled_with_its_base_lrs_is_no_finding():
     from ddplab.launch import LaunchConfig, launch
 
     assert launch(_scaled_with_base_lrs, LaunchConfig(world_size=2)) == [[], []]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_torchrun_script_that_never_joins_the_group_is_not_distributed(in_scripts, tmp_path, capfd):
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "plain_alone.py"])
+    assert code == 0 and out.count("alone-done") == 2
+    assert _serious(report) == {"NOT_DISTRIBUTED": "error"} and report["world_size"] == 2
+    assert "without joining a process group" in _finding(report, "NOT_DISTRIBUTED")["message"]
+
+
+def test_the_accelerate_plan_uses_the_processes_and_accumulation_accelerate_runs(monkeypatch):
+    from types import SimpleNamespace
+
+    from ddplab import planner
+    from ddplab.integrations import accelerate
+
+    reference = planner.Reference(per_device_batch_size=32, lr=0.1)
+    accelerator = SimpleNamespace(num_processes=4, gradient_accumulation_steps=2, distributed_type="MULTI_CPU")
+    plan = accelerate.plan(accelerator, reference, per_device_batch_size=16)
+    # 16 per device × 4 processes × 2 accumulation = 128 = 4 × the reference's 32: SGD's lr × 4.
+    assert (plan.global_batch_size, plan.world_size, plan.accumulation_steps) == (128, 4, 2)
+    assert plan.lr == pytest.approx(0.4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    alone = SimpleNamespace(num_processes=1, gradient_accumulation_steps=1, distributed_type="NO")
+    with pytest.raises(ValueError, match="Accelerator\\(cpu=True\\)"):
+        accelerate.plan(alone, reference, per_device_batch_size=16)
+
+
+@pytest.mark.slow
+def test_the_trainer_plan_reads_and_writes_training_arguments(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from ddplab import planner
+    from ddplab.integrations import transformers
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, gradient_accumulation_steps=2,
+                             learning_rate=0.1, use_cpu=True, report_to="none")
+    plan = transformers.plan(args, planner.Reference(per_device_batch_size=8, lr=0.1), data=planner.Data(
+        warmup_steps=10))
+    # One process here: 16 × 2 = 32 = 4 × the reference's 8, so SGD's lr × 4 and a warmup is recommended.
+    assert (plan.global_batch_size, plan.lr_multiplier) == (32, 4.0) and plan.warmup_recommended
+    planned = transformers.apply_plan(args, plan)
+    assert planned.learning_rate == pytest.approx(0.4) and planned.warmup_steps == 10
+    assert (planned.per_device_train_batch_size, planned.gradient_accumulation_steps) == (16, 2)
