@@ -166,6 +166,16 @@ def test_accelerate_correct_script_is_clean(in_scripts, tmp_path, capfd):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_accelerate_summed_loss_is_found_through_its_division_by_the_accumulation_steps(in_scripts, tmp_path, capfd):
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "accelerate_train.py", "--mistake", "sum_reduction"])
+    assert code == 0 and "accelerate-done steps=16 processes=2" in out
+    assert _serious(report) == {"SUM_REDUCTION": "warning"}
+    assert "Accelerator.backward" in _finding(report, "SUM_REDUCTION")["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_accelerate_schedule_that_ends_half_way_is_a_warning(in_scripts, tmp_path, capfd):
     pytest.importorskip("accelerate")
     sys.path.insert(0, HERE)

@@ -6,6 +6,7 @@ a prepared scheduler whose lengths are multiplied by num_processes on purpose, a
   schedule         a 16-step linear decay given in optimizer steps: the prepared scheduler steps
                    num_processes times per optimizer step, so the lr reaches 0 half-way
   not_distributed  a plain Accelerator() on a CPU machine: each process trains alone
+  sum_reduction    a summed loss (Accelerator.backward divides it by the accumulation steps only)
 """
 
 import argparse
@@ -30,7 +31,7 @@ def linear_decay(total: int, warmup: int = 0):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mistake", choices=("none", "schedule", "not_distributed"), default="none")
+    parser.add_argument("--mistake", choices=("none", "schedule", "not_distributed", "sum_reduction"), default="none")
     args = parser.parse_args()
     torch.set_num_threads(1)
     accumulation = 1 if args.mistake == "schedule" else ACCUMULATION
@@ -46,7 +47,7 @@ def main():
     while steps < STEPS:
         for x, y in loader:
             with accelerator.accumulate(model):
-                loss = F.mse_loss(model(x), y)
+                loss = F.mse_loss(model(x), y, reduction="sum" if args.mistake == "sum_reduction" else "mean")
                 accelerator.backward(loss)
                 optimizer.step()
                 scheduler.step()

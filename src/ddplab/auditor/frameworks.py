@@ -315,7 +315,9 @@ def summed(loss) -> bool:
 
 
 @_guarded("inspecting a framework's loss")
-def _check_framework_loss(audit, loss, framework: str, divisor) -> None:
+def _check_framework_loss(audit, output, framework: str, divisor) -> None:
+    # Lightning's training_step may return the loss itself or a mapping holding it under "loss".
+    loss = output.get("loss") if hasattr(output, "get") else output
     if audit.armed and isinstance(loss, torch.Tensor) and summed(loss):
         audit.add("SUM_REDUCTION", f"a summed loss went to {framework}, which divided it only by the "
                                    f"accumulation steps ({divisor}) before backward")
@@ -327,8 +329,7 @@ def _patch_lightning(module) -> None:
 
     @functools.wraps(original)
     def from_training_step_output(cls, training_step_output, normalize: int = 1):
-        loss = training_step_output.get("loss") if isinstance(training_step_output, dict) else training_step_output
-        _check_framework_loss(loss, "Lightning", f"accumulate_grad_batches={normalize}")
+        _check_framework_loss(training_step_output, "Lightning", f"accumulate_grad_batches={normalize}")
         return original(cls, training_step_output, normalize)
 
     closure_result.from_training_step_output = classmethod(from_training_step_output)
@@ -340,8 +341,7 @@ def _patch_accelerate(module) -> None:
 
     @functools.wraps(original)
     def backward(self, loss, **kwargs):
-        _check_framework_loss(loss, "Accelerator.backward",
-                              f"gradient_accumulation_steps={getattr(self, 'gradient_accumulation_steps', '?')}")
+        _check_framework_loss(loss, "Accelerator.backward", "gradient_accumulation_steps")
         return original(self, loss, **kwargs)
 
     accelerator.backward = backward
