@@ -46,7 +46,7 @@ def main():
     torch.set_num_threads(1)
     spec = load_spec()
     loader = torch.utils.data.DataLoader(spec.dataset(), batch_size=BATCH, shuffle=False)
-    noise, audit = GradientNoiseScale(every=1, log=False), Audit(steps=3)
+    noise, audit = GradientNoiseScale(every=1), Audit(steps=3)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[noise, audit])
@@ -54,7 +54,8 @@ def main():
     summary = noise.noise_scale.summary()
     _data.write_result(trainer.global_rank, history=noise.history, b_simple=summary.b_simple,
                        b_small=noise.noise_scale.b_small, b_big=noise.noise_scale.b_big,
-                       audit={f.code: f.severity for f in audit.report.problems}, audited=audit.report.steps_audited)
+                       audit={f.code: f.severity for f in audit.report.problems}, audited=audit.report.steps_audited,
+                       logged={k: float(trainer.callback_metrics[k]) for k in ("b_simple", "grad_sq_norm", "trace_sigma")})
     sys.exit(0)
 
 

@@ -87,9 +87,12 @@ def with_trainer(spec):
                                  ddp_backend="gloo", report_to="none", save_strategy="no", logging_strategy="no",
                                  disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)
         trainer = Trainer(model=Regression(spec), args=args, train_dataset=Pairs(spec.dataset()))
-        callback = NoiseScaleCallback(trainer, every=1, log=False)
+        callback = NoiseScaleCallback(trainer, every=1)
         trainer.add_callback(callback)
         trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "b_simple" in entry]
+    assert len(logged) == len(callback.history) == STEPS
+    assert all(entry["b_simple"] == record["b_simple"] for entry, record in zip(logged, callback.history))
     return trainer.args.process_index, callback.noise_scale, callback.history
 
 
