@@ -363,6 +363,17 @@ def test_the_accelerate_plan_uses_the_processes_and_accumulation_accelerate_runs
     # 16 per device × 4 processes × 2 accumulation = 128 = 4 × the reference's 32: SGD's lr × 4.
     assert (plan.global_batch_size, plan.world_size, plan.accumulation_steps) == (128, 4, 2)
     assert plan.lr == pytest.approx(0.4)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    warmup_plan = accelerate.plan(accelerator, reference, per_device_batch_size=16,
+                                  data=planner.Data(warmup_steps=2))
+    assert warmup_plan.warmup_recommended  # × 4 reaches the default threshold
+    warmup = accelerate.apply_plan(warmup_plan, optimizer, [scheduler], reference_lr=0.1)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.base_lrs == [pytest.approx(0.4)]
+    assert warmup.applied == pytest.approx([0.1, 0.25, 0.4])  # from the reference lr to the scaled one
     monkeypatch.setenv("WORLD_SIZE", "2")
     alone = SimpleNamespace(num_processes=1, gradient_accumulation_steps=1, distributed_type="NO")
     with pytest.raises(ValueError, match="Accelerator\\(cpu=True\\)"):

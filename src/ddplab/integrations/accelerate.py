@@ -64,3 +64,26 @@ def plan(accelerator, reference: planner.Reference, *, per_device_batch_size: in
                             global_batch_size=global_batch_size, accumulation_steps=accumulation, keep=keep,
                             rule=rule)
     return planner.plan(reference, target, data)
+
+
+def apply_plan(plan: planner.Plan, optimizer, schedulers=(), *, reference_lr: float | None = None):
+    """Scale ``optimizer`` (built with the reference lr) for the plan: its lr, ``initial_lr`` and the schedulers'
+    ``base_lrs`` by the plan's multiplier, plus the plan's Goyal warmup when it recommends one.
+
+    Call it after building the scheduler and before ``accelerator.prepare`` (a prepared optimizer or
+    scheduler wraps the real one: pass ``.optimizer`` / ``.scheduler``). ``reference_lr`` checks that the
+    optimizer really starts from the plan's reference. Returns the warmup (or None): its ``applied``
+    lists the lr of each update.
+    """
+    from ddplab.integrations import _lr
+
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    schedulers = [getattr(s, "scheduler", s) for s in schedulers]
+    if reference_lr is not None and not all(g["lr"] == reference_lr for g in optimizer.param_groups):
+        raise ValueError(f"the optimizer's lr is not the reference lr {reference_lr}: apply the plan once, to an "
+                         "optimizer built with the reference lr")
+    _lr.scale_optimizer(optimizer, schedulers, plan.lr_multiplier)
+    if plan.warmup_recommended:
+        plan.lr_lambda(0)  # raises when the warmup's length is unknown
+        return _lr.Warmup(optimizer, warmup_steps=plan.warmup_steps, lr_multiplier=plan.lr_multiplier)
+    return None
