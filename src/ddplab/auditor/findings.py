@@ -55,6 +55,33 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "performance: gradient accumulation all-reduces on every micro-step; the result is unchanged but "
         "communication is accumulation-steps times larger",
         "wrap every micro-step but the last in `with ddp_model.no_sync():`"),
+    "NOT_DISTRIBUTED": (
+        ERROR,
+        "several processes were started but each trains alone, on the whole dataset: W duplicate runs, W times "
+        "the compute for the result of one",
+        "make the processes join one distributed run: init_process_group and DistributedDataParallel in a plain "
+        "loop; with Accelerate on CPU, Accelerator(cpu=True) or ACCELERATE_USE_CPU=1 (check "
+        "accelerator.num_processes == WORLD_SIZE)"),
+    "SCHEDULER_STEPS_PER_PROCESS": (
+        WARNING,
+        "the lr scheduler steps several times per optimizer step, so a warmup or decay given in optimizer steps "
+        "runs that many times faster: warmup ends early, and a decay reaches its end while training goes on",
+        "give the schedule's lengths in scheduler steps (multiply warmup and total steps by num_processes), or "
+        "prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) and step it once per "
+        "optimizer step yourself"),
+    "LR_SCALED_NOT_SCHEDULE": (
+        WARNING,
+        "the optimizer's lr was scaled for the world size after its scheduler was built: the scheduler's base_lrs "
+        "(and the groups' initial_lr) keep the old lr, so its next step brings the unscaled schedule back",
+        "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
+        "(ddplab.integrations' ScaleLearningRate does all three)"),
+    "LOSS_NORMALISED_PER_DEVICE": (
+        WARNING,
+        "each rank divided its token-level loss by its own token count, and DDP averages those means: with "
+        "different counts per rank, a token on a rank with few tokens weighs more than one on a rank with many, so "
+        "the gradient is not the mean over the global batch's tokens",
+        "TrainingArguments(average_tokens_across_devices=True) (the default) with a model whose forward accepts "
+        "num_items_in_batch (or a compute_loss_func), so every rank divides by the global token count"),
     "AUDIT_INCOMPLETE": (
         INFO,
         "the audit did not cover the whole run; training itself was not affected",
@@ -154,6 +181,9 @@ def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
         finding = _first_difference(windows, field, code, what)
         if finding is not None:
             out.append(finding)
+    tokens = _per_device_tokens(windows)
+    if tokens is not None:
+        out.append(tokens)
     duplicate = _duplicate_batches(records)
     if duplicate is not None:
         out.append(duplicate)
@@ -177,6 +207,23 @@ def _first_difference(windows, field: str, code: str, what: str) -> Finding | No
             detail = (f"{what} {step}: '{name}' on rank {rank} differs from rank {reference_rank}{size}")
             finding = Finding.make(code, reference_rank, detail)
             finding.ranks = sorted({reference_rank, *differing})
+            return finding
+    return None
+
+
+def _per_device_tokens(windows) -> Finding | None:
+    """Evidence of per-device loss normalisation: ranks that each divided by their own, different, token counts."""
+    for (_, step), by_rank in sorted(windows.items(), key=lambda item: item[0][1]):
+        counts = {rank: w["tokens"] for rank, w in by_rank.items() if w.get("tokens") is not None}
+        if len(counts) >= 2 and len(set(counts.values())) > 1:
+            (low_rank, low), (high_rank, high) = min(counts.items(), key=lambda c: c[1]), max(counts.items(),
+                                                                                              key=lambda c: c[1])
+            why = next(w.get("tokens_why", "") for w in by_rank.values() if w.get("tokens") is not None)
+            finding = Finding.make("LOSS_NORMALISED_PER_DEVICE", min(counts),
+                                   f"{why}; at optimizer step {step} rank {low_rank} had {low} label tokens and "
+                                   f"rank {high_rank} {high}, so a token on rank {low_rank} weighed "
+                                   f"{high / max(low, 1):.3g} times one on rank {high_rank}")
+            finding.ranks = sorted(counts)
             return finding
     return None
 

@@ -39,6 +39,7 @@ from torch.utils.data import DistributedSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import findings as fnd
+from ddplab.auditor import frameworks
 from ddplab.auditor import tensors
 
 ENV_DIR, ENV_STEPS = "DDPLAB_AUDIT_DIR", "DDPLAB_AUDIT_STEPS"
@@ -210,6 +211,8 @@ def install(steps: int = 5, out_dir: str | None = None) -> AuditState:
     register_optimizer_step_post_hook(_after_optimizer_step)
     _patch_sampler()
     _patch_losses()
+    # Schedulers and the frameworks' idioms (Lightning, Accelerate, the Transformers Trainer).
+    frameworks.install()
     atexit.register(_at_exit)
     return _STATE
 
@@ -271,6 +274,7 @@ def _attach_guarded(audit: AuditState, ddp: DistributedDataParallel) -> None:
     audit.attached_pid = os.getpid()
     if audit.module_hook is None and audit.armed:
         audit.module_hook = register_module_forward_pre_hook(_module_pre_forward)
+    frameworks.on_attach(audit, ddp)
     audit.write()
 
 
@@ -418,6 +422,7 @@ def _after_optimizer_step(optimizer, args, kwargs):
 @_guarded("after an optimizer step")
 def _optimizer_stepped(audit: AuditState, optimizer) -> None:
     info = _owner(audit, optimizer)
+    frameworks.on_optimizer_step(audit, optimizer, info)
     if info is None:
         return  # a probe or auxiliary optimizer that updates no DDP model: not part of the audit
     audit.total_steps += 1

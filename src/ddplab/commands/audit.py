@@ -27,6 +27,13 @@ the DDP mistakes that silently change training:
   SUM_REDUCTION (warning)          backward from a summed loss (reduction='sum', or 'none' then .sum())
   BATCHNORM_NOT_SYNCED             warning under 16 samples per rank, info otherwise
   ACCUMULATION_SYNCS_EVERY_STEP    warning (performance): micro-batches all-reduced before they accumulate
+  NOT_DISTRIBUTED (error)          several processes started, each training alone (e.g. Accelerate on CPU
+                                   without cpu=True: num_processes 1, no DDP)
+  SCHEDULER_STEPS_PER_PROCESS      the lr scheduler steps several times per optimizer step (Accelerate):
+                                   warning once the lr reaches 0 while training goes on, info otherwise
+  LR_SCALED_NOT_SCHEDULE (warning) the lr was scaled by W or sqrt(W) after its scheduler was built
+  LOSS_NORMALISED_PER_DEVICE       warning: the Trainer divided each rank's token loss by its own,
+                                   different token count (average_tokens_across_devices off)
   AUDIT_INCOMPLETE (info)          the auditor turned itself off somewhere; training went on unchanged
 
 The auditor only watches: it adds no collective, never changes what training computes, and
@@ -34,8 +41,13 @@ turns itself off rather than fail. Your command's output and exit code are passe
 the report goes to stderr when the command ends (rank 0 also prints one during the run, after
 the audited steps). Ctrl-C or SIGTERM reach the whole command, and the report still follows.
 
+Lightning, Accelerate and the Transformers Trainer are audited through the DDP wrapper they build:
+run the command you would run anyway.
+
 examples:
   ddplab audit -- torchrun --nproc_per_node 2 train.py --epochs 1
+  ddplab audit -- python train_lightning.py          # Lightning starts its own worker processes
+  ddplab audit -- accelerate launch --num_processes 2 train.py
   ddplab audit --steps 10 --json-file audit.json --strict -- python train_spawn.py
   ddplab audit --json -- torchrun --nproc_per_node 2 train.py > report.json
 """

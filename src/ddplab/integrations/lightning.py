@@ -1,0 +1,163 @@
+"""Lightning callbacks: the gradient noise scale, lr scaling for the real world size, and the audit.
+
+    trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[
+        GradientNoiseScale(every=4),                      # logs b_simple, grad_sq_norm, trace_sigma
+        ScaleLearningRate(reference_lr=0.1, reference_global_batch_size=256),
+        Audit(steps=5),
+    ])
+
+Needs ``pip install ddplab[lightning]``. Lightning ignores ``DDPStrategy(ddp_comm_hook=...)`` on CPU;
+the noise scale does not need a comm hook (it reads the local gradient from post-accumulate-grad hooks).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.callbacks import Callback
+from torch.nn.parallel import DistributedDataParallel
+
+from ddplab import noise_scale, planner
+from ddplab.integrations import _lr
+
+
+def _per_device_batch_size(trainer, given: int | None) -> int:
+    if given is not None:
+        return given
+    loader = trainer.train_dataloader
+    batch = getattr(loader, "batch_size", None)
+    if not batch:
+        raise ValueError("per_device_batch_size must be given: the training loader has no batch_size to read")
+    return batch
+
+
+class GradientNoiseScale(Callback):
+    """Measure B_simple from DDP's own all-reduce; log ``b_simple``, ``grad_sq_norm``, ``trace_sigma`` every k steps.
+
+    Args:
+        every: measure every k-th optimizer step.
+        per_device_batch_size: samples per process per micro-step (default: the training loader's batch_size).
+        ema_decay: decay of the running averages behind ``b_simple``.
+        log: log the three values with ``pl_module.log`` (rank 0's values; every rank computes the same).
+
+    ``history`` holds one dict per measured step; ``noise_scale`` is the underlying
+    :class:`ddplab.noise_scale.GradientNoiseScale` (``.summary()`` gives B_simple with a 95% interval).
+    """
+
+    def __init__(self, *, every: int = 4, per_device_batch_size: int | None = None, ema_decay: float = 0.95,
+                 log: bool = True):
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        self.every, self.per_device_batch_size, self.ema_decay, self.log = every, per_device_batch_size, ema_decay, log
+        self.noise_scale: noise_scale.GradientNoiseScale | None = None
+        self.history: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        model = trainer.strategy.model
+        if trainer.world_size > 1 and not isinstance(model, DistributedDataParallel):
+            raise ValueError("GradientNoiseScale needs strategy='ddp' (or 'ddp_spawn') when training on several "
+                             f"processes; this trainer wraps the model in {type(model).__name__}")
+        self.noise_scale = noise_scale.GradientNoiseScale(
+            model, per_device_batch_size=_per_device_batch_size(trainer, self.per_device_batch_size),
+            accumulation_steps=trainer.accumulate_grad_batches, every=self.every, ema_decay=self.ema_decay)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # After the closure's backward (DDP has reduced), before the optimizer changes anything.
+        record = self.noise_scale.step() if self.noise_scale is not None else None
+        if record is None:
+            return
+        values = {"b_simple": record.b_simple_ema, "grad_sq_norm": record.g2, "trace_sigma": record.trace_sigma}
+        self.history.append({"step": trainer.global_step, "g_small_sq": record.g_small_sq,
+                             "g_big_sq": record.g_big_sq, **values})
+        if self.log:
+            pl_module.log_dict(values, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+class ScaleLearningRate(Callback):
+    """Apply a ddplab plan for the world size the trainer really has: scale the lr, add the Goyal warmup.
+
+    Give the setup whose lr you trust (its lr and global batch). At the start of training the
+    callback plans for ``trainer.world_size`` processes with the loader's per-device batch and
+    ``accumulate_grad_batches``, then multiplies every optimizer's lr, its groups' ``initial_lr``
+    and its schedulers' ``base_lrs`` by the plan's lr multiplier (scaling ``lr`` alone would be
+    undone by the scheduler's next step), and, when the plan recommends it, warms up from the
+    reference lr over the plan's warmup steps as a factor during each update only, so any scheduler
+    keeps working.
+
+    Args:
+        reference_lr: the lr of the trusted setup.
+        reference_global_batch_size: its global batch (per-device batch × processes × accumulation).
+        rule: 'auto' (linear for SGD, square-root for Adam), 'linear', 'sqrt' or 'none'.
+        optimizer: 'sgd', 'adam' or 'adamw', for the 'auto' rule.
+        warmup_steps: warmup length in optimizer steps (default: none unless the plan recommends it; then
+            the plan's length, which needs ``dataset_size``).
+        dataset_size: samples in the training set, for the plan's warmup and step counts.
+        per_device_batch_size: default: the training loader's batch_size.
+    """
+
+    def __init__(self, *, reference_lr: float, reference_global_batch_size: int, rule: str = "auto",
+                 optimizer: str = "sgd", warmup_steps: int | None = None, dataset_size: int | None = None,
+                 per_device_batch_size: int | None = None):
+        self.reference = planner.Reference(per_device_batch_size=reference_global_batch_size, lr=reference_lr,
+                                           optimizer=optimizer)
+        self.rule, self.warmup_steps, self.dataset_size = rule, warmup_steps, dataset_size
+        self.per_device_batch_size = per_device_batch_size
+        self.plan: planner.Plan | None = None
+        self.warmups: list[_lr.Warmup] = []
+
+    def make_plan(self, *, world_size: int, per_device_batch_size: int, accumulation_steps: int) -> planner.Plan:
+        target = planner.Target(devices=world_size, per_device_batch_size=per_device_batch_size,
+                                accumulation_steps=accumulation_steps, keep="per-device", rule=self.rule)
+        data = planner.Data(dataset_size=self.dataset_size, warmup_steps=self.warmup_steps)
+        return planner.plan(self.reference, target, data)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.plan = self.make_plan(world_size=trainer.world_size,
+                                   per_device_batch_size=_per_device_batch_size(trainer, self.per_device_batch_size),
+                                   accumulation_steps=trainer.accumulate_grad_batches)
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for optimizer in trainer.optimizers:
+            _lr.scale_optimizer(optimizer, schedulers, self.plan.lr_multiplier)
+            warmup = self.warmup_steps if self.warmup_steps is not None else (
+                self.plan.warmup_steps if self.plan.warmup_recommended else None)
+            if warmup is None and self.plan.warmup_recommended:
+                self.plan.lr_lambda(0)  # raises: warmup recommended, its length unknown
+            if warmup:
+                self.warmups.append(_lr.Warmup(optimizer, warmup_steps=warmup,
+                                               lr_multiplier=self.plan.lr_multiplier))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for warmup in self.warmups:
+            warmup.remove()
+
+
+class Audit(Callback):
+    """Audit the DDP model for ``steps`` optimizer steps; rank 0 prints the merged report when training ends.
+
+    The same auditor as ``ddplab audit -- python train.py``, started from the script instead of the
+    command line (no collectives: each rank waits at most ``timeout`` seconds for its peers' records).
+    """
+
+    def __init__(self, *, steps: int = 5, timeout: float = 30.0):
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, got {steps}")
+        self.steps, self.timeout = steps, timeout
+        self.state = None
+        self.report = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import ddplab
+
+        model = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError(f"Audit needs strategy='ddp'; this trainer wraps the model in {type(model).__name__}")
+        self.state = ddplab.audit(model, steps=self.steps)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from ddplab.auditor import findings
+
+        if self.state is None:
+            return
+        self.report = self.state.report(timeout=self.timeout)
+        if trainer.global_rank == 0:
+            print(findings.render_text(self.report), file=sys.stderr, flush=True)

@@ -1,0 +1,68 @@
+"""Accelerate on CPU, 2 processes (torchrun or accelerate launch).
+
+Correct by default: Accelerator(cpu=True) (distributed on CPU), accumulate() (no_sync), gather, and
+a prepared scheduler whose lengths are multiplied by num_processes on purpose, as the Transformers
+*_no_trainer examples do. --mistake plants one mistake:
+  schedule         a 16-step linear decay given in optimizer steps: the prepared scheduler steps
+                   num_processes times per optimizer step, so the lr reaches 0 half-way
+  not_distributed  a plain Accelerator() on a CPU machine: each process trains alone
+  sum_reduction    a summed loss (Accelerator.backward divides it by the accumulation steps only)
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+import _data
+
+STEPS, ACCUMULATION, BATCH = 16, 2, 8
+
+
+def linear_decay(total: int, warmup: int = 0):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, 1.0 - (step - warmup) / max(1, total - warmup))
+    return factor
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mistake", choices=("none", "schedule", "not_distributed", "sum_reduction"), default="none")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    accumulation = 1 if args.mistake == "schedule" else ACCUMULATION
+    accelerator = Accelerator(cpu=args.mistake != "not_distributed", gradient_accumulation_steps=accumulation)
+    model = _data.model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    # Lengths in scheduler steps: a prepared scheduler steps num_processes times per optimizer step.
+    per_step = 1 if args.mistake == "schedule" else accelerator.num_processes
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_decay(STEPS * per_step, warmup=2 * per_step))
+    loader = torch.utils.data.DataLoader(_data.dataset(), batch_size=BATCH, shuffle=True)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    steps, losses = 0, []
+    while steps < STEPS:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = F.mse_loss(model(x), y, reduction="sum" if args.mistake == "sum_reduction" else "mean")
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                steps += 1
+                losses.append(accelerator.gather(loss.detach()).mean().item())
+            if steps == STEPS:
+                break
+    if accelerator.is_main_process:
+        print(f"accelerate-done steps={steps} processes={accelerator.num_processes}", flush=True)
+    _data.write_result(accelerator.process_index, steps=steps, num_processes=accelerator.num_processes)
+    accelerator.end_training()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
