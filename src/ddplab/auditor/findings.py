@@ -132,6 +132,8 @@ class Report:
         return [f for f in self.findings if f.code != "RUN_INFO"]
 
     def headline(self) -> str:
+        if self.steps_audited == 0:
+            return f"world size {self.world_size}, no optimizer step of a DDP model was audited"
         steps = f"{self.steps_audited} optimizer steps audited"
         if self.steps_requested and self.steps_audited < self.steps_requested:
             steps += f" (the run made fewer than the {self.steps_requested} asked for)"
