@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -79,7 +80,8 @@ def test_study_overrides_interpolates_log_log():
 
 
 def test_sweep_spans_both_rules_and_rules_share_runs():
-    config = study.StudyConfig(target=study.Target(kind="accuracy", value=0.9), ref_batch_size=32, ref_lr=0.05)
+    config = study.StudyConfig(target=study.Target(kind="accuracy", value=0.9), ref_batch_size=32, ref_lr=0.05,
+                               sweep_margin=2.0)
     assert config.sweep(128) == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4])
     lrs = config.lrs(32)
     # At the reference batch constant, linear and sqrt are one run, also a sweep point.
@@ -166,6 +168,7 @@ def test_verify_ddp_two_ranks_float64():
 
 def _study(tmp_path, *extra):
     return ["study", "--batch-sizes", "32,128", "--seeds", "2", "--max-steps", "200", "--target-accuracy", "0.9",
+            "--sweep-margin", "2", "--sweep-factor", "4",
             "--out", str(tmp_path / "out"), *extra]
 
 
@@ -231,3 +234,36 @@ def test_plan_from_study(tmp_path, capsys):
     assert "ddplab study" in plan["reasons"]["lr"]
     assert cli.main(argv[:-1] + ["--devices", "32"]) == 0
     assert "outside the study's measured range" in capsys.readouterr().out
+
+
+def test_spec_evaluate_agrees_with_vectorized_validation():
+    path = os.path.join(os.path.dirname(__file__), "specs", "study_eval.py")
+    with_evaluate = study.spec_workload(path)
+    vectorized = dataclasses.replace(with_evaluate, evaluate=None, val=with_evaluate.eval_dataset.tensors)
+    config = study.StudyConfig(target=study.Target(kind="accuracy", value=0.9), global_batch_sizes=(32, 64))
+    runs = [(0.05, 0), (0.2, 1)]
+    a = study.train_group(with_evaluate, config, 32, runs)
+    b = study.train_group(vectorized, config, 32, runs)
+    assert [r.steps_to_target for r in a] == [r.steps_to_target for r in b]
+    assert all(r.steps_to_target is not None for r in a)
+    assert [h[2] for h in a[0].history] == pytest.approx([h[2] for h in b[0].history], abs=1e-6)
+
+
+@pytest.mark.parametrize("seeds", [2, 3])
+def test_pruning_slow_sweep_lrs_keeps_the_best(seeds):
+    workload = study.regression_workload(dim=8, n_train=1024, n_val=512)
+    start = float(workload.val[1].pow(2).mean())
+    config = study.StudyConfig(target=study.Target(kind="loss", value=start * 0.05), momentum=0.0, seeds=seeds,
+                               global_batch_sizes=(16, 32), max_steps=120, eval_every=2, dtype="float64")
+    runs = [(lr, s) for lr in (0.01, 0.04, 0.16) for s in range(seeds)]
+    full = study.train_group(workload, config, 16, runs)
+    pruned = study.train_group(workload, config, 16, runs, sweep_only={0.01, 0.04, 0.16})
+
+    def best(results):
+        return study_fit.best_lr({lr: [r.steps_to_target or math.inf for r in results if r.lr == lr]
+                                  for lr, _ in runs})
+
+    assert best(full) == best(pruned)
+    assert any(r.pruned for r in pruned) and not any(r.pruned for r in full)
+    assert [r.steps_to_target for r in full if r.lr == best(full)[0]] == \
+        [r.steps_to_target for r in pruned if r.lr == best(full)[0]]

@@ -89,7 +89,7 @@ class StudyConfig:
     """Evaluate every k optimizer steps (--eval-every)."""
     sweep_factor: float = 2.0
     """Spacing of the tuned sweep (--sweep-factor)."""
-    sweep_margin: float = 2.0
+    sweep_margin: float = 4.0
     """The tuned sweep spans the constant and linear rules' lrs, widened by this factor (--sweep-margin)."""
     dtype: Literal["float32", "float64"] = "float32"
     """Training precision (--dtype)."""
@@ -288,6 +288,8 @@ class RunResult:
     seed: int
     steps_to_target: int | None = None
     diverged: bool = False
+    pruned: bool = False
+    """Stopped early: a tuned-sweep lr that can no longer be the best at its batch size."""
     history: list = dataclasses.field(default_factory=list)
     """[step, training loss, metric] at each evaluation."""
     noise_g2: list = dataclasses.field(default_factory=list)
@@ -395,8 +397,12 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                progress: Callable[[int], None] | None = None) -> list[RunResult]:
-    """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps."""
+                progress: Callable[[int], None] | None = None, *, sweep_only: set[float] = frozenset()) -> list[RunResult]:
+    """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps.
+
+    Runs of an lr in ``sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
+    have the fewest median steps: they only had to lose to the best.
+    """
     group = Group(workload, config, global_batch, runs)
     reported = 0
     for step in range(config.max_steps):
@@ -405,6 +411,7 @@ def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs
         finished = _finish_diverged(group, losses)
         if evaluate:
             finished |= _finish_reached(group, losses, step + 1)
+            finished |= _prune(group, sweep_only, step + 1, finished)
             if progress:
                 progress(step + 1 - reported)
                 reported = step + 1
@@ -416,6 +423,32 @@ def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs
     if progress:
         progress(config.max_steps - reported)
     return group.results
+
+
+def _prune(group: Group, sweep_only: set[float], steps: int, finished: set[int]) -> set[int]:
+    if not sweep_only:
+        return set()
+    by_lr: dict[float, list[RunResult]] = {}
+    for result in group.results:
+        by_lr.setdefault(result.lr, []).append(result)
+    best_lr, best = None, math.inf
+    for lr, results in by_lr.items():
+        reached = sorted(r.steps_to_target for r in results if r.steps_to_target is not None)
+        # The median over n seeds is settled once n//2 + 1 of them reached (the rest can only be slower).
+        if len(reached) >= len(results) // 2 + 1:
+            median = study_fit.median(reached + [math.inf] * (len(results) - len(reached)))
+            if median < best:
+                best_lr, best = lr, median
+    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
+    if steps <= best * (2 if group.config.seeds % 2 == 0 else 1):
+        return set()
+    pruned = set()
+    for run in group.active:
+        result = group.results[run]
+        if run not in finished and result.lr in sweep_only and result.lr != best_lr:
+            result.pruned = True
+            pruned.add(run)
+    return pruned
 
 
 def _finish_diverged(group: Group, losses: torch.Tensor) -> set[int]:
@@ -519,7 +552,8 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
         runs = grid_runs(config, global_batch)
         cached = cache.load(global_batch, runs) if cache else None
         if cached is None:
-            cached = train_group(workload, config, global_batch, runs, progress)
+            sweep_only = {lr for lr, rules in config.lrs(global_batch).items() if rules == ["tuned"]}
+            cached = train_group(workload, config, global_batch, runs, progress, sweep_only=sweep_only)
             if cache:
                 cache.save(global_batch, cached)
         elif progress:
@@ -553,6 +587,7 @@ def analyze(workload: Workload, config: StudyConfig, results: dict[int, list[Run
                     run = by_key[(b, lr, seed)]
                     runs.append({"rule": rule, "global_batch_size": b, "lr": lr, "seed": seed,
                                  "steps_to_target": run.steps_to_target, "diverged": run.diverged,
+                                 "pruned": run.pruned,
                                  "best": rule == "tuned" and best is not None and lr == best[0]})
         for rule in config.rules:
             lr = best[0] if rule == "tuned" else _round_lr(config.rule_lr(rule, b))
@@ -622,10 +657,19 @@ def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None
 # --verify-ddp: replay grid points on real DDP ranks
 
 
-def verify_points(config: StudyConfig, count: int, world_size: int) -> list[tuple[int, float, int]]:
-    """``count`` (batch, lr, seed) grid points spread over the batch sizes DDP can split over ``world_size``."""
-    points = [(b, lr, seed) for b in sorted(config.global_batch_sizes) if b % world_size == 0
-              for lr in config.lrs(b) for seed in range(config.seeds)]
+def verify_points(config: StudyConfig, count: int, world_size: int,
+                  tuned: list[dict] | None = None) -> list[tuple[int, float, int]]:
+    """``count`` (batch, lr, seed) grid points spread over the batch sizes DDP can split over ``world_size``.
+
+    With the tuned curve, its best lrs (runs that train well, not ones on their way to diverging,
+    where any rounding difference grows without bound); else any grid point.
+    """
+    if tuned:
+        points = [(p["global_batch_size"], p["lr"], seed) for p in tuned if p["global_batch_size"] % world_size == 0
+                  for seed in range(config.seeds)]
+    else:
+        points = [(b, lr, seed) for b in sorted(config.global_batch_sizes) if b % world_size == 0
+                  for lr in config.lrs(b) for seed in range(config.seeds)]
     if not points:
         raise ValueError(f"no global batch in --batch-sizes divides evenly over {world_size} ranks")
     count = min(count, len(points))
@@ -646,11 +690,12 @@ def simulated_params(workload: Workload, config: StudyConfig, points: list[tuple
     return [out[p] for p in points]
 
 
-def verify_ddp(workload: Workload, config: StudyConfig, count: int, *, world_size: int = 2, steps: int = 20) -> dict:
+def verify_ddp(workload: Workload, config: StudyConfig, count: int, *, world_size: int = 2, steps: int = 20,
+               tuned: list[dict] | None = None) -> dict:
     """Re-run ``count`` grid points through real DDP ranks (ddplab.launch) and compare parameters."""
     from ddplab import launch
 
-    points = verify_points(config, count, world_size)
+    points = verify_points(config, count, world_size, tuned)
     simulated = simulated_params(workload, config, points, steps)
     ranks = launch.launch(_ddp_points, launch.LaunchConfig(world_size=world_size), workload, config, points, steps)
     real = ranks[0]

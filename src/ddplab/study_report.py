@@ -195,4 +195,6 @@ def _n(value) -> str:
 def _steps(run: dict) -> str:
     if run["steps_to_target"] is not None:
         return str(run["steps_to_target"])
+    if run.get("pruned"):
+        return "stopped: slower than the best lr"
     return "diverged" if run.get("diverged") else "not reached"

@@ -60,8 +60,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--eval-every", type=positive_int, default=5, help="evaluate every K steps (default 5)")
     parser.add_argument("--sweep-factor", type=positive_float, default=2.0,
                         help="spacing of the tuned lr sweep (default 2: factors of 2)")
-    parser.add_argument("--sweep-margin", type=positive_float, default=2.0,
-                        help="the sweep spans the constant and linear lrs widened by this factor (default 2)")
+    parser.add_argument("--sweep-margin", type=positive_float, default=4.0,
+                        help="the sweep spans the constant and linear lrs widened by this factor (default 4)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="(default float32)")
     parser.add_argument("--out", default="study-out", help="directory for the cache, plots, study.json and report")
     parser.add_argument("--fresh", action="store_true", help="discard cached runs in --out and start over")
@@ -125,7 +125,7 @@ def _study(args: argparse.Namespace) -> int:
     report = _report(workload, config, analysis, args)
     if args.verify_ddp:
         report["verify_ddp"] = study.verify_ddp(workload, config, args.verify_ddp, world_size=args.verify_world_size,
-                                                steps=args.verify_steps)
+                                                steps=args.verify_steps, tuned=analysis["tuned_lr"])
     if not args.no_plots:
         from ddplab import study_report
 

@@ -1,0 +1,92 @@
+"""ddplab study's vectorized engine against a Python loop over the same runs, side by side.
+
+The same runs (the built-in digits MLP, one global batch, several lrs × seeds, SGD with
+momentum, fixed steps) trained two ways in one sitting: all at once through ``Group`` (vmap over
+stacked parameters), and one after another, each a plain nn.Module with torch.optim.SGD. Both
+must end at the same parameters (checked), then the wall-clock ratio is the speed-up.
+
+    PYTHONPATH=src python benchmarks/study_speed.py [--threads 1] [--out benchmarks/results/study_speed.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+from ddplab import study
+
+
+def loop_over_runs(workload, config, global_batch: int, runs, steps: int):
+    """The baseline: each run its own model and optimizer, trained to the end before the next."""
+    out = []
+    batches = study._Batches(workload.train_size, global_batch, sorted({seed for _, seed in runs}))
+    inputs, targets = workload.train
+    for lr, seed in runs:
+        torch.manual_seed(seed)
+        model = workload.model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
+        row = batches.seeds.index(seed)
+        for step in range(steps):
+            index = batches.indices(step)[row]
+            optimizer.zero_grad(set_to_none=True)
+            workload.loss(model(inputs[index]), targets[index]).backward()
+            optimizer.step()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def vectorized(workload, config, global_batch: int, runs, steps: int):
+    group = study.Group(workload, config, global_batch, runs)
+    for step in range(steps):
+        group.step(step, measure=False)
+    return [{n: p[row].clone() for n, p in group.params.items()} for row in range(len(runs))]
+
+
+def measure(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    workload = study.digits_workload()
+    config = study.StudyConfig(target=study.Target(kind="accuracy", value=0.95))
+    rows = []
+    for global_batch in (16, 128, 512):
+        runs = study.grid_runs(config, global_batch)
+        # Same answer both ways first: the speed-up compares equal work.
+        diff = max(float((a[n] - b[n]).abs().max()) for a, b in
+                   zip(vectorized(workload, config, global_batch, runs, 10),
+                       loop_over_runs(workload, config, global_batch, runs, 10)) for n in a)
+        loop_s = measure(lambda: loop_over_runs(workload, config, global_batch, runs, args.steps), args.repeats)
+        vmap_s = measure(lambda: vectorized(workload, config, global_batch, runs, args.steps), args.repeats)
+        rows.append({"global_batch_size": global_batch, "runs": len(runs), "steps": args.steps,
+                     "loop_s": loop_s, "vectorized_s": vmap_s, "speedup": loop_s / vmap_s,
+                     "max_abs_param_diff_after_10_steps": diff})
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"benchmark": "study_speed", "torch": torch.__version__, "threads": args.threads,
+              "cpu_count": os.cpu_count(), "machine": platform.machine(), "load_average": os.getloadavg(),
+              "rows": rows}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+            fh.write("\n")
+
+
+if __name__ == "__main__":
+    main()
