@@ -58,8 +58,8 @@ def _steps_plot(report: dict, path: str) -> None:
     target = report["target"]
     ax.set_title(f"{report['workload']}: steps to {target['kind']} {target['value']:g}")
     ax_e.set_title("compute side: E = S·B")
-    ax.legend(fontsize=7)
-    ax_e.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower left")
+    ax_e.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
