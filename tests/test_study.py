@@ -122,6 +122,29 @@ def test_regression_steps_match_exact_recursion():
         assert measured == pytest.approx(exact, rel=0.15), (b, measured, exact)
 
 
+def test_study_fit_matches_fit_of_exact_regression_curve():
+    # End to end: tuned sweep, medians over seeds, fit; against the same sweep's exact expected steps.
+    dim, ratio = 15, 1e-6
+    workload = study.regression_workload(dim=dim, n_train=8192, n_val=4096)
+    start = float(workload.val[1].pow(2).mean())
+    config = study.StudyConfig(target=study.Target(kind="loss", value=start * ratio), momentum=0.0, rules=("tuned",),
+                               global_batch_sizes=(2, 4, 8, 16, 32, 64, 128), ref_batch_size=16, ref_lr=0.1,
+                               sweep_factor=2 ** 0.5, sweep_margin=4, seeds=3, max_steps=600, eval_every=1,
+                               dtype="float64")
+    analysis = study.analyze(workload, config, study.run_grid(workload, config, None))
+    exact = {b: min(s for lr in config.sweep(b) if (s := study.regression_expected_steps(
+        dim=dim, global_batch=b, lr=lr, start=start, target=start * ratio)) is not None)
+        for b in config.global_batch_sizes}
+    measured = analysis["fit"]["tuned"]["median_steps"]
+    for b, steps in exact.items():
+        assert measured[str(b)] == pytest.approx(steps, rel=0.15, abs=1)
+    exact_fit = study_fit.fit_steps(list(exact), list(exact.values()))
+    # Medians of random runs run slightly ahead of the expected |e|² (Jensen): 15%, not exact.
+    assert analysis["fit"]["tuned"]["b_crit"] == pytest.approx(exact_fit.b_crit, rel=0.15)
+    low, high = analysis["fit"]["tuned"]["b_crit_ci95"]
+    assert low <= analysis["fit"]["tuned"]["b_crit"] <= high
+
+
 def test_b_simple_along_runs_matches_gaussian_theory():
     from ddplab import noise_estimators
 
