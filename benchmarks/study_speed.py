@@ -73,8 +73,8 @@ def main() -> None:
         diff = max(float((a[n] - b[n]).abs().max()) for a, b in
                    zip(vectorized(workload, config, global_batch, runs, 10),
                        loop_over_runs(workload, config, global_batch, runs, 10)) for n in a)
-        loop_s = measure(lambda: loop_over_runs(workload, config, global_batch, runs, args.steps), args.repeats)
-        vmap_s = measure(lambda: vectorized(workload, config, global_batch, runs, args.steps), args.repeats)
+        loop_s = measure(lambda b=global_batch, r=runs: loop_over_runs(workload, config, b, r, args.steps), args.repeats)
+        vmap_s = measure(lambda b=global_batch, r=runs: vectorized(workload, config, b, r, args.steps), args.repeats)
         rows.append({"global_batch_size": global_batch, "runs": len(runs), "steps": args.steps,
                      "loop_s": loop_s, "vectorized_s": vmap_s, "speedup": loop_s / vmap_s,
                      "max_abs_param_diff_after_10_steps": diff})

@@ -214,7 +214,7 @@ def spec_workload(path: str) -> Workload:
     evaluate = getattr(module, "evaluate", None)
     val_dataset = getattr(module, "val_dataset", None)
     if not callable(evaluate) and not callable(val_dataset):
-        raise ValueError(f"spec file {path!r} defines neither evaluate(model, dataset) nor val_dataset(): "
+        raise ValueError(f"spec file {path!r} defines neither evaluate(model, dataset) nor val_dataset(): "  # noqa: TRY004 (a user error: exit 2)
                          "the study needs one to know when a run reaches the target")
     if spec.step is not spec_module._default_step:
         raise ValueError(f"spec file {path!r} defines step(): the study vectorizes loss(model(x), y) and cannot "
@@ -240,7 +240,7 @@ def _as_tensors(dataset, what: str) -> tuple[torch.Tensor, torch.Tensor]:
 
     try:
         inputs, targets = default_collate([dataset[i] for i in range(len(dataset))])
-    except Exception as exc:
+    except (TypeError, RuntimeError, IndexError, ValueError) as exc:
         raise ValueError(f"{what} must hold (input, target) tensor pairs of one shape ({exc})") from None
     return inputs, targets
 
@@ -646,8 +646,8 @@ def _edge_warnings(tuned: list[dict]) -> list[str]:
     edge = [p["global_batch_size"] for p in tuned if p["lr"] in (p["sweep"][0], p["sweep"][-1]) and len(p["sweep"]) > 1]
     if not edge:
         return []
-    return [f"the best tuned lr sits at the edge of its sweep at global batch {', '.join(map(str, edge))}: "
-            "widen --sweep-margin"]
+    return [(f"the best tuned lr sits at the edge of its sweep at global batch {', '.join(map(str, edge))}: "
+             "widen --sweep-margin")]
 
 
 def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None:

@@ -164,7 +164,13 @@ def _run_grid(study, workload, config, cache):
     # A progress bar only for a person at a terminal; logs and pipes stay clean.
     if not sys.stderr.isatty():
         return study.run_grid(workload, config, cache)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (TextColumn("ddplab study"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
