@@ -290,3 +290,15 @@ def test_pruning_slow_sweep_lrs_keeps_the_best(seeds):
     assert any(r.pruned for r in pruned) and not any(r.pruned for r in full)
     assert [r.steps_to_target for r in full if r.lr == best(full)[0]] == \
         [r.steps_to_target for r in pruned if r.lr == best(full)[0]]
+
+
+def test_missing_extras_say_what_to_install(monkeypatch, capsys, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert cli.main(["study", "--no-plots", "--out", str(tmp_path)]) == 2
+    assert "pip install 'ddplab[study]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main(["study", "--out", str(tmp_path)]) == 2
+    assert "pip install 'ddplab[study]'" in capsys.readouterr().err
