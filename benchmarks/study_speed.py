@@ -5,7 +5,7 @@ momentum, fixed steps) trained two ways in one sitting: all at once through ``Gr
 stacked parameters), and one after another, each a plain nn.Module with torch.optim.SGD. Both
 must end at the same parameters (checked), then the wall-clock ratio is the speed-up.
 
-    PYTHONPATH=src python benchmarks/study_speed.py [--threads 1] [--out benchmarks/results/study_speed.json]
+    PYTHONPATH=src python benchmarks/study_speed.py [--out benchmarks/results/study_speed.json]
 """
 
 from __future__ import annotations
@@ -56,32 +56,44 @@ def measure(fn, repeats: int) -> float:
     return min(times)
 
 
+def timed(fn, threads: int, repeats: int) -> float:
+    torch.set_num_threads(threads)
+    return measure(fn, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="intra-op thread counts to try; each side is timed at its best (default 1 2)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 64, 256, 1024])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     workload = study.digits_workload()
     config = study.StudyConfig(target=study.Target(kind="accuracy", value=0.95))
+    load_before = os.getloadavg()
     rows = []
-    for global_batch in (16, 128, 512):
+    for global_batch in args.batch_sizes:
         runs = study.grid_runs(config, global_batch)
         # Same answer both ways first: the speed-up compares equal work.
         diff = max(float((a[n] - b[n]).abs().max()) for a, b in
                    zip(vectorized(workload, config, global_batch, runs, 10),
                        loop_over_runs(workload, config, global_batch, runs, 10)) for n in a)
-        loop_s = measure(lambda b=global_batch, r=runs: loop_over_runs(workload, config, b, r, args.steps), args.repeats)
-        vmap_s = measure(lambda b=global_batch, r=runs: vectorized(workload, config, b, r, args.steps), args.repeats)
+        loop_s = {t: timed(lambda b=global_batch, r=runs: loop_over_runs(workload, config, b, r, args.steps), t,
+                           args.repeats) for t in args.threads}
+        vmap_s = {t: timed(lambda b=global_batch, r=runs: vectorized(workload, config, b, r, args.steps), t,
+                           args.repeats) for t in args.threads}
+        best_loop, best_vmap = min(loop_s.values()), min(vmap_s.values())
         rows.append({"global_batch_size": global_batch, "runs": len(runs), "steps": args.steps,
-                     "loop_s": loop_s, "vectorized_s": vmap_s, "speedup": loop_s / vmap_s,
+                     "loop_s_by_threads": loop_s, "vectorized_s_by_threads": vmap_s,
+                     "speedup_best_vs_best": best_loop / best_vmap,
+                     "speedup_at_1_thread": loop_s.get(1, best_loop) / vmap_s.get(1, best_vmap),
                      "max_abs_param_diff_after_10_steps": diff})
         print(json.dumps(rows[-1]), flush=True)
-    result = {"benchmark": "study_speed", "torch": torch.__version__, "threads": args.threads,
-              "cpu_count": os.cpu_count(), "machine": platform.machine(), "load_average": os.getloadavg(),
-              "rows": rows}
+    result = {"benchmark": "study_speed", "torch": torch.__version__, "cpu_count": os.cpu_count(),
+              "machine": platform.machine(), "load_average_before": load_before,
+              "load_average_after": os.getloadavg(), "rows": rows}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)

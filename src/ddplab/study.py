@@ -349,12 +349,13 @@ class Group:
         grads, losses = self._grad_and_loss(self.params, inputs, targets)
         if measure and self.global_batch >= 2:
             self._measure(grads, inputs, targets)
-        mu = self.config.momentum
-        for name, g in grads.items():
-            buf = self.momentum[name]
-            # torch.optim.SGD: buf ← μ·buf + g (the first step sets buf = g), p ← p − lr·buf.
-            buf.mul_(mu).add_(g)
-            self.params[name].sub_(self.lr.view(-1, *[1] * (g.dim() - 1)) * buf)
+        names = list(grads)
+        buffers, params = [self.momentum[n] for n in names], [self.params[n] for n in names]
+        lrs = [self.lr.view(-1, *[1] * (self.params[n].dim() - 1)) for n in names]
+        # torch.optim.SGD: buf ← μ·buf + g (buf starts at 0, so the first step sets buf = g), p ← p − lr·buf.
+        torch._foreach_mul_(buffers, self.config.momentum)
+        torch._foreach_add_(buffers, [grads[n] for n in names])
+        torch._foreach_addcmul_(params, lrs, buffers, value=-1)
         return losses
 
     def _measure(self, grads, inputs, targets) -> None:
