@@ -56,6 +56,31 @@ def measure(fn, repeats: int) -> float:
     return min(times)
 
 
+def whole_default_study() -> dict:
+    """``ddplab study`` with its defaults, from scratch, in this process."""
+    import contextlib
+    import io
+    import resource
+    import tempfile
+
+    from ddplab import cli
+
+    with tempfile.TemporaryDirectory() as out:
+        load = os.getloadavg()
+        cpu = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            code = cli.main(["study", "--out", out, "--fresh", "--json"])
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    report = json.loads(printed.getvalue())
+    tuned = report["fit"]["tuned"]
+    return {"exit_code": code, "wall_s": wall, "cpu_s": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
+            "load_average_before": load, "runs": len(report["runs"]), "tuned_b_crit": tuned["b_crit"],
+            "tuned_b_crit_ci95": tuned["b_crit_ci95"], "b_simple": report["b_simple"],
+            "tuned_median_steps": tuned["median_steps"]}
+
+
 def timed(fn, threads: int, repeats: int) -> float:
     torch.set_num_threads(threads)
     return measure(fn, repeats)
@@ -68,6 +93,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 64, 256, 1024])
+    parser.add_argument("--default-study", action="store_true",
+                        help="also time the whole default `ddplab study` (plots included), CPU seconds beside wall")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     workload = study.digits_workload()
@@ -91,7 +118,8 @@ def main() -> None:
                      "speedup_at_1_thread": loop_s.get(1, best_loop) / vmap_s.get(1, best_vmap),
                      "max_abs_param_diff_after_10_steps": diff})
         print(json.dumps(rows[-1]), flush=True)
-    result = {"benchmark": "study_speed", "torch": torch.__version__, "cpu_count": os.cpu_count(),
+    default_study = whole_default_study() if args.default_study else None
+    result = {"benchmark": "study_speed", "default_study": default_study, "torch": torch.__version__, "cpu_count": os.cpu_count(),
               "machine": platform.machine(), "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "rows": rows}
     if args.out:
