@@ -39,6 +39,12 @@ class Target:
     """accuracy: the metric must reach ``value`` from below; loss: from above."""
     value: float
 
+    def __post_init__(self):
+        if self.kind == "accuracy" and not 0 < self.value <= 1:
+            raise ValueError(f"--target-accuracy must be in (0, 1], got {self.value}")
+        if self.kind == "loss" and not self.value > 0:
+            raise ValueError(f"--target-loss must be positive, got {self.value}")
+
     def reached(self, metric: float) -> bool:
         return metric >= self.value if self.kind == "accuracy" else metric <= self.value
 
