@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         warmup_threshold=args.warmup_threshold, critical_batch_size=args.critical_batch_size)
     result = planner.plan(reference, target, data)
     if args.from_study:
-        result = _from_study(args.from_study, reference, target, data, planner)
+        result = _from_study(args.from_study, result.global_batch_size, reference, target, data, planner)
     if args.json:
         render.print_json(result.to_json())
     else:
@@ -107,13 +107,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_study(path: str, reference, target, data, planner):
+def _from_study(path: str, global_batch: int, reference, target, data, planner):
     """Re-plan with what ``ddplab study`` measured: its B_crit, and its best lr at this global batch."""
     import dataclasses
 
     from ddplab.study_fit import study_overrides
 
-    global_batch = planner.plan(reference, target, data).global_batch_size
     lr, b_crit, reason, warnings = study_overrides(path, global_batch)
     result = planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit))
     reasons = {**result.reasons, "lr": reason,
