@@ -226,6 +226,13 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
     assert "--fresh" in capsys.readouterr().err
 
 
+def _dropout_spec(tmp_path):
+    path = tmp_path / "dropout_spec.py"
+    source = open(os.path.join(os.path.dirname(__file__), "specs", "study_eval.py")).read()
+    path.write_text(source.replace("torch.nn.Tanh()", "torch.nn.Dropout(0.1)"))
+    return path
+
+
 @pytest.mark.timeout(120)
 def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
     cases = [
@@ -234,6 +241,8 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
         (_study(tmp_path, "--no-plots", "--ref-lr", "1e4", "--max-steps", "20", "--fresh"), "diverged"),
         (["study", os.path.join(os.path.dirname(__file__), "specs", "correct.py"), "--target-accuracy", "0.9",
           "--no-plots", "--out", str(tmp_path / "spec")], "neither evaluate"),
+        (["study", str(_dropout_spec(tmp_path)), "--target-accuracy", "0.9", "--batch-sizes", "16,32", "--no-plots",
+          "--out", str(tmp_path / "dropout")], "random numbers in training"),
     ]
     for argv, message in cases:
         assert cli.main(argv) == 2, argv

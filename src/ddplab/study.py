@@ -10,6 +10,7 @@ so :func:`verify_ddp` can replay any grid point on real DDP ranks and compare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -341,7 +342,13 @@ class Group:
         # Runs share no parameters, so one backward of the summed losses gives each run its own gradient
         # (cheaper than vmap over torch.func.grad, and bit-identical).
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
-        losses = self._losses(self._forward(leaves, inputs), targets)
+        try:
+            losses = self._losses(self._forward(leaves, inputs), targets)
+        except RuntimeError as exc:
+            if "randomness" not in str(exc):
+                raise
+            raise ValueError("the model draws random numbers in training (dropout?): the vectorized study cannot "
+                             "replay them run by run; remove them for the study") from None
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
         return dict(zip(leaves, grads)), losses.detach()
 
@@ -382,7 +389,7 @@ class Group:
             return self._evaluate_each()
         inputs, targets = self.workload.val
         inputs, targets = _cast(inputs, self.config.torch_dtype), _cast(targets, self.config.torch_dtype)
-        with torch.no_grad():
+        with torch.no_grad(), _eval_mode(self.model):
             outputs = vmap(lambda p: functional_call(self.model, p, (inputs,)))(self.params)
             if self.config.target.kind == "accuracy":
                 values = (outputs.argmax(-1) == targets).to(torch.float64).mean(-1)
@@ -405,6 +412,16 @@ class Group:
         self.momentum = {n: b[index] for n, b in self.momentum.items()}
         self.lr, self.seed_row = self.lr[index], self.seed_row[index]
         self.active = [self.active[r] for r in rows]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    # Evaluation sees the model as inference would: eval() mode, training mode restored after.
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
