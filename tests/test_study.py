@@ -228,7 +228,8 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
 
 def _dropout_spec(tmp_path):
     path = tmp_path / "dropout_spec.py"
-    source = open(os.path.join(os.path.dirname(__file__), "specs", "study_eval.py")).read()
+    with open(os.path.join(os.path.dirname(__file__), "specs", "study_eval.py")) as fh:
+        source = fh.read()
     path.write_text(source.replace("torch.nn.Tanh()", "torch.nn.Dropout(0.1)"))
     return path
 
