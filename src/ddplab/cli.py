@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("sandbox", "plan", "check", "audit", "noise")
+COMMANDS = ("sandbox", "plan", "check", "audit", "noise", "study")
 
 
 class _Parser(argparse.ArgumentParser):

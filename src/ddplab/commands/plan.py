@@ -69,6 +69,10 @@ def add_parser(subparsers) -> None:
                       help="recommend warmup when the lr grows at least this much (default 4)")
     data.add_argument("--critical-batch-size", type=positive_float, default=None,
                       help="measured critical batch size (ddplab noise): warn when the plan is well past it")
+    # --- ddplab study ---
+    data.add_argument("--from-study", metavar="STUDY.json", default=None,
+                      help="a ddplab study's study.json: its measured B_crit and best lr at the global batch "
+                           "replace --critical-batch-size and the rule")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -98,11 +102,27 @@ def run(args: argparse.Namespace) -> int:
         sampler_drop_last=args.sampler_drop_last, warmup_epochs=args.warmup_epochs, warmup_steps=args.warmup_steps,
         warmup_threshold=args.warmup_threshold, critical_batch_size=args.critical_batch_size)
     result = planner.plan(reference, target, data)
+    if args.from_study:
+        result = _from_study(args.from_study, result.global_batch_size, reference, target, data, planner)
     if args.json:
         render.print_json(result.to_json())
     else:
         _print_plan(result)
     return 0
+
+
+def _from_study(path: str, global_batch: int, reference, target, data, planner):
+    """Re-plan with what ``ddplab study`` measured: its B_crit, and its best lr at this global batch."""
+    import dataclasses
+
+    from ddplab.study_fit import study_overrides
+
+    lr, b_crit, reason, warnings = study_overrides(path, global_batch)
+    result = planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit))
+    reasons = {**result.reasons, "lr": reason,
+               "lr_multiplier": f"measured lr / reference lr = {lr:.4g} / {reference.lr:g}"}
+    return dataclasses.replace(result, lr=lr, lr_multiplier=lr / reference.lr, reasons=reasons,
+                               warnings=(*result.warnings, *warnings))
 
 
 ROWS = (

@@ -1,0 +1,200 @@
+"""``ddplab study``'s plots (PNG, matplotlib) and its self-contained HTML report."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import os
+
+COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "tuned": "tab:green"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plots(report: dict, results: dict, directory: str) -> list[str]:
+    """Write the three plots under ``directory``; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, name) for name in ("steps_vs_batch.png", "tuned_lr.png", "loss_curves.png")]
+    _steps_plot(report, paths[0])
+    _lr_plot(report, paths[1])
+    _curves_plot(report, results, paths[2])
+    return paths
+
+
+def _steps_plot(report: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, (ax, ax_e) = plt.subplots(1, 2, figsize=(12, 4.8))
+    batches = report["global_batch_sizes"]
+    for rule in report["rules"]:
+        points = _median_points(report, rule)
+        if points:
+            ax.plot(*zip(*points), "o-", color=COLORS[rule], label=rule)
+            ax_e.plot([b for b, _ in points], [b * s for b, s in points], "o-", color=COLORS[rule], label=rule)
+        fit = report["fit"].get(rule)
+        if fit and fit["b_crit"] is not None and fit["s_min"]:
+            grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 100) for i in range(101)]
+            ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=COLORS[rule],
+                    linewidth=1, label=f"{rule} fit: B_crit {fit['b_crit']:.3g}")
+    tuned = report["fit"].get("tuned")
+    if tuned and tuned["b_crit"] is not None:
+        _regimes(ax, tuned, batches)
+    if report.get("b_simple") and report["b_simple"]["value"]:
+        ax.axvline(report["b_simple"]["value"], color="tab:purple", linestyle=":",
+                   label=f"B_simple {report['b_simple']['value']:.3g}")
+    for axis, label in ((ax, "optimizer steps to target (median over seeds)"), (ax_e, "samples to target S·B")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("global batch size B")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+    target = report["target"]
+    ax.set_title(f"{report['workload']}: steps to {target['kind']} {target['value']:g}")
+    ax_e.set_title("compute side: E = S·B")
+    ax.legend(fontsize=7, loc="lower left")
+    ax_e.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _regimes(ax, fit: dict, batches: list[int]) -> None:
+    low, high = fit["regimes"]["perfect_scaling_below"], fit["regimes"]["no_further_gain_above"]
+    left, right = batches[0] / 1.3, batches[-1] * 1.3
+    ax.axvline(fit["b_crit"], color="tab:green", linestyle="-", alpha=0.5)
+    spans = ((left, low, "perfect scaling", "#e8f5e9"), (low, high, "diminishing returns", "#fff8e1"),
+             (high, right, "no further gain", "#ffebee"))
+    for start, end, name, color in spans:
+        start, end = max(start, left), min(end, right)
+        if end > start:
+            ax.axvspan(start, end, color=color, zorder=0)
+            ax.text(math.sqrt(start * end), 0.98, name, transform=ax.get_xaxis_transform(), ha="center", va="top",
+                    fontsize=8)
+    ax.set_xlim(left, right)
+
+
+def _median_points(report: dict, rule: str) -> list[tuple[int, float]]:
+    fit = report["fit"].get(rule)
+    if not fit:
+        return []
+    return sorted((int(b), s) for b, s in fit["median_steps"].items() if s is not None)
+
+
+def _lr_plot(report: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    tuned = report["tuned_lr"]
+    if tuned:
+        for point in tuned:
+            ax.scatter([point["global_batch_size"]] * len(point["sweep"]), point["sweep"], color="lightgray", s=12)
+        ax.plot([p["global_batch_size"] for p in tuned], [p["lr"] for p in tuned], "o-", color=COLORS["tuned"],
+                label="best tuned lr")
+    ref = report["reference"]
+    batches = report["global_batch_sizes"]
+    ax.plot(batches, [ref["lr"] * b / ref["global_batch_size"] for b in batches], "--", color=COLORS["linear"],
+            label="linear rule")
+    ax.plot(batches, [ref["lr"] * math.sqrt(b / ref["global_batch_size"]) for b in batches], "--",
+            color=COLORS["sqrt"], label="sqrt rule")
+    ax.scatter([ref["global_batch_size"]], [ref["lr"]], marker="*", s=120, color="black", label="reference", zorder=3)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("global batch size B")
+    ax.set_ylabel("learning rate")
+    ax.set_title("best lr per batch (gray: the sweep)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _curves_plot(report: dict, results: dict, path: str) -> None:
+    plt = _pyplot()
+    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(12, 4.5))
+    tuned = report["tuned_lr"]
+    # A few batch sizes spread over the range, each at its best tuned lr, seed 0.
+    picks = tuned[::max(1, len(tuned) // 4)] if tuned else []
+    cmap = plt.get_cmap("viridis")
+    for i, point in enumerate(picks):
+        b, lr = point["global_batch_size"], point["lr"]
+        run = next((r for r in results.get(b, []) if r.lr == lr and r.seed == 0), None)
+        if run is None or not run.history:
+            continue
+        steps, losses, metrics = zip(*run.history)
+        color = cmap(i / max(1, len(picks) - 1))
+        ax_loss.plot(steps, losses, color=color, label=f"B={b}, lr {lr:.3g}")
+        ax_metric.plot(steps, metrics, color=color, label=f"B={b}")
+    ax_metric.axhline(report["target"]["value"], color="black", linestyle=":", label="target")
+    ax_loss.set_yscale("log")
+    for axis, label in ((ax_loss, "training loss (the step's batch)"), (ax_metric, f"validation {report['target']['kind']}")):
+        axis.set_xscale("log")
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_html(report: dict, path: str) -> str:
+    """One HTML file: the plots embedded, the fits, B_simple and a table of every run."""
+    images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{_b64(p)}">'
+                     for p in report["plots"])
+    fits = "".join(
+        f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>{_n(f['b_crit'])}</td>"
+        f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>"
+        for rule, f in report["fit"].items())
+    runs = "".join(
+        f"<tr><td>{r['rule']}{' ★' if r.get('best') else ''}</td><td>{r['global_batch_size']}</td><td>{r['lr']:.4g}</td>"
+        f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
+    b_simple = report.get("b_simple") or {}
+    target = report["target"]
+    body = f"""<!doctype html><html><head><meta charset="utf-8"><title>ddplab study: {html_escape(report['workload'])}</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}img{{max-width:100%;display:block;margin:1em 0}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
+<h1>ddplab study: {html_escape(report['workload'])}</h1>
+<p>Steps until validation {target['kind']} first reaches {target['value']:g} (evaluated every {report['eval_every']} steps,
+budget {report['max_steps']}), median over {report['seeds']} seeds; reference lr {report['reference']['lr']:g} at global batch
+{report['reference']['global_batch_size']}; SGD momentum {report['momentum']}. Fit: S(B) = S_min(1 + B_crit/B).</p>
+<table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th><th>E_min (samples)</th></tr>{fits}</table>
+<p>B_simple along the best tuned runs: {_n(b_simple.get('value'))}; B_crit / B_simple = {_n(b_simple.get('b_crit_over_b_simple'))}</p>
+{''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
+{images}
+<h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>
+<table><tr><th>rule</th><th>global batch</th><th>lr</th><th>seed</th><th>steps to target</th></tr>{runs}</table>
+</body></html>"""
+    with open(path + ".tmp", "w") as fh:
+        fh.write(body)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def html_escape(text: str) -> str:
+    return html.escape(str(text))
+
+
+def _b64(path: str) -> str:
+    with open(path, "rb") as fh:
+        return base64.b64encode(fh.read()).decode()
+
+
+def _n(value) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.4g}"
+
+
+def _steps(run: dict) -> str:
+    if run["steps_to_target"] is not None:
+        return str(run["steps_to_target"])
+    if run.get("pruned"):
+        return "stopped: slower than the best lr"
+    return "diverged" if run.get("diverged") else "not reached"
