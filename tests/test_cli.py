@@ -17,6 +17,7 @@ REQUIRED = {
     ("check",): ["spec.py", "--batch-size", "8"],
     ("noise",): ["spec.py", "--batch-size", "8"],
     ("audit",): ["--", "python", "train.py"],
+    ("study",): [],
 }
 CANDIDATE_VALUES = ("1", "0.5", "0.9,0.99", "x")
 
@@ -89,7 +90,7 @@ def _number_flags():
 
 
 def test_number_flags_exist_on_every_subcommand():
-    assert {path[0] for path, _ in _number_flags()} == {"sandbox", "plan", "check", "noise", "audit"}
+    assert {path[0] for path, _ in _number_flags()} == {"sandbox", "plan", "check", "noise", "audit", "study"}
 
 
 @pytest.mark.parametrize("path, flag", list(_number_flags()))

@@ -129,8 +129,9 @@ def test_study_fit_matches_fit_of_exact_regression_curve():
     start = float(workload.val[1].pow(2).mean())
     config = study.StudyConfig(target=study.Target(kind="loss", value=start * ratio), momentum=0.0, rules=("tuned",),
                                global_batch_sizes=(2, 4, 8, 16, 32, 64, 128), ref_batch_size=16, ref_lr=0.1,
-                               sweep_factor=2 ** 0.5, sweep_margin=4, seeds=3, max_steps=600, eval_every=1,
+                               sweep_factor=2 ** 0.5, sweep_margin=4, seeds=7, max_steps=600, eval_every=1,
                                dtype="float64")
+    # 7 seeds: with 3, the median run is up to 19% ahead of the expected error's steps (Jensen) at some batch.
     analysis = study.analyze(workload, config, study.run_grid(workload, config, None))
     exact = {b: min(s for lr in config.sweep(b) if (s := study.regression_expected_steps(
         dim=dim, global_batch=b, lr=lr, start=start, target=start * ratio)) is not None)
@@ -156,8 +157,11 @@ def test_b_simple_along_runs_matches_gaussian_theory():
     runs = study.train_group(workload, config, 64, [(0.1, s) for s in range(config.seeds)])
     g2s = [g for r in runs for g in r.noise_g2]
     traces = [t for r in runs for t in r.noise_trace]
-    # tr Σ / |G|² = dim + 1 exactly for Gaussian inputs, at every step.
-    assert noise_estimators.summarize(g2s, traces).b_simple == pytest.approx(dim + 1, rel=0.2)
+    # tr Σ / |G|² = dim + 1 exactly for Gaussian inputs, at every step; |G|² shrinks along the runs, so the
+    # ratio of means is noisy: the exact value must lie in its 95% interval, the estimate within 40%.
+    summary = noise_estimators.summarize(g2s, traces)
+    low, high = summary.b_simple_ci95
+    assert low <= dim + 1 <= high and summary.b_simple == pytest.approx(dim + 1, rel=0.4)
 
 
 def test_vectorized_group_equals_one_run_at_a_time():

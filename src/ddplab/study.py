@@ -223,7 +223,7 @@ def spec_workload(path: str) -> Workload:
     if not callable(evaluate) and not callable(val_dataset):
         raise ValueError(f"spec file {path!r} defines neither evaluate(model, dataset) nor val_dataset(): "  # noqa: TRY004 (a user error: exit 2)
                          "the study needs one to know when a run reaches the target")
-    if spec.step is not spec_module._default_step:
+    if getattr(spec.step, "__wrapped__", spec.step) is not spec_module._default_step:
         raise ValueError(f"spec file {path!r} defines step(): the study vectorizes loss(model(x), y) and cannot "
                          "replay a custom step")
     train = _as_tensors(spec.dataset(), "dataset()")
@@ -257,8 +257,11 @@ def _as_tensors(dataset, what: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def epoch_permutation(dataset_size: int, seed: int, epoch: int) -> torch.Tensor:
-    """What DistributedSampler(shuffle=True, seed=seed) permutes in ``epoch``, before padding and sharding."""
-    return torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + epoch))
+    """What the DistributedSampler of the run with ``seed`` permutes in ``epoch``, before padding and sharding."""
+    from ddplab.training import sampler_seed
+
+    # The same mixed seed as check and noise, so --verify-ddp replays exactly these batches.
+    return torch.randperm(dataset_size, generator=torch.Generator().manual_seed(sampler_seed(seed) + epoch))
 
 
 class _Batches:
