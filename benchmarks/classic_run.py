@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ddplab import sandbox_table
-from ddplab.sandbox import train_looped
 from ddplab.launch import RankContext
+from ddplab.sandbox import train_looped
 
 
 def _free_port() -> int:

@@ -129,8 +129,9 @@ def _guest_behaviour(ctx):
     """Paths one rank takes alone, ZeRO, pickling and summed losses, all inside the audited window."""
     import io
 
-    import ddplab
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import ddplab
 
     torch.manual_seed(0)
     ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),

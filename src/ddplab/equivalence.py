@@ -62,7 +62,7 @@ class Trajectory:
                     return step, order, what
         return None
 
-    def first(self, steps: int) -> "Trajectory":
+    def first(self, steps: int) -> Trajectory:
         return Trajectory(self.params[:steps], self.grads[:steps], self.used_rng)
 
 

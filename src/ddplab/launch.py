@@ -190,7 +190,7 @@ class _CancelOnSignals:
         self.previous: dict[int, Any] = {}
         self.received: int | None = None
 
-    def __enter__(self) -> "_CancelOnSignals":
+    def __enter__(self) -> _CancelOnSignals:
         # Python delivers signals to the main thread only; elsewhere leave dispositions alone.
         if threading.current_thread() is threading.main_thread():
             for signum in CANCEL_SIGNALS:

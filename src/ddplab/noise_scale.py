@@ -131,7 +131,7 @@ class GradientNoiseScale:
         return self.steps % self.every == 0
 
     @staticmethod
-    def _hook(self: "GradientNoiseScale", bucket):
+    def _hook(self: GradientNoiseScale, bucket):
         buffer = bucket.buffer()
         if self.measuring:
             # The local gradient, before the in-place reduction overwrites it.

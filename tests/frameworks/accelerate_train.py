@@ -12,11 +12,10 @@ a prepared scheduler whose lengths are multiplied by num_processes on purpose, a
 import argparse
 import sys
 
+import _data
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-
-import _data
 
 STEPS, ACCUMULATION, BATCH = 16, 2, 8
 

@@ -9,13 +9,12 @@ import importlib.util
 import os
 import sys
 
+import _data
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 from ddplab.integrations.lightning import Audit, GradientNoiseScale
-
-import _data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_PATH = os.path.join(HERE, "..", "..", "examples", "linear_regression_spec.py")

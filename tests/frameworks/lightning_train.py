@@ -12,13 +12,12 @@ import argparse
 import os
 import sys
 
+import _data
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 from ddplab.integrations.lightning import ScaleLearningRate
-
-import _data
 
 REFERENCE_LR, WARMUP = 0.05, 4
 

@@ -11,10 +11,9 @@ import os
 import sys
 import tempfile
 
+import _data
 import torch
 import torch.nn.functional as F
-
-import _data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_PATH = os.path.join(HERE, "..", "..", "examples", "linear_regression_spec.py")

@@ -1,9 +1,8 @@
 """A plain loop started by torchrun that never joins the process group: each process trains alone."""
 
+import _data
 import torch
 import torch.nn.functional as F
-
-import _data
 
 torch.set_num_threads(1)
 model = _data.model()

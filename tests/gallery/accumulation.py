@@ -1,11 +1,10 @@
 """Mistake: gradient accumulation without no_sync: right result, 4× the communication (ACCUMULATION_SYNCS_EVERY_STEP)."""
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-import _harness
 
 ACCUMULATION = 4
 

@@ -1,11 +1,10 @@
 """Mistake: BatchNorm on 4 samples per rank without SyncBatchNorm (BATCHNORM_NOT_SYNCED, warning)."""
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-import _harness
 
 
 def train(rank, world_size):

@@ -1,11 +1,10 @@
 """Mistake: the forward calls the inner module, so DDP never all-reduces (NO_ALLREDUCE)."""
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-import _harness
 
 
 def train(rank, world_size):

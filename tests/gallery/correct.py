@@ -2,12 +2,11 @@
 
 from contextlib import nullcontext
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-import _harness
 
 ACCUMULATION = 2
 

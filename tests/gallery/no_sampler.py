@@ -1,11 +1,10 @@
 """Mistake: no DistributedSampler, so every rank trains on the same batches (SAME_DATA_ON_ALL_RANKS)."""
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
-
-import _harness
 
 
 def train(rank, world_size):

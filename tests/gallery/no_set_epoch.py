@@ -1,11 +1,10 @@
 """Mistake: set_epoch is never called, so every epoch repeats the same order (SET_EPOCH_MISSING)."""
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-import _harness
 
 
 def train(rank, world_size):

@@ -1,10 +1,9 @@
 """Mistake: a summed loss under DDP's averaging: gradients 1/W of the single-process sum (SUM_REDUCTION)."""
 
+import _harness
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-import _harness
 
 
 def train(rank, world_size):

@@ -1,11 +1,10 @@
 """Mistake: a temporary DDP wrapper, collected before backward, so no all-reduce (NO_ALLREDUCE)."""
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-import _harness
 
 
 def train(rank, world_size):

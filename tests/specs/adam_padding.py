@@ -1,7 +1,6 @@
 """Adam on a dataset of 1001 samples: 3 ranks pad it with repeats at the end of each epoch."""
 
 import torch
-
 from correct import loss, model  # noqa: F401
 
 

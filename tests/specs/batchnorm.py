@@ -1,7 +1,6 @@
 """BatchNorm without SyncBatchNorm: statistics over each rank's batch, not the global one."""
 
 import torch
-
 from correct import dataset, loss  # noqa: F401
 
 

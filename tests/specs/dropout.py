@@ -1,7 +1,6 @@
 """Dropout: every rank draws its own masks, so only a distributional comparison is meaningful."""
 
 import torch
-
 from correct import dataset, loss  # noqa: F401
 
 

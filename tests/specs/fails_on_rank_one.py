@@ -2,7 +2,6 @@
 
 import torch
 import torch.distributed as dist
-
 from correct import dataset, loss  # noqa: F401
 
 

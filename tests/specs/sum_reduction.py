@@ -1,7 +1,6 @@
 """Bug: a summed loss. Under DDP's averaging its gradient is 1/W of the single-process sum."""
 
 import torch
-
 from correct import dataset, model  # noqa: F401
 
 

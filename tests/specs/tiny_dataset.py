@@ -1,7 +1,6 @@
 """Ten samples: fewer than one global batch of 2 ranks × 8."""
 
 import torch
-
 from correct import loss, model  # noqa: F401
 
 

@@ -5,7 +5,6 @@ so an exact comparison also checks that it is left alone on both sides.
 """
 
 import torch
-
 from correct import dataset, loss  # noqa: F401
 
 

@@ -5,7 +5,6 @@ find_unused_parameters and fails at step 2; ddplab starts the ranks again with i
 """
 
 import torch
-
 from correct import dataset, loss, optimizer  # noqa: F401
 
 

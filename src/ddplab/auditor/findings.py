@@ -102,7 +102,7 @@ class Finding:
     detail: str = ""
 
     @classmethod
-    def make(cls, code: str, rank: int, detail: str = "", severity: str | None = None) -> "Finding":
+    def make(cls, code: str, rank: int, detail: str = "", severity: str | None = None) -> Finding:
         default_severity, message, fix = CATALOGUE[code]
         return cls(code, severity or default_severity, message, fix, [rank], detail)
 
@@ -193,7 +193,7 @@ def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
 
 
 def _first_difference(windows, field: str, code: str, what: str) -> Finding | None:
-    for (wrapper, step), by_rank in sorted(windows.items(), key=lambda item: item[0][1]):
+    for (_, step), by_rank in sorted(windows.items(), key=lambda item: item[0][1]):
         present = {rank: w[field] for rank, w in by_rank.items() if w.get(field)}
         if len(present) < 2:
             continue

@@ -39,8 +39,7 @@ from torch.utils.data import DistributedSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import findings as fnd
-from ddplab.auditor import frameworks
-from ddplab.auditor import tensors
+from ddplab.auditor import frameworks, tensors
 
 ENV_DIR, ENV_STEPS = "DDPLAB_AUDIT_DIR", "DDPLAB_AUDIT_STEPS"
 STORE_PREFIX = "ddplab-audit/v2/"
