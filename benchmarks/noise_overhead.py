@@ -1,6 +1,7 @@
 """Step time of plain DDP vs DDP + GradientNoiseScale: the overhead of measuring the noise scale.
 
-    python benchmarks/noise_overhead.py [--rounds 80] [--steps-per-round 1] [--out benchmarks/results/noise_overhead.json]
+    python benchmarks/noise_overhead.py [--rounds 80] [--steps-per-round 1] \
+[--out benchmarks/results/noise_overhead.json]
 
 Two ranks (gloo on CPU, or NCCL with a GPU per rank), a 10.5M-parameter MLP, per-rank batch 64.
 The variants are separate DDP wrappers over equal models in one launch; they take turns step by

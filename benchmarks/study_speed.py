@@ -119,8 +119,8 @@ def main() -> None:
                      "max_abs_param_diff_after_10_steps": diff})
         print(json.dumps(rows[-1]), flush=True)
     default_study = whole_default_study() if args.default_study else None
-    result = {"benchmark": "study_speed", "default_study": default_study, "torch": torch.__version__, "cpu_count": os.cpu_count(),
-              "machine": platform.machine(), "load_average_before": load_before,
+    result = {"benchmark": "study_speed", "default_study": default_study, "torch": torch.__version__,
+              "cpu_count": os.cpu_count(), "machine": platform.machine(), "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "rows": rows}
     if args.out:
         with open(args.out, "w") as fh:

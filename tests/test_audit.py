@@ -55,7 +55,8 @@ def test_each_mistake_is_found_under_torchrun(script, tmp_path, monkeypatch):
         assert finding["ranks"] == [0, 1] and finding["message"] and finding["fix"] is not None
     if script == "correct":
         assert report["global_batch_size"] == 64  # 16 per rank × 2 ranks × 2 accumulation steps
-        assert {"BATCHNORM_NOT_SYNCED": "info"}.items() <= {f["code"]: f["severity"] for f in report["findings"]}.items()
+        assert ({"BATCHNORM_NOT_SYNCED": "info"}.items()
+                <= {f["code"]: f["severity"] for f in report["findings"]}.items())
 
 
 @pytest.mark.slow

@@ -132,7 +132,8 @@ def _plan_output(argv, width, monkeypatch, capsys):
     """(table rows, printed lines) of `ddplab plan` on a terminal of ``width`` columns (COLUMNS, piped)."""
     tables = []
     real_table = render.table
-    monkeypatch.setattr(render, "table", lambda title, columns, rows: tables.append(rows) or real_table(title, columns, rows))
+    monkeypatch.setattr(render, "table",
+                        lambda title, columns, rows: tables.append(rows) or real_table(title, columns, rows))
     monkeypatch.setenv("COLUMNS", str(width))
     capsys.readouterr()
     assert main(["plan", *argv]) == 0

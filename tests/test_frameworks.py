@@ -148,7 +148,8 @@ def test_lightning_noise_scale_callback_matches_the_exact_norms_and_the_closed_f
     _check_noise(result, dataset, _lightning_shards(dataset, steps, 2, 16), 16, 32, spec.TRUE_B_SIMPLE)
     # Logged through Lightning: the last measured step's values.
     last = result["history"][-1]
-    assert result["logged"] == pytest.approx({k: last[k] for k in ("b_simple", "grad_sq_norm", "trace_sigma")}, rel=1e-6)
+    assert result["logged"] == pytest.approx({k: last[k] for k in ("b_simple", "grad_sq_norm", "trace_sigma")},
+                                             rel=1e-6)
     # The Audit callback audited 3 steps and found nothing.
     assert result["audit"] == {} and result["audited"] == 3
 

@@ -71,7 +71,8 @@ def test_ranks_past_the_deadline_are_killed():
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize("kwargs", [dict(world_size=0), dict(world_size=2, backend="mpi"), dict(world_size=2, deadline_s=0)])
+@pytest.mark.parametrize("kwargs", [dict(world_size=0), dict(world_size=2, backend="mpi"),
+                                    dict(world_size=2, deadline_s=0)])
 def test_bad_launch_config_is_rejected(kwargs):
     with pytest.raises(ValueError):
         LaunchConfig(**kwargs)

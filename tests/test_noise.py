@@ -45,7 +45,8 @@ def _train(ctx, variant: str, steps: int = 6):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
-    user_hook = {"fp16": default_hooks.fp16_compress_hook, "allreduce": default_hooks.allreduce_hook}.get(variant.split("+")[0])
+    user_hook = {"fp16": default_hooks.fp16_compress_hook,
+                 "allreduce": default_hooks.allreduce_hook}.get(variant.split("+")[0])
     gns = None
     if "+gns" in variant:
         via = "comm_hook" if variant.endswith("+gns_comm") else "auto"
@@ -79,7 +80,8 @@ def test_training_is_unchanged_by_the_measurement():
     assert len(results["fp16+gns"][1]) == 6
     # Both ways of seeing the local gradient measure the same numbers.
     for a, b in zip(results["plain+gns"][1], results["plain+gns_comm"][1]):
-        assert a.g_small_sq == pytest.approx(b.g_small_sq, rel=1e-5) and a.g_big_sq == pytest.approx(b.g_big_sq, rel=1e-5)
+        assert (a.g_small_sq == pytest.approx(b.g_small_sq, rel=1e-5)
+                and a.g_big_sq == pytest.approx(b.g_big_sq, rel=1e-5))
 
 
 def _noise_json(capsys, spec, world_size, batch, steps, *flags):

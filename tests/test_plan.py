@@ -131,13 +131,19 @@ def test_cli_json_keys(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--ref-batch-size", "0", "--ref-lr", "0.1", "--devices", "2"], "positive integer"),
     (["--ref-batch-size", "32", "--ref-lr", "-1", "--devices", "2"], "positive number"),
-    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "4", "--dataset-size", "3"], "smaller than the world size"),
-    (["--ref-batch-size", "100", "--ref-lr", "0.1", "--devices", "3", "--keep", "trajectory"], "use a global batch of 99 or 102"),
-    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--keep", "trajectory", "--global-batch-size", "64"], "drop --global-batch-size"),
-    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "64", "--max-batch-size-per-device", "32"], "larger than"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "4", "--dataset-size", "3"],
+     "smaller than the world size"),
+    (["--ref-batch-size", "100", "--ref-lr", "0.1", "--devices", "3", "--keep", "trajectory"],
+     "use a global batch of 99 or 102"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--keep", "trajectory",
+      "--global-batch-size", "64"], "drop --global-batch-size"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "64",
+      "--max-batch-size-per-device", "32"], "larger than"),
     (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--betas", "0.9"], "two numbers"),
-    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "8", "--global-batch-size", "20"], "not a multiple"),
-    (["--ref-batch-size", "250", "--ref-devices", "4", "--ref-wrapper", "dp", "--ref-lr", "0.1", "--devices", "4"], "unevenly"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "8",
+      "--global-batch-size", "20"], "not a multiple"),
+    (["--ref-batch-size", "250", "--ref-devices", "4", "--ref-wrapper", "dp", "--ref-lr", "0.1", "--devices", "4"],
+     "unevenly"),
 ])
 def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -150,7 +156,8 @@ def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):
 def test_plan_and_help_never_import_torch():
     code = ("import sys, contextlib, io\nfrom ddplab.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    main(['plan', '--ref-batch-size', '32', '--ref-lr', '0.1', '--devices', '8', '--dataset-size', '1000'])\n"
+            "    main(['plan', '--ref-batch-size', '32', '--ref-lr', '0.1', '--devices', '8', "
+            "'--dataset-size', '1000'])\n"
             "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -209,7 +216,8 @@ def test_warmup_steps_flag_reaches_the_table(capsys):
     out = _cli_json(["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "8", "--warmup-steps", "300",
                      "--dataset-size", "100000", "--epochs", "2"], capsys)
     # ceil(100000/8) = 12500 per rank → 391 steps per epoch, 782 in two epochs.
-    assert (out["warmup_steps"], out["total_steps"], out["reasons"]["warmup_steps"]) == (300, 782, "given by --warmup-steps")
+    assert ((out["warmup_steps"], out["total_steps"], out["reasons"]["warmup_steps"])
+            == (300, 782, "given by --warmup-steps"))
     assert out["warmup_epochs"] == pytest.approx(300 / 391)
     clamped = _cli_json(["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "8", "--warmup-steps", "5000",
                          "--dataset-size", "100000"], capsys)

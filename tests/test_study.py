@@ -186,7 +186,8 @@ def test_verify_ddp_two_ranks_float64():
     # And the comparison can fail: a different lr on the DDP side shows up.
     points = study.verify_points(config, 1, 2)
     moved = study.simulated_params(workload, config, [(points[0][0], points[0][1] * 1.01, points[0][2])], 12)[0]
-    assert float((moved["weight"] - study.simulated_params(workload, config, points, 12)[0]["weight"]).abs().max()) > 1e-6
+    assert float(
+        (moved["weight"] - study.simulated_params(workload, config, points, 12)[0]["weight"]).abs().max()) > 1e-6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +268,8 @@ def test_plan_from_study(tmp_path, capsys):
     assert cli.main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["global_batch_size"] == 256 and plan["lr"] == pytest.approx(0.256)
-    assert plan["steps_factor"] == pytest.approx(1 + 100 / 256) and plan["compute_factor"] == pytest.approx(1 + 256 / 100)
+    assert (plan["steps_factor"] == pytest.approx(1 + 100 / 256)
+            and plan["compute_factor"] == pytest.approx(1 + 256 / 100))
     assert "ddplab study" in plan["reasons"]["lr"]
     assert cli.main(argv[:-1] + ["--devices", "32"]) == 0
     assert "outside the study's measured range" in capsys.readouterr().out

@@ -262,8 +262,9 @@ def _diagnose(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, referenc
     world = cfg.world_size
     if reference.used_rng:
         return (STOCHASTIC, "RANDOMNESS",
-                "the model draws random numbers while training (dropout or similar): every rank and the reference draw "
-                "different masks, so runs cannot agree step by step and only a distributional comparison means anything",
+                "the model draws random numbers while training (dropout or similar): every rank and the "
+                "reference draw different masks, so runs cannot agree step by step and only a distributional "
+                "comparison means anything",
                 "to check everything else exactly, set dropout to p=0 in the spec (or call .eval() on the dropout "
                 "modules only) and run ddplab check again; compare loss curves over several seeds for the rest")
     ratio = _gradient_ratio(reference.grads[step], ranks.grads[step])
@@ -300,7 +301,8 @@ def _diagnose(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, referenc
     return (DIVERGES, "UNKNOWN",
             f"parameters first differ at step {step} and no tested cause (randomness, gradient scale, padding, "
             "per-rank statistics) reproduces the difference",
-            "look for state that differs between ranks: per-rank seeds, rank-dependent code paths, unsynchronised buffers")
+            "look for state that differs between ranks: per-rank seeds, rank-dependent code paths, "
+            "unsynchronised buffers")
 
 
 def _gradient_ratio(single: torch.Tensor, ranks: torch.Tensor) -> float | None:

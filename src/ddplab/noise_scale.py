@@ -270,7 +270,8 @@ class NoiseConfig:
 
     def __post_init__(self):
         for flag, value in (("--world-size", self.world_size), ("--batch-size", self.per_device_batch_size),
-                            ("--steps", self.steps), ("--every", self.every), ("--accumulation", self.accumulation_steps)):
+                            ("--steps", self.steps), ("--every", self.every),
+                            ("--accumulation", self.accumulation_steps)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.world_size == 1 and self.accumulation_steps < 2:

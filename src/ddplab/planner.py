@@ -106,7 +106,8 @@ class Target:
 
     def __post_init__(self):
         for flag, value in (("--devices", self.devices), ("--nodes", self.nodes),
-                            ("--batch-size", self.per_device_batch_size), ("--global-batch-size", self.global_batch_size),
+                            ("--batch-size", self.per_device_batch_size),
+                            ("--global-batch-size", self.global_batch_size),
                             ("--accumulation", self.accumulation_steps),
                             ("--max-batch-size-per-device", self.max_batch_size_per_device)):
             _require_positive(flag, value)
@@ -242,7 +243,8 @@ def _plan(reference: Reference, target: Target, data: Data, *, describe_other: b
     return Plan(mode=mode, rule=rule, world_size=target.world_size, per_device_batch_size=batch,
                 accumulation_steps=accumulation, global_batch_size=global_batch,
                 reference_global_batch_size=reference.global_batch_size, batch_ratio=k,
-                other_mode=_other_mode(mode, reference, target) if describe_other else "", warnings=tuple(warnings), reasons=reasons,
+                other_mode=_other_mode(mode, reference, target) if describe_other else "",
+                warnings=tuple(warnings), reasons=reasons,
                 **plan_fields, **steps)
 
 
@@ -376,14 +378,16 @@ def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, 
     ref_desc = _reference_formula(reference)
     reasons = {
         "reference_global_batch_size": ref_desc,
-        "world_size": f"{_count(target.devices, 'device')} × {_count(target.nodes, 'node')}, one DDP process per device",
+        "world_size": f"{_count(target.devices, 'device')} × {_count(target.nodes, 'node')}, "
+                      "one DDP process per device",
         "global_batch_size": f"{batch} per device × {_count(target.world_size, 'rank')} × "
                              f"{_count(accumulation, 'accumulation step')}",
     }
     if mode == "trajectory":
         reasons["per_device_batch_size"] = (
             f"keep trajectory: reach the reference's global batch of {reference.global_batch_size} exactly"
-            + (f" within --max-batch-size-per-device {target.max_batch_size_per_device}" if target.max_batch_size_per_device else ""))
+            + (f" within --max-batch-size-per-device {target.max_batch_size_per_device}"
+               if target.max_batch_size_per_device else ""))
         reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {global_batch} with "
                                          f"{batch} per device on {target.world_size} ranks")
     else:
@@ -498,8 +502,10 @@ def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, rea
         "dropped_samples": "samples never seen in an epoch: the sampler's tail with --sampler-drop-last, "
                            "each rank's last partial batch with --drop-last",
         "loader_batches_per_rank": f"{per_rank} samples in batches of {batch}"
-                                   + (", the last partial batch dropped" if data.drop_last else ", the last may be partial"),
-        "steps_per_epoch": f"ceil({_count(batches, 'loader batch', 'loader batches')} / {_count(accumulation, 'accumulation step')})"
+                                   + (", the last partial batch dropped" if data.drop_last
+                                      else ", the last may be partial"),
+        "steps_per_epoch": f"ceil({_count(batches, 'loader batch', 'loader batches')} / "
+                           f"{_count(accumulation, 'accumulation step')})"
                            + ("; a final partial accumulation window still makes an optimizer step, as in Lightning "
                               "and the Hugging Face Trainer" if batches % accumulation else ""),
         "total_steps": f"{_count(steps, 'step')} per epoch × {_count(data.epochs, 'epoch')}",
@@ -516,7 +522,8 @@ def _critical(data: Data, global_batch: int, reasons: dict[str, str]) -> dict[st
     crit = data.critical_batch_size
     reasons["steps_factor"] = f"1 + B_crit/B = 1 + {crit:g}/{global_batch}: steps relative to the fewest possible"
     reasons["compute_factor"] = f"1 + B/B_crit = 1 + {global_batch}/{crit:g}: samples relative to the fewest possible"
-    return {"steps_factor": scaling.steps_factor(global_batch, crit), "compute_factor": scaling.compute_factor(global_batch, crit)}
+    return {"steps_factor": scaling.steps_factor(global_batch, crit),
+            "compute_factor": scaling.compute_factor(global_batch, crit)}
 
 
 def _semantics_warnings(reference: Reference, target: Target, global_batch: int, data: Data) -> list[str]:
@@ -529,9 +536,10 @@ def _semantics_warnings(reference: Reference, target: Target, global_batch: int,
                         f"{reference.world_size} of the sum")
     if data.critical_batch_size and global_batch > 2 * data.critical_batch_size:
         warnings.append(f"the global batch {global_batch} is well past the critical batch size "
-                        f"{data.critical_batch_size:g}: predicted {scaling.steps_factor(global_batch, data.critical_batch_size):.2f}× "
-                        f"the minimum steps and {scaling.compute_factor(global_batch, data.critical_batch_size):.2f}× the "
-                        "minimum compute; larger batches buy little speed")
+                        f"{data.critical_batch_size:g}: predicted "
+                        f"{scaling.steps_factor(global_batch, data.critical_batch_size):.2f}× the minimum steps and "
+                        f"{scaling.compute_factor(global_batch, data.critical_batch_size):.2f}× the minimum compute; "
+                        "larger batches buy little speed")
     return warnings
 
 
@@ -545,4 +553,5 @@ def _other_mode(mode: str, reference: Reference, target: Target) -> str:
     except ValueError as exc:
         return f"--keep {other} is not possible here: {exc}"
     return (f"--keep {other} would give {alternative.per_device_batch_size} per device × "
-            f"{alternative.accumulation_steps} accumulation (global {alternative.global_batch_size}) at lr {alternative.lr:.4g}")
+            f"{alternative.accumulation_steps} accumulation (global {alternative.global_batch_size}) "
+            f"at lr {alternative.lr:.4g}")

@@ -168,7 +168,8 @@ def _stream_key(seed: int, epoch: int) -> int:
     return int(splitmix64(torch.tensor([_to_int64(seed * 0x100000001B3 + epoch)]))[0])
 
 
-def noisy_samples(seed: int, epoch: int, indices: torch.Tensor, experiments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def noisy_samples(seed: int, epoch: int, indices: torch.Tensor,
+                  experiments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x, y of shape (len(indices), len(experiments)) for these samples of these experiments.
 
     A pure function of (seed, experiment, epoch, sample index): any subset of samples or
@@ -185,7 +186,8 @@ def noisy_samples(seed: int, epoch: int, indices: torch.Tensor, experiments: tor
     return x.float(), y.float()
 
 
-def batch(cfg: SandboxConfig, epoch: int, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(cfg: SandboxConfig, epoch: int, indices: list[int],
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The toy data for these sample indices, shape (batch, n_experiments)."""
     shape = (len(indices), cfg.n_experiments)
     if cfg.deterministic:
@@ -258,7 +260,8 @@ def train(cfg: SandboxConfig, ctx: RankContext | None = None, *, keep_weights: b
     for epoch in range(cfg.n_epochs):
         indices = training.rank_indices(DATASET_SIZE, world_size=world_size, rank=rank, seed=cfg.seed, epoch=epoch)
         for step in range(cfg.steps_per_epoch):
-            x, y = batch(cfg, epoch, indices[step * cfg.per_device_batch_size:(step + 1) * cfg.per_device_batch_size], device)
+            x, y = batch(cfg, epoch, indices[step * cfg.per_device_batch_size:(step + 1) * cfg.per_device_batch_size],
+                         device)
             optimizer.zero_grad(set_to_none=True)
             l1_loss(forward(x), y).backward()
             stats.add(cfg.lr * model.w.grad)

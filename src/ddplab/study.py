@@ -147,7 +147,8 @@ class StudyConfig:
     def fingerprint(self, workload_name: str) -> str:
         """What a cached run depends on: a changed setting invalidates the cache."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("global_batch_sizes", "rules")}
-        return hashlib.sha256(json.dumps([workload_name, fields], sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return hashlib.sha256(
+            json.dumps([workload_name, fields], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _round_lr(lr: float) -> float:
@@ -191,7 +192,8 @@ def regression_workload(*, dim: int = 16, n_train: int = 4096, n_val: int = 4096
     w_star = torch.randn(dim, 1, generator=generator) / math.sqrt(dim)
     inputs = torch.randn(n_train + n_val, dim, generator=generator)
     targets = inputs @ w_star
-    return Workload(name=f"gaussian-regression-{dim}", model=lambda: _zero_linear(dim), loss=torch.nn.functional.mse_loss,
+    return Workload(name=f"gaussian-regression-{dim}", model=lambda: _zero_linear(dim),
+                    loss=torch.nn.functional.mse_loss,
                     train=(inputs[:n_train], targets[:n_train]), val=(inputs[n_train:], targets[n_train:]))
 
 
@@ -432,7 +434,8 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                progress: Callable[[int], None] | None = None, *, sweep_only: set[float] = frozenset()) -> list[RunResult]:
+                progress: Callable[[int], None] | None = None, *,
+                sweep_only: set[float] = frozenset()) -> list[RunResult]:
     """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps.
 
     Runs of an lr in ``sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
@@ -524,7 +527,8 @@ def check_grid(workload: Workload, config: StudyConfig) -> None:
         raise ValueError(f"global batch {too_big[0]} is larger than the {workload.train_size} training samples; "
                          f"use --batch-sizes up to {workload.train_size}")
     if workload.val is None and workload.evaluate is None:
-        raise ValueError("the workload has no validation split and no evaluate(): nothing tells when the target is reached")
+        raise ValueError("the workload has no validation split and no evaluate(): "
+                         "nothing tells when the target is reached")
 
 
 class Cache:
@@ -650,7 +654,8 @@ def _steps(run: RunResult) -> float:
 
 
 def _tuned_best(config: StudyConfig, b: int, lrs: dict, by_key: dict) -> tuple[float, float] | None:
-    sweep = {lr: [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)] for lr, rules in lrs.items() if "tuned" in rules}
+    sweep = {lr: [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)]
+             for lr, rules in lrs.items() if "tuned" in rules}
     return study_fit.best_lr(sweep)
 
 

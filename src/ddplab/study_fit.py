@@ -58,7 +58,8 @@ def fit_steps(global_batches: Sequence[float], steps: Sequence[float], *, iterat
             a, b = sum(w * s for w, (_, s) in zip(weights, points)) / sum(weights), 0.0
         elif a <= 0:
             # No bend within the measured range: perfect scaling throughout, B_crit unbounded.
-            b, a = sum(w * s * x for w, (x, s) in zip(weights, points)) / sum(w * x * x for w, (x, _) in zip(weights, points)), 0.0
+            b, a = (sum(w * s * x for w, (x, s) in zip(weights, points))
+                    / sum(w * x * x for w, (x, _) in zip(weights, points))), 0.0
         fitted = [a + b * x for x, _ in points]
     if a <= 0:
         return Fit(s_min=0.0, b_crit=math.inf)
@@ -172,4 +173,5 @@ def _load_study(study_json: str | dict) -> dict:
         with open(study_json) as fh:
             return json.load(fh)
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--from-study {study_json!r} is not a readable study JSON ({exc.__class__.__name__})") from None
+        raise ValueError(f"--from-study {study_json!r} is not a readable study JSON "
+                         f"({exc.__class__.__name__})") from None

@@ -133,7 +133,8 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
         ax_metric.plot(steps, metrics, color=color, label=f"B={b}")
     ax_metric.axhline(report["target"]["value"], color="black", linestyle=":", label="target")
     ax_loss.set_yscale("log")
-    for axis, label in ((ax_loss, "training loss (the step's batch)"), (ax_metric, f"validation {report['target']['kind']}")):
+    for axis, label in ((ax_loss, "training loss (the step's batch)"),
+                        (ax_metric, f"validation {report['target']['kind']}")):
         axis.set_xscale("log")
         axis.set_xlabel("optimizer step")
         axis.set_ylabel(label)
@@ -153,19 +154,25 @@ def write_html(report: dict, path: str) -> str:
         f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>"
         for rule, f in report["fit"].items())
     runs = "".join(
-        f"<tr><td>{r['rule']}{' ★' if r.get('best') else ''}</td><td>{r['global_batch_size']}</td><td>{r['lr']:.4g}</td>"
+        f"<tr><td>{r['rule']}{' ★' if r.get('best') else ''}</td><td>{r['global_batch_size']}</td>"
+        f"<td>{r['lr']:.4g}</td>"
         f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
     b_simple = report.get("b_simple") or {}
     target = report["target"]
-    body = f"""<!doctype html><html><head><meta charset="utf-8"><title>ddplab study: {html_escape(report['workload'])}</title>
+    body = f"""<!doctype html><html><head><meta charset="utf-8">\
+<title>ddplab study: {html_escape(report['workload'])}</title>
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}img{{max-width:100%;display:block;margin:1em 0}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
 <h1>ddplab study: {html_escape(report['workload'])}</h1>
-<p>Steps until validation {target['kind']} first reaches {target['value']:g} (evaluated every {report['eval_every']} steps,
-budget {report['max_steps']}), median over {report['seeds']} seeds; reference lr {report['reference']['lr']:g} at global batch
+<p>Steps until validation {target['kind']} first reaches {target['value']:g} \
+(evaluated every {report['eval_every']} steps,
+budget {report['max_steps']}), median over {report['seeds']} seeds; \
+reference lr {report['reference']['lr']:g} at global batch
 {report['reference']['global_batch_size']}; SGD momentum {report['momentum']}. Fit: S(B) = S_min(1 + B_crit/B).</p>
-<table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th><th>E_min (samples)</th></tr>{fits}</table>
-<p>B_simple along the best tuned runs: {_n(b_simple.get('value'))}; B_crit / B_simple = {_n(b_simple.get('b_crit_over_b_simple'))}</p>
+<table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th>\
+<th>E_min (samples)</th></tr>{fits}</table>
+<p>B_simple along the best tuned runs: {_n(b_simple.get('value'))}; \
+B_crit / B_simple = {_n(b_simple.get('b_crit_over_b_simple'))}</p>
 {''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
 {images}
 <h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>

@@ -77,7 +77,8 @@ def reference_batch(dataset_size: int, *, world_size: int, per_device_batch_size
     first = step % per_epoch * per_device_batch_size
     batch = []
     for rank in range(world_size):
-        indices = rank_batch(dataset_size, world_size=world_size, rank=rank, per_device_batch_size=per_device_batch_size,
+        indices = rank_batch(dataset_size, world_size=world_size, rank=rank,
+                             per_device_batch_size=per_device_batch_size,
                              seed=seed, step=step)
         # Rank r's j-th sample sits at position r + W·j of the padded permutation; past N it is a repeat.
         batch += [i for j, i in enumerate(indices, start=first) if keep_padding or rank + world_size * j < dataset_size]

@@ -54,7 +54,8 @@ def main():
     _data.write_result(trainer.global_rank, history=noise.history, b_simple=summary.b_simple,
                        b_small=noise.noise_scale.b_small, b_big=noise.noise_scale.b_big,
                        audit={f.code: f.severity for f in audit.report.problems}, audited=audit.report.steps_audited,
-                       logged={k: float(trainer.callback_metrics[k]) for k in ("b_simple", "grad_sq_norm", "trace_sigma")})
+                       logged={k: float(trainer.callback_metrics[k])
+                               for k in ("b_simple", "grad_sq_norm", "trace_sigma")})
     sys.exit(0)
 
 

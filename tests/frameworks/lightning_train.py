@@ -55,7 +55,8 @@ def main():
         L.seed_everything(0)  # the same shuffle on every rank, and no DistributedSampler to shard it
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, accumulate_grad_batches=2,
                         use_distributed_sampler=args.mistake != "no_sampler", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[scale] if args.mistake == "none" else [])
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[scale] if args.mistake == "none" else [])
     module = Regression(args.mistake)
     trainer.fit(module, loader)
     if trainer.global_rank == 0:

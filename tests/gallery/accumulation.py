@@ -1,4 +1,5 @@
-"""Mistake: gradient accumulation without no_sync: right result, 4× the communication (ACCUMULATION_SYNCS_EVERY_STEP)."""
+"""Mistake: gradient accumulation without no_sync: right result, 4× the communication \
+(ACCUMULATION_SYNCS_EVERY_STEP)."""
 
 import _harness
 import torch

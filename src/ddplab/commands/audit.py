@@ -72,7 +72,8 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise ValueError("give the training command after --, e.g. ddplab audit -- torchrun --nproc_per_node 2 train.py")
+        raise ValueError("give the training command after --, "
+                         "e.g. ddplab audit -- torchrun --nproc_per_node 2 train.py")
     _check_runnable(command[0])
     if args.json_file:
         _check_writable(args.json_file)
@@ -135,7 +136,8 @@ def _run_audited(command: list[str], out_dir: str, steps: int) -> int:
         _signal_group(child.pid, signum if len(received) == 1 else signal.SIGKILL)
 
     # A signal this process ignores (SIGHUP under nohup) stays ignored.
-    handled = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is not signal.SIG_IGN]
+    handled = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+               if signal.getsignal(sig) is not signal.SIG_IGN]
     previous = {sig: signal.signal(sig, forward) for sig in handled}
     try:
         returncode = _wait(child, received)

@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
         description=EXPLAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", metavar="MODE", parser_class=type(parser))
     modes.required = True
-    single = modes.add_parser("single", help="one process, batch B", description=EXPLAIN + "\nOne process, loader batch B → 256/B steps per epoch.",
+    single = modes.add_parser("single", help="one process, batch B",
+                              description=EXPLAIN + "\nOne process, loader batch B → 256/B steps per epoch.",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_flags(single, default_batch=128)
     multi = modes.add_parser("multi", help="W DDP ranks of batch b each", description=EXPLAIN + (
@@ -33,14 +34,17 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_flags(multi, default_batch=16)
     multi.add_argument("--world-size", type=positive_int, default=None,
-                       help="ranks to start (default: the visible GPUs when ≥ 2, else 8 CPU ranks; under torchrun its WORLD_SIZE)")
+                       help="ranks to start (default: the visible GPUs when ≥ 2, else 8 CPU ranks; "
+                            "under torchrun its WORLD_SIZE)")
     multi.add_argument("--bypass-ddp", action="store_true",
-                       help="reproduce the classic bug: forward through the inner module, so DDP never all-reduces (noisy data)")
+                       help="reproduce the classic bug: forward through the inner module, "
+                            "so DDP never all-reduces (noisy data)")
     add_launch_flags(multi)
-    table = modes.add_parser("table", help="the classic nine-run study in one go, measurement beside theory",
-                             description="Runs the classic study: single vs 8 DDP ranks of 16, deterministic and noisy, with the\n"
-                                         "linear and square-root LR rules. All multi runs share one launch of the ranks.",
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    table = modes.add_parser(
+        "table", help="the classic nine-run study in one go, measurement beside theory",
+        description="Runs the classic study: single vs 8 DDP ranks of 16, deterministic and noisy, with the\n"
+                    "linear and square-root LR rules. All multi runs share one launch of the ranks.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     table.add_argument("--seed", type=int, default=0, help="data and sampler seed (default 0)")
     table.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_launch_flags(table)
@@ -111,7 +115,8 @@ def _print_run(result) -> None:
         ratio = result.update_step_variance / max(cfg.theory().update_step_variance, 1e-300)
         out.print(f"[bold red]Bypassed DDP:[/] {result.allreduces} all-reduces, ranks disagree on w by "
                   f"{render.num(result.w_rank_spread)} on average, and each update is {ratio:.1f}× as noisy as "
-                  f"DDP's (≈ world size {cfg.world_size}): every rank trained alone on batch {cfg.per_device_batch_size}.")
+                  f"DDP's (≈ world size {cfg.world_size}): every rank trained alone on batch "
+                  f"{cfg.per_device_batch_size}.")
 
 
 def _pm(value: float, stderr: float) -> str:

@@ -68,7 +68,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--verify-ddp", type=int, default=0, metavar="K",
                         help="re-run K grid points through real DDP ranks and report the largest difference")
     parser.add_argument("--verify-world-size", type=positive_int, default=2, help="ranks for --verify-ddp (default 2)")
-    parser.add_argument("--verify-steps", type=positive_int, default=20, help="steps per --verify-ddp point (default 20)")
+    parser.add_argument("--verify-steps", type=positive_int, default=20,
+                        help="steps per --verify-ddp point (default 20)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch intra-op threads while training (default 1: the runs are already batched, "
                              "and small models lose more to thread hand-offs than they gain)")
@@ -239,4 +240,5 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("ddplab study's plots need matplotlib: pip install 'ddplab[study]' (or pass --no-plots)") from None
+        raise ValueError("ddplab study's plots need matplotlib: pip install 'ddplab[study]' "
+                         "(or pass --no-plots)") from None
