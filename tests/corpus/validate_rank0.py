@@ -1,6 +1,6 @@
 """A BatchNorm CNN whose rank 0 alone validates on the inner module every 2 steps, then all ranks meet at a barrier.
 
-Validation runs on `ddp.module` under `torch.no_grad()` in eval mode: no DDP forward, so no buffer broadcast that
+Training batches come from two DataLoader worker processes. Validation runs on `ddp.module` under `torch.no_grad()` in eval mode: no DDP forward, so no buffer broadcast that
 the other ranks would have to join. With `--validate-all-ranks` every rank validates (still through `.module`).
 32 images per rank: per-rank BatchNorm statistics are at most an info.
 
@@ -56,7 +56,8 @@ def validate(model, loader):
 def train(rank, world_size, args):
     train_set, val_set = images(SAMPLES, seed=0), images(128, seed=1)
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)
-    loader = DataLoader(train_set, batch_size=32, sampler=sampler)
+    # Worker processes forked from the rank: whatever the rank carries, they carry too.
+    loader = DataLoader(train_set, batch_size=32, sampler=sampler, num_workers=2, persistent_workers=True)
     val_loader = DataLoader(val_set, batch_size=64)
     torch.manual_seed(0)
     ddp = DDP(SmallCNN())
