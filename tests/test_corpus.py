@@ -66,6 +66,7 @@ CORRECT = {
     "gan_freeze": Case("gan.py", ("--g-step", "freeze")),
     "gan_plain": Case("gan.py", ("--g-step", "plain")),
     "probe_rank0": Case("probe_rank0.py"),
+    "ema_teacher": Case("ema_teacher.py"),
     "skipped_step_unused": Case("skipped_step.py", ("--config", "unused")),
     "skipped_step_static": Case("skipped_step.py", ("--config", "static")),
     "epochs_window_2": Case("epochs_and_exit.py", audit_steps=2),
@@ -79,7 +80,7 @@ CORRECT = {
 DEFAULT_CORRECT = [
     ("trainer_class", "torchrun"), ("validate_rank0", "torchrun"), ("nanogpt_eval_rank0", "torchrun"),
     ("zero", "torchrun"), ("gan_freeze", "torchrun"), ("probe_rank0", "torchrun"),
-    ("skipped_step_unused", "torchrun"), ("epochs_os_exit_window_2", "torchrun"),
+    ("ema_teacher", "torchrun"), ("skipped_step_unused", "torchrun"), ("epochs_os_exit_window_2", "torchrun"),
     ("validate_all_ranks", "spawn"), ("nanogpt_eval_all", "spawn"), ("skipped_step_static", "spawn"),
     ("trainer_class", "fork"), ("nanogpt_eval_rank0_raw", "fork"), ("gan_plain", "fork"),
     ("epochs_os_exit_window_50", "fork"),
