@@ -2,8 +2,8 @@
 
 A correct program must run under the audit exactly as it runs alone (same exit code, same stdout lines) and get
 no warning or error; each planted mistake must get exactly its own finding. The default matrix runs every
-correct program under torchrun and a few under spawn and fork, every variant at least once;
-DDPLAB_FULL_CORPUS=1 runs every program under every launcher.
+two-rank correct program under torchrun and a few under spawn and fork, every variant at least once, each
+mistake once; DDPLAB_FULL_CORPUS=1 runs every program under every launcher.
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ class Case:
     script: str
     args: tuple[str, ...] = ()
     audit_steps: int | None = None
+    world_size: int = 2
 
     def command(self, launcher: str) -> list[str]:
         if launcher == "torchrun":
-            return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    self.script, *self.args]
-        return [sys.executable, self.script, "--launcher", launcher, *self.args]
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                    str(self.world_size), self.script, *self.args]
+        return [sys.executable, self.script, "--launcher", launcher, "--world-size", str(self.world_size), *self.args]
 
 
 CORRECT = {
@@ -67,6 +68,7 @@ CORRECT = {
     "gan_plain": Case("gan.py", ("--g-step", "plain")),
     "probe_rank0": Case("probe_rank0.py"),
     "ema_teacher": Case("ema_teacher.py"),
+    "sweep_groups": Case("sweep_groups.py", world_size=4),
     "skipped_step_unused": Case("skipped_step.py", ("--config", "unused")),
     "skipped_step_static": Case("skipped_step.py", ("--config", "static")),
     "epochs_window_2": Case("epochs_and_exit.py", audit_steps=2),
@@ -83,7 +85,7 @@ DEFAULT_CORRECT = [
     ("ema_teacher", "torchrun"), ("skipped_step_unused", "torchrun"), ("epochs_os_exit_window_2", "torchrun"),
     ("validate_all_ranks", "spawn"), ("nanogpt_eval_all", "spawn"), ("skipped_step_static", "spawn"),
     ("trainer_class", "fork"), ("nanogpt_eval_rank0_raw", "fork"), ("gan_plain", "fork"),
-    ("epochs_os_exit_window_50", "fork"),
+    ("epochs_os_exit_window_50", "fork"), ("sweep_groups", "fork"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -279,7 +281,7 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     assert _program_lines(audited.stdout) == _program_lines(plain.stdout), \
         _why("OUTPUT CHANGED: the program printed other lines under audit", audited, report)
     assert report is not None, _why("NO REPORT: the audit wrote no report", audited, report)
-    assert report["world_size"] == 2
+    assert report["world_size"] == case.world_size
     assert _serious(report) == {}, _why(f"FALSE ALARM: {_serious(report)}", audited, report)
     if case.script == "epochs_and_exit.py":
         assert report["steps_audited"] == min(case.audit_steps, TOTAL_STEPS), \
