@@ -60,6 +60,7 @@ CORRECT = {
     "trainer_class": Case("trainer_class.py"),
     "validate_rank0": Case("validate_rank0.py"),
     "validate_all_ranks": Case("validate_rank0.py", ("--validate-all-ranks",)),
+    "validate_through_wrapper": Case("validate_rank0.py", ("--through-wrapper",)),
     "nanogpt_eval_all": Case("nanogpt_accum.py", ("--eval", "all")),
     "nanogpt_eval_rank0": Case("nanogpt_accum.py", ("--eval", "rank0")),
     "nanogpt_eval_rank0_raw": Case("nanogpt_accum.py", ("--eval", "rank0-raw")),
@@ -85,7 +86,7 @@ DEFAULT_CORRECT = [
     ("ema_teacher", "torchrun"), ("skipped_step_unused", "torchrun"), ("epochs_os_exit_window_2", "torchrun"),
     ("validate_all_ranks", "spawn"), ("nanogpt_eval_all", "spawn"), ("skipped_step_static", "spawn"),
     ("trainer_class", "fork"), ("nanogpt_eval_rank0_raw", "fork"), ("gan_plain", "fork"),
-    ("epochs_os_exit_window_50", "fork"), ("sweep_groups", "fork"),
+    ("epochs_os_exit_window_50", "fork"), ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)

@@ -1,6 +1,6 @@
 """Ordinary DDP training, plus a linear probe that rank 0 alone trains on the frozen features every step.
 
-The probe is a plain nn.Linear (no DDP) with its own optimizer; it reads the encoder's features under
+DDP keeps the gradients as views into its buckets (gradient_as_bucket_view=True). The probe is a plain nn.Linear (no DDP) with its own optimizer; it reads the encoder's features under
 no_grad through `ddp.module.encoder`. Its optimizer steps on rank 0 only, so nothing the other rank waits for
 may hang on it.
 """
@@ -33,7 +33,7 @@ def train(rank, world_size, args):
     sampler = DistributedSampler(data, shuffle=True)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     torch.manual_seed(0)
-    ddp = DDP(Regressor())
+    ddp = DDP(Regressor(), gradient_as_bucket_view=True)  # gradients are views into DDP's buckets
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     probe = torch.nn.Linear(24, 2) if rank == 0 else None
     probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.1) if rank == 0 else None

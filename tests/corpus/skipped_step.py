@@ -2,7 +2,8 @@
 
 At step 2 rank 1 gets a batch with an infinite input; DDP's all-reduce carries the non-finite gradient to every
 rank, the ranks agree by an all-reduce of their found-inf flags, and all of them skip `optimizer.step()` and
-halve the scale. Two model configurations:
+halve the scale. The model takes a keyword argument and returns a dict, as many model libraries do. Two model
+configurations:
 
   --config unused  find_unused_parameters=True; an auxiliary head joins the loss only on every third step
   --config static  static_graph=True; the auxiliary head joins the loss every step
@@ -25,9 +26,9 @@ class TwoHeads(torch.nn.Module):
         self.trunk = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU())
         self.main_head, self.aux_head = torch.nn.Linear(32, 1), torch.nn.Linear(32, 1)
 
-    def forward(self, x, use_aux: bool):
+    def forward(self, x, use_aux: bool = False):
         features = self.trunk(x)
-        return self.main_head(features), (self.aux_head(features) if use_aux else None)
+        return {"prediction": self.main_head(features), "aux": self.aux_head(features) if use_aux else None}
 
 
 class LossScale:
@@ -71,10 +72,10 @@ def train(rank, world_size, args):
                 inputs[0, 0] = float("inf")
             use_aux = static or step % 3 == 0
             optimizer.zero_grad(set_to_none=True)
-            prediction, aux = ddp(inputs, use_aux)
-            loss = F.mse_loss(prediction, targets)
-            if aux is not None:
-                loss = loss + 0.5 * F.mse_loss(aux, aux_targets)
+            outputs = ddp(inputs, use_aux=use_aux)
+            loss = F.mse_loss(outputs["prediction"], targets)
+            if outputs["aux"] is not None:
+                loss = loss + 0.5 * F.mse_loss(outputs["aux"], aux_targets)
             (loss * scaler.scale).backward()
             stepped = scaler.step(optimizer, ddp.parameters())
             if not stepped:

@@ -1,7 +1,9 @@
 """A BatchNorm CNN whose rank 0 alone validates on the inner module every 2 steps, then all ranks meet at a barrier.
 
 Training batches come from two DataLoader worker processes. Validation runs on `ddp.module` under `torch.no_grad()` in eval mode: no DDP forward, so no buffer broadcast that
-the other ranks would have to join. With `--validate-all-ranks` every rank validates (still through `.module`).
+the other ranks would have to join. With `--validate-all-ranks` every rank validates (still through `.module`);
+with `--through-wrapper` every rank validates through the DDP wrapper itself (whose first forward after a training
+step broadcasts rank 0's BatchNorm buffers, and whose next training forward then does not).
 32 images per rank: per-rank BatchNorm statistics are at most an info.
 
 Mistake (`--mistake module-forward`): the training forward calls `ddp.module(x)`, so gradients are never
@@ -71,8 +73,8 @@ def train(rank, world_size, args):
             loss = F.cross_entropy(logits, y)
             loss.backward()
             optimizer.step()
-            if step % VALIDATE_EVERY == 0 and (rank == 0 or args.validate_all_ranks):
-                val_loss, accuracy = validate(ddp.module, val_loader)
+            if step % VALIDATE_EVERY == 0 and (rank == 0 or args.validate_all_ranks or args.through_wrapper):
+                val_loss, accuracy = validate(ddp if args.through_wrapper else ddp.module, val_loader)
                 _harness.say(rank, f"step {step} train loss {loss.item():.4f} val loss {val_loss:.4f} "
                                    f"accuracy {accuracy:.3f}")
             dist.barrier()
@@ -83,5 +85,6 @@ def train(rank, world_size, args):
 if __name__ == "__main__":
     parser = _harness.parser(__doc__.splitlines()[0])
     parser.add_argument("--validate-all-ranks", action="store_true")
+    parser.add_argument("--through-wrapper", action="store_true", help="every rank validates through the wrapper")
     parser.add_argument("--mistake", choices=("none", "module-forward"), default="none")
     _harness.run(train, parser.parse_args())
