@@ -25,10 +25,10 @@ import traceback
 import pytest
 
 # Imported here so that reference runs forked from this process start with them loaded.
-import torch.distributed  # noqa: F401
-import torch.multiprocessing  # noqa: F401
-import torch.nn.parallel  # noqa: F401
-import torch.utils.data  # noqa: F401
+import torch.distributed
+import torch.multiprocessing
+import torch.nn.parallel
+import torch.utils.data
 
 import ddplab
 
@@ -192,7 +192,7 @@ def _forked_main(case: Case, out_fd: int, err_fd: int):
     try:
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
-        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
         os.chdir(CORPUS)
         sys.path.insert(0, CORPUS)
         sys.argv = case.command("fork")[1:]
@@ -200,7 +200,7 @@ def _forked_main(case: Case, out_fd: int, err_fd: int):
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the forked child reports any failure as its exit code
         traceback.print_exc()
     finally:
         sys.stdout.flush()
@@ -208,7 +208,7 @@ def _forked_main(case: Case, out_fd: int, err_fd: int):
         os._exit(code)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plain(case: Case, launcher: str) -> Run:
     """The program run alone. Its output does not depend on the launcher (the full matrix checks that), so the
     default matrix reuses one forked run for every launcher."""
@@ -217,7 +217,7 @@ def _plain(case: Case, launcher: str) -> Run:
 
 # --- the audit CLI and its report: the one place that knows them ---
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _report_file_flag() -> str:
     """`--json-file PATH` where the CLI has it; the first CLI took the path as `--json PATH`."""
     from ddplab.commands import audit
