@@ -28,7 +28,7 @@ import pytest
 import torch.distributed
 import torch.multiprocessing
 import torch.nn.parallel
-import torch.utils.data
+import torch.utils.data  # noqa: F401
 
 import ddplab
 
