@@ -152,7 +152,8 @@ def main() -> None:
         "overhead": {"window": audited["window_median_s"] / plain["window_median_s"] - 1,
                      "after": audited["after_median_s"] / plain["after_median_s"] - 1},
         # How far two plain launches' medians after the window lie apart: what the machine's noise alone does.
-        "plain_run_to_run_after": max(plain["after_medians_per_launch_s"]) / min(plain["after_medians_per_launch_s"]) - 1,
+        "plain_run_to_run_after": (max(plain["after_medians_per_launch_s"])
+                                   / min(plain["after_medians_per_launch_s"]) - 1),
         "final_loss_equal": len({run["final_loss"] for run in runs["plain"] + runs["audited"]}) == 1,
         "audit_report": runs["audited"][-1]["report"],
     }

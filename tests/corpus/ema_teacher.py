@@ -9,12 +9,11 @@ hand (`reduction='none'` then `.mean()`). Rank 0 saves the teacher and deep-copi
 import copy
 import io
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 FEATURES, CLASSES, SAMPLES, MOMENTUM = 16, 5, 320, 0.9
 

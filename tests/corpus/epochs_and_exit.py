@@ -8,12 +8,11 @@ at-exit code runs.
 
 import os
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 FEATURES, EPOCHS, STEPS_PER_EPOCH, BATCH = 6, 3, 8, 8
 

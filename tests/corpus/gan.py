@@ -6,12 +6,11 @@ D is called on a real batch and on a detached fake batch before one backward of 
 example does (`plain`). The generator's noise is per-rank random.
 """
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 NOISE, SAMPLES = 4, 512
 

@@ -20,11 +20,10 @@ so every micro-step all-reduces (ACCUMULATION_SYNCS_EVERY_STEP).
 
 import math
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import _harness
 
 VOCAB, BLOCK, EMBED, HEADS, LAYERS = 64, 16, 32, 2, 2
 BATCH, ACCUMULATION, MAX_ITERS, EVAL_INTERVAL, EVAL_ITERS = 4, 4, 10, 5, 2

@@ -4,11 +4,10 @@ From then on the ranks train two different models, forever 3e-5 apart in that en
 parameters together is dominated by the large weight and cannot see it; a comparison tensor by tensor can.
 """
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import _harness
 
 WIDTH, STEPS, BATCH = 1024, 8, 8
 

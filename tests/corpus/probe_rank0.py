@@ -1,16 +1,15 @@
 """Ordinary DDP training, plus a linear probe that rank 0 alone trains on the frozen features every step.
 
-DDP keeps the gradients as views into its buckets (gradient_as_bucket_view=True). The probe is a plain nn.Linear (no DDP) with its own optimizer; it reads the encoder's features under
-no_grad through `ddp.module.encoder`. Its optimizer steps on rank 0 only, so nothing the other rank waits for
-may hang on it.
+DDP keeps the gradients as views into its buckets (gradient_as_bucket_view=True). The probe is a plain
+nn.Linear (no DDP) with its own optimizer; it reads the encoder's features under no_grad through
+`ddp.module.encoder`. Its optimizer steps on rank 0 only, so nothing the other rank waits for may hang on it.
 """
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 FEATURES, SAMPLES = 10, 256
 

@@ -9,13 +9,12 @@ configurations:
   --config static  static_graph=True; the auxiliary head joins the loss every step
 """
 
+import _harness
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 FEATURES, SAMPLES, POISONED_STEP = 8, 320, 2
 

@@ -6,13 +6,12 @@ rank 0 and rank 2 get identical batches, and the two replicas' parameters differ
 correct: only ranks of one wrapper's group must agree. At the end all four ranks compare the replicas' losses.
 """
 
+import _harness
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 FEATURES, SAMPLES, REPLICA_SIZE, LEARNING_RATES = 8, 256, 2, (0.02, 0.1)
 

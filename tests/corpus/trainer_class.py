@@ -11,12 +11,11 @@ step 9, after a 5-step audit window); `none-sum` sums per-sample losses (`reduct
 import os
 import tempfile
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 FEATURES, CLASSES, SAMPLES = 20, 4, 256
 

@@ -1,22 +1,20 @@
 """A BatchNorm CNN whose rank 0 alone validates on the inner module every 2 steps, then all ranks meet at a barrier.
 
-Training batches come from two DataLoader worker processes. Validation runs on `ddp.module` under `torch.no_grad()` in eval mode: no DDP forward, so no buffer broadcast that
-the other ranks would have to join. With `--validate-all-ranks` every rank validates (still through `.module`);
-with `--through-wrapper` every rank validates through the DDP wrapper itself (whose first forward after a training
-step broadcasts rank 0's BatchNorm buffers, and whose next training forward then does not).
-32 images per rank: per-rank BatchNorm statistics are at most an info.
+Training batches come from two DataLoader worker processes. Validation runs on `ddp.module` under `torch.no_grad()` in
+eval mode: no DDP forward, so no buffer broadcast that the other ranks would have to join. With `--validate-all-ranks`
+every rank validates (still through `.module`); with `--through-wrapper` every rank validates through the DDP wrapper
+itself (whose first forward after a training step broadcasts rank 0's BatchNorm buffers, and whose next training
+forward then does not). 32 images per rank: per-rank BatchNorm statistics are at most an info.
 
-Mistake (`--mistake module-forward`): the training forward calls `ddp.module(x)`, so gradients are never
-all-reduced (NO_ALLREDUCE).
-"""
+Mistake (`--mistake module-forward`): the training forward calls `ddp.module(x)`, so gradients are never all-reduced
+(NO_ALLREDUCE)."""
 
+import _harness
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 SAMPLES, CLASSES, VALIDATE_EVERY = 512, 4, 2
 

@@ -5,13 +5,12 @@ rank (the layers are of unequal sizes, so the shards are too). Rank 0 checkpoint
 state at the end, as sharded-optimizer programs do.
 """
 
+import _harness
 import torch
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import _harness
 
 FEATURES, SAMPLES = 12, 256
 
