@@ -7,7 +7,8 @@ itself (whose first forward after a training step broadcasts rank 0's BatchNorm 
 forward then does not). 32 images per rank: per-rank BatchNorm statistics are at most an info.
 
 Mistake (`--mistake module-forward`): the training forward calls `ddp.module(x)`, so gradients are never all-reduced
-(NO_ALLREDUCE)."""
+(NO_ALLREDUCE).
+"""
 
 import _harness
 import torch
