@@ -96,7 +96,7 @@ def _torchrun(nproc_per_node, *runs):
 
     config = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
                            rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex, max_restarts=0,
-                           monitor_interval=0.1, start_method="fork")
+                           monitor_interval=0.1, start_method="spawn")  # fresh workers: a fork inherits the parent's busy thread pool
     return elastic_launch(config, _cli_under_torchrun)(*runs)
 
 
