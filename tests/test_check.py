@@ -94,9 +94,10 @@ def _torchrun(nproc_per_node, *runs):
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
+    # Spawned: a worker forked from this process inherits a thread pool that earlier tests ran, and can deadlock.
     config = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
                            rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex, max_restarts=0,
-                           monitor_interval=0.1, start_method="spawn")  # fresh workers: a fork inherits the parent's busy thread pool
+                           monitor_interval=0.1, start_method="spawn")
     return elastic_launch(config, _cli_under_torchrun)(*runs)
 
 
