@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ddplab.auditor import guard
+
 # Optimizer steps whose lr the detail lists.
 LR_HISTORY = 8
 # Closed optimizer-step intervals that must all show several scheduler steps before it is reported.
@@ -75,21 +77,14 @@ _FRAMEWORKS = FrameworkState()
 
 def _guarded(where: str):
     """Like hooks' guard: an error here disarms the audit instead of reaching the user's program."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def guarded(*args, **kwargs):
-            from ddplab.auditor import hooks
+    return guard.guarded(_audit_state, where)
 
-            audit = hooks._STATE
-            if audit is None or audit.disabled is not None:
-                return None
-            try:
-                return fn(audit, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - the guest never breaks its host
-                audit.disarm(f"{where}: {type(exc).__name__}: {exc}")
-                return None
-        return guarded
-    return wrap
+
+def _audit_state():
+    # hooks imports this module, so its state is looked up when a hook runs.
+    from ddplab.auditor import hooks
+
+    return hooks._STATE
 
 
 # --- called from hooks ---

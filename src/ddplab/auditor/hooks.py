@@ -39,7 +39,7 @@ from torch.utils.data import DistributedSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import findings as fnd
-from ddplab.auditor import frameworks, tensors
+from ddplab.auditor import frameworks, guard, tensors
 
 ENV_DIR, ENV_STEPS = "DDPLAB_AUDIT_DIR", "DDPLAB_AUDIT_STEPS"
 STORE_PREFIX = "ddplab-audit/v2/"
@@ -182,19 +182,7 @@ def state() -> AuditState:
 
 def _guarded(where: str):
     """Run a hook so that no error inside the auditor reaches the user's program."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def guarded(*args, **kwargs):
-            audit = _STATE
-            if audit is None or audit.disabled is not None:
-                return None
-            try:
-                return fn(audit, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - the guest never breaks its host
-                audit.disarm(f"{where}: {type(exc).__name__}: {exc}")
-                return None
-        return guarded
-    return wrap
+    return guard.guarded(lambda: _STATE, where)
 
 
 # --- installation ---
