@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from ddplab import noise_scale, planner
-from ddplab.integrations import _lr
+from ddplab.integrations import _lr, _noise
 
 
 def _per_device_batch_size(trainer, given: int | None) -> int:
@@ -63,13 +63,8 @@ class GradientNoiseScale(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # After the closure's backward (DDP has reduced), before the optimizer changes anything.
-        record = self.noise_scale.step() if self.noise_scale is not None else None
-        if record is None:
-            return
-        values = {"b_simple": record.b_simple_ema, "grad_sq_norm": record.g2, "trace_sigma": record.trace_sigma}
-        self.history.append({"step": trainer.global_step, "g_small_sq": record.g_small_sq,
-                             "g_big_sq": record.g_big_sq, **values})
-        if self.log:
+        values = _noise.measure(self.noise_scale, trainer.global_step, self.history)
+        if values is not None and self.log:
             pl_module.log_dict(values, on_step=True, on_epoch=False, rank_zero_only=True)
 
 

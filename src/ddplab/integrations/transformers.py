@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from ddplab import noise_scale as _noise_scale
 from ddplab import planner
+from ddplab.integrations import _noise
 
 
 class NoiseScaleCallback(TrainerCallback):
@@ -50,13 +51,8 @@ class NoiseScaleCallback(TrainerCallback):
             accumulation_steps=args.gradient_accumulation_steps, every=self.every, ema_decay=self.ema_decay)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        record = self.noise_scale.step() if self.noise_scale is not None else None
-        if record is None:
-            return
-        values = {"b_simple": record.b_simple_ema, "grad_sq_norm": record.g2, "trace_sigma": record.trace_sigma}
-        self.history.append({"step": state.global_step, "g_small_sq": record.g_small_sq,
-                             "g_big_sq": record.g_big_sq, **values})
-        if self.log:
+        values = _noise.measure(self.noise_scale, state.global_step, self.history)
+        if values is not None and self.log:
             self.trainer.log(dict(values))
 
 
