@@ -49,7 +49,6 @@ examples:
   ddplab audit -- python train_lightning.py          # Lightning starts its own worker processes
   ddplab audit -- accelerate launch --num_processes 2 train.py
   ddplab audit --steps 10 --json-file audit.json --strict -- python train_spawn.py
-  ddplab audit --json -- torchrun --nproc_per_node 2 train.py > report.json
 """
 # Seconds a cancelled command gets to exit before the rest of its process group is killed.
 GRACE_S = 10.0
