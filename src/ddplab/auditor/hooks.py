@@ -92,6 +92,7 @@ class AuditState:
         self.modules: WeakIdKeyDictionary = WeakIdKeyDictionary()  # inner module → its newest wrapper's info
         # parameter → its wrapper's info, which outlives a temporary wrapper so its steps still count
         self.owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.optimizer_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → (key, info)
         self.sampler_passes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.steps = 0  # audited optimizer steps, all wrappers together
         self.total_steps = 0
@@ -420,12 +421,16 @@ def _optimizer_stepped(audit: AuditState, optimizer) -> None:
 
 
 def _owner(audit: AuditState, optimizer) -> WrapperInfo | None:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            info = audit.owners.get(param)
-            if info is not None:
-                return info
-    return None
+    """The wrapper whose parameters ``optimizer`` updates; looked up once per optimizer, not every step."""
+    # Valid until a wrapper is built or a param group is added.
+    key = (audit.wrapper_count, len(optimizer.param_groups))
+    cached = audit.optimizer_owners.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    info = next((audit.owners[param] for group in optimizer.param_groups for param in group["params"]
+                 if param in audit.owners), None)
+    audit.optimizer_owners[optimizer] = (key, info)
+    return info
 
 
 def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
