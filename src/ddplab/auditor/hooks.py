@@ -377,8 +377,6 @@ def _check_batchnorm(audit: AuditState, info: WrapperInfo, per_rank_batch: int) 
 
 def _window(audit: AuditState, info: WrapperInfo) -> dict:
     """This wrapper's record for its current step, created on first use."""
-    if audit.windows and audit.windows[-1]["wrapper"] == info.key and audit.windows[-1]["step"] == info.steps:
-        return audit.windows[-1]
     for window in reversed(audit.windows):
         if window["wrapper"] == info.key and window["step"] == info.steps:
             return window
