@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddplab import sandbox_table
-from ddplab.launch import RankContext
-from ddplab.sandbox import train_looped
+from ddplab.runtime.launch import RankContext
+from ddplab.sandbox import table as sandbox_table
+from ddplab.sandbox.train import train_looped
 
 
 def _free_port() -> int:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddplab.launch import LaunchConfig, launch
-from ddplab.noise_scale import GradientNoiseScale
+from ddplab.noise.scale import GradientNoiseScale
+from ddplab.runtime.launch import LaunchConfig, launch
 
 # name → None (plain DDP), ("hook",) (torch's own Python allreduce hook: what any Python comm hook costs),
 # or (every, via) for GradientNoiseScale.

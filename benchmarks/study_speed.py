@@ -18,13 +18,14 @@ import time
 
 import torch
 
-from ddplab import study
+from ddplab.study import engine, workloads
+from ddplab.study.config import StudyConfig, Target
 
 
 def loop_over_runs(workload, config, global_batch: int, runs, steps: int):
     """The baseline: each run its own model and optimizer, trained to the end before the next."""
     out = []
-    batches = study._Batches(workload.train_size, global_batch, sorted({seed for _, seed in runs}))
+    batches = engine._Batches(workload.train_size, global_batch, sorted({seed for _, seed in runs}))
     inputs, targets = workload.train
     for lr, seed in runs:
         torch.manual_seed(seed)
@@ -41,7 +42,7 @@ def loop_over_runs(workload, config, global_batch: int, runs, steps: int):
 
 
 def vectorized(workload, config, global_batch: int, runs, steps: int):
-    group = study.Group(workload, config, global_batch, runs)
+    group = engine.Group(workload, config, global_batch, runs)
     for step in range(steps):
         group.step(step, measure=False)
     return [{n: p[row].clone() for n, p in group.params.items()} for row in range(len(runs))]
@@ -63,14 +64,14 @@ def whole_default_study() -> dict:
     import resource
     import tempfile
 
-    from ddplab import cli
+    from ddplab.cli.main import main as cli_main
 
     with tempfile.TemporaryDirectory() as out:
         load = os.getloadavg()
         cpu = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            code = cli.main(["study", "--out", out, "--fresh", "--json"])
+            code = cli_main(["study", "--out", out, "--fresh", "--json"])
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_SELF)
     report = json.loads(printed.getvalue())
@@ -97,12 +98,12 @@ def main() -> None:
                         help="also time the whole default `ddplab study` (plots included), CPU seconds beside wall")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    workload = study.digits_workload()
-    config = study.StudyConfig(target=study.Target(kind="accuracy", value=0.95))
+    workload = workloads.digits()
+    config = StudyConfig(target=Target(kind="accuracy", value=0.95))
     load_before = os.getloadavg()
     rows = []
     for global_batch in args.batch_sizes:
-        runs = study.grid_runs(config, global_batch)
+        runs = config.grid_runs(global_batch)
         # Same answer both ways first: the speed-up compares equal work.
         diff = max(float((a[n] - b[n]).abs().max()) for a, b in
                    zip(vectorized(workload, config, global_batch, runs, 10),

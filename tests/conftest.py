@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from ddplab.launch import TORCHRUN_VARS
+from ddplab.runtime.launch import TORCHRUN_VARS
 
 
 @pytest.fixture(autouse=True)

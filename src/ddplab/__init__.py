@@ -1,14 +1,19 @@
 """ddplab: see, plan, audit and measure data-parallel training with PyTorch DDP.
 
-Importing the package imports no torch; the torch-backed helpers load on first use.
+The tree is the table of contents: ``plan/`` (batch and lr arithmetic, torch-free), ``check/``,
+``noise/``, ``study/``, ``sandbox/``, ``auditor/``, ``integrations/`` (Lightning, Accelerate,
+Transformers), ``runtime/`` (launching ranks, signals, spec files, data order), ``cli/`` and
+``errors`` (one policy: UsageError for bad input, LaunchError for failed ranks).
+
+Importing the package imports no torch; the torch-backed names load on first use.
 """
 
 __version__ = "0.1.0"
 
 
 def audit(ddp_model, optimizer=None, sampler=None, steps: int = 5):
-    """Audit a DDP model from code; see :func:`ddplab.auditor.audit`."""
-    from ddplab.auditor import audit as _audit
+    """Audit a DDP model from code; see :func:`ddplab.auditor.install.audit`."""
+    from ddplab.auditor.install import audit as _audit
 
     return _audit(ddp_model, optimizer=optimizer, sampler=sampler, steps=steps)
 
@@ -16,11 +21,15 @@ def audit(ddp_model, optimizer=None, sampler=None, steps: int = 5):
 def __getattr__(name):
     # Torch-backed names load on first use, so `import ddplab` stays instant.
     if name == "GradientNoiseScale":
-        from ddplab.noise_scale import GradientNoiseScale
+        from ddplab.noise.scale import GradientNoiseScale
 
         return GradientNoiseScale
     if name in ("plan", "Reference", "Target", "Data"):
-        from ddplab import planner
+        from ddplab.plan import planner
 
         return getattr(planner, name)
+    if name in ("UsageError", "LaunchError"):
+        from ddplab import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'ddplab' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from ddplab.cli import main
+from ddplab.cli.main import main
 
 raise SystemExit(main())

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
+Severity = Literal["error", "warning", "info"]
 ERROR, WARNING, INFO = "error", "warning", "info"
-SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
+SEVERITY_ORDER: dict[Severity, int] = {ERROR: 0, WARNING: 1, INFO: 2}
 
 # code → (severity, what it does to training, the fix)
 CATALOGUE: dict[str, tuple[str, str, str]] = {
@@ -72,7 +73,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "LR_SCALED_NOT_SCHEDULE": (
         WARNING,
         "the optimizer's lr was scaled for the world size after its scheduler was built: the scheduler's base_lrs "
-        "(and the groups' initial_lr) keep the old lr, so its next step brings the unscaled schedule back",
+        "(and the groups' initial_lr) keep the old lr",
         "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
         "(ddplab.integrations' ScaleLearningRate does all three)"),
     "LOSS_NORMALISED_PER_DEVICE": (
@@ -95,14 +96,14 @@ class Finding:
     """One kind of problem, seen on some ranks."""
 
     code: str
-    severity: str
+    severity: Severity
     message: str
     fix: str
     ranks: list[int]
     detail: str = ""
 
     @classmethod
-    def make(cls, code: str, rank: int, detail: str = "", severity: str | None = None) -> Finding:
+    def make(cls, code: str, rank: int, detail: str = "", severity: Severity | None = None) -> Finding:
         default_severity, message, fix = CATALOGUE[code]
         return cls(code, severity or default_severity, message, fix, [rank], detail)
 
@@ -122,6 +123,8 @@ class Report:
     steps_audited: int
     steps_requested: int | None
     findings: list[Finding]
+    why_nothing: str | None = None
+    """Why nothing could be audited (no DDP model, the auditor never loaded); None when something was."""
 
     @property
     def has_error(self) -> bool:
@@ -132,6 +135,8 @@ class Report:
         return [f for f in self.findings if f.code != "RUN_INFO"]
 
     def headline(self) -> str:
+        if self.why_nothing is not None:
+            return self.why_nothing
         if self.steps_audited == 0:
             return f"world size {self.world_size}, no optimizer step of a DDP model was audited"
         steps = f"{self.steps_audited} optimizer steps audited"
@@ -146,7 +151,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "global_batch_size": self.global_batch_size, "lr": self.lr,
                 "steps_audited": self.steps_audited, "steps_requested": self.steps_requested,
-                "findings": [f.to_json() for f in self.findings]}
+                "findings": [f.to_json() for f in self.findings], "audited": self.why_nothing is None}
 
 
 def merge(rank_records: list[dict[str, Any]]) -> Report:
@@ -166,6 +171,11 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
     findings = sorted(merged.values(), key=lambda f: (SEVERITY_ORDER[f.severity], f.code))
     return Report(main.get("world_size"), main.get("global_batch_size"), main.get("lr"),
                   max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings)
+
+
+def nothing_audited(why: str) -> Report:
+    """The report of a command in which nothing could be audited: no findings, and RUN_INFO saying why."""
+    return Report(None, None, None, 0, None, [Finding.make("RUN_INFO", 0, why)], why_nothing=why)
 
 
 # --- comparing ranks' records ---

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddplab import scaling
+from ddplab.plan import scaling
 
 
 def scale_optimizer(optimizer, schedulers, factor: float) -> None:

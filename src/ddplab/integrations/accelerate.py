@@ -19,21 +19,22 @@ import os
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ddplab import noise_scale as _noise_scale
-from ddplab import planner
+from ddplab.errors import UsageError
+from ddplab.noise.scale import GradientNoiseScale
+from ddplab.plan import planner
 
 
 def _require_distributed(accelerator) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if accelerator.num_processes == 1 and launched > 1:
-        raise ValueError(f"the launcher started {launched} processes but Accelerate runs each alone "
+        raise UsageError(f"the launcher started {launched} processes but Accelerate runs each alone "
                          f"(num_processes 1, {accelerator.distributed_type}): on a CPU machine use "
                          "Accelerator(cpu=True) or ACCELERATE_USE_CPU=1")
 
 
 def noise_scale(accelerator, model, *, per_device_batch_size: int, every: int = 4,
-                ema_decay: float = 0.95) -> _noise_scale.GradientNoiseScale:
-    """A :class:`ddplab.noise_scale.GradientNoiseScale` on the prepared (DDP-wrapped) model.
+                ema_decay: float = 0.95) -> GradientNoiseScale:
+    """A :class:`ddplab.noise.scale.GradientNoiseScale` on the prepared (DDP-wrapped) model.
 
     Call its ``step()`` once per optimizer step, when ``accelerator.sync_gradients`` is true, after
     ``accelerator.backward`` and before ``optimizer.step()``. Accumulation is read from the accelerator
@@ -41,9 +42,9 @@ def noise_scale(accelerator, model, *, per_device_batch_size: int, every: int = 
     """
     _require_distributed(accelerator)
     if accelerator.num_processes > 1 and not isinstance(model, DistributedDataParallel):
-        raise ValueError("pass the model returned by accelerator.prepare(): the noise scale reads DDP's all-reduce, "
+        raise UsageError("pass the model returned by accelerator.prepare(): the noise scale reads DDP's all-reduce, "
                          f"and this model is a {type(model).__name__}")
-    return _noise_scale.GradientNoiseScale(model, per_device_batch_size=per_device_batch_size,
+    return GradientNoiseScale(model, per_device_batch_size=per_device_batch_size,
                                            accumulation_steps=accelerator.gradient_accumulation_steps,
                                            every=every, ema_decay=ema_decay)
 
@@ -80,7 +81,7 @@ def apply_plan(plan: planner.Plan, optimizer, schedulers=(), *, reference_lr: fl
     optimizer = getattr(optimizer, "optimizer", optimizer)
     schedulers = [getattr(s, "scheduler", s) for s in schedulers]
     if reference_lr is not None and not all(g["lr"] == reference_lr for g in optimizer.param_groups):
-        raise ValueError(f"the optimizer's lr is not the reference lr {reference_lr}: apply the plan once, to an "
+        raise UsageError(f"the optimizer's lr is not the reference lr {reference_lr}: apply the plan once, to an "
                          "optimizer built with the reference lr")
     _lr.scale_optimizer(optimizer, schedulers, plan.lr_multiplier)
     if plan.warmup_recommended:

@@ -17,8 +17,10 @@ import sys
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
-from ddplab import noise_scale, planner
+from ddplab.errors import UsageError, literal
 from ddplab.integrations import _lr, _noise
+from ddplab.noise import scale as noise_scale
+from ddplab.plan import planner
 
 
 def _per_device_batch_size(trainer, given: int | None) -> int:
@@ -27,7 +29,7 @@ def _per_device_batch_size(trainer, given: int | None) -> int:
     loader = trainer.train_dataloader
     batch = getattr(loader, "batch_size", None)
     if not batch:
-        raise ValueError("per_device_batch_size must be given: the training loader has no batch_size to read")
+        raise UsageError("{per_device_batch_size} must be given: the training loader has no batch_size to read")
     return batch
 
 
@@ -41,13 +43,13 @@ class GradientNoiseScale(Callback):
         log: log the three values with ``pl_module.log`` (rank 0's values; every rank computes the same).
 
     ``history`` holds one dict per measured step; ``noise_scale`` is the underlying
-    :class:`ddplab.noise_scale.GradientNoiseScale` (``.summary()`` gives B_simple with a 95% interval).
+    :class:`ddplab.noise.scale.GradientNoiseScale` (``.summary()`` gives B_simple with a 95% interval).
     """
 
     def __init__(self, *, every: int = 4, per_device_batch_size: int | None = None, ema_decay: float = 0.95,
                  log: bool = True):
         if every < 1:
-            raise ValueError(f"every must be at least 1, got {every}")
+            raise UsageError(f"{{every}} must be at least 1, got {every}")
         self.every, self.per_device_batch_size, self.ema_decay, self.log = every, per_device_batch_size, ema_decay, log
         self.noise_scale: noise_scale.GradientNoiseScale | None = None
         self.history: list[dict] = []
@@ -55,7 +57,7 @@ class GradientNoiseScale(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         model = trainer.strategy.model
         if trainer.world_size > 1 and not isinstance(model, DistributedDataParallel):
-            raise ValueError("GradientNoiseScale needs strategy='ddp' (or 'ddp_spawn') when training on several "
+            raise UsageError("GradientNoiseScale needs strategy='ddp' (or 'ddp_spawn') when training on several "
                              f"processes; this trainer wraps the model in {type(model).__name__}")
         self.noise_scale = noise_scale.GradientNoiseScale(
             model, per_device_batch_size=_per_device_batch_size(trainer, self.per_device_batch_size),
@@ -93,8 +95,7 @@ class ScaleLearningRate(Callback):
     def __init__(self, *, reference_lr: float, reference_global_batch_size: int, rule: str = "auto",
                  optimizer: str = "sgd", warmup_steps: int | None = None, dataset_size: int | None = None,
                  per_device_batch_size: int | None = None):
-        self.reference = planner.Reference(per_device_batch_size=reference_global_batch_size, lr=reference_lr,
-                                           optimizer=optimizer)
+        self.reference = _reference(reference_lr, reference_global_batch_size, optimizer)
         self.rule, self.warmup_steps, self.dataset_size = rule, warmup_steps, dataset_size
         self.per_device_batch_size = per_device_batch_size
         self.plan: planner.Plan | None = None
@@ -126,6 +127,16 @@ class ScaleLearningRate(Callback):
             warmup.remove()
 
 
+def _reference(lr: float, global_batch_size: int, optimizer: str) -> planner.Reference:
+    """The trusted setup, known by its global batch; errors name this callback's own arguments."""
+    try:
+        return planner.Reference(global_batch_size=global_batch_size, lr=lr, optimizer=optimizer)
+    except UsageError as exc:
+        names = {"reference.global_batch_size": "reference_global_batch_size", "reference.lr": "reference_lr",
+                 "reference.optimizer": "optimizer"}
+        raise UsageError(literal(exc.render(names))) from None
+
+
 class Audit(Callback):
     """Audit the DDP model for ``steps`` optimizer steps; rank 0 prints the merged report when training ends.
 
@@ -135,7 +146,7 @@ class Audit(Callback):
 
     def __init__(self, *, steps: int = 5, timeout: float = 30.0):
         if steps < 1:
-            raise ValueError(f"steps must be at least 1, got {steps}")
+            raise UsageError(f"{{steps}} must be at least 1, got {steps}")
         self.steps, self.timeout = steps, timeout
         self.state = None
         self.report = None
@@ -145,7 +156,7 @@ class Audit(Callback):
 
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
-            raise ValueError(f"Audit needs strategy='ddp'; this trainer wraps the model in {type(model).__name__}")
+            raise UsageError(f"Audit needs strategy='ddp'; this trainer wraps the model in {type(model).__name__}")
         self.state = ddplab.audit(model, steps=self.steps)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -153,6 +164,11 @@ class Audit(Callback):
 
         if self.state is None:
             return
+        # The report ends the audit: every patch is undone before the trainer goes on.
         self.report = self.state.report(timeout=self.timeout)
         if trainer.global_rank == 0:
             print(findings.render_text(self.report), file=sys.stderr, flush=True)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.state is not None:
+            self.state.close()

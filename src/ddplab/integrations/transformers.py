@@ -14,9 +14,10 @@ import dataclasses
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from ddplab import noise_scale as _noise_scale
-from ddplab import planner
+from ddplab.errors import UsageError
 from ddplab.integrations import _noise
+from ddplab.noise.scale import GradientNoiseScale
+from ddplab.plan import planner
 
 
 class NoiseScaleCallback(TrainerCallback):
@@ -33,20 +34,20 @@ class NoiseScaleCallback(TrainerCallback):
 
     def __init__(self, trainer, *, every: int = 4, ema_decay: float = 0.95, log: bool = True):
         if every < 1:
-            raise ValueError(f"every must be at least 1, got {every}")
+            raise UsageError(f"every must be at least 1, got {every}")
         self.trainer, self.every, self.ema_decay, self.log = trainer, every, ema_decay, log
-        self.noise_scale: _noise_scale.GradientNoiseScale | None = None
+        self.noise_scale: GradientNoiseScale | None = None
         self.history: list[dict] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.max_grad_norm:
-            raise ValueError("NoiseScaleCallback needs max_grad_norm=0 in TrainingArguments: the Trainer clips "
+            raise UsageError("NoiseScaleCallback needs max_grad_norm=0 in TrainingArguments: the Trainer clips "
                              "the gradient before callbacks see it")
         model = self.trainer.model_wrapped
         if args.world_size > 1 and not isinstance(model, DistributedDataParallel):
-            raise ValueError(f"NoiseScaleCallback reads DDP's all-reduce; this Trainer wraps the model in "
+            raise UsageError(f"NoiseScaleCallback reads DDP's all-reduce; this Trainer wraps the model in "
                              f"{type(model).__name__}")
-        self.noise_scale = _noise_scale.GradientNoiseScale(
+        self.noise_scale = GradientNoiseScale(
             model, per_device_batch_size=args.per_device_train_batch_size,
             accumulation_steps=args.gradient_accumulation_steps, every=self.every, ema_decay=self.ema_decay)
 

@@ -9,9 +9,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _install_auditor():
     try:
-        from ddplab.auditor import hooks
+        from ddplab.auditor import install
 
-        hooks.install_from_env()
+        install.install_from_env()
         _mark("loaded", "")
     except Exception as exc:  # never break the user's program because auditing failed
         print(f"ddplab audit: auditing disabled in this process: {exc!r}", file=sys.stderr)

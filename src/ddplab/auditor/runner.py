@@ -1,0 +1,165 @@
+"""``ddplab audit -- COMMAND``: run a training command with the auditor injected into every Python process.
+
+The command runs unchanged, in its own process group, with ``PYTHONPATH`` holding one folder in
+front of the user's own: the bootstrap sitecustomize and ddplab itself, nothing else of ddplab's
+environment (the command keeps its own torch). SIGINT, SIGTERM and SIGHUP reach the whole group;
+a second signal, or the grace period, ends it with SIGKILL. The records every process wrote are
+merged into one report, which exists even when nothing could be audited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import ddplab
+from ddplab.auditor import findings
+from ddplab.errors import UsageError, literal
+from ddplab.runtime.signals import signal_group, sweep_group
+
+# Seconds a cancelled command gets to exit before the rest of its process group is killed.
+GRACE_S = 10.0
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap", "sitecustomize.py")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditConfig:
+    """One audited command."""
+
+    command: tuple[str, ...]
+    """The training command and its arguments."""
+    steps: int = 5
+    """Optimizer steps to audit."""
+
+    def __post_init__(self):
+        if not self.command:
+            raise UsageError("give the training command after --, e.g. ddplab audit -- torchrun --nproc_per_node 2 "
+                             "train.py")
+        if not self.steps >= 1:
+            raise UsageError(f"{{steps}} must be at least 1, got {self.steps}")
+        check_runnable(self.command[0])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuditOutcome:
+    """The command's exit code and the merged report."""
+
+    returncode: int
+    report: findings.Report
+    interim: list | None = None
+    """The findings rank 0 printed during the run, if it did."""
+
+    @property
+    def interim_matches(self) -> bool:
+        """The final report says nothing rank 0 did not already print."""
+        return self.interim is not None and self.interim == self.report.signature()
+
+
+def run_audited(config: AuditConfig) -> AuditOutcome:
+    """Run the command audited; its exit code is 128+signum when a signal ended it."""
+    out_dir = tempfile.mkdtemp(prefix="ddplab-audit-")
+    try:
+        returncode = _run(list(config.command), out_dir, config.steps)
+        records = findings.read_records(out_dir)
+        loaded, failures = _markers(out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if not records:
+        return AuditOutcome(returncode=returncode, report=findings.nothing_audited(_why_nothing(loaded, failures)))
+    interim = next((r["interim"] for r in records if r.get("rank") == 0 and r.get("interim") is not None), None)
+    return AuditOutcome(returncode=returncode, report=findings.merge(records), interim=interim)
+
+
+def check_runnable(program: str) -> None:
+    if os.sep in program:
+        if not os.path.isfile(program):
+            raise UsageError(f"command not found: {literal(program)}")
+        if not os.access(program, os.X_OK):
+            raise UsageError(f"{literal(program)} is not executable: chmod +x it, or run it as "
+                             f"'python {literal(program)}'")
+    elif shutil.which(program) is None:
+        raise UsageError(f"command not found: {literal(program)}")
+
+
+def check_writable(path: str, field: str) -> None:
+    """Refuse a report path that cannot be written, before the command runs."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{{{field}}} {literal(path)} is a directory: give a file name for the report")
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"cannot write the report to {literal(path)}: check that its folder exists and is writable")
+
+
+def python_path(out_dir: str) -> str:
+    """A folder holding only the bootstrap and ddplab, to put in front of the command's own PYTHONPATH."""
+    folder = os.path.join(out_dir, "path")
+    os.makedirs(folder)
+    shutil.copyfile(BOOTSTRAP, os.path.join(folder, "sitecustomize.py"))
+    os.symlink(os.path.dirname(os.path.abspath(ddplab.__file__)), os.path.join(folder, "ddplab"))
+    return folder
+
+
+def _run(command: list[str], out_dir: str, steps: int) -> int:
+    """Run the command in its own process group; forward signals to the whole group; return its exit code."""
+    env = dict(os.environ, DDPLAB_AUDIT_DIR=out_dir, DDPLAB_AUDIT_STEPS=str(steps))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(out_dir), os.environ.get("PYTHONPATH")) if p)
+    # Its own group, so a signal reaches torchrun and every worker, not torchrun alone.
+    child = subprocess.Popen(command, env=env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        signal_group(child.pid, signum if len(received) == 1 else signal.SIGKILL)
+
+    # A signal this process ignores (SIGHUP under nohup) stays ignored.
+    handled = [sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+               if signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, forward) for sig in handled}
+    try:
+        returncode = _wait(child, received)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        sweep_group(child.pid, GRACE_S)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _wait(child: subprocess.Popen, received: list[int]) -> int:
+    deadline = None
+    while True:
+        try:
+            return child.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if received and deadline is None:
+            deadline = time.monotonic() + GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            signal_group(child.pid, signal.SIGKILL)
+
+
+def _markers(out_dir: str) -> tuple[int, list[str]]:
+    loaded, failures = 0, []
+    for name in os.listdir(out_dir):
+        if name.startswith("loaded-"):
+            loaded += 1
+        elif name.startswith("failed-"):
+            with open(os.path.join(out_dir, name)) as fh:
+                failures.append(fh.read())
+    return loaded, failures
+
+
+def _why_nothing(loaded: int, failures: list[str]) -> str:
+    if failures:
+        return f"the auditor could not start in the command's Python processes ({failures[0]})"
+    if loaded:
+        return "no DistributedDataParallel model was built and no optimizer stepped in a distributed run, so there " \
+               "was nothing to audit"
+    return ("the auditor never loaded: the command started no Python process that reads PYTHONPATH "
+            "(python -E or -I ignores it)")

@@ -1,0 +1,239 @@
+"""What the auditor knows about learning-rate schedulers, judged by their effect.
+
+- ``SCHEDULER_STEPS_PER_PROCESS``: a scheduler steps several times per optimizer step (Accelerate
+  steps a prepared scheduler once per process); a warning once the lr reaches 0 while training
+  goes on, which is watched for the whole run (one float read per optimizer step), not only the
+  audited window.
+- ``LR_SCALED_NOT_SCHEDULE``: the optimizer's lr was scaled by W or √W after its scheduler was
+  built. A warning where the scheduler recomputes every lr from its ``base_lrs`` (LambdaLR,
+  OneCycleLR, CyclicLR), so its next step brings the unscaled schedule back; information where it
+  multiplies the current lr (StepLR, ExponentialLR, ...), which keeps the scaling.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import weakref
+
+import torch
+from torch.optim import lr_scheduler
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ddplab.auditor import state
+from ddplab.auditor.patches import Patches
+
+# Optimizer steps whose lr the detail lists.
+LR_HISTORY = 8
+# Closed optimizer-step intervals that must all show several scheduler steps before it is reported.
+SCHEDULER_EVIDENCE = 2
+# Schedulers whose every step sets lr = base_lr × f(step): a scaling of the lr alone does not survive it.
+FROM_BASE_LRS = (lr_scheduler.LambdaLR, lr_scheduler.OneCycleLR, lr_scheduler.CyclicLR)
+
+
+class SchedulerWatch:
+    """Scheduler steps seen between consecutive steps of its optimizer."""
+
+    def __init__(self):
+        self.since_step = 0
+        self.per_step: list[int] = []
+        self.base_lrs: list[float] | None = None  # as built: scaled later together with the lr, no finding
+
+
+class OptimizerWatch:
+    """One optimizer's lr over its steps, and the schedulers built on it."""
+
+    def __init__(self):
+        self.steps = 0
+        self.schedulers: weakref.WeakSet = weakref.WeakSet()
+        self.lrs: list[float] = []
+        self.positive_seen = False
+        self.zero_at: int | None = None
+
+
+class _Tables:
+    """This process's side tables (weak: they die with the user's optimizers and schedulers)."""
+
+    def __init__(self):
+        self.optimizers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.schedulers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.depth = 0
+
+
+_TABLES = _Tables()
+
+
+def install(patches: Patches) -> None:
+    """Watch every lr scheduler's construction and steps."""
+    global _TABLES
+    _TABLES = _Tables()
+    patches.replace(lr_scheduler.LRScheduler, "__init__", _watched_init)
+    patches.replace(lr_scheduler.LRScheduler, "step", _watched_step)
+
+
+def _watched_init(original_init):
+    @functools.wraps(original_init)
+    def __init__(self, optimizer, *args, **kwargs):
+        # Registered first: the scheduler's own initial step happens inside __init__.
+        _scheduler_built(self, optimizer)
+        original_init(self, optimizer, *args, **kwargs)
+        _scheduler_ready(self)
+
+    return __init__
+
+
+def _watched_step(original_step):
+    @functools.wraps(original_step)
+    def step(self, *args, **kwargs):
+        _TABLES.depth += 1
+        try:
+            return original_step(self, *args, **kwargs)
+        finally:
+            _TABLES.depth -= 1
+            # Only the outermost step counts: SequentialLR and ChainedScheduler step their children.
+            if _TABLES.depth == 0:
+                _scheduler_stepped(self)
+
+    return step
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer under a framework's wrapper (Accelerate's AcceleratedOptimizer), whose steps hooks see."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@state.guarded("watching an lr scheduler")
+def _scheduler_built(audit, scheduler, optimizer) -> None:
+    optimizer = _torch_optimizer(optimizer)
+    watch = _TABLES.optimizers.get(optimizer)
+    if watch is None:
+        watch = _TABLES.optimizers[optimizer] = OptimizerWatch()
+    watch.schedulers.add(scheduler)
+    _TABLES.schedulers[scheduler] = SchedulerWatch()
+
+
+@state.guarded("watching an lr scheduler")
+def _scheduler_ready(audit, scheduler) -> None:
+    watch = _TABLES.schedulers.get(scheduler)
+    if watch is not None:
+        watch.base_lrs = list(getattr(scheduler, "base_lrs", []))
+
+
+@state.guarded("counting lr scheduler steps")
+def _scheduler_stepped(audit, scheduler) -> None:
+    watch = _TABLES.schedulers.get(scheduler)
+    if watch is None and getattr(scheduler, "optimizer", None) is not None:
+        # Built before the auditor was installed (ddplab.audit called from the script): watched from now on.
+        _scheduler_built(scheduler, scheduler.optimizer)
+        return
+    if watch is not None:
+        watch.since_step += 1
+
+
+def check(audit, optimizer) -> None:
+    """After ``optimizer`` stepped: count its schedulers' steps since the last one and follow its lr."""
+    watch = _TABLES.optimizers.get(optimizer)
+    if watch is None:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    if watch.steps == 0:
+        _check_lr_scaled(audit, watch, optimizer)
+    # The interval before the first step holds the scheduler's own initial step: it is not a step's worth.
+    for scheduler in list(watch.schedulers):
+        sched = _TABLES.schedulers.get(scheduler)
+        if sched is not None:
+            if watch.steps > 0:
+                sched.per_step.append(sched.since_step)
+            sched.since_step = 0
+    _note_lr(watch, lrs)
+    watch.steps += 1
+    _check_steps_per_process(audit, watch)
+
+
+def _note_lr(watch: OptimizerWatch, lrs: list[float]) -> None:
+    if len(watch.lrs) < LR_HISTORY:
+        watch.lrs.append(lrs[0])
+    if any(lr > 0 for lr in lrs):
+        watch.positive_seen = True
+    elif watch.positive_seen and watch.zero_at is None:
+        # The schedule reached its end (lr 0) and the optimizer still steps: the rest of training is lost.
+        watch.zero_at = watch.steps
+
+
+def _check_steps_per_process(audit, watch: OptimizerWatch) -> None:
+    counts = [c for s in watch.schedulers if (w := _TABLES.schedulers.get(s)) is not None
+              for c in [w.per_step[:SCHEDULER_EVIDENCE]] if len(c) == SCHEDULER_EVIDENCE and min(c) >= 2]
+    if not counts:
+        return
+    per_step = counts[0][0]
+    code = "SCHEDULER_STEPS_PER_PROCESS"
+    known = audit.findings.get(code)
+    lrs = ", ".join(f"{lr:.4g}" for lr in watch.lrs)
+    what = f"the lr scheduler stepped {per_step} times per optimizer step{_accelerate_note(per_step)}"
+    if watch.zero_at is not None and (known is None or known.severity != "warning"):
+        audit.findings.pop(code, None)
+        audit.add(code, f"{what}; the lr reached 0 at optimizer step {watch.zero_at} and training went on at lr 0 "
+                        f"(lr at optimizer steps 0-{len(watch.lrs) - 1}: {lrs})", severity="warning")
+    elif known is None and len(watch.lrs) >= min(LR_HISTORY, 4):
+        audit.add(code, f"{what}, so a warmup or decay given in optimizer steps ends {per_step} times early, unless "
+                        f"its lengths were multiplied by {per_step} (lr at optimizer steps 0-{len(watch.lrs) - 1}: "
+                        f"{lrs})", severity="info")
+
+
+def _accelerate_note(per_step: int) -> str:
+    shared = accelerate_state()
+    if shared is not None and shared.get("num_processes") == per_step:
+        return " (Accelerate steps a prepared scheduler once per process: split_batches=False)"
+    return ""
+
+
+def accelerate_state() -> dict | None:
+    """Accelerate's shared process state, when the program uses Accelerate."""
+    module = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(module, "PartialState", None), "_shared_state", None)
+    return shared if shared else None
+
+
+def _check_lr_scaled(audit, watch: OptimizerWatch, optimizer) -> None:
+    """At the first step: an lr that is W or √W times what its scheduler last set was scaled behind its back."""
+    world_size = audit.world_size if audit.world_size > 1 else _launched_world_size()
+    if world_size < 2:
+        return
+    for scheduler in list(watch.schedulers):
+        last = getattr(scheduler, "_last_lr", None) or []
+        built = _TABLES.schedulers.get(scheduler)
+        for index, (group, scheduled) in enumerate(zip(optimizer.param_groups, last)):
+            # base_lrs scaled too (by hand, or by ScaleLearningRate): the schedule follows the new lr.
+            if not scheduled or group["lr"] == scheduled or built is None or built.base_lrs != scheduler.base_lrs:
+                continue
+            ratio = group["lr"] / scheduled
+            for name, factor in (("W", world_size), ("sqrt(W)", math.sqrt(world_size))):
+                if math.isclose(ratio, factor, rel_tol=1e-6):
+                    _scaled_finding(audit, scheduler, index, group["lr"], scheduled, name, factor)
+                    return
+
+
+def _scaled_finding(audit, scheduler, index: int, lr: float, scheduled: float, name: str, factor: float) -> None:
+    kind, base = type(scheduler).__name__, scheduler.base_lrs[index]
+    detail = (f"param group {index}: lr {lr:.6g} is {name} = {factor:.4g} times what {kind} set ({scheduled:.6g}); "
+              f"its base_lrs still hold {base:.6g}")
+    if isinstance(scheduler, FROM_BASE_LRS):
+        audit.add("LR_SCALED_NOT_SCHEDULE", f"{detail}, and {kind} sets every lr from base_lrs, so its next step "
+                                            "brings the unscaled schedule back", severity="warning")
+    else:
+        audit.add("LR_SCALED_NOT_SCHEDULE", f"{detail}; {kind} multiplies the current lr, so the scaling is "
+                                            "kept, but a scheduler rebuilt from base_lrs or initial_lr (a checkpoint "
+                                            "restart, a chained scheduler) would lose it", severity="info")
+
+
+def _launched_world_size() -> int:
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)

@@ -1,0 +1,158 @@
+"""The auditor's state in one process: one :class:`AuditState`, weak side tables, and the guard around hooks.
+
+Every auditor module reads the state through :func:`current`; nothing else holds it, and
+:func:`ddplab.auditor.install.uninstall` drops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ddplab.auditor import findings as fnd
+from ddplab.auditor import guard
+
+
+class WrapperInfo:
+    """What the auditor knows about one DDP wrapper (held weakly: it dies with the wrapper)."""
+
+    def __init__(self, ddp, key: str, group: list[int]):
+        self.key, self.group = key, group
+        ignored = getattr(ddp, "parameters_to_ignore", set())
+        # Weak: a script that builds many models must not keep their parameters alive through the audit.
+        self.param_refs = [(n, weakref.ref(p)) for n, p in ddp.module.named_parameters()
+                           if p.requires_grad and n not in ignored]
+        self.steps = 0  # optimizer steps that updated this wrapper's parameters
+        self.reductions = 0  # backward passes through a synchronising forward since the last step
+        self.accumulated_reductions = 0  # of those, the ones that started on gradients already accumulated
+        self.in_backward = False
+        self.pending = False  # a training forward waits for its backward
+        self.batches: list[str] = []
+        self.forward_batch = 0  # samples per rank in this step's training forwards
+        self.bypassed = False
+        self.syncs_buffers = False
+        self.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+                                    for m in ddp.module.modules())
+
+    def params(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p) for name, ref in self.param_refs if (p := ref()) is not None]
+
+
+class AuditState:
+    """Everything one process knows; one instance per process."""
+
+    def __init__(self, steps: int, out_dir: str | None):
+        self.steps_to_audit, self.out_dir = steps, out_dir
+        self.findings: dict[str, fnd.Finding] = {}
+        self.windows: list[dict] = []
+        self.batches: dict[str, list[str]] = {}  # training batch fingerprints per wrapper, kept past its life
+        self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
+        self.modules: WeakIdKeyDictionary = WeakIdKeyDictionary()  # inner module → its newest wrapper's info
+        # parameter → its wrapper's info, which outlives a temporary wrapper so its steps still count
+        self.owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.optimizer_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → (key, info)
+        self.sampler_passes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.steps = 0  # audited optimizer steps, all wrappers together
+        self.total_steps = 0
+        self.wrapper_count = 0
+        self.ddp_forward_depth = 0
+        self.stepping: set[int] = set()
+        self.global_batch_size = None
+        self.lr = None
+        self.optimizer = None
+        self.attached_pid = None
+        self.disabled = None  # the reason, once the auditor turned itself off
+        self.published = False
+        self.reported = False
+        self.report_polls = 0
+        self.peers: list[dict] = []
+        self.interim = None  # the findings rank 0 printed during the run
+        self.module_hook = None
+        self.rank, self.world_size = 0, 1
+        # Optimizer steps with no DDP model, and the collectives issued by the first of them (NOT_DISTRIBUTED).
+        self.alone_steps, self.alone_collectives, self.synchronised = 0, None, False
+
+    @property
+    def armed(self) -> bool:
+        """Step-level checks run for the first N optimizer steps, while the auditor is healthy."""
+        return self.attached_pid is not None and self.disabled is None and self.steps < self.steps_to_audit
+
+    def add(self, code: str, detail: str = "", severity: str | None = None) -> None:
+        if code not in self.findings:
+            self.findings[code] = fnd.Finding.make(code, self.rank, detail, severity)
+            # Written as found: a rank that ends in os._exit, a kill or a crash loses nothing.
+            self.write()
+
+    def record(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "global_batch_size": self.global_batch_size,
+                "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
+                "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
+                "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
+                "peers": self.peers, "interim": self.interim}
+
+    def _with_info(self) -> list[fnd.Finding]:
+        info = fnd.Finding.make("RUN_INFO", self.rank, f"world size {self.world_size}, global batch "
+                                f"{self.global_batch_size}, lr {self.lr}")
+        return list(self.findings.values()) + [info]
+
+    def write(self) -> None:
+        """This rank's record to its own file (no collectives: safe at exit, in a signal, anywhere)."""
+        if not (self.out_dir and self.attached_pid == os.getpid()):
+            return
+        path = os.path.join(self.out_dir, f"rank-{self.rank}-{os.getpid()}.json")
+        try:
+            with open(path + ".tmp", "w") as fh:
+                json.dump(self.record(), fh)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass  # the audit directory is gone: the parent already reported
+
+    def disarm(self, reason: str) -> None:
+        """Turn the audit off for the rest of this process, and say why."""
+        if self.disabled is None:
+            self.disabled = reason
+            self.remove_module_hook()
+            self.add("AUDIT_INCOMPLETE", f"the auditor turned itself off on rank {self.rank}: {reason}")
+
+    def remove_module_hook(self) -> None:
+        if self.module_hook is not None:
+            self.module_hook.remove()
+            self.module_hook = None
+
+    def window(self, info: WrapperInfo) -> dict:
+        """This wrapper's record for its current step, created on first use."""
+        for window in reversed(self.windows):
+            if window["wrapper"] == info.key and window["step"] == info.steps:
+                return window
+        window = {"wrapper": info.key, "group": info.group, "step": info.steps}
+        self.windows.append(window)
+        return window
+
+
+_STATE: AuditState | None = None
+
+
+def current() -> AuditState | None:
+    """This process's audit state; None when the auditor is not installed."""
+    return _STATE
+
+
+def start(steps: int, out_dir: str | None) -> AuditState:
+    global _STATE
+    _STATE = AuditState(steps, out_dir)
+    return _STATE
+
+
+def stop() -> None:
+    global _STATE
+    _STATE = None
+
+
+def guarded(where: str):
+    """Run a hook so that no error inside the auditor reaches the user's program (see :mod:`guard`)."""
+    return guard.guarded(current, where)

@@ -1,0 +1,13 @@
+"""``ddplab check``: prove a spec trains the same on W DDP ranks as in one process, or say why not."""
+
+from ddplab.check.config import CheckConfig
+from ddplab.check.result import CheckResult
+
+__all__ = ["CheckConfig", "CheckResult", "check"]
+
+
+def check(config: CheckConfig, launch_config=None) -> CheckResult | None:
+    """See :func:`ddplab.check.equivalence.check` (imports torch)."""
+    from ddplab.check.equivalence import check as _check
+
+    return _check(config, launch_config)

@@ -1,0 +1,128 @@
+"""Why the ranks and the single process diverged: each cause named only when a reference reproducing it matches.
+
+The verdict's words live here too, so the check's whole explanation reads in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from ddplab.check.config import CheckConfig
+from ddplab.check.result import Cause, Verdict
+
+Hypothesis = Literal["global", "padding", "per-rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    verdict: Verdict
+    cause: Cause
+    explanation: str
+    fix: str
+
+
+def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int, has_padding: bool,
+             rerun: Callable[[Hypothesis], Any]) -> Diagnosis:
+    """The first cause whose evidence holds: randomness, an exact gradient factor, or a matching reference."""
+    world = cfg.world_size
+    if single.used_rng:
+        return Diagnosis(
+            "STOCHASTIC", "RANDOMNESS",
+            "the model draws random numbers while training (dropout or similar): every rank and the reference draw "
+            "different masks, so runs cannot agree step by step and only a distributional comparison means anything",
+            "to check everything else exactly, set dropout to p=0 in the spec (or call .eval() on the dropout "
+            "modules only) and run ddplab check again; compare loss curves over several seeds for the rest")
+    ratio = gradient_ratio(single.grads[step], ranks.grads[step])
+    if ratio is not None and abs(ratio - world) <= 1e-6 * world and world > 1:
+        return Diagnosis(
+            "DIVERGES", "SUM_REDUCTION",
+            f"from step {step} the ranks' gradient is exactly 1/{world} of the single-process gradient: the loss "
+            f"is summed over the batch, and DDP averages the {world} per-rank sums",
+            f"use reduction='mean', or multiply the loss by the world size ({world}) under DDP")
+    if ratio is not None and abs(ratio - round(ratio)) <= 1e-6 * abs(ratio) and round(ratio) not in (0, 1):
+        factor = round(ratio)
+        return Diagnosis(
+            "DIVERGES", "GRADIENT_SCALE",
+            f"from step {step} the gradients differ by exactly a factor of {factor}: typically a loss summed over "
+            f"{factor} accumulation micro-steps and not divided by their count",
+            f"divide each micro-step's loss by the number of accumulation steps ({factor})")
+    if has_padding and ranks.matches(rerun("padding"), cfg.tolerance):
+        return Diagnosis(
+            "DIVERGES", "PADDING",
+            f"the dataset of {dataset_size} samples does not split evenly over {world} ranks, so DistributedSampler "
+            "repeats samples to pad the last batches: confirmed by a reference that trains on the same repeats",
+            "make the dataset size a multiple of the world size, or use DistributedSampler(drop_last=True) and "
+            "accept dropping the tail")
+    if ranks.matches(rerun("per-rank"), cfg.tolerance):
+        return _per_rank_cause(spec, cfg)
+    return Diagnosis(
+        "DIVERGES", "UNKNOWN",
+        f"parameters first differ at step {step} and no tested cause (randomness, gradient scale, padding, "
+        "per-rank statistics) reproduces the difference",
+        "look for state that differs between ranks: per-rank seeds, rank-dependent code paths, unsynchronised buffers")
+
+
+def _per_rank_cause(spec, cfg: CheckConfig) -> Diagnosis:
+    if _has_batchnorm(spec):
+        return Diagnosis(
+            "DIVERGES", "BATCHNORM",
+            f"BatchNorm normalises each rank's {cfg.per_device_batch_size} samples with their own statistics, not "
+            f"the global batch's {cfg.global_batch_size}: confirmed by a reference that reproduces per-rank "
+            "statistics and then matches",
+            "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) computes global statistics (it needs GPUs with "
+            "NCCL); or accept per-rank statistics, common practice when the per-rank batch is large")
+    return Diagnosis(
+        "DIVERGES", "PER_RANK_LOSS",
+        "the loss depends on how the global batch is split across ranks (e.g. normalised by a per-rank count): "
+        "confirmed by a reference that averages per-rank losses",
+        "normalise the loss by a global count (all-reduce it) or by a constant")
+
+
+def gradient_ratio(single: torch.Tensor, ranks: torch.Tensor) -> float | None:
+    """c when ``single`` = c·``ranks`` up to rounding, else None."""
+    norm = ranks.dot(ranks)
+    if norm == 0:
+        return None
+    ratio = (single.dot(ranks) / norm).item()
+    residual = (single - ratio * ranks).norm() / single.norm().clamp_min(1e-300)
+    return ratio if residual.item() <= 1e-8 else None
+
+
+def _has_batchnorm(spec) -> bool:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return any(isinstance(m, _BatchNorm) for m in spec.model().modules())
+
+
+def equivalent_text(cfg: CheckConfig, per_step: list[dict[str, float]]) -> str:
+    worst = max(d["max_rel_diff"] for d in per_step)
+    return (f"{cfg.world_size} ranks × {cfg.per_device_batch_size} and one process with {cfg.global_batch_size} agree "
+            f"after every one of {cfg.steps} steps (largest relative difference {worst:.1e} ≤ {cfg.tolerance:g})")
+
+
+def side_text(side: str) -> str:
+    return {"ranks": "DDP ranks'", "single_process": "single process's",
+            "both": "DDP ranks' and the single process's"}[side]
+
+
+def non_finite_text(cfg: CheckConfig, where: dict[str, Any]) -> tuple[str, str]:
+    step, side, what = where["step"], where["side"], where["what"]
+    agreed = f"; steps 0 to {step - 1} agree" if step > 0 else ""
+    if side == "both":
+        return (f"from step {step} the {what} are not finite (inf or nan) on the DDP ranks and in the single process "
+                f"alike: training itself overflows, so equality cannot be judged from there on{agreed}",
+                "lower the learning rate, clip gradients, or guard the loss against overflow (exp of large values, "
+                "log of 0, division by 0); then run ddplab check again")
+    if side == "ranks":
+        return (f"from step {step} the DDP ranks' {what} are not finite (inf or nan) while the single process's are: "
+                f"something computed differently under DDP produces inf or nan{agreed}",
+                "look for what differs on the ranks: a per-rank normalisation that can divide by 0, a rank-dependent "
+                "code path, unsynchronised state")
+    return (f"from step {step} the single process's {what} are not finite (inf or nan) while the DDP ranks' are: the "
+            f"global batch of {cfg.global_batch_size} overflows where per-rank batches of {cfg.per_device_batch_size} "
+            f"do not{agreed}",
+            "lower the learning rate or guard the loss against overflow (a loss summed over the batch grows with it)")

@@ -1,0 +1,185 @@
+"""Prove that a spec trains the same on W DDP ranks as in one process, or find out why not.
+
+The ranks train K steps with b samples each; one process trains K steps on the ranks' batches
+concatenated in rank order. Both run in float64, so rounding stays far below the tolerance.
+When they diverge, each suspected cause is tested by a reference run that reproduces it
+(:mod:`ddplab.check.diagnosis`): a cause is named only when that reference then matches the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ddplab.check import diagnosis
+from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
+from ddplab.check.result import CheckResult
+from ddplab.runtime import ranks as rank_tools
+from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
+from ddplab.runtime.sharding import RankOrder, ReferenceOrder
+from ddplab.runtime.spec import Spec, load_spec
+
+CPU = torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """Flattened float64 parameters after each step and gradients before it."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    used_rng: bool = False
+
+    def first_non_finite(self) -> tuple[int, int, str] | None:
+        """(step, 0 for gradients or 1 for parameters, which) of the first inf or nan, else None."""
+        for step, (grad, param) in enumerate(zip(self.grads, self.params)):
+            for order, (what, values) in enumerate((("gradients", grad), ("parameters", param))):
+                if not torch.isfinite(values).all():
+                    return step, order, what
+        return None
+
+    def first(self, steps: int) -> Trajectory:
+        return Trajectory(self.params[:steps], self.grads[:steps], self.used_rng)
+
+    def matches(self, other: Trajectory, tolerance: float) -> bool:
+        return all(diff(a, b)["max_rel_diff"] <= tolerance for a, b in zip(self.params, other.params))
+
+
+def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckResult | None:
+    """Train on the ranks, then in one process, compare, and diagnose a divergence.
+
+    Under torchrun every rank calls this: rank 0 computes the reference and returns the
+    result, the other ranks return None.
+    """
+    # Under torchrun the reference must split batches over torchrun's ranks, not a requested count.
+    cfg = dataclasses.replace(cfg, world_size=world_size_for(cfg.world_size, default=DEFAULT_WORLD_SIZE))
+    spec = load_spec(cfg.spec_path)
+    # The spec's mistakes surface here, in one sentence, before any rank starts.
+    facts, dataset = rank_tools.validate(spec, world_size=cfg.world_size, seed=cfg.seed, dtype=torch.float64,
+                                         per_device_batch_size=cfg.per_device_batch_size)
+    launch_config = (launch_config or LaunchConfig()).for_ranks(cfg.world_size)
+    results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, cfg, facts)
+    ranks = results[0]
+    if ranks is None:  # a torchrun rank other than 0
+        return None
+    return _compare(spec, dataset, cfg, ranks, reference(spec, dataset, cfg, "global"), facts)
+
+
+def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: Trajectory,
+             facts: rank_tools.SpecFacts) -> CheckResult:
+    per_step = [{**diff(a, b), "samples_per_rank": size}
+                for a, b, size in zip(ranks.params, single.params, _samples_per_rank(len(dataset), cfg))]
+    # NaN compares false: a step is equal only when its difference is a number within tolerance.
+    divergent = next((i for i, d in enumerate(per_step) if not d["max_rel_diff"] <= cfg.tolerance), None)
+    non_finite = _first_non_finite(ranks, single)
+    has_padding = len(dataset) % cfg.world_size != 0
+    common = dict(config=cfg, per_step=per_step, first_divergent_step=divergent, has_padding=has_padding,
+                  non_finite=non_finite, unused_parameters=facts.unused_parameters,
+                  find_unused_parameters=facts.find_unused_parameters)
+    if non_finite is not None and (divergent is None or divergent >= non_finite["step"]):
+        explanation, fix = diagnosis.non_finite_text(cfg, non_finite)
+        return CheckResult(verdict="NON_FINITE", cause=None, explanation=explanation, fix=fix, **common)
+    if divergent is None:
+        return CheckResult(verdict="EQUIVALENT", cause=None, fix=None,
+                           explanation=diagnosis.equivalent_text(cfg, per_step), **common)
+    # Diagnose on the finite steps only: references are compared to the ranks up to there.
+    finite_steps = ranks.first(non_finite["step"]) if non_finite else ranks
+    found = diagnosis.diagnose(spec, len(dataset), cfg, finite_steps, single, divergent, has_padding,
+                               rerun=lambda hypothesis: reference(spec, dataset, cfg, hypothesis))
+    explanation = found.explanation
+    if non_finite:
+        explanation += (f"; from step {non_finite['step']} the {diagnosis.side_text(non_finite['side'])} "
+                        f"{non_finite['what']} are also not finite")
+    return CheckResult(verdict=found.verdict, cause=found.cause, explanation=explanation, fix=found.fix, **common)
+
+
+def _train_on_rank(ctx: RankContext, cfg: CheckConfig, facts: rank_tools.SpecFacts) -> Trajectory | None:
+    spec = load_spec(cfg.spec_path)
+    dataset = spec.dataset()
+    model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64, device=ctx.device)
+    ddp = rank_tools.wrap_ddp(model, ctx, facts)
+    optimizer = spec.optimizer(ddp.parameters())
+    order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
+                      per_device_batch_size=cfg.per_device_batch_size)
+    params, grads = [], []
+    for step in range(cfg.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = spec.step(ddp, rank_tools.collate(dataset, order.batch(step), ctx.device, torch.float64), spec.loss)
+        with spec.guard("backward through the loss"):
+            loss.backward()
+        grads.append(_flat_grads(model))
+        with spec.guard("the optimizer's step()"):
+            optimizer.step()
+        params.append(_flat_params(model))
+    return Trajectory(params, grads) if ctx.is_main else None
+
+
+def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypothesis) -> Trajectory:
+    """One process on the concatenated batches; ``hypothesis`` reproduces a suspected cause.
+
+    'global': the plain single-process run. 'padding': keep DistributedSampler's repeated
+    samples. 'per-rank': average W per-rank losses, each over its own rank's batch, as DDP does.
+    """
+    model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64)
+    optimizer = spec.optimizer(model.parameters())
+    order = ReferenceOrder(len(dataset), world_size=cfg.world_size, per_device_batch_size=cfg.per_device_batch_size,
+                           seed=cfg.seed)
+    params, grads, used_rng = [], [], False
+    for step in range(cfg.steps):
+        optimizer.zero_grad(set_to_none=True)
+        rng_before = torch.get_rng_state()
+        loss = _reference_loss(spec, model, dataset, order, step, hypothesis)
+        with spec.guard("backward through the loss"):
+            loss.backward()
+        used_rng = used_rng or not torch.equal(rng_before, torch.get_rng_state())
+        grads.append(_flat_grads(model))
+        with spec.guard("the optimizer's step()"):
+            optimizer.step()
+        params.append(_flat_params(model))
+    return Trajectory(params, grads, used_rng)
+
+
+def _reference_loss(spec: Spec, model, dataset, order: ReferenceOrder, step: int,
+                    hypothesis: diagnosis.Hypothesis) -> torch.Tensor:
+    if hypothesis == "per-rank":
+        losses = [spec.step(model, rank_tools.collate(dataset, order.rank_batch(step, rank), CPU, torch.float64),
+                            spec.loss) for rank in range(order.world_size)]
+        return sum(losses) / order.world_size
+    indices = order.batch(step, keep_padding=hypothesis == "padding")
+    return spec.step(model, rank_tools.collate(dataset, indices, CPU, torch.float64), spec.loss)
+
+
+def _samples_per_rank(dataset_size: int, cfg: CheckConfig) -> list[int]:
+    """Each rank's real batch per step: smaller than the per-device batch where an epoch ends in a partial batch."""
+    order = RankOrder(dataset_size, world_size=cfg.world_size, rank=0, seed=cfg.seed,
+                      per_device_batch_size=cfg.per_device_batch_size)
+    return [len(order.batch(step)) for step in range(cfg.steps)]
+
+
+def _first_non_finite(ranks: Trajectory, single: Trajectory) -> dict[str, Any] | None:
+    found = {side: trajectory.first_non_finite() for side, trajectory in
+             (("ranks", ranks), ("single_process", single))}
+    found = {side: where for side, where in found.items() if where is not None}
+    if not found:
+        return None
+    step, _, what = min(found.values())
+    sides = [side for side, where in found.items() if where[0] == step]
+    return {"step": step, "side": sides[0] if len(sides) == 1 else "both", "what": what}
+
+
+def _flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+
+def _flat_grads(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).cpu()
+                      for p in model.parameters()])
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """Largest absolute difference, and relative to the largest |b|."""
+    max_abs = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return {"max_abs_diff": max_abs, "max_rel_diff": max_abs / scale if scale > 0 else max_abs}

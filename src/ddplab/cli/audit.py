@@ -1,0 +1,109 @@
+"""``ddplab audit -- COMMAND``: run a training command with the auditor injected into every Python process."""
+
+from __future__ import annotations
+
+import argparse
+
+from ddplab.auditor.runner import AuditConfig
+from ddplab.cli import render
+from ddplab.cli.args import default, given, integer
+
+DESCRIPTION = """\
+Run your own training command unchanged, with ddplab's auditor injected into every Python
+process it starts (torchrun workers, torch.multiprocessing spawn and fork children), and report
+the DDP mistakes that silently change training:
+
+  NO_ALLREDUCE (error)             the optimizer stepped on gradients DDP never all-reduced
+  PARAMS_DIVERGED (error)          parameters or broadcast buffers differ across ranks
+  SAME_DATA_ON_ALL_RANKS (error)   ranks trained on the same batches
+  NOT_DISTRIBUTED (error)          several processes started, each training alone: no process group,
+                                   Accelerate on CPU without cpu=True, or a group in which optimizer
+                                   steps pass with no collective at all (a model never wrapped in DDP)
+  SET_EPOCH_MISSING (warning)      two training passes drew the same DistributedSampler order
+  SUM_REDUCTION (warning)          backward from a summed loss (reduction='sum', or 'none' then .sum())
+  BATCHNORM_NOT_SYNCED             warning under 16 samples per rank, info otherwise
+  ACCUMULATION_SYNCS_EVERY_STEP    warning (performance): micro-batches all-reduced before they accumulate
+  SCHEDULER_STEPS_PER_PROCESS      the lr scheduler steps several times per optimizer step (Accelerate):
+                                   warning once the lr reaches 0 while training goes on, info otherwise
+  LR_SCALED_NOT_SCHEDULE           the lr was scaled by W or sqrt(W) after its scheduler was built:
+                                   warning where the scheduler recomputes from base_lrs (LambdaLR,
+                                   OneCycleLR), info where it keeps the scaling (StepLR, ExponentialLR)
+  LOSS_NORMALISED_PER_DEVICE       warning: the Trainer divided each rank's token loss by its own,
+                                   different token count (average_tokens_across_devices off)
+  AUDIT_INCOMPLETE (info)          the auditor turned itself off somewhere; training went on unchanged
+
+The auditor only watches: it adds no collective, never changes what training computes, and
+turns itself off rather than fail. Your command's output and exit code are passed through;
+the report goes to stderr when the command ends (rank 0 also prints one during the run, after
+the audited steps). The report is written with --json or --json-file even when nothing could be
+audited (its RUN_INFO says why). Ctrl-C or SIGTERM reach the whole command, and the report still
+follows. The command keeps its own Python environment: only ddplab itself is put on its path.
+
+Lightning, Accelerate and the Transformers Trainer are audited through the DDP wrapper they build:
+run the command you would run anyway.
+
+examples:
+  ddplab audit -- torchrun --nproc_per_node 2 train.py --epochs 1
+  ddplab audit -- python train_lightning.py          # Lightning starts its own worker processes
+  ddplab audit -- accelerate launch --num_processes 2 train.py
+  ddplab audit --steps 10 --json-file audit.json --strict -- python train_spawn.py
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("audit", help="find silent DDP mistakes in your own training command",
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=integer,
+                        help=f"optimizer steps to audit (default {default(AuditConfig, 'steps')})")
+    parser.add_argument("--json", action="store_true",
+                        help="print the merged report as one JSON object on stdout, after the command's output")
+    parser.add_argument("--json-file", metavar="PATH", help="also write the merged report as JSON to PATH")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 3 when an error-level finding was made and the command itself succeeded")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS...",
+                        help="the training command, after --")
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> AuditConfig:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return AuditConfig(command=tuple(command), **given(args, steps="steps"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddplab import serialize
+    from ddplab.auditor.runner import check_writable, run_audited
+
+    config = config_from_args(args)
+    if args.json_file:
+        check_writable(args.json_file, "json_file")
+    outcome = run_audited(config)
+    if args.json_file:
+        with open(args.json_file, "w") as fh:
+            fh.write(serialize.dumps(outcome.report))
+    _print(outcome)
+    if args.json:
+        render.print_json(outcome.report)
+    if args.strict and outcome.report.has_error and outcome.returncode == 0:
+        return 3
+    return outcome.returncode
+
+
+def _print(outcome) -> None:
+    report = outcome.report
+    out = render.console(stderr=True)
+    if report.why_nothing is not None:
+        out.print(f"ddplab audit: {report.why_nothing}")
+        return
+    if outcome.interim_matches:
+        out.print(f"[bold]ddplab audit[/]: {report.headline()}; the findings are those rank 0 reported above")
+        return
+    style = {"error": "bold red", "warning": "bold yellow", "info": "cyan"}
+    out.print(f"[bold]ddplab audit[/]: {report.headline()}")
+    if not report.problems:
+        out.print("[bold green]no DDP mistakes found[/]")
+    for finding in report.problems:
+        data = finding.to_json()
+        out.print(f"[{style[finding.severity]}]{finding.severity.upper()}[/] [bold]{finding.code}[/] "
+                  f"(ranks {', '.join(map(str, data['ranks']))}): {data['message']}")
+        out.print(f"    [dim]fix:[/] {finding.fix}")

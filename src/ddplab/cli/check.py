@@ -1,0 +1,108 @@
+"""``ddplab check``: prove a spec trains the same on N ranks as in one process, or say why not."""
+
+from __future__ import annotations
+
+import argparse
+
+from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
+from ddplab.cli import render
+from ddplab.cli.args import add_launch_flags, default, given, integer, launch_config, number
+
+DESCRIPTION = f"""\
+Train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
+process on the ranks' batches concatenated in rank order (global batch W·b), both in float64;
+compare the parameters after every step.
+
+Verdicts: EQUIVALENT (within --tolerance); DIVERGES with the cause that a reproducing reference
+confirms (SUM_REDUCTION, GRADIENT_SCALE, PADDING, BATCHNORM, PER_RANK_LOSS, or UNKNOWN);
+STOCHASTIC when the model draws random numbers in training (dropout); NON_FINITE when inf or
+nan appears on either side (named: the ranks, the single process, or both) before any difference.
+The exit code is 0 whatever the verdict, unless --strict: then 3 for any verdict but EQUIVALENT.
+
+Under torchrun (torchrun --nproc_per_node N -m ddplab check SPEC.py ...) the ranks are
+torchrun's: W is its WORLD_SIZE, and rank 0 runs the single-process reference and reports.
+
+SPEC.py defines model() → nn.Module, dataset() → Dataset of (input, target), loss(output,
+target) → scalar, and optionally optimizer(params) (default SGD lr 0.1) and
+step(model, batch, loss_fn) → loss when the forward is more than loss(model(x), y).
+
+examples:
+  ddplab check tests/specs/correct.py --batch-size 8                 # {DEFAULT_WORLD_SIZE} CPU ranks
+  ddplab check spec.py --world-size 4 --batch-size 16 --steps 10 --json
+  ddplab check spec.py --batch-size 8 --strict                       # exit 3 unless EQUIVALENT (CI)
+  torchrun --nproc_per_node 4 -m ddplab check spec.py --batch-size 8
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("check", help="prove a model trains the same on N ranks as on one",
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
+    parser.add_argument("--world-size", type=integer,
+                        help=f"DDP ranks (default {DEFAULT_WORLD_SIZE}; under torchrun its WORLD_SIZE)")
+    parser.add_argument("--batch-size", type=integer, required=True, help="per-device (per-rank) batch")
+    parser.add_argument("--steps", type=integer,
+                        help=f"optimizer steps to compare (default {default(CheckConfig, 'steps')})")
+    parser.add_argument("--seed", type=integer,
+                        help=f"model init and data order seed (default {default(CheckConfig, 'seed')})")
+    parser.add_argument("--tolerance", type=number,
+                        help="largest relative parameter difference called equal "
+                             f"(default {default(CheckConfig, 'tolerance'):g}, float64)")
+    parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_launch_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> CheckConfig:
+    return CheckConfig(spec_path=args.spec, **given(args, world_size="world_size", per_device_batch_size="batch_size",
+                                                    steps="steps", seed="seed", tolerance="tolerance"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddplab.check import check
+
+    result = check(config_from_args(args), launch_config(args))
+    if result is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
+    if args.json:
+        render.print_json(result)
+    else:
+        _print(result)
+    return 3 if args.strict and not result.passed else 0
+
+
+def _print(result) -> None:
+    cfg = result.config
+    rows = [[str(i), f"{d['max_abs_diff']:.2e}", f"{d['max_rel_diff']:.2e}",
+             "✓" if d["max_rel_diff"] <= cfg.tolerance else "✗"] for i, d in enumerate(result.per_step)]
+    title = (f"ddplab check: {cfg.world_size} ranks × {cfg.per_device_batch_size} vs one process × "
+             f"{cfg.global_batch_size}, float64, tolerance {cfg.tolerance:g}")
+    out = render.console()
+    out.print(render.table(title, ["step", "max |Δparam|", "relative", ""], rows))
+    style = {"EQUIVALENT": "bold green", "DIVERGES": "bold red", "STOCHASTIC": "bold yellow",
+             "NON_FINITE": "bold red"}[result.verdict]
+    cause = f" ({result.cause})" if result.cause else ""
+    out.print(f"[{style}]{result.verdict}[/]{cause}: {result.explanation}")
+    if result.fix:
+        out.print(f"[bold]fix:[/] {result.fix}")
+    for note in _notes(result):
+        out.print(f"note: {note}")
+
+
+def _notes(result) -> list[str]:
+    cfg, notes = result.config, []
+    partial = result.partial_steps
+    if partial:
+        steps = ", ".join(f"{i} ({n} per rank)" for i, n in partial)
+        label, verb = ("step", "ends") if len(partial) == 1 else ("steps", "end")
+        notes.append(f"{label} {steps} {verb} an epoch with a partial batch of fewer than --batch-size "
+                     f"{cfg.per_device_batch_size} samples per rank, as a DataLoader without drop_last does")
+    if result.unused_parameters:
+        names = ", ".join(result.unused_parameters[:5]) + (" …" if len(result.unused_parameters) > 5 else "")
+        notes.append(f"the forward does not use {names} (no gradient): DDP ran with find_unused_parameters=True, "
+                     "and those parameters are compared like the rest")
+    elif result.find_unused_parameters:
+        notes.append("the forward left some parameter without a gradient on a later step: DDP ran again with "
+                     "find_unused_parameters=True")
+    return notes

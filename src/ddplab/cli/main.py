@@ -1,0 +1,123 @@
+"""The ``ddplab`` console script: parse, hand off to a command module, and one error policy for all of them.
+
+- Bad input (``UsageError``, from argparse or the library): one line, exit code 2, each field
+  shown as its flag.
+- A rank that failed (``LaunchError``): what failed and where, exit code 1.
+- Ctrl-C or a cancelling signal: one line, exit code 130 (or the signal's own status).
+- Anything else is a bug: its traceback, exit code 1.
+
+Nothing here imports torch, so ``ddplab --help`` and ``ddplab plan`` answer instantly; each
+command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+import warnings
+from collections.abc import Iterator
+
+from ddplab.errors import DdplabWarning, LaunchError, UsageError
+
+COMMANDS = ("sandbox", "plan", "check", "audit", "noise", "study")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one spelling policy and one error style for every subcommand."""
+
+    def error(self, message):
+        # One sentence, not argparse's usage dump; this (sub)command's --help has the rest.
+        raise SystemExit(fail(f"{message} (see '{self.prog} --help')"))
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        # Report unknown flags here, so the hint names this subcommand's --help rather than the top level's.
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def _parse_optional(self, arg_string):
+        # --world_size means --world-size on every subcommand; values and a command after `--` are never touched.
+        return super()._parse_optional(_hyphenated(arg_string, self._option_string_actions))
+
+
+def _hyphenated(arg_string: str, known) -> str:
+    """``--foo_bar[=x]`` as ``--foo-bar[=x]`` unless the parser knows the underscore spelling itself."""
+    name, sep, value = arg_string.partition("=")
+    if not name.startswith("--") or "_" not in name or name in known:
+        return arg_string
+    return name.replace("_", "-") + sep + value
+
+
+def fail(message: str) -> int:
+    print(f"ddplab: error: {message}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="ddplab",
+        description=(
+            "See, plan, audit and measure data-parallel training with PyTorch DDP.\n\n"
+            "Vocabulary: --batch-size is always the per-device (per-rank) loader batch; the global\n"
+            "(effective) batch is per-device batch × devices × nodes × accumulation steps, and flags\n"
+            "that set it say so (--global-batch-size, --global-batch-sizes, --ref-global-batch-size).\n"
+            "Every flag may be spelled with underscores too: --world_size is --world-size."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    subparsers = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=Parser)
+    subparsers.required = True
+    for name in COMMANDS:
+        importlib.import_module(f"ddplab.cli.{name}").add_parser(subparsers)
+    return parser
+
+
+def _version() -> str:
+    from ddplab import __version__
+
+    return f"ddplab {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with _warnings_as_lines():
+        try:
+            return int(args.run(args) or 0)
+        except UsageError as exc:
+            from ddplab.cli.args import flag_error
+
+            return fail(flag_error(exc))
+        except KeyboardInterrupt:
+            print("ddplab: cancelled (Ctrl-C)", file=sys.stderr)
+            return 130
+        except LaunchError as exc:
+            # A failed launch says which rank failed and why; the parent's own traceback adds nothing.
+            print(f"ddplab: {exc}", file=sys.stderr)
+            return 130 if exc.kind == "cancelled" else 1
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """ddplab's own warnings as one line each on stderr, the command's fields shown as flags."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DdplabWarning):
+            print(f"ddplab: warning: {message}", file=sys.stderr)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", DdplabWarning)
+            yield
+    finally:
+        warnings.showwarning = previous
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""``ddplab noise``: the gradient noise scale (critical batch size) of a spec trained with real DDP."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from ddplab.cli import render
+from ddplab.cli.args import add_launch_flags, default, given, integer, launch_config
+from ddplab.errors import UsageError, literal
+from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
+
+DESCRIPTION = f"""\
+Train SPEC.py on W DDP ranks and measure the gradient noise scale B_simple = tr(Σ)/|G|²
+(McCandlish et al. 2018) from DDP's own all-reduce: each rank's gradient over its batch b
+before it, the averaged gradient over W·b after it. B_simple predicts the critical batch size:
+past it, a larger global batch B buys little: steps fall only as 1 + B_simple/B.
+
+Batches come from one shuffled pass over the dataset's N samples per epoch, so the estimates are
+corrected for sampling without replacement (Σ the per-sample covariance with 1/N). The 95%
+interval is Fieller's, from batch means over the measured steps; when |G|² is within its error
+of zero it reads "|G|² not resolved: B_simple > X at 95%". Steps with non-finite gradients are
+skipped and counted.
+
+SPEC.py defines model(), dataset(), loss(output, target) and optionally optimizer(params) and
+step(model, batch, loss_fn), as for ddplab check.
+
+examples:
+  ddplab noise examples/linear_regression_spec.py --batch-size 16 --steps 800   # {DEFAULT_WORLD_SIZE} CPU ranks
+  ddplab noise spec.py --world-size 4 --batch-size 32 --json --plot gns.png
+  ddplab noise spec.py --world-size 1 --batch-size 16 --accumulation 4          # one process, 4 micro-batches
+  torchrun --nproc_per_node 8 -m ddplab noise spec.py --batch-size 64
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
+    parser.add_argument("--world-size", type=integer,
+                        help=f"DDP ranks (default {DEFAULT_WORLD_SIZE}; under torchrun its WORLD_SIZE); 1 works with "
+                             "--accumulation 2 or more")
+    parser.add_argument("--batch-size", type=integer, required=True, help="per-device (per-rank) batch")
+    parser.add_argument("--steps", type=integer,
+                        help=f"optimizer steps to train (default {default(NoiseConfig, 'steps')})")
+    parser.add_argument("--seed", type=integer,
+                        help=f"model init and data order seed (default {default(NoiseConfig, 'seed')})")
+    parser.add_argument("--accumulation", type=integer,
+                        help="micro-batches of --batch-size per optimizer step, under no_sync "
+                             f"(default {default(NoiseConfig, 'accumulation_steps')})")
+    parser.add_argument("--every", type=integer,
+                        help=f"measure every K-th step (default {default(NoiseConfig, 'every')} here; the library "
+                             "defaults to 4 inside training)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
+    add_launch_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> NoiseConfig:
+    return NoiseConfig(spec_path=args.spec, **given(
+        args, world_size="world_size", per_device_batch_size="batch_size", steps="steps", seed="seed",
+        every="every", accumulation_steps="accumulation"))
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.plot:
+        _check_plot(args.plot)
+    from ddplab.noise.measure import measure_spec
+
+    report = measure_spec(config, launch_config(args), progress=render.ProgressBar("training", status=True))
+    if report is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
+    # The figures first: a plot that fails never loses them.
+    if args.json:
+        render.print_json(report)
+    else:
+        _print(report)
+    if args.plot:
+        _plot(report, args.plot)
+    return _stopped_early(report)
+
+
+def _check_plot(path: str) -> None:
+    """Before the run: matplotlib is there and the plot's folder can take the file."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'ddplab[plot]'") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot {literal(path)} cannot be written: give a file in an existing, writable folder")
+
+
+def _stopped_early(report) -> int:
+    """Exit code 1, with the reason on stderr, when the figures cover only part of the run."""
+    if report.stopped_early is None:
+        return 0
+    print(f"ddplab: stopped early: the figures cover the first {report.completed_steps} of {report.config.steps} "
+          f"steps. {report.stopped_early}", file=sys.stderr)
+    return 1
+
+
+def _print(report) -> None:
+    values = report.to_json()
+    rows = [["B_simple (critical batch)", *_b_simple_cells(values)],
+            ["|G|²", f"{values['g2']:.4g}", "squared norm of the true gradient"],
+            ["tr(Σ)", f"{values['trace_sigma']:.4g}", "per-sample gradient variance, summed over parameters"]]
+    if values["steps_factor"] is not None:
+        rows.append(["steps factor", f"{values['steps_factor']:.3f}", f"1 + B_simple/B at global batch "
+                     f"{values['global_batch_size']}: steps relative to the fewest possible"])
+    rows.append(["AdaScale gain", f"{values['adascale_gain']:.3f}",
+                 f"lr multiplier AdaScale implies for a batch of {values['global_batch_size']} vs {values['b_small']} "
+                 f"(scale {values['adascale_scale']:g})"])
+    if values["skipped_steps"]:
+        rows.append(["skipped steps", str(values["skipped_steps"]),
+                     "measured steps left out: non-finite gradients (e.g. an fp16 overflow)"])
+    out = render.console()
+    out.print(render.table(_title(values), ["", "value", "meaning"], rows))
+    if values["note"]:
+        out.print(f"note: {values['note']}")
+
+
+def _b_simple_cells(values: dict) -> list[str]:
+    interval, measured = values["b_simple_ci95"], values["measured_steps"]
+    value = "—" if values["b_simple"] is None else f"{values['b_simple']:.4g}"
+    if values["b_simple_status"] == "resolved":
+        low, high = interval
+        return [value, f"95% interval [{low:.4g}, {high:.4g}] (Fieller) over {measured} measured steps"]
+    if values["b_simple_status"] == "g2_unresolved":
+        return [value, f"|G|² not resolved: B_simple > {interval[0]:.4g} at 95% over {measured} measured steps"]
+    return [value, f"no interval: {measured} measured step{'s' if measured != 1 else ''}"]
+
+
+def _title(values: dict) -> str:
+    lr = ", ".join(f"{v:g}" for v in values["lr"] or []) or "?"
+    motion = "weights move: B_simple averages over the trajectory" if values["weights_moved"] else "weights fixed"
+    size = values["dataset_size"]
+    samples = f"; {size} samples, corrected for drawing without replacement" if size else ""
+    return (f"ddplab noise: {values['world_size']} ranks × {values['per_device_batch_size']} per device "
+            f"(global {values['global_batch_size']}), {values['steps']} steps\nlr {lr}, {motion}{samples}")
+
+
+def _plot(report, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = report.to_json()
+    steps = [r["step"] for r in values["per_step"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    # Steps whose running |G|² was still ≤ 0 have no B_simple: gaps in the line.
+    ema = [math.nan if r["b_simple_ema"] is None else r["b_simple_ema"] for r in values["per_step"]]
+    ax.plot(steps, ema, label="B_simple (EMA)")
+    interval = values["b_simple_ci95"]
+    if interval and interval[1] is not None:
+        ax.axhspan(interval[0], interval[1], alpha=0.2, label="95% interval over the run")
+    elif interval:
+        ax.axhline(interval[0], color="gray", linewidth=1, label=f"|G|² not resolved: B_simple > {interval[0]:.4g}")
+    if values["b_simple"] is not None:
+        ax.axhline(values["b_simple"], linestyle="--", linewidth=1, label=f"run estimate {values['b_simple']:.4g}")
+    # Early spikes dwarf the rest on a linear axis; B_simple is a ratio, read on a log scale.
+    if any(v > 0 for v in ema if math.isfinite(v)):
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("B_simple")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,182 @@
+"""``ddplab study``: measure steps-to-target versus global batch per lr rule, fit B_crit, plot and report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ddplab.cli import render
+from ddplab.cli.args import default, given, integer, integers, number
+from ddplab.study.config import DEFAULT_ACCURACY, DEFAULT_BATCHES, RULES, StudyConfig, StudyOptions
+
+DESCRIPTION = f"""\
+Train a grid of runs — global batch sizes × lr rules × seeds — each until it first reaches a
+target, and fit steps-to-target S(B) = S_min(1 + B_crit/B) (McCandlish et al. 2018) per rule:
+perfect scaling (S ∝ 1/B) below B_crit, diminishing returns around it, no further gain past it
+(Shallue et al. 2019). Rules scale the reference lr: constant, linear (× B/B_ref), sqrt
+(× √(B/B_ref)); tuned sweeps lrs at every batch size and keeps the best: the ground truth the
+rules are judged against. B_simple (the gradient noise scale, as in ddplab noise) is measured
+along the best tuned runs and printed beside B_crit.
+
+Every batch size here is a global batch: per-device batch × devices × nodes × accumulation.
+A global batch B trains the same on W DDP ranks as in one process with B, so the grid runs in one
+process, all runs of a batch size vectorized (torch.func.vmap); --verify-ddp K replays K grid points
+on real DDP ranks and reports the largest difference.
+
+Without SPEC.py: sklearn's digits, an MLP, SGD with momentum, target validation accuracy
+{DEFAULT_ACCURACY} (pip install 'ddplab[study]'). SPEC.py defines model(), dataset(), loss(output,
+target), as for ddplab check, plus val_dataset() (evaluated as accuracy or loss, per the target
+flag) or evaluate(model, dataset) -> float (compared with the target; called on val_dataset() if
+defined).
+
+Results are cached under --out (default {default(StudyOptions, 'out')}) per batch size: running
+again continues, --fresh starts over. A changed setting or spec file is refused there rather than
+mixed. study.json is written before the plots, so a failing plot never loses a study. The exit
+code is 1 when no run reached the target (the JSON then says how close each batch size came).
+
+examples:
+  ddplab study
+  ddplab study --global-batch-sizes 16,64,256 --seeds 3 --json
+  ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
+  ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8 --batch-size 32
+"""
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("study", help="measure steps-to-target vs global batch per lr rule; fit B_crit",
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", metavar="SPEC.py", nargs="?", default=None,
+                        help="training spec file (default: the built-in digits workload)")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--target-accuracy", type=number,
+                        help=f"validation accuracy to reach (default {DEFAULT_ACCURACY} for the built-in workload)")
+    target.add_argument("--target-loss", type=number, help="validation loss to reach")
+    parser.add_argument("--global-batch-sizes", type=integers,
+                        help="global batch sizes, comma-separated (default {})".format(
+                            ",".join(map(str, DEFAULT_BATCHES))))
+    parser.add_argument("--rules", type=_rule_list,
+                        help=f"lr rules, comma-separated among {','.join(RULES)} (default all)")
+    parser.add_argument("--ref-global-batch-size", type=integer,
+                        help="the reference's global batch, which the rules scale from "
+                             f"(default {default(StudyConfig, 'reference_global_batch_size')})")
+    parser.add_argument("--ref-lr", type=number,
+                        help=f"lr at the reference global batch (default {default(StudyConfig, 'reference_lr'):g})")
+    parser.add_argument("--seeds", type=integer, help=f"seeds per grid point (default {default(StudyConfig, 'seeds')})")
+    parser.add_argument("--momentum", type=number, help=f"SGD momentum (default {default(StudyConfig, 'momentum')})")
+    parser.add_argument("--max-steps", type=integer,
+                        help=f"step budget per run (default {default(StudyConfig, 'max_steps')})")
+    parser.add_argument("--eval-every", type=integer,
+                        help=f"evaluate every K steps (default {default(StudyConfig, 'eval_every')})")
+    parser.add_argument("--sweep-factor", type=number,
+                        help="spacing of the tuned lr sweep "
+                             f"(default {default(StudyConfig, 'sweep_factor'):g}: factors of 2)")
+    parser.add_argument("--sweep-margin", type=number,
+                        help="the sweep spans the constant and linear lrs widened by this factor "
+                             f"(default {default(StudyConfig, 'sweep_margin'):g})")
+    parser.add_argument("--dtype", choices=("float32", "float64"), help="(default float32)")
+    parser.add_argument("--out", help="directory for the cache, plots, study.json and report "
+                                      f"(default {default(StudyOptions, 'out')})")
+    parser.add_argument("--fresh", action="store_true", help="discard cached runs in --out and start over")
+    parser.add_argument("--verify-ddp", type=integer, metavar="K",
+                        help="re-run K grid points through real DDP ranks and report the largest difference")
+    parser.add_argument("--verify-world-size", type=integer,
+                        help=f"ranks for --verify-ddp (default {default(StudyOptions, 'verify_world_size')})")
+    parser.add_argument("--verify-steps", type=integer,
+                        help=f"steps per --verify-ddp point (default {default(StudyOptions, 'verify_steps')})")
+    parser.add_argument("--threads", type=integer,
+                        help=f"torch intra-op threads while training (default {default(StudyOptions, 'threads')}: "
+                             "the runs are already batched, and small models lose more to thread hand-offs than "
+                             "they gain)")
+    parser.add_argument("--no-plots", action="store_true", help="skip PNG plots and the HTML report")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def _rule_list(text: str) -> tuple[str, ...]:
+    rules = tuple(part.strip() for part in text.split(","))
+    bad = [r for r in rules if r not in RULES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown rule {bad[0]!r}; choose among {', '.join(RULES)}")
+    return rules
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[StudyConfig, StudyOptions]:
+    from ddplab.study.config import target_for
+
+    target = target_for(spec=args.spec, accuracy=args.target_accuracy, loss=args.target_loss)
+    grid = given(args, global_batch_sizes="global_batch_sizes", rules="rules",
+                 reference_global_batch_size="ref_global_batch_size", reference_lr="ref_lr", seeds="seeds",
+                 momentum="momentum", max_steps="max_steps", eval_every="eval_every", sweep_factor="sweep_factor",
+                 sweep_margin="sweep_margin", dtype="dtype")
+    if "global_batch_sizes" in grid:
+        grid["global_batch_sizes"] = tuple(sorted(set(grid["global_batch_sizes"])))
+    options = StudyOptions(fresh=args.fresh, plots=not args.no_plots, **given(
+        args, out="out", verify_ddp="verify_ddp", verify_world_size="verify_world_size",
+        verify_steps="verify_steps", threads="threads"))
+    return StudyConfig(target=target, **grid), options
+
+
+def run(args: argparse.Namespace) -> int:
+    config, options = config_from_args(args)
+    from ddplab.study.run import run_study, workload_for
+
+    report = run_study(workload_for(args.spec), config, options, progress=render.ProgressBar("ddplab study"))
+    if args.json:
+        render.print_json(report)
+    else:
+        _print(report)
+    if not report.analysis.reached:
+        print(f"ddplab: no run reached the target ({config.target.kind} {config.target.value:g}) within --max-steps "
+              f"{config.max_steps}: lower the target or raise --max-steps (runs are cached)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print(report) -> None:
+    values = report.to_json()
+    out = render.console()
+    target = values["target"]
+    title = (f"ddplab study: {values['workload']}, steps to {target['kind']} {target['value']:g}, "
+             f"{values['trained_runs']} runs, {values['seeds']} seeds, {values['seconds']:.0f} s")
+    rows = []
+    for rule, fit in values["fit"].items():
+        low, high = fit["b_crit_ci95"]
+        rows.append([rule, _num(fit["s_min"]), _num(fit["b_crit"]), f"[{_num(low)}, {_num(high)}]", _num(fit["e_min"])])
+    if rows:
+        out.print(render.table(title, ["rule", "S_min", "B_crit", "B_crit 95% (seeds)", "E_min (samples)"], rows))
+    else:
+        out.print(f"[bold]{title}[/]: no rule reached the target at two batch sizes, so nothing was fitted")
+    if values["tuned_lr"]:
+        tuned = ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in values["tuned_lr"])
+        out.print(f"best tuned lr by global batch: {tuned}")
+    _print_b_simple(out, values["b_simple"])
+    for miss in values["unreached"]:
+        best = "no finite metric" if miss["best_metric"] is None else f"best {target['kind']} {miss['best_metric']:.4g}"
+        out.print(f"not reached: rule {miss['rule']} at global batch {miss['global_batch_size']} ({best})")
+    _print_verify(out, values.get("verify_ddp"))
+    for warning in values["warnings"]:
+        out.print(f"[bold yellow]warning:[/] {warning}")
+    if values.get("report"):
+        out.print(f"report: {values['report']}")
+
+
+def _print_b_simple(out, b_simple: dict | None) -> None:
+    if not b_simple:
+        return
+    low, high = b_simple["ci95"]
+    out.print(f"B_simple along the best tuned runs: {_num(b_simple['value'])} "
+              f"(95% [{_num(low)}, {_num(high)}]); B_crit / B_simple = {_num(b_simple['b_crit_over_b_simple'])}")
+
+
+def _print_verify(out, verify: dict | None) -> None:
+    if not verify:
+        return
+    if verify["nothing_to_verify"]:
+        out.print(f"--verify-ddp: nothing to verify: {verify['nothing_to_verify']}")
+        return
+    out.print(f"--verify-ddp: {len(verify['points'])} points × {verify['steps']} steps on {verify['world_size']} "
+              f"DDP ranks ({verify['dtype']}): largest parameter difference {verify['max_abs_diff']:.3g}")
+
+
+def _num(value) -> str:
+    return "—" if value is None else render.num(value)

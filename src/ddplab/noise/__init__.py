@@ -1,0 +1,14 @@
+"""The gradient noise scale: pure estimators, the DDP-hook measurement, a measured run of a spec and its report.
+
+Importing this package imports no torch; :class:`GradientNoiseScale` loads it on first use.
+"""
+
+__all__ = ["GradientNoiseScale"]
+
+
+def __getattr__(name):
+    if name == "GradientNoiseScale":
+        from ddplab.noise.scale import GradientNoiseScale
+
+        return GradientNoiseScale
+    raise AttributeError(f"module 'ddplab.noise' has no attribute {name!r}")

@@ -1,0 +1,252 @@
+"""Measure the gradient noise scale of a plain DDP run.
+
+During backward each rank's ``.grad`` holds its local gradient (batch b); once DDP has
+reduced, it holds the averaged one (batch W·b). The two squared norms give unbiased |G|² and
+tr(Σ) every measured step, for one extra all-reduce of two scalars. Training is unchanged:
+DDP's own reduction is left alone, or, on the comm-hook path, reproduced bit for bit.
+
+Batches drawn without replacement from a dataset of N examples (one shuffled pass per epoch)
+make a batch mean less noisy than N = ∞ predicts; pass ``dataset_size=len(dataset)`` to correct
+for it (ddplab.noise.estimators explains the estimators, the 1/N convention for Σ and the interval).
+
+    gns = GradientNoiseScale(ddp_model, per_device_batch_size=64)   # measures every 4th step
+    for batch in loader:
+        loss_fn(ddp_model(x), y).backward()
+        gns.step()              # after backward, once per optimizer step
+        optimizer.step(); optimizer.zero_grad()
+    print(gns.summary().b_simple)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from ddplab.errors import UsageError
+from ddplab.noise import estimators as est
+
+Via = Literal["auto", "grad_hooks", "comm_hook"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """One measured step."""
+
+    step: int
+    g_small_sq: float
+    g_big_sq: float
+    g2: float
+    trace_sigma: float
+    b_simple_ema: float
+
+
+class GradientNoiseScale:
+    """Gradient noise scale (B_simple) of a DDP model, measured from its own all-reduce.
+
+    Two ways to see the local gradient, chosen by ``via``:
+
+    - ``"grad_hooks"`` (the default without a user hook): per-parameter post-accumulate-grad
+      hooks read ``.grad`` while it still holds the local gradient (DDP copies it into its
+      bucket and writes the averaged result back only when backward ends). DDP's built-in C++
+      reduction stays untouched, so training is identical by construction and the comm-hook
+      slot stays free. On CPU any Python comm hook costs ~5% of a step by itself, so this is
+      the path that meets a 3% overhead budget (benchmarks/noise_overhead.py).
+    - one process (world size 1) with ``accumulation_steps`` ≥ 2: post-accumulate-grad hooks
+      difference consecutive micro-batches, each a small batch of b, their mean the big one of A·b.
+    - ``"comm_hook"``: DDP's one comm-hook slot, wrapping your own hook when given (needed
+      then, and with ``gradient_as_bucket_view=True``, where ``.grad`` is the bucket itself).
+      Without a user hook it reproduces the reducer's arithmetic: ×1/W, then all-reduce.
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model.
+        per_device_batch_size: samples per rank per micro-step.
+        accumulation_steps: micro-steps per optimizer step (the others run under ``no_sync``).
+        comm_hook, state: your own DDP comm hook and its state, which this wraps (e.g. fp16/bf16
+            compression).
+        every: measure every K-th optimizer step (default 4: ≤ 1% of a step on the 10M-parameter
+            CPU benchmark, ~5% when measuring every step); the others cost nothing but the hook calls.
+        ema_decay: decay of the running averages behind ``b_simple``.
+        process_group: the group DDP reduces over; default the DDP model's own ``process_group``.
+        via: "auto", "grad_hooks" or "comm_hook" (see above).
+        dataset_size: N, when each epoch draws the batches without replacement from N examples
+            (a shuffled sampler): corrects |G|² and tr Σ for it. Leave None for sampling with
+            replacement or a stream; on a finite dataset B_simple then reads high by about B_simple/N.
+
+    A measured step whose norms are not finite (an fp16 GradScaler overflow, a NaN loss) is left
+    out of every average and counted in ``skipped_steps``; every rank sees the same reduced
+    norms, so all skip together. With GradScaler the norms are in scaled units; B_simple is not.
+    """
+
+    def __init__(self, ddp_model, *, per_device_batch_size: int, accumulation_steps: int = 1, comm_hook=None,
+                 state=None, every: int = 4, ema_decay: float = 0.95, process_group=None, via: Via = "auto",
+                 dataset_size: int | None = None):
+        # A DDP model over a subgroup reduces over that group, not WORLD; a plain module is one process.
+        self.group = process_group or getattr(ddp_model, "process_group", None)
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        _validate(self.world_size, per_device_batch_size, accumulation_steps, every)
+        self.accumulation_steps = accumulation_steps
+        if self.world_size == 1:
+            # One process: each micro-batch is a small batch, their mean the big one.
+            self.b_small, self.b_big = per_device_batch_size, per_device_batch_size * accumulation_steps
+        else:
+            # Accumulated micro-batches make the synchronising gradient one over A·b samples.
+            self.b_small = per_device_batch_size * accumulation_steps
+            self.b_big = self.world_size * self.b_small
+        if dataset_size is not None and dataset_size < max(self.b_big, 2):
+            raise UsageError(f"{{dataset_size}} {dataset_size} is smaller than the batch of {self.b_big} it must "
+                             "supply")
+        self.dataset_size = dataset_size
+        self.every, self.comm_hook, self.user_state = every, comm_hook, state
+        self.steps, self.skipped_steps, self.history = 0, 0, []
+        self._ema_g2, self._ema_trace = est.Ema(ema_decay), est.Ema(ema_decay)
+        self._ddp = ddp_model
+        self._params = [p for p in ddp_model.parameters() if p.requires_grad]
+        self._sums = torch.zeros(2, dtype=torch.float64, device=self._params[0].device)  # |g_small|², |G_big|² share
+        self._previous: dict[int, torch.Tensor] = {}
+        self.via = _choose_path(via, comm_hook, ddp_model, self.world_size)
+        if self.via == "comm_hook":
+            ddp_model.register_comm_hook(self, GradientNoiseScale._hook)
+        else:
+            ready = self._local_grad_ready if self.via == "grad_hooks" else self._micro_grad_ready
+            self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self._params]
+
+    def _local_grad_ready(self, param) -> None:
+        # Under no_sync the grad only accumulates; the synchronising micro-step holds all A·b samples.
+        if self.measuring and self._ddp.require_backward_grad_sync:
+            self._sums[0] += _squared_norm(param.grad)
+
+    def _micro_grad_ready(self, param) -> None:
+        # One process: this micro-batch's gradient is what it added to the accumulated .grad.
+        if not self.measuring:
+            return
+        previous = self._previous.get(id(param))
+        self._sums[0] += _squared_norm(param.grad if previous is None else param.grad - previous)
+        self._previous[id(param)] = param.grad.detach().clone()
+
+    @property
+    def measuring(self) -> bool:
+        return self.steps % self.every == 0
+
+    @staticmethod
+    def _hook(self: GradientNoiseScale, bucket):
+        buffer = bucket.buffer()
+        if self.measuring:
+            # The local gradient, before the in-place reduction overwrites it.
+            self._sums[0] += _squared_norm(buffer)
+        if self.comm_hook is not None:
+            return self.comm_hook(self.user_state, bucket)
+        # DDP's reducer multiplies by 1/W, then sums: the same order is bit-identical.
+        buffer.mul_(1.0 / self.world_size)
+        return dist.all_reduce(buffer, group=self.group, async_op=True).get_future().then(_first_tensor)
+
+    def _global_share(self) -> torch.Tensor:
+        """This rank's 1/W share of |averaged gradient|², read from the reduced .grad fields."""
+        total = torch.zeros((), dtype=torch.float64, device=self._sums.device)
+        for grad in self._grads():
+            flat = grad.reshape(-1)
+            share = -(-flat.numel() // self.world_size)
+            total += _squared_norm(flat[self.rank * share:(self.rank + 1) * share])
+        return total
+
+    def step(self) -> StepEstimate | None:
+        """Close one optimizer step: call after backward, before the optimizer touches the gradients.
+
+        On measured steps this reads the averaged gradient and makes one small all-reduce.
+        Returns the step's estimate; None on unmeasured and skipped (non-finite) steps.
+        """
+        measured = self.measuring
+        self.steps += 1
+        if not measured:
+            return None
+        g_small_sq, g_big_sq = self._micro_step_norms() if self.via == "micro_steps" else self._rank_norms()
+        # One overflowed step would make every later average inf or NaN: leave it out, count it.
+        if not (math.isfinite(g_small_sq) and math.isfinite(g_big_sq)):
+            self.skipped_steps += 1
+            return None
+        g2, trace = est.unbiased_estimates(g_small_sq, g_big_sq, self.b_small, self.b_big, self.dataset_size)
+        ema = _ratio(self._ema_trace.update(trace), self._ema_g2.update(g2))
+        record = StepEstimate(self.steps - 1, g_small_sq, g_big_sq, g2, trace, ema)
+        self.history.append(record)
+        return record
+
+    def _rank_norms(self) -> tuple[float, float]:
+        """Mean local |g|² over ranks and |averaged g|², in one small all-reduce."""
+        self._sums[1] = self._global_share()
+        sums = self._sums.clone()
+        self._sums.zero_()
+        dist.all_reduce(sums, group=self.group)
+        return sums[0].item() / self.world_size, sums[1].item()
+
+    def _micro_step_norms(self) -> tuple[float, float]:
+        """|g|² of one micro-batch (mean over them) and of all of them, from the contributions c_i.
+
+        With each micro-step's loss divided by A (the usual recipe, as on the DDP path) a
+        micro-batch's gradient is A·c_i and the accumulated Σc_i is the mean over A·b samples.
+        B_simple does not depend on that convention; |G|² and tr(Σ) are in its units.
+        """
+        accumulation = self.accumulation_steps
+        g_small_sq = self._sums[0].item() * accumulation
+        g_big_sq = torch.stack([_squared_norm(g) for g in self._grads()]).sum().item()
+        self._sums.zero_()
+        self._previous.clear()
+        return g_small_sq, g_big_sq
+
+    def _grads(self):
+        return [p.grad for p in self._params if p.grad is not None]
+
+    @property
+    def b_simple(self) -> float:
+        """Running B_simple = EMA(tr Σ) / EMA(|G|²); math.inf while EMA(|G|²) ≤ 0, NaN before the first step."""
+        return _ratio(self._ema_trace.get(), self._ema_g2.get())
+
+    def summary(self, last: int | None = None) -> est.Summary:
+        """B_simple over the measured steps (the last ``last`` of them), with Fieller's 95% interval."""
+        window = self.history[-last:] if last else self.history
+        if not window:
+            raise ValueError(f"no finite measured steps to summarize ({self.skipped_steps} skipped as non-finite)")
+        return est.summarize([r.g2 for r in window], [r.trace_sigma for r in window])
+
+
+def _validate(world_size: int, per_device_batch_size: int, accumulation_steps: int, every: int) -> None:
+    if per_device_batch_size < 1 or accumulation_steps < 1 or every < 1:
+        raise UsageError("{per_device_batch_size}, {accumulation_steps} and {every} must be positive")
+    if world_size == 1 and accumulation_steps < 2:
+        raise UsageError("the gradient noise scale compares gradients over two batch sizes: it needs world size >= 2, "
+                         "or gradient accumulation with at least 2 micro-steps on one process")
+
+
+def _choose_path(via: str, comm_hook, ddp_model, world_size: int) -> str:
+    if via not in ("auto", "grad_hooks", "comm_hook"):
+        raise UsageError(f"{{via}} must be auto, grad_hooks or comm_hook, got {via!r}")
+    bucket_view = getattr(ddp_model, "gradient_as_bucket_view", False)
+    if world_size == 1:
+        if comm_hook is not None or via == "comm_hook":
+            raise UsageError("on one process there is no all-reduce to hook: drop {comm_hook} / {via}='comm_hook'")
+        return "micro_steps"
+    if via == "grad_hooks" and (comm_hook is not None or bucket_view):
+        raise UsageError("{via}='grad_hooks' cannot see the local gradient with a user comm hook or "
+                         "gradient_as_bucket_view=True; use via='comm_hook'")
+    if via != "auto":
+        return via
+    return "comm_hook" if comm_hook is not None or bucket_view else "grad_hooks"
+
+
+def _ratio(trace: float, g2: float) -> float:
+    # |G|² ≤ 0 is "not resolved yet", not a negative noise scale.
+    return max(trace, 0.0) / g2 if g2 > 0 else (math.nan if math.isnan(g2) else math.inf)
+
+
+def _first_tensor(future):
+    # DDP wants a future of the bucket tensor; the all-reduce's future holds a one-tensor list.
+    return future.value()[0]
+
+
+def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    # Half-precision buckets accumulate in float32; float32 ones in place, with no float64 copy.
+    upcast = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
+    return torch.linalg.vector_norm(tensor, dtype=upcast).double().square()

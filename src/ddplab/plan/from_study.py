@@ -1,0 +1,101 @@
+"""Plan from what ``ddplab study`` measured: its best lr at the planned global batch and its fitted B_crit.
+
+The measured lr replaces the rule *before* the rest of the plan is reasoned, so the warmup, its
+reason and the other mode all follow from the lr the plan recommends (pure Python, no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+
+from ddplab.errors import UsageError, literal
+from ddplab.plan import planner
+
+
+def plan_from_study(reference: planner.Reference, target: planner.Target, data: planner.Data | None,
+                    study: str | dict) -> planner.Plan:
+    """:func:`ddplab.plan.plan` with the study's B_crit and its best lr at the planned global batch.
+
+    ``study`` is a study.json path or its loaded dict. UsageError when the study has no tuned curve,
+    was measured with another optimizer family, or ``data`` already gives a critical batch size.
+    """
+    data = data or planner.Data()
+    loaded = load_study(study)
+    if data.critical_batch_size is not None:
+        raise UsageError("{data.critical_batch_size} and {from_study} both give the critical batch size: drop "
+                         "{data.critical_batch_size}, the study's measured B_crit is used")
+    _check_optimizer(reference, loaded)
+    b_crit = _b_crit(loaded)
+    source = StudyLr(loaded)
+    return planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit), lr_source=source)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyLr:
+    """The tuned curve's best lr at a global batch, interpolated log-log between measured batches."""
+
+    study: dict
+
+    def __call__(self, global_batch_size: int) -> planner.MeasuredLr:
+        tuned = self.study["tuned_lr"]
+        batches = [p["global_batch_size"] for p in tuned]
+        lr, inside = loglog_interpolate(batches, [p["lr"] for p in tuned], global_batch_size)
+        warnings = []
+        if not inside:
+            warnings.append(f"global batch {global_batch_size} lies outside the study's measured range "
+                            f"{min(batches)}–{max(batches)}: the lr and B_crit are extrapolated")
+        train_size = self.study.get("train_size")
+        if train_size and global_batch_size > train_size:
+            warnings.append(f"global batch {global_batch_size} is larger than the study's {train_size} training "
+                            "samples: no run of the study could take a step this large, so its numbers say nothing "
+                            "about it")
+        reason = (f"measured by ddplab study ({self.study.get('workload', '?')}): best lr on the tuned curve at "
+                  f"global batch {global_batch_size} (log-log interpolation between measured batches), in place of "
+                  f"a rule; B_crit {_b_crit(self.study):.4g} fitted to steps-to-target")
+        return planner.MeasuredLr(lr=lr, reason=reason, warnings=tuple(warnings))
+
+
+def _b_crit(study: dict) -> float:
+    return float(study["fit"]["tuned"]["b_crit"])
+
+
+def _check_optimizer(reference: planner.Reference, study: dict) -> None:
+    # A study without an optimizer field predates AdamW support: it trained SGD with momentum.
+    measured = (study.get("optimizer") or {}).get("family", "sgd")
+    family = "sgd" if reference.optimizer == "sgd" else "adam"
+    if family != measured:
+        raise UsageError(f"the study measured the best lr of {measured.upper()}, and {{reference.optimizer}} "
+                         f"{reference.optimizer} scales by other rules (Adam's square-root rule, Malladi et al. "
+                         "2022): study that optimizer, or plan by its rule without {from_study}")
+
+
+def load_study(study: str | dict) -> dict:
+    """A study's JSON, checked to hold what planning needs."""
+    if isinstance(study, str):
+        try:
+            with open(study) as fh:
+                study = json.load(fh)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"{{from_study}} {literal(repr(study))} is not a readable study JSON "
+                             f"({exc.__class__.__name__})") from None
+    fit = (study.get("fit") or {}).get("tuned") if isinstance(study, dict) else None
+    if not isinstance(study, dict) or not study.get("tuned_lr") or not fit or fit.get("b_crit") is None:
+        raise UsageError("{from_study} needs a study with the 'tuned' rule, its best lrs and a fitted B_crit")
+    return study
+
+
+def loglog_interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> tuple[float, bool]:
+    """y at x on the piecewise log-log line through (xs, ys); extrapolates the end segment; True when inside."""
+    pairs = sorted(zip(xs, ys))
+    if len(pairs) == 1:
+        return pairs[0][1], x == pairs[0][0]
+    inside = pairs[0][0] <= x <= pairs[-1][0]
+    for i in range(1, len(pairs)):
+        if x <= pairs[i][0] or i == len(pairs) - 1:
+            (x0, y0), (x1, y1) = pairs[i - 1], pairs[i]
+            slope = math.log(y1 / y0) / math.log(x1 / x0)
+            return y0 * (x / x0) ** slope, inside
+    raise AssertionError("unreachable")

@@ -1,0 +1,657 @@
+"""Translate a reference training setup to new hardware, with a reason for every number (no torch).
+
+>>> ref = Reference(per_device_batch_size=32, lr=0.1)
+>>> p = plan(ref, Target(devices=8))
+>>> p.mode, p.global_batch_size, p.lr, p.warmup_recommended
+('per-device', 256, 0.8, True)
+>>> plan(ref, Target(devices=8, keep="trajectory")).per_device_batch_size
+4
+
+Errors are :class:`~ddplab.errors.UsageError` sentences naming the field to change as the
+argument holds it (``reference.lr``, ``target.devices``, ``data.dataset_size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+from ddplab.errors import UsageError
+from ddplab.plan import scaling
+
+Optimizer = Literal["sgd", "adam", "adamw"]
+Keep = Literal["trajectory", "per-device"]
+RuleChoice = Literal["auto", "none", "linear", "sqrt"]
+PlanRule = Literal["none", "linear", "sqrt", "measured"]
+Reduction = Literal["mean", "sum"]
+OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)
+KEEPS: tuple[Keep, ...] = get_args(Keep)
+RULE_CHOICES: tuple[RuleChoice, ...] = get_args(RuleChoice)
+
+
+def _count(n: float, noun: str, plural: str | None = None) -> str:
+    """'1 device', '8 devices', '2.5 epochs'."""
+    return f"{n:g} {noun}" if n == 1 else f"{n:g} {plural or noun + 's'}"
+
+
+def _require_positive(field: str, value: float | None, *, integer: bool = False) -> None:
+    # `not value > 0` also catches NaN; infinity is no size, rate or epoch count either.
+    if value is None:
+        return
+    if integer and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise UsageError(f"{{{field}}} must be a positive integer, got {value}")
+    if not 0 < value < math.inf:
+        raise UsageError(f"{{{field}}} must be a positive number, got {value}")
+
+
+def _require_choice(field: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise UsageError(f"{{{field}}} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def _set(obj, name: str, value) -> None:
+    # A frozen dataclass resolving a default in __post_init__.
+    object.__setattr__(obj, name, value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reference:
+    """The setup whose results you trust: its batch as per-device batch × devices × nodes × accumulation,
+    or only its global batch."""
+
+    per_device_batch_size: int | None = None
+    """Loader batch per process (for DataParallel: the loader batch DP splits across devices)."""
+    lr: float
+    """Learning rate used with that setup."""
+    devices: int = 1
+    """Devices per node."""
+    nodes: int = 1
+    accumulation_steps: int = 1
+    wrapper: scaling.Wrapper | None = None
+    """'single', 'dp' (DataParallel) or 'ddp' (DistributedDataParallel); None: single on one device, else ddp."""
+    global_batch_size: int | None = None
+    """The reference's global batch; derived from the fields above when per_device_batch_size is given."""
+    optimizer: Optimizer = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam/AdamW betas."""
+    eps: float = 1e-8
+    """Adam/AdamW epsilon."""
+    reduction: Reduction = "mean"
+    """How the loss reduces over the batch: 'mean' or 'sum'."""
+
+    def __post_init__(self):
+        for field, value in (("reference.per_device_batch_size", self.per_device_batch_size),
+                             ("reference.devices", self.devices), ("reference.nodes", self.nodes),
+                             ("reference.accumulation_steps", self.accumulation_steps),
+                             ("reference.global_batch_size", self.global_batch_size)):
+            _require_positive(field, value, integer=True)
+        _require_positive("reference.lr", self.lr)
+        _require_positive("reference.eps", self.eps)
+        if self.wrapper is None:
+            _set(self, "wrapper", "single" if self.devices * self.nodes == 1 else "ddp")
+        _require_choice("reference.wrapper", self.wrapper, scaling.WRAPPERS)
+        if self.wrapper == "single" and (self.devices > 1 or self.nodes > 1):
+            raise UsageError("{reference.wrapper} single means one device: set {reference.wrapper} ddp or dp for "
+                             "several")
+        _require_choice("reference.optimizer", self.optimizer, OPTIMIZERS)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UsageError(f"{{reference.betas}} must be two numbers in [0, 1), got {self.betas}")
+        _require_choice("reference.reduction", self.reduction, get_args(Reduction))
+        self._resolve_global_batch()
+
+    def _resolve_global_batch(self) -> None:
+        if self.per_device_batch_size is None:
+            if self.global_batch_size is None:
+                raise UsageError("the reference needs {reference.per_device_batch_size} (with its devices, nodes and "
+                                 "accumulation steps) or {reference.global_batch_size}")
+            return
+        derived = scaling.global_batch_size(per_device_batch_size=self.per_device_batch_size, devices=self.devices,
+                                            nodes=self.nodes, accumulation_steps=self.accumulation_steps,
+                                            wrapper=self.wrapper)
+        if self.global_batch_size not in (None, derived):
+            raise UsageError(f"{{reference.global_batch_size}} {self.global_batch_size} disagrees with "
+                             f"{{reference.per_device_batch_size}} {self.per_device_batch_size} on this setup, which "
+                             f"makes {derived}: give one of them")
+        _set(self, "global_batch_size", derived)
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.wrapper != "ddp" else self.devices * self.nodes
+
+    @property
+    def batch_per_device(self) -> float | None:
+        """Samples each device computes per micro-step (DP splits the loader batch); None when only the
+        global batch is known."""
+        if self.per_device_batch_size is None:
+            return None
+        return self.per_device_batch_size / self.devices if self.wrapper == "dp" else self.per_device_batch_size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target:
+    """The new hardware (always DDP: one process per device) and what to hold fixed."""
+
+    devices: int
+    """Devices (GPUs) per node."""
+    nodes: int = 1
+    per_device_batch_size: int | None = None
+    """Loader batch per rank; derived when not given."""
+    global_batch_size: int | None = None
+    accumulation_steps: int | None = None
+    max_batch_size_per_device: int | None = None
+    """Memory limit: the most samples one device can take per micro-step."""
+    keep: Keep | None = None
+    """'trajectory' (same global batch and lr) or 'per-device' (scale up); None decides from the batch."""
+    rule: RuleChoice = "auto"
+    """LR rule: auto (linear for SGD, square-root for Adam), none, linear or sqrt."""
+
+    def __post_init__(self):
+        for field, value in (("target.devices", self.devices), ("target.nodes", self.nodes),
+                             ("target.per_device_batch_size", self.per_device_batch_size),
+                             ("target.global_batch_size", self.global_batch_size),
+                             ("target.accumulation_steps", self.accumulation_steps),
+                             ("target.max_batch_size_per_device", self.max_batch_size_per_device)):
+            _require_positive(field, value, integer=True)
+        if self.keep is not None:
+            _require_choice("target.keep", self.keep, KEEPS)
+        _require_choice("target.rule", self.rule, RULE_CHOICES)
+        self._check_batch_fields()
+
+    def _check_batch_fields(self) -> None:
+        batch, accumulation, global_batch = self.per_device_batch_size, self.accumulation_steps, self.global_batch_size
+        world = self.world_size
+        if batch and accumulation and global_batch and batch * world * accumulation != global_batch:
+            # Three explicit values that disagree: none of them may be changed silently.
+            raise UsageError(f"{{target.per_device_batch_size}} {batch} × {world} ranks × "
+                             f"{{target.accumulation_steps}} {accumulation} = {batch * world * accumulation}, not "
+                             f"{{target.global_batch_size}} "
+                             f"{global_batch}: give two of the three")
+        if batch and global_batch and global_batch % (batch * world):
+            raise UsageError(f"{{target.global_batch_size}} {global_batch} is not a multiple of "
+                             f"{{target.per_device_batch_size}} × world size = {batch * world}")
+        if batch and self.max_batch_size_per_device and batch > self.max_batch_size_per_device:
+            raise UsageError("{target.per_device_batch_size} is larger than {target.max_batch_size_per_device}")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.nodes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Data:
+    """The dataset and schedule, for step counts (optional)."""
+
+    dataset_size: int | None = None
+    epochs: float = 1.0
+    drop_last: bool = False
+    """The DataLoader's drop_last."""
+    sampler_drop_last: bool = False
+    """DistributedSampler's drop_last."""
+    warmup_epochs: float = 5.0
+    """Warmup length in epochs, turned into steps with the dataset size."""
+    warmup_steps: int | None = None
+    """Warmup length in optimizer steps; replaces warmup_epochs (and needs no dataset size)."""
+    warmup_threshold: float = 4.0
+    """Recommend warmup when the lr multiplier reaches this."""
+    critical_batch_size: float | None = None
+    """Measured critical batch size (``ddplab noise``), to warn about diminishing returns."""
+
+    def __post_init__(self):
+        _require_positive("data.dataset_size", self.dataset_size, integer=True)
+        for field, value in (("data.epochs", self.epochs), ("data.warmup_threshold", self.warmup_threshold),
+                             ("data.critical_batch_size", self.critical_batch_size)):
+            _require_positive(field, value)
+        if not 0 <= self.warmup_epochs < math.inf:
+            raise UsageError(f"{{data.warmup_epochs}} must be zero or more, got {self.warmup_epochs}")
+        steps = self.warmup_steps
+        if steps is not None and not (steps >= 0 and steps == int(steps)):
+            raise UsageError(f"{{data.warmup_steps}} must be a whole number, zero or more, got {self.warmup_steps}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredLr:
+    """An lr measured at the target's global batch (``ddplab study``), planned from in place of a rule."""
+
+    lr: float
+    reason: str
+    """Where the number comes from, for the table's "why" column."""
+    warnings: tuple[str, ...] = ()
+
+
+LrSource = Callable[[int], MeasuredLr]
+"""Given the planned global batch, the lr to use there."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What to run on the target, and why."""
+
+    mode: Keep
+    rule: PlanRule
+    world_size: int
+    per_device_batch_size: int
+    accumulation_steps: int
+    global_batch_size: int
+    reference_global_batch_size: int
+    batch_ratio: float
+    lr: float
+    lr_multiplier: float
+    betas: tuple[float, float] | None
+    eps: float | None
+    warmup_recommended: bool
+    warmup_steps: int | None
+    warmup_epochs: float | None
+    samples_per_rank: int | None
+    padded_samples: int | None
+    dropped_samples: int | None
+    loader_batches_per_rank: int | None
+    steps_per_epoch: int | None
+    total_steps: int | None
+    samples_per_epoch: int | None
+    steps_factor: float | None
+    compute_factor: float | None
+    other_mode: str
+    warnings: tuple[str, ...]
+    reasons: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["warnings"] = list(self.warnings)
+        if self.betas is None:
+            out.pop("betas")
+            out.pop("eps")
+        return out
+
+    def lr_lambda(self, step: int) -> float:
+        """LambdaLR factor on ``self.lr``: linear warmup over ``warmup_steps`` (the table's), then 1.
+
+        Raises UsageError when warmup is recommended but its length is unknown (no dataset size or
+        warmup steps): skipping the warmup silently would start at the full scaled lr.
+        """
+        self._require_warmup_length()
+        return scaling.warmup_factor(step, warmup_steps=self.warmup_steps or 0, lr_multiplier=self.lr_multiplier)
+
+    def scheduler(self, optimizer):
+        """A ``torch.optim.lr_scheduler.LambdaLR`` for an optimizer built with ``lr=plan.lr`` (imports torch)."""
+        self._require_warmup_length()
+        from torch.optim.lr_scheduler import LambdaLR
+
+        return LambdaLR(optimizer, self.lr_lambda)
+
+    def _require_warmup_length(self) -> None:
+        if self.warmup_recommended and self.warmup_steps is None:
+            raise UsageError(f"warmup is recommended (lr ×{self.lr_multiplier:.4g}) but its length is unknown: "
+                             "plan with {data.dataset_size} or {data.warmup_steps}")
+
+
+def plan(reference: Reference, target: Target, data: Data | None = None, *, lr_source: LrSource | None = None) -> Plan:
+    """Plan the target run; raises UsageError with a sentence naming what to change.
+
+    ``lr_source`` replaces the lr rule with a measured lr at the planned global batch: the warmup,
+    the Adam settings and the other mode are then all reasoned from that lr.
+    """
+    return _plan(reference, target, data or Data(), lr_source, describe_other=True)
+
+
+def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource | None, *,
+          describe_other: bool) -> Plan:
+    mode = _resolve_mode(reference, target)
+    batch, accumulation = _batch_for(mode, reference, target)
+    reasons, warnings = {}, []
+    global_batch = batch * target.world_size * accumulation
+    k = global_batch / reference.global_batch_size
+    measured = lr_source(global_batch) if lr_source is not None else None
+    rule = "measured" if measured else _rule(target.rule, reference.optimizer)
+    lr_fields = _lr(reference, rule, k, warnings, measured)
+    reasons.update(_batch_reasons(reference, target, mode, batch, accumulation, global_batch, k))
+    reasons.update(lr_fields.pop("reasons"))
+    steps = _steps(data, target.world_size, batch, accumulation, global_batch, lr_fields, warnings)
+    reasons.update(steps.pop("reasons"))
+    warnings += _semantics_warnings(reference, target, global_batch, data)
+    other = _other_mode(mode, reference, target, lr_source) if describe_other else ""
+    return Plan(mode=mode, rule=rule, world_size=target.world_size, per_device_batch_size=batch,
+                accumulation_steps=accumulation, global_batch_size=global_batch,
+                reference_global_batch_size=reference.global_batch_size, batch_ratio=k, other_mode=other,
+                warnings=tuple(warnings), reasons=reasons, **lr_fields, **steps)
+
+
+def _resolve_mode(reference: Reference, target: Target) -> Keep:
+    if target.keep:
+        if target.keep == "trajectory" and target.global_batch_size not in (None, reference.global_batch_size):
+            raise UsageError(f"{{target.keep}} trajectory holds the reference's global batch of "
+                             f"{reference.global_batch_size}; drop {{target.global_batch_size}} "
+                             f"{target.global_batch_size} or use {{target.keep}} per-device")
+        return target.keep
+    if target.global_batch_size is not None:
+        return "trajectory" if target.global_batch_size == reference.global_batch_size else "per-device"
+    if target.per_device_batch_size is not None:
+        accumulation = target.accumulation_steps or reference.accumulation_steps
+        new_global = target.per_device_batch_size * target.world_size * accumulation
+        return "trajectory" if new_global == reference.global_batch_size else "per-device"
+    return "per-device"
+
+
+def _batch_for(mode: Keep, reference: Reference, target: Target) -> tuple[int, int]:
+    """(per-device batch, accumulation steps) for the target."""
+    wanted_global = reference.global_batch_size if mode == "trajectory" else target.global_batch_size
+    if wanted_global is not None:
+        return _split(wanted_global, target)
+    batch = target.per_device_batch_size or _reference_device_batch(reference)
+    accumulation = target.accumulation_steps or reference.accumulation_steps
+    limit = target.max_batch_size_per_device
+    if limit is None or batch <= limit:
+        return batch, accumulation
+    if target.accumulation_steps:
+        raise UsageError(f"the reference's per-device batch of {batch} does not fit "
+                         f"{{target.max_batch_size_per_device}} {limit}; give {{target.per_device_batch_size}} too, "
+                         "or drop {target.accumulation_steps} to have it derived")
+    # Same samples per rank per optimizer step, in micro-batches that fit: the global batch is unchanged.
+    return scaling.split_global_batch(batch * accumulation * target.world_size, world_size=target.world_size,
+                                      max_per_device=limit)
+
+
+def _split(global_batch: int, target: Target) -> tuple[int, int]:
+    world = target.world_size
+    if target.per_device_batch_size:
+        if global_batch % (target.per_device_batch_size * world):
+            raise UsageError(f"{{target.per_device_batch_size}} {target.per_device_batch_size} on {world} ranks cannot "
+                             f"reach a global batch of {global_batch}: it needs a multiple of "
+                             f"{target.per_device_batch_size * world}")
+        return target.per_device_batch_size, global_batch // (target.per_device_batch_size * world)
+    if target.accumulation_steps:
+        if global_batch % (target.accumulation_steps * world):
+            raise UsageError(f"{{target.accumulation_steps}} {target.accumulation_steps} on {world} ranks cannot "
+                             f"reach a global batch of {global_batch}: it needs a multiple of "
+                             f"{target.accumulation_steps * world}")
+        return global_batch // (target.accumulation_steps * world), target.accumulation_steps
+    return scaling.split_global_batch(global_batch, world_size=world, max_per_device=target.max_batch_size_per_device)
+
+
+def _reference_device_batch(reference: Reference) -> int:
+    per_device = reference.batch_per_device
+    if per_device is None:
+        raise UsageError("the reference gives only its global batch: give {target.per_device_batch_size} or "
+                         "{target.global_batch_size} for the target")
+    if per_device != int(per_device):
+        raise UsageError(f"DataParallel splits the loader batch {reference.per_device_batch_size} unevenly over "
+                         f"{reference.devices} devices; give {{target.per_device_batch_size}} for the target")
+    return int(per_device)
+
+
+def _rule(rule: RuleChoice, optimizer: Optimizer) -> scaling.Rule:
+    if rule != "auto":
+        return rule
+    return "linear" if optimizer == "sgd" else "sqrt"
+
+
+def _lr(reference: Reference, rule: PlanRule, k: float, warnings: list[str],
+        measured: MeasuredLr | None) -> dict[str, Any]:
+    if measured is not None:
+        return _measured_lr(reference, k, warnings, measured)
+    multiplier = scaling.lr_multiplier(k, rule)
+    adam = reference.optimizer in ("adam", "adamw")
+    reasons = {}
+    if k == 1:
+        reasons["lr"] = ("the global batch is unchanged, so the gradient is the same average over the same number "
+                         "of samples: keep the reference lr (DDP averages over ranks)")
+    else:
+        reasons["lr"] = {
+            "none": f"--rule none: the lr stays although the global batch changed ×{k:g}",
+            "linear": f"linear rule (Goyal et al. 2017): lr × k = lr × {k:g}; keeps where SGD ends up, "
+                      f"multiplies the variance of each update by k",
+            "sqrt": f"square-root rule: lr × √k = lr × {math.sqrt(k):.4g}; keeps the variance of each update, "
+                    f"needs more epochs to travel as far",
+        }[rule]
+    reasons["lr_multiplier"] = _multiplier_reason(rule, k)
+    out = {"lr": _representable("lr", reference.lr * multiplier, "reference.lr", reference.lr, multiplier),
+           "lr_multiplier": multiplier, "betas": None, "eps": None}
+    if adam:
+        out["betas"], out["eps"] = reference.betas, reference.eps
+        if rule == "sqrt" and k != 1:
+            out["betas"], out["eps"] = _adam_sqrt(reference, k, warnings)
+            _representable("Adam eps", out["eps"], "reference.eps", reference.eps, 1 / math.sqrt(k))
+            reasons["betas"] = "Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β)"
+            reasons["eps"] = "the same rule: ε' = ε/√k"
+        elif rule == "linear" and k != 1:
+            warnings.append("the linear rule is derived for SGD; Adam usually scales better with --rule sqrt "
+                            "(Malladi et al. 2022)")
+    if reference.optimizer == "sgd" and rule == "sqrt" and k > 1:
+        warnings.append("the square-root rule keeps SGD's update variance but covers less ground per epoch: "
+                        "plan on more epochs than the reference")
+    return {**out, "reasons": reasons}
+
+
+def _measured_lr(reference: Reference, k: float, warnings: list[str], measured: MeasuredLr) -> dict[str, Any]:
+    """The lr a study measured at this global batch; everything after (warmup, other mode) follows from it."""
+    multiplier = _representable("lr", measured.lr, "reference.lr", reference.lr, 1.0) / reference.lr
+    warnings.extend(measured.warnings)
+    reasons = {"lr": measured.reason,
+               "lr_multiplier": f"measured lr / reference lr = {measured.lr:.4g} / {reference.lr:g} "
+                                f"(the global batch grew ×{k:g})"}
+    adam = reference.optimizer in ("adam", "adamw")
+    return {"lr": measured.lr, "lr_multiplier": multiplier, "betas": reference.betas if adam else None,
+            "eps": reference.eps if adam else None, "reasons": reasons}
+
+
+def _multiplier_reason(rule: str, k: float) -> str:
+    ratio = f"k = new global batch / reference global batch = {k:g}"
+    return {"none": f"--rule none: the lr is not scaled, although {ratio}",
+            "linear": f"{ratio}; the linear rule multiplies the lr by k",
+            "sqrt": f"{ratio}; the square-root rule multiplies the lr by √k = {math.sqrt(k):.4g}"}[rule]
+
+
+def _representable(name: str, value: float, field: str, reference: float, factor: float) -> float:
+    """``value`` when it is a positive finite float; a sentence when the scaling overflowed or underflowed."""
+    if not 0 < value < math.inf:
+        raise UsageError(f"the planned {name}, {{{field}}} {reference:g} × {factor:.4g}, comes out as {value:g}, "
+                         f"which no optimizer can use: check {{{field}}}")
+    return value
+
+
+def _adam_sqrt(reference: Reference, k: float, warnings: list[str]) -> tuple[tuple[float, float], float]:
+    betas, eps = scaling.adam_sqrt_rule(k, betas=reference.betas, eps=reference.eps)
+    for name, new, old in zip(("β₁", "β₂"), betas, reference.betas):
+        # 1 − k(1 − β) stays below 1 for any k > 0; only growing the batch can push it under 0.
+        if new < 0:
+            warnings.append(f"the Adam square-root rule gives {name} = 1 − {k:g}·(1 − {old:g}) = {new:.4g}, outside "
+                            f"[0, 1): clamped to 0; the batch grew too far for the rule, so scale in smaller steps "
+                            f"or tune {name}")
+    if 0 <= betas[0] < 0.5 <= reference.betas[0]:
+        warnings.append(f"β₁ drops to {betas[0]:.3g}: the rule's SDE approximation assumes momentum stays near its "
+                        "usual range, so treat these numbers as a starting point")
+    return (max(betas[0], 0.0), max(betas[1], 0.0)), eps
+
+
+def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, accumulation: int,
+                   global_batch: int, k: float) -> dict[str, str]:
+    ref_desc = _reference_formula(reference)
+    reasons = {
+        "reference_global_batch_size": ref_desc,
+        "world_size": f"{_count(target.devices, 'device')} × {_count(target.nodes, 'node')}, "
+                      "one DDP process per device",
+        "global_batch_size": f"{batch} per device × {_count(target.world_size, 'rank')} × "
+                             f"{_count(accumulation, 'accumulation step')}",
+    }
+    if mode == "trajectory":
+        reasons["per_device_batch_size"] = (
+            f"keep trajectory: reach the reference's global batch of {reference.global_batch_size} exactly"
+            + (f" within --max-batch-size-per-device {target.max_batch_size_per_device}"
+               if target.max_batch_size_per_device else ""))
+        reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {global_batch} with "
+                                         f"{batch} per device on {target.world_size} ranks")
+    else:
+        reasons.update(_per_device_reasons(reference, target, batch, accumulation, k))
+    return reasons
+
+
+def _per_device_reasons(reference: Reference, target: Target, batch: int, accumulation: int,
+                        k: float) -> dict[str, str]:
+    limit = target.max_batch_size_per_device
+    within = f" with at most {limit} per device" if limit else ""
+    grows = f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"
+    split = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
+    if target.per_device_batch_size:
+        batch_reason = "given by --batch-size"
+        accumulation_reason = split if target.global_batch_size else "kept from the reference"
+    elif target.global_batch_size:
+        batch_reason = f"--global-batch-size {target.global_batch_size} over {target.world_size} ranks{within}"
+        accumulation_reason = split
+    elif batch != reference.batch_per_device:
+        batch_reason = (f"keep per-device: the reference's {batch * accumulation} samples per rank per step, in "
+                        f"micro-batches that fit --max-batch-size-per-device {limit}; the global batch {grows}")
+        accumulation_reason = split
+    else:
+        batch_reason = f"keep per-device: the reference's per-device batch, so the global batch {grows}"
+        accumulation_reason = "kept from the reference"
+    return {"per_device_batch_size": batch_reason,
+            "accumulation_steps": "given by --accumulation" if target.accumulation_steps else accumulation_reason}
+
+
+def _reference_formula(reference: Reference) -> str:
+    if reference.wrapper == "dp":
+        return (f"DataParallel splits the loader batch of {reference.per_device_batch_size} across "
+                f"{_count(reference.devices, 'device')} and computes one loss on the gathered batch: global batch = "
+                f"{reference.per_device_batch_size} × {_count(reference.accumulation_steps, 'accumulation step')}")
+    return (f"{reference.per_device_batch_size} per device × {_count(reference.devices * reference.nodes, 'device')} × "
+            f"{_count(reference.accumulation_steps, 'accumulation step')}")
+
+
+def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: int, lr_fields: dict[str, Any],
+           warnings: list[str]) -> dict[str, Any]:
+    multiplier = lr_fields["lr_multiplier"]
+    warmup = multiplier >= data.warmup_threshold
+    out: dict[str, Any] = {"warmup_recommended": warmup}
+    length = _count(data.warmup_steps, "step") if data.warmup_steps is not None else _count(data.warmup_epochs, "epoch")
+    reasons = {"warmup_recommended": (
+        f"the lr grows ×{multiplier:.4g} ≥ --warmup-threshold {data.warmup_threshold:g}: ramp linearly from the "
+        f"reference lr over {length} (Goyal et al. 2017)" if warmup else
+        f"the lr multiplier {multiplier:.4g} is below --warmup-threshold {data.warmup_threshold:g}: no warmup needed")}
+    keys = ("samples_per_rank", "padded_samples", "dropped_samples", "loader_batches_per_rank",
+            "steps_per_epoch", "total_steps", "samples_per_epoch")
+    if data.dataset_size is None:
+        out.update(dict.fromkeys(keys))
+        reasons["steps_per_epoch"] = "pass --dataset-size for step counts"
+    else:
+        out.update(_epoch_arithmetic(data, world, batch, accumulation, reasons))
+    out.update(_warmup(data, warmup, out["steps_per_epoch"], out["total_steps"], lr_fields["lr"], reasons, warnings))
+    out.update(_critical(data, global_batch, reasons))
+    return {**out, "reasons": reasons}
+
+
+def _warmup(data: Data, recommended: bool, steps_per_epoch: int | None, total: int | None, lr: float,
+            reasons: dict[str, str], warnings: list[str]) -> dict[str, Any]:
+    """The warmup length ``lr_lambda`` ramps over, in steps and epochs; never past the end of the run."""
+    in_epochs = None
+    if data.warmup_steps is not None:
+        steps, why = int(data.warmup_steps), "given by --warmup-steps"
+    elif not recommended:
+        return {"warmup_steps": None, "warmup_epochs": None}
+    elif steps_per_epoch is None:
+        reasons["warmup_steps"] = (f"pass --dataset-size (to count {_count(data.warmup_epochs, 'warmup epoch')} in "
+                                   "steps) or --warmup-steps")
+        warnings.append("warmup is recommended but its length in steps is unknown: pass --dataset-size or "
+                        "--warmup-steps; until then lr_lambda and scheduler() raise rather than skip the warmup")
+        return {"warmup_steps": None, "warmup_epochs": data.warmup_epochs}
+    else:
+        steps = scaling.warmup_steps(warmup_epochs=data.warmup_epochs, steps_per_epoch=steps_per_epoch)
+        in_epochs = data.warmup_epochs
+        why = f"{_count(data.warmup_epochs, 'warmup epoch')} × {_count(steps_per_epoch, 'step')} per epoch"
+    if total is not None and 0 < total <= steps:
+        # A ramp that outlasts the run never reaches the planned lr: clamp it, and say so.
+        warnings.append(f"a warmup of {steps:,} steps ({why}) does not end before the {total:,}-step run "
+                        f"({_count(data.epochs, 'epoch')}) does: clamped to {total:,} steps, so the lr climbs all run "
+                        f"and never reaches {lr:.4g}; pass the run's real --epochs, or a shorter --warmup-epochs or "
+                        "--warmup-steps")
+        why, steps, in_epochs = f"{why} = {steps:,}, clamped to the run's {total:,} steps", total, None
+    reasons["warmup_steps"] = why
+    if in_epochs is None and steps_per_epoch:
+        in_epochs = steps / steps_per_epoch
+    return {"warmup_steps": steps, "warmup_epochs": in_epochs}
+
+
+def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, reasons: dict[str, str]) -> dict[str, Any]:
+    n = data.dataset_size
+    if n < world:
+        raise UsageError(f"{{data.dataset_size}} {n} is smaller than the world size {world}: some ranks would get "
+                         "no data")
+    per_rank = scaling.samples_per_rank(n, world_size=world, drop_last=data.sampler_drop_last)
+    padded = 0 if data.sampler_drop_last else scaling.padded_samples(n, world_size=world)
+    dropped = scaling.sampler_dropped_samples(n, world_size=world) if data.sampler_drop_last else 0
+    batches = scaling.loader_batches(per_rank, batch_size=batch, drop_last=data.drop_last)
+    if batches == 0:
+        raise UsageError(f"each rank gets {per_rank} samples, fewer than one batch of {batch} with {{data.drop_last}}: "
+                         "lower {target.per_device_batch_size} or drop {data.drop_last}")
+    loader_dropped = (per_rank - batches * batch) * world if data.drop_last else 0
+    steps = scaling.optimizer_steps(loader_batches=batches, accumulation_steps=accumulation)
+    total = math.ceil(steps * data.epochs)
+    seen = (per_rank * world) - loader_dropped
+    reasons.update({
+        "samples_per_rank": (f"DistributedSampler drop_last=True gives floor({n}/{world})" if data.sampler_drop_last
+                             else f"DistributedSampler gives each rank ceil({n}/{world}), padding by repetition"),
+        "padded_samples": "samples repeated so every rank gets the same count (0 with --sampler-drop-last)",
+        "dropped_samples": "samples never seen in an epoch: the sampler's tail with --sampler-drop-last, "
+                           "each rank's last partial batch with --drop-last",
+        "loader_batches_per_rank": f"{per_rank} samples in batches of {batch}"
+                                   + (", the last partial batch dropped" if data.drop_last
+                                      else ", the last may be partial"),
+        "steps_per_epoch": f"ceil({_count(batches, 'loader batch', 'loader batches')} / "
+                           f"{_count(accumulation, 'accumulation step')})"
+                           + ("; a final partial accumulation window still makes an optimizer step, as in Lightning "
+                              "and the Hugging Face Trainer" if batches % accumulation else ""),
+        "total_steps": f"{_count(steps, 'step')} per epoch × {_count(data.epochs, 'epoch')}",
+        "samples_per_epoch": "samples the ranks process per epoch, repeats included",
+    })
+    return {"samples_per_rank": per_rank, "padded_samples": padded, "dropped_samples": dropped + loader_dropped,
+            "loader_batches_per_rank": batches, "steps_per_epoch": steps, "total_steps": total,
+            "samples_per_epoch": seen}
+
+
+def _critical(data: Data, global_batch: int, reasons: dict[str, str]) -> dict[str, Any]:
+    if data.critical_batch_size is None:
+        return {"steps_factor": None, "compute_factor": None}
+    crit = data.critical_batch_size
+    reasons["steps_factor"] = f"1 + B_crit/B = 1 + {crit:g}/{global_batch}: steps relative to the fewest possible"
+    reasons["compute_factor"] = f"1 + B/B_crit = 1 + {global_batch}/{crit:g}: samples relative to the fewest possible"
+    return {"steps_factor": scaling.steps_factor(global_batch, crit),
+            "compute_factor": scaling.compute_factor(global_batch, crit)}
+
+
+def _semantics_warnings(reference: Reference, target: Target, global_batch: int, data: Data) -> list[str]:
+    warnings = []
+    if reference.reduction == "sum" and target.world_size > 1:
+        warnings.append(f"reduction='sum': DDP averages gradients over ranks, so its gradient is 1/{target.world_size} "
+                        "of the single-process sum; multiply the loss by the world size, or use a mean-reduced loss")
+    if reference.reduction == "sum" and reference.wrapper == "ddp" and reference.world_size > 1:
+        warnings.append(f"the reference itself ran DDP with a summed loss: its gradients were already 1/"
+                        f"{reference.world_size} of the sum")
+    if data.critical_batch_size and global_batch > 2 * data.critical_batch_size:
+        warnings.append(f"the global batch {global_batch} is well past the critical batch size "
+                        f"{data.critical_batch_size:g}: predicted "
+                        f"{scaling.steps_factor(global_batch, data.critical_batch_size):.2f}× the minimum steps and "
+                        f"{scaling.compute_factor(global_batch, data.critical_batch_size):.2f}× the minimum compute; "
+                        "larger batches buy little speed")
+    return warnings
+
+
+# The plan's prose (reasons, warnings, the other mode) speaks the command line's words.
+PROSE_NAMES = {"target.per_device_batch_size": "--batch-size", "target.accumulation_steps": "--accumulation",
+               "target.global_batch_size": "--global-batch-size", "target.keep": "--keep",
+               "target.max_batch_size_per_device": "--max-batch-size-per-device", "reference.lr": "--ref-lr",
+               "reference.eps": "--eps", "data.dataset_size": "--dataset-size", "data.drop_last": "--drop-last",
+               "data.warmup_steps": "--warmup-steps"}
+
+
+def _other_mode(mode: Keep, reference: Reference, target: Target, lr_source: LrSource | None) -> str:
+    other = "per-device" if mode == "trajectory" else "trajectory"
+    try:
+        alternative = _plan(reference, dataclasses.replace(
+            target, keep=other, global_batch_size=None,
+            per_device_batch_size=None if other == "trajectory" else target.per_device_batch_size), Data(),
+            lr_source, describe_other=False)
+    except UsageError as exc:
+        return f"--keep {other} is not possible here: {exc.render(PROSE_NAMES)}"
+    return (f"--keep {other} would give {alternative.per_device_batch_size} per device × "
+            f"{alternative.accumulation_steps} accumulation (global {alternative.global_batch_size}) "
+            f"at lr {alternative.lr:.4g}")

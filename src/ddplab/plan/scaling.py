@@ -1,0 +1,125 @@
+"""Pure formulas for data-parallel batch and learning-rate arithmetic (no torch).
+
+>>> global_batch_size(per_device_batch_size=32, devices=8, nodes=2, accumulation_steps=2)
+1024
+>>> lr_multiplier(8, "linear"), lr_multiplier(4, "sqrt")
+(8.0, 2.0)
+>>> samples_per_rank(1000, world_size=3, drop_last=False), padded_samples(1000, world_size=3)
+(334, 2)
+>>> optimizer_steps(loader_batches=10, accumulation_steps=4)
+3
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+from ddplab.errors import UsageError
+
+Wrapper = Literal["single", "dp", "ddp"]
+Rule = Literal["none", "linear", "sqrt"]
+WRAPPERS: tuple[Wrapper, ...] = get_args(Wrapper)
+RULES: tuple[Rule, ...] = get_args(Rule)
+
+
+def global_batch_size(*, per_device_batch_size: int, devices: int = 1, nodes: int = 1,
+                      accumulation_steps: int = 1, wrapper: Wrapper = "ddp") -> int:
+    """Samples behind one optimizer step.
+
+    DDP runs one process per device, each loading ``per_device_batch_size``. DataParallel runs
+    one process whose loader batch it splits across devices, so ``per_device_batch_size`` is
+    then the whole loader batch and the device count does not multiply it.
+    """
+    if wrapper == "dp" or wrapper == "single":
+        return per_device_batch_size * nodes * accumulation_steps
+    return per_device_batch_size * devices * nodes * accumulation_steps
+
+
+def lr_multiplier(k: float, rule: Rule) -> float:
+    """How much the learning rate grows when the global batch grows by ``k``."""
+    if rule == "none":
+        return 1.0
+    if rule == "linear":
+        return float(k)
+    if rule == "sqrt":
+        return math.sqrt(k)
+    raise UsageError(f"{{target.rule}} must be one of {', '.join(RULES)}, got {rule!r}")
+
+
+def adam_sqrt_rule(k: float, *, betas: tuple[float, float], eps: float) -> tuple[tuple[float, float], float]:
+    """Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β), ε' = ε/√k (lr·√k separately)."""
+    return (1.0 - k * (1.0 - betas[0]), 1.0 - k * (1.0 - betas[1])), eps / math.sqrt(k)
+
+
+def samples_per_rank(dataset_size: int, *, world_size: int, drop_last: bool) -> int:
+    """What DistributedSampler gives each rank: ceil(N/W) padded by repetition, or floor(N/W)."""
+    return dataset_size // world_size if drop_last else -(-dataset_size // world_size)
+
+
+def padded_samples(dataset_size: int, *, world_size: int) -> int:
+    """Samples DistributedSampler repeats so every rank gets ceil(N/W) (no sampler drop_last)."""
+    return samples_per_rank(dataset_size, world_size=world_size, drop_last=False) * world_size - dataset_size
+
+
+def sampler_dropped_samples(dataset_size: int, *, world_size: int) -> int:
+    """Samples DistributedSampler drops from the tail with drop_last=True."""
+    return dataset_size - samples_per_rank(dataset_size, world_size=world_size, drop_last=True) * world_size
+
+
+def loader_batches(samples: int, *, batch_size: int, drop_last: bool) -> int:
+    """Batches a DataLoader yields from ``samples`` (the last one partial unless drop_last)."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def optimizer_steps(*, loader_batches: int, accumulation_steps: int) -> int:
+    """Optimizer steps per epoch; a final partial accumulation window still steps."""
+    return -(-loader_batches // accumulation_steps)
+
+
+def warmup_steps(*, warmup_epochs: float, steps_per_epoch: int) -> int:
+    return math.ceil(warmup_epochs * steps_per_epoch)
+
+
+def warmup_factor(step: int, *, warmup_steps: int, lr_multiplier: float) -> float:
+    """Factor on the scaled lr at ``step``: from the reference lr (1/multiplier) linearly to 1.
+
+    Goyal et al. (2017) gradual warmup; usable as a LambdaLR ``lr_lambda``. An lr scaled down
+    (multiplier ≤ 1) has nothing to warm up from: it starts at the planned lr.
+    """
+    if warmup_steps <= 0 or step >= warmup_steps or lr_multiplier <= 1:
+        return 1.0
+    start = 1.0 / lr_multiplier
+    return start + (1.0 - start) * step / warmup_steps
+
+
+def nearest_divisible(global_batch: int, world_size: int) -> list[int]:
+    """The nearest global batches below and above ``global_batch`` that W ranks split evenly."""
+    below = global_batch // world_size * world_size
+    return [b for b in (below, below + world_size) if b > 0]
+
+
+def split_global_batch(global_batch: int, *, world_size: int, max_per_device: int | None = None) -> tuple[int, int]:
+    """(per-device batch, accumulation steps) reaching ``global_batch`` exactly with the fewest accumulation steps.
+
+    Raises UsageError when W does not divide the global batch, or no split fits ``max_per_device``.
+    """
+    if global_batch % world_size:
+        options = " or ".join(map(str, nearest_divisible(global_batch, world_size)))
+        raise UsageError(f"a world size of {world_size} cannot split a global batch of {global_batch} evenly; "
+                         f"use a global batch of {options}")
+    per_rank = global_batch // world_size
+    for accumulation in range(1, per_rank + 1):
+        if per_rank % accumulation == 0 and (max_per_device is None or per_rank // accumulation <= max_per_device):
+            return per_rank // accumulation, accumulation
+    raise UsageError(f"{{target.max_batch_size_per_device}} must be at least 1, got {max_per_device}")
+
+
+def steps_factor(global_batch: float, critical_batch: float) -> float:
+    """Steps relative to the fewest possible (McCandlish et al. 2018): S/S_min = 1 + B_noise/B."""
+    return 1.0 + critical_batch / global_batch
+
+
+def compute_factor(global_batch: float, critical_batch: float) -> float:
+    """Samples (compute) relative to the fewest possible: E/E_min = 1 + B/B_noise."""
+    return 1.0 + global_batch / critical_batch

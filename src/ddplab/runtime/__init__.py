@@ -1,0 +1,1 @@
+"""Where ddplab meets torch.distributed: launching ranks, signals, spec files, data order, rank failures."""

@@ -1,0 +1,92 @@
+"""Cancelling with signals: SIGTERM, SIGINT and SIGHUP stop what ddplab started, then act as they would have.
+
+Two users: :func:`ddplab.runtime.launch.launch` (ranks it forked or spawned) and
+``ddplab audit`` (a command in its own process group). Neither keeps state in module globals:
+each cancellation is an object, so launches may nest and run one after another.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+CANCEL_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Cancelled(BaseException):
+    """A cancelling signal arrived (BaseException: no ``except Exception`` swallows it)."""
+
+
+class CancelOnSignals:
+    """While active, turn SIGTERM/SIGINT/SIGHUP into a request the supervising loop acts on.
+
+    The handler only records the signal (``requested`` is set). On exit the handlers are put back
+    and the signal is raised again under the caller's own handler, so the caller sees exactly what
+    it would have without us (SIG_DFL: the process ends by that signal, 128+signum in a shell).
+    A signal the process ignores (nohup's SIGHUP, SIGINT in a background job) stays ignored.
+    """
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.previous: dict[int, Any] = {}
+        self.received: int | None = None
+        self.requested = threading.Event()
+
+    def __enter__(self) -> CancelOnSignals:
+        # Python delivers signals to the main thread only; elsewhere leave dispositions alone.
+        if threading.current_thread() is threading.main_thread():
+            for signum in CANCEL_SIGNALS:
+                current = signal.getsignal(signum)
+                if current not in (signal.SIG_IGN, None):
+                    self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.owner:
+            # A child forked a moment ago that has not restored its handlers yet.
+            signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        if self.received is None:
+            self.received = signum
+        self.requested.set()
+
+    def check(self) -> None:
+        """Raise :class:`Cancelled` once a signal arrived."""
+        if self.requested.is_set():
+            raise Cancelled()
+
+    def restore_in_child(self) -> None:
+        """In a forked child: the handlers the parent had before us."""
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.restore_in_child()
+        if self.received is not None:
+            signal.raise_signal(self.received)
+        # The caller's handler returned: the caller sees ``received`` set, and no Cancelled.
+        return exc_type is Cancelled
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    """Send ``signum`` to a process group that may already be gone."""
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def sweep_group(pgid: int, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for a process group to end, then SIGKILL what is left."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
+    signal_group(pgid, signal.SIGKILL)

@@ -1,0 +1,154 @@
+"""From runs to the study's answer: the runs table, the tuned curve, one fit per rule, and B_simple.
+
+Pure Python over the engine's results (no torch): the fit is in :mod:`ddplab.study.fit`, the
+noise-scale estimators in :mod:`ddplab.noise.estimators`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ddplab.errors import UsageError
+from ddplab.noise import estimators
+from ddplab.study import fit
+from ddplab.study.config import Rule, StudyConfig, round_lr
+from ddplab.study.engine import RunResult
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyAnalysis:
+    runs: list[dict]
+    """One row per (rule, batch, lr, seed), a run serving several rules listed once per rule."""
+    tuned_lr: list[dict]
+    """Per global batch: the best lr of the tuned sweep, its median steps, and the sweep."""
+    fit: dict[str, dict]
+    """Per rule: S_min, B_crit with its seed-bootstrap interval, E_min, the medians fitted and the regimes."""
+    b_simple: dict | None
+    """B_simple along the best tuned runs, with its 95% interval and B_crit / B_simple."""
+    warnings: list[str]
+    unreached: list[dict]
+    """Per (rule, global batch) whose median run never reached the target: the best metric any of its runs got."""
+    steps_by_rule: dict[Rule, dict[int, list[float]]]
+
+    @property
+    def reached(self) -> bool:
+        """Some run reached the target."""
+        return any(r["steps_to_target"] is not None for r in self.runs)
+
+
+def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAnalysis:
+    """The study's answer from its runs; UsageError when every lr of a batch size diverged."""
+    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs}
+    _check_divergence(config, results)
+    runs, steps_by_rule, tuned = [], {rule: {} for rule in config.rules}, []
+    for b in sorted(results):
+        lrs = config.lrs(b)
+        best = _tuned_best(config, b, lrs, by_key) if "tuned" in config.rules else None
+        if best is not None:
+            tuned.append({"global_batch_size": b, "lr": best[0], "median_steps": best[1],
+                          "sweep": sorted(lr for lr, rules in lrs.items() if "tuned" in rules)})
+        runs += _rows(config, b, lrs, by_key, best)
+        for rule in config.rules:
+            if rule == "tuned" and best is None:
+                continue
+            lr = best[0] if rule == "tuned" else round_lr(config.rule_lr(rule, b))
+            steps_by_rule[rule][b] = [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)]
+    fits, warnings = _fits(steps_by_rule)
+    warnings += _edge_warnings(tuned)
+    best_runs = [by_key[(p["global_batch_size"], p["lr"], s)] for p in tuned for s in range(config.seeds)]
+    return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=_b_simple(best_runs, fits.get("tuned")),
+                         warnings=warnings, unreached=_unreached(config, results), steps_by_rule=steps_by_rule)
+
+
+def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[dict]:
+    rows = []
+    for lr, rules in lrs.items():
+        for rule in rules:
+            for seed in range(config.seeds):
+                run = by_key[(b, lr, seed)]
+                rows.append({"rule": rule, "global_batch_size": b, "lr": lr, "seed": seed,
+                             "steps_to_target": run.steps_to_target, "diverged": run.diverged, "pruned": run.pruned,
+                             "best": rule == "tuned" and best is not None and lr == best[0]})
+    return rows
+
+
+def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) -> None:
+    for b, runs in sorted(results.items()):
+        sweep = [r for r in runs if "tuned" in config.lrs(b).get(r.lr, [])] or runs
+        if all(r.diverged for r in sweep):
+            lrs = [r.lr for r in sweep]
+            raise UsageError(f"every lr {'of the tuned sweep ' if 'tuned' in config.rules else ''}diverged at global "
+                             f"batch {b} ({min(lrs):g} to {max(lrs):g}): lower {{reference_lr}} (runs are cached)")
+
+
+def _steps(run: RunResult) -> float:
+    return float(run.steps_to_target) if run.steps_to_target is not None else math.inf
+
+
+def _tuned_best(config: StudyConfig, b: int, lrs: dict, by_key: dict) -> tuple[float, float] | None:
+    sweep = {lr: [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)]
+             for lr, rules in lrs.items() if "tuned" in rules}
+    return fit.best_lr(sweep)
+
+
+def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
+    fits, warnings = {}, []
+    for rule, by_batch in steps_by_rule.items():
+        reached = {b: s for b, s in by_batch.items() if math.isfinite(fit.median(s))}
+        if len(reached) < 2:
+            warnings.append(f"rule {rule}: the median run reached the target at fewer than two batch sizes; no fit")
+            continue
+        fitted = fit.fit_seeds(reached)
+        fits[rule] = {**fitted, "median_steps": {str(b): v for b, v in fitted["median_steps"].items()},
+                      "batches_fitted": sorted(reached)}
+        if not math.isfinite(fitted["b_crit"]):
+            warnings.append(f"rule {rule}: steps fall as 1/B over the whole measured range; B_crit lies above it")
+    return fits, warnings
+
+
+def _edge_warnings(tuned: list[dict]) -> list[str]:
+    edge = [p["global_batch_size"] for p in tuned if p["lr"] in (p["sweep"][0], p["sweep"][-1]) and len(p["sweep"]) > 1]
+    if not edge:
+        return []
+    return [(f"the best tuned lr sits at the edge of its sweep at global batch {', '.join(map(str, edge))}: "
+             "widen --sweep-margin")]
+
+
+def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None:
+    g2s = [g for run in best_runs for g in run.noise_g2]
+    traces = [t for run in best_runs for t in run.noise_trace]
+    if not g2s:
+        return None
+    summary = estimators.summarize(g2s, traces)
+    ratio = tuned_fit["b_crit"] / summary.b_simple if tuned_fit and summary.b_simple > 0 else None
+    interval = list(summary.b_simple_ci95) if summary.b_simple_ci95 is not None else [None, None]
+    return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps,
+            "b_crit_over_b_simple": ratio}
+
+
+def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list[dict]:
+    """Per (rule, batch) whose median run missed the target: how close its runs got."""
+    out = []
+    for b, runs in sorted(results.items()):
+        lrs = config.lrs(b)
+        for rule in config.rules:
+            served = [r for r in runs if rule in lrs.get(r.lr, [])]
+            if served and math.isinf(_median_steps(rule, served, config.seeds)):
+                out.append({"rule": rule, "global_batch_size": b, "best_metric": _best_metric(config, served)})
+    return out
+
+
+def _median_steps(rule: Rule, runs: list[RunResult], seeds: int) -> float:
+    by_lr: dict[float, list[float]] = {}
+    for run in runs:
+        by_lr.setdefault(run.lr, []).append(_steps(run))
+    best = fit.best_lr(by_lr)
+    return best[1] if best else math.inf
+
+
+def _best_metric(config: StudyConfig, runs: list[RunResult]) -> float | None:
+    metrics = [h[2] for run in runs for h in run.history if h[2] is not None and math.isfinite(h[2])]
+    if not metrics:
+        return None
+    return max(metrics) if config.target.kind == "accuracy" else min(metrics)

@@ -1,0 +1,165 @@
+"""What a study trains and when a run has arrived (torch-free: the command line reads its defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Literal, get_args
+
+from ddplab.errors import UsageError
+
+Rule = Literal["constant", "linear", "sqrt", "tuned"]
+RULES: tuple[Rule, ...] = get_args(Rule)
+TargetKind = Literal["accuracy", "loss"]
+Dtype = Literal["float32", "float64"]
+DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_ACCURACY = 0.95
+"""The built-in workload's target, when none is given."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target:
+    """When a run has arrived."""
+
+    kind: TargetKind
+    """accuracy: the metric must reach ``value`` from below; loss: from above."""
+    value: float
+
+    def __post_init__(self):
+        if self.kind == "accuracy" and not 0 < self.value <= 1:
+            raise UsageError(f"{{target.accuracy}} must be in (0, 1], got {self.value}")
+        if self.kind == "loss" and not 0 < self.value < math.inf:
+            raise UsageError(f"{{target.loss}} must be a positive number, got {self.value}")
+
+    def reached(self, metric: float) -> bool:
+        return metric >= self.value if self.kind == "accuracy" else metric <= self.value
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "value": self.value}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyConfig:
+    """The grid and how each run is trained."""
+
+    target: Target
+    """When a run has reached the result."""
+    global_batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
+    """Global batch sizes to measure."""
+    rules: tuple[Rule, ...] = RULES
+    """lr rules to run."""
+    reference_global_batch_size: int = 32
+    """Reference global batch the rules scale from."""
+    reference_lr: float = 0.1
+    """Learning rate at the reference global batch."""
+    seeds: int = 3
+    """Seeds per grid point: model init and data order."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    max_steps: int = 3000
+    """Step budget per run; a run that has not reached the target by then is 'not reached'."""
+    eval_every: int = 5
+    """Evaluate every k optimizer steps."""
+    sweep_factor: float = 2.0
+    """Spacing of the tuned sweep."""
+    sweep_margin: float = 4.0
+    """The tuned sweep spans the constant and linear rules' lrs, widened by this factor."""
+    dtype: Dtype = "float32"
+    """Training precision."""
+
+    def __post_init__(self):
+        if not self.global_batch_sizes or any(b < 1 for b in self.global_batch_sizes):
+            raise UsageError("{global_batch_sizes} must be positive integers")
+        if len(set(self.global_batch_sizes)) < 2 and "tuned" in self.rules:
+            raise UsageError("{global_batch_sizes} needs at least two sizes for a fit")
+        if not self.rules or any(r not in RULES for r in self.rules):
+            raise UsageError(f"{{rules}} must be among {', '.join(RULES)}")
+        for field, value in (("reference_global_batch_size", self.reference_global_batch_size),
+                             ("seeds", self.seeds), ("max_steps", self.max_steps), ("eval_every", self.eval_every)):
+            if not value >= 1:
+                raise UsageError(f"{{{field}}} must be at least 1, got {value}")
+        if not 0 < self.reference_lr < math.inf:
+            raise UsageError(f"{{reference_lr}} must be a positive number, got {self.reference_lr}")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"{{momentum}} must be in [0, 1), got {self.momentum}")
+        if not self.sweep_factor > 1 or not self.sweep_margin >= 1:
+            raise UsageError("{sweep_factor} must be above 1 and {sweep_margin} at least 1")
+        if self.dtype not in get_args(Dtype):
+            raise UsageError(f"{{dtype}} must be float32 or float64, got {self.dtype!r}")
+
+    def rule_lr(self, rule: Rule, global_batch: int) -> float:
+        """The lr a fixed rule gives at ``global_batch`` from the reference (batch, lr)."""
+        k = global_batch / self.reference_global_batch_size
+        return self.reference_lr * {"constant": 1.0, "linear": k, "sqrt": math.sqrt(k)}[rule]
+
+    def sweep(self, global_batch: int) -> list[float]:
+        """The tuned rule's lrs at ``global_batch``: a log grid through the reference lr, spanning both rules."""
+        k = global_batch / self.reference_global_batch_size
+        low, high = min(1.0, k) / self.sweep_margin, max(1.0, k) * self.sweep_margin
+        step = math.log(self.sweep_factor)
+        first, last = math.ceil(math.log(low) / step - 1e-9), math.floor(math.log(high) / step + 1e-9)
+        return [round_lr(self.reference_lr * self.sweep_factor ** i) for i in range(first, last + 1)]
+
+    def lrs(self, global_batch: int) -> dict[float, list[Rule]]:
+        """Every lr trained at ``global_batch`` and the rules it serves (one run serves several)."""
+        out: dict[float, list[Rule]] = {}
+        for rule in self.rules:
+            for lr in self.sweep(global_batch) if rule == "tuned" else [round_lr(self.rule_lr(rule, global_batch))]:
+                out.setdefault(lr, []).append(rule)
+        return out
+
+    def grid_runs(self, global_batch: int) -> list[tuple[float, int]]:
+        """Every (lr, seed) trained at ``global_batch``."""
+        return [(lr, seed) for lr in self.lrs(global_batch) for seed in range(self.seeds)]
+
+    def fingerprint(self, workload_fingerprint: str) -> str:
+        """What a cached run depends on: the workload (its content) and every training setting."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("global_batch_sizes", "rules")}
+        return hashlib.sha256(
+            json.dumps([workload_fingerprint, fields], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def round_lr(lr: float) -> float:
+    # Twelve significant digits: the same lr reached by two rules is one run.
+    return float(f"{lr:.12g}")
+
+
+def target_for(*, spec: str | None, accuracy: float | None = None, loss: float | None = None) -> Target:
+    """The target asked for: a spec must say; the built-in workload defaults to accuracy 0.95."""
+    if accuracy is not None and loss is not None:
+        raise UsageError("give one target: {target.accuracy} or {target.loss}")
+    if loss is not None:
+        return Target(kind="loss", value=loss)
+    if accuracy is None and spec:
+        raise UsageError("a spec needs a target: {target.accuracy} A or {target.loss} L")
+    return Target(kind="accuracy", value=DEFAULT_ACCURACY if accuracy is None else accuracy)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyOptions:
+    """Where a study keeps its results and what it does besides training the grid."""
+
+    out: str = "study-out"
+    """Directory for the cache, plots, study.json and report.html."""
+    fresh: bool = False
+    """Discard cached runs in ``out`` and start over."""
+    plots: bool = True
+    """Write the PNG plots and the HTML report (needs matplotlib)."""
+    verify_ddp: int = 0
+    """Grid points to replay on real DDP ranks after the study (0: none)."""
+    verify_world_size: int = 2
+    """Ranks for verify_ddp."""
+    verify_steps: int = 20
+    """Steps per verify_ddp point."""
+    threads: int = 1
+    """torch intra-op threads while training (the runs are already batched; small models lose to hand-offs)."""
+
+    def __post_init__(self):
+        for field, value in (("verify_world_size", self.verify_world_size), ("verify_steps", self.verify_steps),
+                             ("threads", self.threads)):
+            if not value >= 1:
+                raise UsageError(f"{{{field}}} must be at least 1, got {value}")
+        if not self.verify_ddp >= 0:
+            raise UsageError(f"{{verify_ddp}} must be zero or more, got {self.verify_ddp}")

@@ -1,0 +1,279 @@
+"""The vectorized engine: every run of one global batch trained together, as stacked parameters.
+
+A global batch B trains the same on W DDP ranks as in one process with B (DDP averages the
+ranks' mean gradients), so each batch size's runs live in one process: a slice of stacked
+parameters per run, one forward and backward for all of them through ``torch.func.vmap`` over
+``functional_call`` — never a loop over runs. Each run's data order is DistributedSampler's
+(seed + epoch permutation, full batches only), so :mod:`ddplab.study.verify` can replay any grid
+point on real DDP ranks and compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+from torch.func import functional_call, vmap
+
+from ddplab.errors import UsageError
+from ddplab.noise import estimators
+from ddplab.runtime.sharding import epoch_permutation
+from ddplab.study import fit
+from ddplab.study.config import StudyConfig
+from ddplab.study.workloads import Workload
+
+# A run whose training loss is not finite (or explodes past this) has diverged.
+DIVERGED_LOSS = 1e6
+
+
+def torch_dtype(config: StudyConfig) -> torch.dtype:
+    return torch.float64 if config.dtype == "float64" else torch.float32
+
+
+class _Batches:
+    """Global batch ``step`` of each seed: positions step·B … step·B+B−1 of the epoch's permutation.
+
+    DistributedSampler gives rank r the positions r, r+W, r+2W, …; rank r's j-th loader batch of
+    B/W samples, over all ranks, covers exactly those B positions. Full batches only, so padding never enters.
+    """
+
+    def __init__(self, dataset_size: int, global_batch: int, seeds: list[int]):
+        self.size, self.global_batch, self.seeds = dataset_size, global_batch, seeds
+        self.per_epoch = dataset_size // global_batch
+        self._epoch, self._perms = -1, None
+
+    def indices(self, step: int) -> torch.Tensor:
+        """(len(seeds), B) sample indices for optimizer ``step`` (0-based)."""
+        epoch, within = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._perms = torch.stack([epoch_permutation(self.size, seed=s, epoch=epoch) for s in self.seeds])
+            self._epoch = epoch
+        return self._perms[:, within * self.global_batch:(within + 1) * self.global_batch]
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One (batch, lr, seed) run."""
+
+    global_batch_size: int
+    lr: float
+    seed: int
+    steps_to_target: int | None = None
+    diverged: bool = False
+    pruned: bool = False
+    """Stopped early: a tuned-sweep lr that can no longer be the best at its batch size."""
+    history: list = dataclasses.field(default_factory=list)
+    """[step, training loss, metric] at each evaluation."""
+    noise_g2: list = dataclasses.field(default_factory=list)
+    noise_trace: list = dataclasses.field(default_factory=list)
+    """Per-evaluation |G|² and tr Σ (estimators.unbiased_estimates) up to the target."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def seeded_params(workload: Workload, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's parameters as built under ``seed`` (as every DDP rank builds them)."""
+    torch.manual_seed(seed)
+    model = workload.model().to(dtype)
+    if any(True for _ in model.buffers()):
+        raise UsageError("the study trains models without buffers (no BatchNorm running statistics): "
+                         "vmap over stacked parameters cannot update them")
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class Group:
+    """All runs of one global batch size, as stacked parameters trained together."""
+
+    def __init__(self, workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]]):
+        self.workload, self.config, self.global_batch = workload, config, global_batch
+        dtype = torch_dtype(config)
+        self.model = workload.model().to(dtype)
+        seeds = sorted({seed for _, seed in runs})
+        init = {seed: seeded_params(workload, seed, dtype) for seed in seeds}
+        self.params = {name: torch.stack([init[seed][name] for _, seed in runs]) for name in init[seeds[0]]}
+        self.momentum = {name: torch.zeros_like(p) for name, p in self.params.items()}
+        self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype)
+        self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
+        self.active = list(range(len(runs)))
+        self.results = [RunResult(global_batch_size=global_batch, lr=lr, seed=seed) for lr, seed in runs]
+        self.batches = _Batches(workload.train_size, global_batch, seeds)
+        self.inputs = cast(workload.train[0], dtype)
+        self.targets = cast(workload.train[1], dtype)
+        self._forward = vmap(lambda params, inputs: functional_call(self.model, params, (inputs,)))
+        self._losses = vmap(workload.loss)
+
+    def _grad_and_loss(self, params, inputs, targets):
+        # Runs share no parameters, so one backward of the summed losses gives each run its own gradient
+        # (cheaper than vmap over torch.func.grad, and bit-identical).
+        leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+        try:
+            losses = self._losses(self._forward(leaves, inputs), targets)
+        except RuntimeError as exc:
+            if "randomness" not in str(exc):
+                raise
+            raise UsageError("the model draws random numbers in training (dropout?): the vectorized study cannot "
+                             "replay them run by run; remove them for the study") from None
+        grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+        return dict(zip(leaves, grads)), losses.detach()
+
+    def _grad(self, params, inputs, targets):
+        return self._grad_and_loss(params, inputs, targets)[0]
+
+    def step(self, step: int, *, measure: bool) -> torch.Tensor:
+        """One optimizer step of every active run (SGD with momentum, torch.optim.SGD's formula); returns losses."""
+        indices = self.batches.indices(step)[self.seed_row]
+        inputs, targets = self.inputs[indices], self.targets[indices]
+        grads, losses = self._grad_and_loss(self.params, inputs, targets)
+        if measure and self.global_batch >= 2:
+            self._measure(grads, inputs, targets)
+        names = list(grads)
+        buffers, params = [self.momentum[n] for n in names], [self.params[n] for n in names]
+        lrs = [self.lr.view(-1, *[1] * (self.params[n].dim() - 1)) for n in names]
+        # torch.optim.SGD: buf ← μ·buf + g (buf starts at 0, so the first step sets buf = g), p ← p − lr·buf.
+        torch._foreach_mul_(buffers, self.config.momentum)
+        torch._foreach_add_(buffers, [grads[n] for n in names])
+        torch._foreach_addcmul_(params, lrs, buffers, value=-1)
+        return losses
+
+    def _measure(self, grads, inputs, targets) -> None:
+        # The gradient of the first half of each batch beside the whole batch's: McCandlish's two sizes.
+        half = self.global_batch // 2
+        small = self._grad(self.params, inputs[:, :half], targets[:, :half])
+        big_sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+        small_sq = sum(g.flatten(1).pow(2).sum(1) for g in small.values())
+        for row, run in enumerate(self.active):
+            g2, trace = estimators.unbiased_estimates(float(small_sq[row]), float(big_sq[row]), half,
+                                                            self.global_batch)
+            self.results[run].noise_g2.append(g2)
+            self.results[run].noise_trace.append(trace)
+
+    def metrics(self) -> list[float]:
+        """Each active run's evaluation: vectorized on the validation split, or the spec's evaluate per run."""
+        if self.workload.evaluate is not None:
+            return self._evaluate_each()
+        inputs, targets = self.workload.val
+        inputs, targets = cast(inputs, torch_dtype(self.config)), cast(targets, torch_dtype(self.config))
+        with torch.no_grad(), _eval_mode(self.model):
+            outputs = vmap(lambda p: functional_call(self.model, p, (inputs,)))(self.params)
+            if self.config.target.kind == "accuracy":
+                values = (outputs.argmax(-1) == targets).to(torch.float64).mean(-1)
+            else:
+                values = vmap(lambda out: self.workload.loss(out, targets))(outputs)
+        return values.tolist()
+
+    def _evaluate_each(self) -> list[float]:
+        out = []
+        with torch.no_grad():
+            for row in range(len(self.active)):
+                self.model.load_state_dict({n: p[row] for n, p in self.params.items()}, strict=False)
+                out.append(float(self.workload.evaluate(self.model, self.workload.eval_dataset)))
+        return out
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop finished runs: only the rows in ``rows`` go on training."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.params = {n: p[index] for n, p in self.params.items()}
+        self.momentum = {n: b[index] for n, b in self.momentum.items()}
+        self.lr, self.seed_row = self.lr[index], self.seed_row[index]
+        self.active = [self.active[r] for r in rows]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    # Evaluation sees the model as inference would: eval() mode, training mode restored after.
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
+                progress: Callable[[int], None] | None = None, *,
+                sweep_only: set[float] = frozenset()) -> list[RunResult]:
+    """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps.
+
+    Runs of an lr in ``sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
+    have the fewest median steps: they only had to lose to the best.
+    """
+    group = Group(workload, config, global_batch, runs)
+    reported = 0
+    for step in range(config.max_steps):
+        evaluate = (step + 1) % config.eval_every == 0
+        losses = group.step(step, measure=evaluate)
+        finished = _finish_diverged(group, losses)
+        if evaluate:
+            finished |= _finish_reached(group, losses, step + 1)
+            finished |= _prune(group, sweep_only, step + 1, finished)
+            if progress:
+                progress(step + 1 - reported)
+                reported = step + 1
+        rows = [row for row, run in enumerate(group.active) if run not in finished]
+        if not rows:
+            break
+        if finished:
+            group.keep(rows)
+    if progress:
+        progress(config.max_steps - reported)
+    return group.results
+
+
+def _prune(group: Group, sweep_only: set[float], steps: int, finished: set[int]) -> set[int]:
+    if not sweep_only:
+        return set()
+    by_lr: dict[float, list[RunResult]] = {}
+    for result in group.results:
+        by_lr.setdefault(result.lr, []).append(result)
+    best_lr, best = None, math.inf
+    for lr, results in by_lr.items():
+        reached = sorted(r.steps_to_target for r in results if r.steps_to_target is not None)
+        # The median over n seeds is settled once n//2 + 1 of them reached (the rest can only be slower).
+        if len(reached) >= len(results) // 2 + 1:
+            median = fit.median(reached + [math.inf] * (len(results) - len(reached)))
+            if median < best:
+                best_lr, best = lr, median
+    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
+    if steps <= best * (2 if group.config.seeds % 2 == 0 else 1):
+        return set()
+    pruned = set()
+    for run in group.active:
+        result = group.results[run]
+        if run not in finished and result.lr in sweep_only and result.lr != best_lr:
+            result.pruned = True
+            pruned.add(run)
+    return pruned
+
+
+def _finish_diverged(group: Group, losses: torch.Tensor) -> set[int]:
+    bad = ~torch.isfinite(losses) | (losses.abs() > DIVERGED_LOSS)
+    finished = set()
+    for row in torch.nonzero(bad).flatten().tolist():
+        run = group.active[row]
+        group.results[run].diverged = True
+        finished.add(run)
+    return finished
+
+
+def _finish_reached(group: Group, losses: torch.Tensor, steps: int) -> set[int]:
+    finished = set()
+    for row, metric in enumerate(group.metrics()):
+        run = group.active[row]
+        result = group.results[run]
+        if run in finished or result.diverged:
+            continue
+        result.history.append([steps, float(losses[row]), metric])
+        if not math.isfinite(metric):
+            result.diverged = True
+            finished.add(run)
+        elif group.config.target.reached(metric):
+            result.steps_to_target = steps
+            finished.add(run)
+    return finished

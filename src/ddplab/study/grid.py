@@ -1,0 +1,104 @@
+"""The study's grid: which runs each global batch needs, trained once and cached per batch size.
+
+The cache lives under ``DIR/runs/``, one JSON per batch size, each written atomically, and is
+tied to a fingerprint of the workload (a spec's content included) and every training setting:
+a changed setting or spec never silently reuses old runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+
+from ddplab.errors import UsageError, literal
+from ddplab.serialize import write_json_atomic
+from ddplab.study.config import StudyConfig
+from ddplab.study.engine import RunResult, train_group
+from ddplab.study.workloads import Workload
+
+
+def check_grid(workload: Workload, config: StudyConfig) -> None:
+    """Refuse what cannot run before training anything."""
+    too_big = [b for b in config.global_batch_sizes if b > workload.train_size]
+    if too_big:
+        raise UsageError(f"global batch {too_big[0]} is larger than the {workload.train_size} training samples; "
+                         f"use {{global_batch_sizes}} up to {workload.train_size}")
+    if workload.val is None and workload.evaluate is None:
+        raise UsageError("the workload has no validation split and no evaluate(): nothing tells when the target is "
+                         "reached")
+
+
+class Cache:
+    """Finished groups under ``DIR/runs/``, one JSON per batch size, written atomically."""
+
+    def __init__(self, directory: str, fingerprint: str, *, fresh: bool):
+        self.directory, self.fingerprint = directory, fingerprint
+        self.runs_dir = os.path.join(directory, "runs")
+        self.stamp = os.path.join(directory, "config.json")
+        if fresh and os.path.isdir(self.runs_dir):
+            shutil.rmtree(self.runs_dir)
+        # Only runs count: a study that failed before its first group left nothing to protect.
+        if self._holds_runs() and self._stamped() not in (None, fingerprint):
+            raise UsageError(f"{{out}} {literal(repr(directory))} holds runs of a study with other settings or another "
+                             "spec; pass {fresh} to start over or choose another {out}")
+        os.makedirs(self.runs_dir, exist_ok=True)
+
+    def _holds_runs(self) -> bool:
+        return os.path.isdir(self.runs_dir) and any(name.endswith(".json") for name in os.listdir(self.runs_dir))
+
+    def _stamped(self) -> str | None:
+        if not os.path.exists(self.stamp):
+            return None
+        return self._read(self.stamp).get("fingerprint")
+
+    def _read(self, path: str):
+        try:
+            with open(path) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            raise UsageError(f"the study cache file {literal(path)} cannot be read (cut short or edited?): pass "
+                             "{fresh} to start over") from None
+
+    def _path(self, global_batch: int) -> str:
+        return os.path.join(self.runs_dir, f"batch-{global_batch}.json")
+
+    def load(self, global_batch: int, runs: list[tuple[float, int]]) -> list[RunResult] | None:
+        path = self._path(global_batch)
+        if not os.path.exists(path):
+            return None
+        try:
+            cached = {(r["lr"], r["seed"]): RunResult(**r) for r in self._read(path)}
+        except (TypeError, KeyError):
+            raise UsageError(f"the study cache file {literal(path)} holds no runs ddplab wrote: pass {{fresh}} to "
+                             "start over") from None
+        # A cached group serves when it holds every run asked for (a grid may shrink, not grow).
+        if not all(key in cached for key in runs):
+            return None
+        return [cached[key] for key in runs]
+
+    def save(self, global_batch: int, results: list[RunResult]) -> None:
+        write_json_atomic(self.stamp, {"fingerprint": self.fingerprint})
+        write_json_atomic(self._path(global_batch), [r.to_json() for r in results], standard=False)
+
+
+def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
+             advance: Callable[[int], None] | None = None) -> dict[int, list[RunResult]]:
+    """Every batch size's group, from the cache when it is there, else trained and cached at once.
+
+    ``advance(steps)`` is told each stretch of the step budget as it is used (or skipped).
+    """
+    results = {}
+    for global_batch in sorted(config.global_batch_sizes):
+        runs = config.grid_runs(global_batch)
+        cached = cache.load(global_batch, runs) if cache else None
+        if cached is None:
+            sweep_only = {lr for lr, rules in config.lrs(global_batch).items() if rules == ["tuned"]}
+            cached = train_group(workload, config, global_batch, runs, advance, sweep_only=sweep_only)
+            if cache:
+                cache.save(global_batch, cached)
+        elif advance:
+            advance(config.max_steps)
+        results[global_batch] = cached
+    return results

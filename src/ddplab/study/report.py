@@ -1,0 +1,48 @@
+"""What a study found, as one result: the grid, the fits, B_simple, warnings, and where its files are."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ddplab.serialize import finite
+from ddplab.study.analysis import StudyAnalysis
+from ddplab.study.config import StudyConfig
+from ddplab.study.verify import VerifyResult
+
+
+@dataclasses.dataclass(kw_only=True)
+class StudyReport:
+    workload: str
+    config: StudyConfig
+    train_size: int
+    analysis: StudyAnalysis
+    out: str
+    verify_ddp: VerifyResult | None = None
+    plots: list[str] = dataclasses.field(default_factory=list)
+    report: str | None = None
+    """The HTML report's path, once written."""
+    seconds: float = 0.0
+
+    @property
+    def trained_runs(self) -> int:
+        """Runs trained (or read from the cache): one per (batch, lr, seed), whichever rules it serves."""
+        return len({(r["global_batch_size"], r["lr"], r["seed"]) for r in self.analysis.runs})
+
+    def to_json(self) -> dict[str, Any]:
+        cfg, analysis = self.config, self.analysis
+        out = {
+            "workload": self.workload, "target": cfg.target.to_json(), "rules": list(cfg.rules),
+            "global_batch_sizes": sorted(cfg.global_batch_sizes),
+            "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr},
+            "seeds": cfg.seeds, "momentum": cfg.momentum, "max_steps": cfg.max_steps,
+            "eval_every": cfg.eval_every, "dtype": cfg.dtype, "train_size": self.train_size,
+            "optimizer": {"family": "sgd", "name": "SGD", "momentum": cfg.momentum},
+            "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
+            "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
+            "unreached": analysis.unreached, "plots": self.plots, "report": self.report, "out": self.out,
+        }
+        if self.verify_ddp is not None:
+            out["verify_ddp"] = self.verify_ddp.to_json()
+        out["seconds"] = self.seconds
+        return finite(out)

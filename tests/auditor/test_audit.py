@@ -1,0 +1,280 @@
+"""ddplab audit on a gallery of buggy scripts (tests/gallery), through torchrun and mp.spawn.
+
+Each mistake must be found with its code and severity, and nothing else at warning level or
+above; the correct twin (and ddplab's own deterministic sandbox) must give no warning or error.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ddplab.auditor import findings
+from ddplab.cli.main import main
+from ddplab.runtime.launch import LaunchConfig, launch
+
+GALLERY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gallery")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+EXPECTED = {
+    "correct": {},
+    "bypass": {"NO_ALLREDUCE": "error", "PARAMS_DIVERGED": "error"},
+    "temporary_wrapper": {"NO_ALLREDUCE": "error", "PARAMS_DIVERGED": "error"},
+    "no_sampler": {"SAME_DATA_ON_ALL_RANKS": "error"},
+    "no_set_epoch": {"SET_EPOCH_MISSING": "warning"},
+    "sum_reduction": {"SUM_REDUCTION": "warning"},
+    "batchnorm": {"BATCHNORM_NOT_SYNCED": "warning"},
+    "accumulation": {"ACCUMULATION_SYNCS_EVERY_STEP": "warning"},
+}
+
+
+def _audit(tmp_path, command, *flags):
+    report = tmp_path / "audit.json"
+    code = main(["audit", "--json-file", str(report), *flags, "--", *command])
+    return code, json.loads(report.read_text())
+
+
+def _serious(report):
+    return {f["code"]: f["severity"] for f in report["findings"] if f["severity"] in ("error", "warning")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_each_mistake_is_found_under_torchrun(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(GALLERY)
+    code, report = _audit(tmp_path, [*TORCHRUN, f"{script}.py"])
+    assert code == 0
+    assert _serious(report) == EXPECTED[script]
+    assert report["world_size"] == 2 and report["steps_audited"] == 5 and report["lr"] > 0
+    for finding in report["findings"]:
+        assert finding["ranks"] == [0, 1] and finding["message"] and finding["fix"] is not None
+    if script == "correct":
+        assert report["global_batch_size"] == 64  # 16 per rank × 2 ranks × 2 accumulation steps
+        assert ({"BATCHNORM_NOT_SYNCED": "info"}.items()
+                <= {f["code"]: f["severity"] for f in report["findings"]}.items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("script, strict_code", [("temporary_wrapper", 3), ("correct", 0)])
+def test_ranks_started_by_mp_spawn_are_audited_too(script, strict_code, tmp_path, monkeypatch):
+    monkeypatch.chdir(GALLERY)
+    code, report = _audit(tmp_path, [sys.executable, f"{script}.py", "--launcher", "spawn"], "--strict")
+    assert code == strict_code
+    assert _serious(report) == EXPECTED[script]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_deterministic_sandbox_is_clean_and_the_bypass_is_caught(tmp_path):
+    code, report = _audit(tmp_path, [*TORCHRUN, "-m", "ddplab", "sandbox", "multi", "--batch-size", "16"])
+    assert code == 0 and _serious(report) == {}
+    _, report = _audit(tmp_path, [*TORCHRUN, "-m", "ddplab", "sandbox", "multi", "--noisy", "--bypass-ddp",
+                                  "--n-experiments", "100"])
+    assert _serious(report) == {"NO_ALLREDUCE": "error", "PARAMS_DIVERGED": "error"}
+
+
+def test_audit_passes_the_commands_exit_code_through(capsys):
+    assert main(["audit", "--", sys.executable, "-c", "raise SystemExit(7)"]) == 7
+    assert "no DistributedDataParallel model was built" in capsys.readouterr().err
+    assert main(["audit", "--", sys.executable, "-E", "-c", "pass"]) == 0
+    assert "the auditor never loaded" in capsys.readouterr().err
+    assert main(["audit"]) == 2
+
+
+def _audit_from_code(ctx):
+    import ddplab
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    handle = ddplab.audit(ddp, optimizer=optimizer, steps=3)
+    generator = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(3):
+        x = torch.randn(8, 4, generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp.module(x), x.sum(1, keepdim=True)).backward()  # bypass
+        optimizer.step()
+    report = handle.report(timeout=30)
+    return sorted(handle.findings), handle.steps, {f.code: f.ranks for f in report.problems}
+
+
+def test_audit_from_code_finds_the_bypass():
+    results = launch(_audit_from_code, LaunchConfig(world_size=2))
+    for own, steps, merged in results:
+        # Each rank sees its own bypass; only comparing the ranks' records shows the divergence.
+        assert own == ["NO_ALLREDUCE"] and steps == 3
+        assert merged == {"NO_ALLREDUCE": [0, 1], "PARAMS_DIVERGED": [0, 1]}
+
+
+def test_reports_merge_over_ranks():
+    def record(rank, codes):
+        return {"rank": rank, "world_size": 2, "global_batch_size": 32, "lr": 0.1, "steps_audited": 5,
+                "findings": [vars(findings.Finding.make(c, rank)) for c in codes]}
+
+    report = findings.merge([record(1, ["SUM_REDUCTION", "NO_ALLREDUCE"]), record(0, ["NO_ALLREDUCE"])])
+    assert report.headline().endswith("5 optimizer steps audited")
+    assert [(f.code, f.ranks) for f in report.findings] == [("NO_ALLREDUCE", [0, 1]), ("SUM_REDUCTION", [1])]
+    assert report.has_error and report.to_json()["world_size"] == 2
+    assert "NO_ALLREDUCE on ranks [0, 1]" in findings.render_text(report)
+
+
+# --- the auditor as a guest: no hang, no change, no state left in the user's objects ---
+
+def _guest_behaviour(ctx):
+    """Paths one rank takes alone, ZeRO, pickling and summed losses, all inside the audited window."""
+    import io
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import ddplab
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                                      torch.nn.Linear(8, 1)))
+    handle = ddplab.audit(ddp, steps=4)
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    probe = torch.nn.Linear(4, 1)
+    probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(ctx.rank)
+    for step in range(4):
+        x = torch.randn(16, 4, generator=generator)
+        per_sample = torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True), reduction="none")
+        loss = per_sample.sum() if step == 3 else per_sample.sum() / per_sample.numel()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if ctx.rank == 0:
+            # Rank 0 alone: a probe optimizer and an evaluation through the inner module.
+            probe_optimizer.zero_grad()
+            torch.nn.functional.mse_loss(probe(x), x[:, :1]).backward()
+            probe_optimizer.step()
+            with torch.no_grad():
+                ddp.module.eval()
+                ddp.module(x)
+                ddp.module.train()
+        buffer = io.BytesIO()
+        torch.save(ddp.module, buffer)  # no weakref or hook of the auditor's in the module to pickle
+    report = handle.report(timeout=30)
+    hooks = len(ddp.module._forward_pre_hooks) + len(ddp.module._forward_hooks) + len(ddp._forward_pre_hooks)
+    return handle.steps, {f.code: f.severity for f in report.problems}, hooks
+
+
+@pytest.mark.timeout(120)
+def test_the_auditor_never_blocks_rank_local_paths_and_finds_a_summed_per_sample_loss():
+    results = launch(_guest_behaviour, LaunchConfig(world_size=2, pg_timeout_s=30))
+    for steps, problems, hooks in results:
+        assert steps == 4 and hooks == 0
+        # Only the planted mistake: the probe, ZeRO's inner optimizer and rank 0's evaluation raise nothing.
+        assert problems == {"SUM_REDUCTION": "warning", "BATCHNORM_NOT_SYNCED": "info"}
+
+
+def test_digests_see_every_bit_and_ignore_nothing_else():
+    from ddplab.auditor.tensors import digest
+
+    for dtype, bits in ((torch.float32, torch.int32), (torch.float16, torch.int16), (torch.bfloat16, torch.int16),
+                        (torch.float64, torch.int64)):
+        weight = torch.randn(256, 256).to(dtype)
+        nudged = weight.clone()
+        nudged.view(bits)[17, 3] += 1  # the last bit of one element
+        assert digest(weight) == digest(weight.clone()) and digest(weight) != digest(nudged)
+    bias = torch.zeros(1024)
+    assert digest(bias) != digest(bias + torch.eye(1024)[5] * 3e-5)
+    assert digest(torch.zeros(2, 3)) != digest(torch.zeros(3, 2))
+
+
+def _windows(rank, params):
+    return {"rank": rank, "world_size": 2, "findings": [],
+            "windows": [{"wrapper": "ddp0-0.1", "group": [0, 1], "step": 0, "params": params}]}
+
+
+def test_a_tiny_divergence_in_one_tensor_is_named():
+    same = [["weight", "aaa", 1024.0], ["bias", "bbb", 0.0]]
+    drift = [["weight", "aaa", 1024.0], ["bias", "ccc", 3e-5]]
+    assert findings.cross_rank_findings([_windows(0, same), _windows(1, same)]) == []
+    (finding,) = findings.cross_rank_findings([_windows(0, same), _windows(1, drift)])
+    assert finding.code == "PARAMS_DIVERGED" and finding.ranks == [0, 1] and "'bias' on rank 1" in finding.detail
+
+
+def _batches(rank, batches):
+    return {"rank": rank, "world_size": 2, "findings": [], "batches": {"ddp0-0.1": batches}}
+
+
+@pytest.mark.parametrize("rank0, rank1, expected", [
+    (["a", "b", "c", "d", "e", "f"], ["c", "d", "e", "f", "g", "h"], True),  # one stream, shifted by 2 batches
+    (["a", "b", "c", "d"], ["e", "f", "g", "h"], False),  # sharded
+    (["a", "a", "a", "a"], ["a", "a", "a", "a"], False),  # one fixed batch: a benchmark, not unsharded data
+    (["a", "b", "c", "d", "e", "f"], ["a", "x", "y", "z", "w", "v"], False),  # one coincidence is no evidence
+])
+def test_duplicate_batches_are_found_whatever_the_step(rank0, rank1, expected):
+    found = findings.cross_rank_findings([_batches(0, rank0), _batches(1, rank1)])
+    assert bool(found) == expected
+    if expected:
+        assert found[0].code == "SAME_DATA_ON_ALL_RANKS" and found[0].ranks == [0, 1]
+
+
+# --- the command: flags, bad input, signals ---
+
+def test_bad_commands_and_paths_are_one_line_errors(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    assert main(["audit", "--", str(script)]) == 2
+    assert "is not executable" in capsys.readouterr().err
+    assert main(["audit", "--", "no-such-launcher-xyz"]) == 2
+    assert main(["audit", "--json-file", str(tmp_path / "missing" / "r.json"), "--", sys.executable, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the report" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_json_flag_prints_the_report_after_the_commands_own_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(GALLERY)
+    code = main(["audit", "--json", "--", *TORCHRUN, "sum_reduction.py"])
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{\n"):])
+    assert code == 0 and _serious(report) == {"SUM_REDUCTION": "warning"}
+
+
+CHILDREN = """
+import subprocess, sys, time
+children = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
+with open(sys.argv[1], "w") as fh:
+    fh.write(" ".join(str(c.pid) for c in children))
+time.sleep(300)
+"""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_cancelling_the_audit_ends_the_whole_command_and_cleans_up(signum, tmp_path):
+    import subprocess
+    import time
+
+    pids = tmp_path / "pids"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    # SIGINT ignored by inheritance, as under nohup or in CI: only the forwarded signal can stop the command.
+    audit = subprocess.Popen([sys.executable, "-m", "ddplab", "audit", "--", sys.executable, "-c", CHILDREN, str(pids)],
+                             env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+                             if signum == signal.SIGTERM else None)
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(p) for p in pids.read_text().split()]
+    audit.send_signal(signum)
+    assert audit.wait(timeout=20) == 128 + signum
+    assert not any(_alive(pid) for pid in children)
+    assert not list(tmp_path.glob("ddplab-audit-*"))

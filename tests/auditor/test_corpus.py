@@ -1,0 +1,302 @@
+"""ddplab audit on a corpus of realistic DDP programs (tests/corpus), started by torchrun, mp.spawn and fork.
+
+A correct program must run under the audit exactly as it runs alone (same exit code, same stdout lines) and get
+no warning or error; each planted mistake must get exactly its own finding. The default matrix runs every
+two-rank correct program under torchrun and a few under spawn and fork, and each mistake once (about 3.5 minutes
+on two idle cores); DDPLAB_FULL_CORPUS=1 runs every program and mistake under every launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+
+# Imported here so that reference runs forked from this process start with them loaded.
+import torch.distributed
+import torch.multiprocessing
+import torch.nn.parallel
+import torch.utils.data  # noqa: F401
+
+import ddplab
+
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ddplab.__file__)))
+LAUNCH_TIMEOUT_S = 120
+FULL = os.environ.get("DDPLAB_FULL_CORPUS") == "1"
+LAUNCHERS = ("torchrun", "spawn", "fork")
+TOTAL_STEPS = 24  # epochs_and_exit.py: 3 epochs of 8 steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One program run: a corpus script, its flags, and the audit window."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    audit_steps: int | None = None
+    world_size: int = 2
+
+    def command(self, launcher: str) -> list[str]:
+        if launcher == "torchrun":
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                    str(self.world_size), self.script, *self.args]
+        return [sys.executable, self.script, "--launcher", launcher, "--world-size", str(self.world_size), *self.args]
+
+
+CORRECT = {
+    "trainer_class": Case("trainer_class.py"),
+    "validate_rank0": Case("validate_rank0.py"),
+    "validate_all_ranks": Case("validate_rank0.py", ("--validate-all-ranks",)),
+    "validate_through_wrapper": Case("validate_rank0.py", ("--through-wrapper",)),
+    "nanogpt_eval_all": Case("nanogpt_accum.py", ("--eval", "all")),
+    "nanogpt_eval_rank0": Case("nanogpt_accum.py", ("--eval", "rank0")),
+    "nanogpt_eval_rank0_raw": Case("nanogpt_accum.py", ("--eval", "rank0-raw")),
+    "zero": Case("zero.py"),
+    "gan_freeze": Case("gan.py", ("--g-step", "freeze")),
+    "gan_plain": Case("gan.py", ("--g-step", "plain")),
+    "probe_rank0": Case("probe_rank0.py"),
+    "ema_teacher": Case("ema_teacher.py"),
+    "sweep_groups": Case("sweep_groups.py", world_size=4),
+    "skipped_step_unused": Case("skipped_step.py", ("--config", "unused")),
+    "skipped_step_static": Case("skipped_step.py", ("--config", "static")),
+    "epochs_window_2": Case("epochs_and_exit.py", audit_steps=2),
+    "epochs_window_50": Case("epochs_and_exit.py", audit_steps=50),
+    "epochs_os_exit_window_2": Case("epochs_and_exit.py", ("--exit", "os-exit"), audit_steps=2),
+    "epochs_os_exit_window_50": Case("epochs_and_exit.py", ("--exit", "os-exit"), audit_steps=50),
+}
+
+# Every two-rank correct script under torchrun; spawn and fork get the cases that stress them most (fork: ranks
+# leave through os._exit, so nothing at exit may be relied on). Variants that only repeat a mechanism covered here
+# (gan --g-step plain, nanogpt --eval rank0-raw, trainer_class under fork: see the mistakes) run in the full matrix.
+DEFAULT_CORRECT = [
+    ("trainer_class", "torchrun"), ("validate_rank0", "torchrun"), ("nanogpt_eval_rank0", "torchrun"),
+    ("zero", "torchrun"), ("gan_freeze", "torchrun"), ("probe_rank0", "torchrun"),
+    ("ema_teacher", "torchrun"), ("skipped_step_unused", "torchrun"), ("epochs_os_exit_window_2", "torchrun"),
+    ("validate_all_ranks", "spawn"), ("nanogpt_eval_all", "spawn"), ("skipped_step_static", "spawn"),
+    ("epochs_os_exit_window_50", "fork"), ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"),
+]
+
+# id → (case, the finding it must give, findings it may give as a consequence, default launcher)
+MISTAKES = {
+    # Epoch 1 repeats epoch 0's order from step 9, after the 5-step window; fork's os._exit must not lose it.
+    "set_epoch_missing_after_window": (Case("trainer_class.py", ("--mistake", "no-set-epoch")),
+                                       {"SET_EPOCH_MISSING": "warning"}, {}, "fork"),
+    "none_then_sum": (Case("trainer_class.py", ("--mistake", "none-sum")), {"SUM_REDUCTION": "warning"}, {}, "fork"),
+    "same_seed": (Case("nanogpt_accum.py", ("--mistake", "same-seed", "--eval", "all")),
+                  {"SAME_DATA_ON_ALL_RANKS": "error"}, {}, "fork"),
+    "same_seed_shifted_by_rank0_eval": (Case("nanogpt_accum.py", ("--mistake", "same-seed", "--eval", "rank0-raw")),
+                                        {"SAME_DATA_ON_ALL_RANKS": "error"}, {}, "fork"),
+    "accumulation_without_toggle": (Case("nanogpt_accum.py", ("--mistake", "no-sync-toggle")),
+                                    {"ACCUMULATION_SYNCS_EVERY_STEP": "warning"}, {}, "fork"),
+    # Training through .module trains each rank alone: its parameters do drift apart as a consequence.
+    "module_forward_in_training": (Case("validate_rank0.py", ("--mistake", "module-forward")),
+                                   {"NO_ALLREDUCE": "error"}, {"PARAMS_DIVERGED": "error"}, "torchrun"),
+    "bias_nudged_on_rank1": (Case("perturbed_bias.py"), {"PARAMS_DIVERGED": "error"}, {}, "fork"),
+}
+
+# What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.
+REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"
+                         r"\s*no DDP mistakes found)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+# --- running programs ---
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for p in frontier for child in children.get(p, [])]
+        found += frontier
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    for process in [pid, *_descendants(pid)]:
+        try:
+            os.kill(process, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _hang(command: list[str], stdout: str, stderr: str):
+    pytest.fail(f"HANG: {' '.join(command)} did not finish in {LAUNCH_TIMEOUT_S} s\n"
+                f"stdout tail:\n{stdout[-2000:]}\nstderr tail:\n{stderr[-3000:]}")
+
+
+def _run(command: list[str]) -> Run:
+    """Run a command in the corpus directory; a hang fails the test (and its whole process tree is killed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
+    start = time.monotonic()
+    proc = subprocess.Popen(command, cwd=CORPUS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        _hang(command, *proc.communicate())
+    return Run(proc.returncode, stdout, stderr, time.monotonic() - start)
+
+
+def _run_forked(case: Case) -> Run:
+    """`python SCRIPT --launcher fork` from a fork of this process, which has torch imported: no start-up cost."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            _forked_main(case, out.fileno(), err.fileno())
+        deadline = start + LAUNCH_TIMEOUT_S
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            _kill_tree(pid)
+            os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        if done[0] == 0:
+            _hang(case.command("fork"), stdout, stderr)
+    return Run(os.waitstatus_to_exitcode(done[1]), stdout, stderr, time.monotonic() - start)
+
+
+def _forked_main(case: Case, out_fd: int, err_fd: int):
+    code = 1
+    try:
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
+        os.chdir(CORPUS)
+        sys.path.insert(0, CORPUS)
+        sys.argv = case.command("fork")[1:]
+        runpy.run_path(case.script, run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the forked child reports any failure as its exit code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@functools.cache
+def _plain(case: Case, launcher: str) -> Run:
+    """The program run alone. Its output does not depend on the launcher (the full matrix checks that), so the
+    default matrix reuses one forked run for every launcher."""
+    return _run(case.command(launcher)) if FULL else _run_forked(case)
+
+
+# --- the audit CLI and its report: the one place that knows them ---
+
+def _audit(command: list[str], steps: int | None = None) -> tuple[Run, dict | None]:
+    """`ddplab audit` on a command: the run and the JSON report (None when none was written)."""
+    with tempfile.TemporaryDirectory(prefix="corpus-audit-") as tmp:
+        report_path = os.path.join(tmp, "audit.json")
+        flags = ["--json-file", report_path] + ([] if steps is None else ["--steps", str(steps)])
+        run = _run([sys.executable, "-m", "ddplab", "audit", *flags, "--", *command])
+        report = None
+        if os.path.exists(report_path):
+            with open(report_path) as fh:
+                report = json.load(fh)
+    return run, report
+
+
+def _program_lines(stdout: str) -> list[str]:
+    """The program's own stdout lines, sorted (ranks interleave): the audit's report lines removed."""
+    lines = stdout.splitlines()
+    final_report = [i for i, line in enumerate(lines) if line.startswith("ddplab audit")]
+    if final_report:
+        lines = lines[:final_report[-1]]  # the final report is the tail of stdout
+    return sorted(line for line in lines if not REPORT_LINE.match(line))
+
+
+def _serious(report: dict) -> dict[str, str]:
+    return {f["code"]: f["severity"] for f in report["findings"] if f["severity"] in ("error", "warning")}
+
+
+def _why(verdict: str, run: Run, report: dict | None) -> str:
+    """A failure message whose first line says what went wrong (it is what pytest's summary shows)."""
+    errors = [line.strip() for line in run.stderr.splitlines()
+              if re.search(r"(Error|Exception|what\(\)|exitcode)\b.*:", line) and "ChildFailedError" not in line]
+    findings = [(f["code"], f["severity"], f.get("message", "")[-160:]) for f in (report or {}).get("findings", [])]
+    return (f"{verdict}\nfirst errors: {list(dict.fromkeys(errors))[:6]}\nfindings: {findings}\n"
+            f"stderr tail:\n{run.stderr[-2500:]}")
+
+
+def _matrix(default):
+    return [(name, launcher) for name in CORRECT for launcher in LAUNCHERS] if FULL else default
+
+
+# --- the tests ---
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("name, launcher", _matrix(DEFAULT_CORRECT))
+def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
+    case = CORRECT[name]
+    plain = _plain(case, launcher)
+    assert plain.returncode == 0, _why("the program fails on its own", plain, None)
+    audited, report = _audit(case.command(launcher), steps=case.audit_steps)
+    assert audited.returncode == plain.returncode, \
+        _why(f"CRASH: exit code {audited.returncode} under audit, {plain.returncode} alone", audited, report)
+    assert _program_lines(audited.stdout) == _program_lines(plain.stdout), \
+        _why("OUTPUT CHANGED: the program printed other lines under audit", audited, report)
+    assert report is not None, _why("NO REPORT: the audit wrote no report", audited, report)
+    assert report["world_size"] == case.world_size
+    assert _serious(report) == {}, _why(f"FALSE ALARM: {_serious(report)}", audited, report)
+    if case.script == "epochs_and_exit.py":
+        assert report["steps_audited"] == min(case.audit_steps, TOTAL_STEPS), \
+            _why(f"STEPS: {report['steps_audited']} audited, {min(case.audit_steps, TOTAL_STEPS)} expected",
+                 audited, report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("name, launcher", [(name, launcher) for name, (*_, default) in MISTAKES.items()
+                                            for launcher in (LAUNCHERS if FULL else (default,))])
+def test_a_planted_mistake_gets_exactly_its_finding(name, launcher):
+    case, expected, consequences, _ = MISTAKES[name]
+    audited, report = _audit(case.command(launcher), steps=case.audit_steps)
+    assert audited.returncode == 0, _why(f"CRASH: exit code {audited.returncode} under audit", audited, report)
+    assert report is not None, _why("NO REPORT: the audit wrote no report", audited, report)
+    serious = _serious(report)
+    assert expected.items() <= serious.items(), _why(f"MISS: expected {expected}, got {serious}", audited, report)
+    extra = {code: severity for code, severity in serious.items() if code not in expected}
+    assert extra.items() <= consequences.items(), _why(f"FALSE ALARM besides the mistake: {extra}", audited, report)
+
+
+def test_report_lines_are_told_apart_from_the_programs_own():
+    stdout = ("[GPU1] Epoch 0 | Batchsize: 16 | Steps: 8\nfinal loss 0.5 params 1.0 2.0\n"
+              "ddplab audit: world size 2, global batch 32, lr 0.1, 5 optimizer steps audited\n"
+              "WARNING SUM_REDUCTION (ranks 0, 1): backward starts from a loss summed over the batch, wrapped\n"
+              "over two lines\n    fix: use reduction='mean'\n")
+    assert _program_lines(stdout) == ["[GPU1] Epoch 0 | Batchsize: 16 | Steps: 8", "final loss 0.5 params 1.0 2.0"]
+    assert _program_lines("[rank 0, after 5 steps] ddplab audit: ...\n  no DDP mistakes found\nstep 1\n") == ["step 1"]

@@ -1,0 +1,241 @@
+"""ddplab check: equivalence proved where it holds, and the cause named where it breaks."""
+
+import json
+import os
+
+import pytest
+
+from ddplab.check import CheckConfig, check
+from ddplab.cli.main import main
+
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+
+
+def _check(name, world_size, batch=8, steps=4):
+    return check(CheckConfig(spec_path=os.path.join(SPECS, f"{name}.py"), world_size=world_size,
+                             per_device_batch_size=batch, steps=steps))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_correct_spec_is_equivalent(world_size):
+    result = _check("correct", world_size)
+    assert result.verdict == "EQUIVALENT" and result.cause is None
+    assert all(d["max_rel_diff"] <= 1e-9 for d in result.per_step) and len(result.per_step) == 4
+
+
+def test_sum_reduction_diverges_with_its_cause():
+    result = _check("sum_reduction", 2)
+    assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "SUM_REDUCTION", 0)
+    assert "1/2" in result.explanation
+
+
+def test_batchnorm_diverges_and_is_confirmed_by_per_rank_statistics():
+    result = _check("batchnorm", 2)
+    assert (result.verdict, result.cause) == ("DIVERGES", "BATCHNORM")
+    assert "SyncBatchNorm" in result.fix
+
+
+def test_dropout_is_called_stochastic():
+    result = _check("dropout", 2)
+    assert (result.verdict, result.cause) == ("STOCHASTIC", "RANDOMNESS")
+
+
+def test_adam_with_padding_is_equivalent_until_the_padded_batch():
+    # 1001 samples on 3 ranks: 334 per rank, 2 repeats; batches of 167 → the 2nd batch holds the repeats.
+    result = _check("adam_padding", 3, batch=167, steps=3)
+    assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "PADDING", 1)
+    assert result.per_step[0]["max_rel_diff"] <= 1e-9
+
+
+def test_cli_json(capsys):
+    assert main(["check", os.path.join(SPECS, "sum_reduction.py"), "--world-size", "2", "--batch-size", "4",
+                 "--steps", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "DIVERGES" and out["cause"] == "SUM_REDUCTION" and out["tolerance"] == 1e-9
+    assert len(out["per_step"]) == 2 and out["per_step"][0]["max_abs_diff"] > 0
+
+
+def test_cli_bad_spec(tmp_path, capsys):
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    assert main(["check", str(empty), "--batch-size", "4"]) == 2
+    assert "must define model(), dataset(), loss()" in capsys.readouterr().err
+
+
+def test_gradient_ratio_is_exact_or_nothing():
+    import torch
+
+    from ddplab.check.diagnosis import gradient_ratio as _gradient_ratio
+
+    g = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64)
+    assert _gradient_ratio(4 * g, g) == pytest.approx(4)
+    assert _gradient_ratio(g + torch.tensor([0.0, 0.0, 1e-3], dtype=torch.float64), g) is None
+    assert _gradient_ratio(g, torch.zeros(3, dtype=torch.float64)) is None
+
+
+
+def _cli_under_torchrun(*runs):
+    """Each ddplab command line in ``runs``: (exit code, stdout, stderr), in this torchrun worker."""
+    import contextlib
+    import io
+
+    out = []
+    for argv in runs:
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(argv)
+        out.append((code, stdout.getvalue(), stderr.getvalue()))
+    return out
+
+
+def _torchrun(nproc_per_node, *runs):
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+    from torch.distributed.launcher.api import elastic_launch
+
+    # Spawned: a worker forked from this process inherits a thread pool that earlier tests ran, and can deadlock.
+    config = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
+                           rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex, max_restarts=0,
+                           monitor_interval=0.1, start_method="spawn")
+    return elastic_launch(config, _cli_under_torchrun)(*runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
+    # One command that starts a group per worker process, as torchrun runs it: a second one would meet stale keys.
+    mismatch = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--world-size", "3"]
+    check_run = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--steps", "3", "--json"]
+    results = _torchrun(4, mismatch, check_run)
+    for rank in range(4):
+        code, stdout, stderr = results[rank][0]
+        assert code == 2 and stdout == "" and stderr.count("\n") == 1
+        assert "--world-size 3 disagrees with torchrun's WORLD_SIZE 4" in stderr
+    assert all(results[rank][1] == (0, "", "") for rank in (1, 2, 3))  # quiet, and successful
+    code, stdout, _ = results[0][1]
+    report = json.loads(stdout)
+    # The reference splits its global batch over torchrun's 4 ranks, not --world-size's default 2.
+    assert code == 0 and (report["verdict"], report["world_size"], report["global_batch_size"]) == ("EQUIVALENT", 4, 32)
+    noise_run = ["noise", os.path.join(SPECS, "mlp_fixed.py"), "--batch-size", "8", "--steps", "6", "--json"]
+    results = _torchrun(2, noise_run)
+    assert results[1] == [(0, "", "")]
+    code, stdout, _ = results[0][0]
+    report = json.loads(stdout)
+    assert code == 0 and (report["world_size"], report["global_batch_size"], len(report["per_step"])) == (2, 16, 6)
+
+
+def _strict_json(text):
+    def refuse(constant):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_overflow_is_non_finite_on_both_sides_never_equivalent(capsys):
+    assert main(["check", os.path.join(SPECS, "overflow.py"), "--batch-size", "8", "--steps", "7", "--json"]) == 0
+    out = _strict_json(capsys.readouterr().out)
+    where = out["non_finite"]
+    assert out["verdict"] == "NON_FINITE" and where["side"] == "both" and 0 < where["step"] < 7
+    assert all(d["max_rel_diff"] <= 1e-9 for d in out["per_step"][:where["step"]])
+    assert all(d["max_rel_diff"] is None for d in out["per_step"][where["step"]:])
+
+
+def test_nan_on_the_ranks_only_is_non_finite():
+    # Each rank divides by its own count of positives; the rank holding the negative sample divides 0 by 0.
+    result = _check("nan_on_ranks", 2, batch=1, steps=2)
+    assert result.verdict == "NON_FINITE"
+    assert result.non_finite == {"step": 0, "side": "ranks", "what": "gradients"}
+
+
+def test_print_json_writes_standard_json(capsys):
+    from ddplab.cli import render
+
+    render.print_json({"nan": float("nan"), "inf": (1.0, float("inf")), "nested": [{"minus": -float("inf")}]})
+    assert _strict_json(capsys.readouterr().out) == {"nan": None, "inf": [1.0, None], "nested": [{"minus": None}]}
+
+
+@pytest.mark.timeout(120)
+def test_unused_parameters_are_found_and_compared_exactly():
+    from ddplab.noise.config import NoiseConfig
+    from ddplab.noise.measure import measure_spec
+
+    # Weight decay would move the unused head on one side only if DDP gave it a zero gradient instead of none.
+    result = _check("unused_head", 2, steps=3)
+    assert result.verdict == "EQUIVALENT" and result.unused_parameters == ("aux_head.weight", "aux_head.bias")
+    assert result.find_unused_parameters
+    # Unused on odd steps only: the first run fails inside DDP at step 2, the second looks for unused parameters.
+    result = _check("unused_sometimes", 2, steps=3)
+    assert (result.verdict, result.unused_parameters, result.find_unused_parameters) == ("EQUIVALENT", (), True)
+    report = measure_spec(NoiseConfig(spec_path=os.path.join(SPECS, "unused_head.py"), world_size=2,
+                                      per_device_batch_size=8, steps=3))
+    assert len(report.history) == 3
+
+
+def test_a_dataset_smaller_than_one_batch_is_refused_with_the_sizes(capsys):
+    spec = os.path.join(SPECS, "tiny_dataset.py")
+    for command in ("check", "noise"):
+        assert main([command, spec, "--batch-size", "8", "--steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "tiny_dataset.py" in err
+        assert "10 samples, so each of 2 ranks gets 5, fewer than one batch of --batch-size 8" in err
+        assert "use --batch-size 5 or less" in err
+
+
+def test_partial_batches_are_reported_as_what_they_hold():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    # 10 samples on 2 ranks of 4: each epoch is a batch of 4, then one of 1, as a DataLoader yields them.
+    result = _check("tiny_dataset", 2, batch=4, steps=3)
+    sampler = DistributedSampler(range(10), num_replicas=2, rank=0)
+    loader_batches = [len(b) for b in DataLoader(range(10), batch_size=4, sampler=sampler)]
+    assert result.verdict == "EQUIVALENT" and loader_batches == [4, 1]
+    assert [d["samples_per_rank"] for d in result.per_step] == (loader_batches * 2)[:3]
+
+
+SPEC_HEAD = """import torch
+from torch.utils.data import TensorDataset
+def dataset():
+    return TensorDataset(torch.randn(64, 6), torch.randint(0, 2, (64,)))
+def loss(output, target):
+    return torch.nn.functional.cross_entropy(output, target)
+"""
+LINEAR = "def model():\n    return torch.nn.Linear(6, 2)\n"
+USER_ERRORS = {
+    "syntax": ("def model(:\n    pass\n", "does not load: SyntaxError at line 1"),
+    "import": ("import not_a_module_xyz\n", "does not load: line 1 raised ModuleNotFoundError: No module named"),
+    "model_raises": (SPEC_HEAD + "def model():\n    raise RuntimeError('no weights here')\n",
+                     ": model() raised RuntimeError: no weights here"),
+    "not_a_module": (SPEC_HEAD + "def model():\n    return 3\n", ": model() must return a torch.nn.Module, got int"),
+    "no_parameters": (SPEC_HEAD + "def model():\n    return torch.nn.ReLU()\n", "no parameters that require gradients"),
+    "empty_dataset": (SPEC_HEAD.replace("64", "0") + LINEAR, ": dataset() is empty"),
+    "exits": (SPEC_HEAD + "import sys\ndef model():\n    sys.exit(7)\n", ": model() called sys.exit(7)"),
+    "exits_at_import": ("import sys\nsys.exit(7)\n", "does not load: line 2 calls sys.exit(7)"),
+    "float_loss": (SPEC_HEAD + LINEAR + "def step(model, batch, loss_fn):\n"
+                   "    return loss_fn(model(batch[0]), batch[1]).item()\n",
+                   "the loss must be a single-number tensor, got float"),
+    "not_pairs": (SPEC_HEAD.replace("TensorDataset(torch.randn(64, 6), torch.randint(0, 2, (64,)))",
+                                    "[torch.zeros(6)] * 64") + LINEAR, "items must be (input, target) pairs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USER_ERRORS))
+def test_user_errors_are_one_line_naming_the_spec(case, tmp_path, capsys):
+    text, expected = USER_ERRORS[case]
+    path = tmp_path / f"{case}.py"
+    path.write_text(text)
+    for command in ("check", "noise"):
+        assert main([command, str(path), "--batch-size", "4", "--steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ddplab: error: spec file {path}") and err.count("\n") == 1, err
+        assert expected in err, err
+
+
+@pytest.mark.timeout(120)
+def test_an_error_inside_one_rank_comes_back_as_one_line(capsys):
+    spec = os.path.join(SPECS, "fails_on_rank_one.py")
+    for command in ("check", "noise"):
+        assert main([command, spec, "--batch-size", "4", "--steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "fails_on_rank_one.py: the forward pass raised RuntimeError: rank one cannot " \
+            "read its shard (on rank 1)" in err, err

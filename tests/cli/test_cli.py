@@ -1,0 +1,198 @@
+"""One CLI policy for every subcommand: spellings, error sentences, help hints, and tables that never split a number."""
+
+import argparse
+import contextlib
+import io
+import re
+
+import pytest
+
+from ddplab.cli import render
+from ddplab.cli.main import build_parser, main
+
+# What each (sub)command needs besides the flag under test; flags come first, then these.
+REQUIRED = {
+    ("sandbox", "single"): [], ("sandbox", "multi"): [], ("sandbox", "table"): [],
+    ("plan",): ["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "8"],
+    ("check",): ["spec.py", "--batch-size", "8"],
+    ("noise",): ["spec.py", "--batch-size", "8"],
+    ("audit",): ["--", "python", "train.py"],
+    ("study",): [],
+}
+CANDIDATE_VALUES = ("1", "0.5", "0.9,0.99", "x")
+
+
+def _leaves(parser, prefix=()):
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield prefix, parser
+    for action in subparsers:
+        for name, sub in action.choices.items():
+            yield from _leaves(sub, prefix + (name,))
+
+
+def _outcome(argv):
+    """The parsed namespace without its callables, or the error text."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = build_parser().parse_args(argv)
+    except SystemExit:
+        return "error: " + err.getvalue()
+    return {k: v for k, v in vars(args).items() if not callable(v)}
+
+
+def _hyphenated_flags(parser):
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--") and "-" in option[2:]:
+                yield action, option
+
+
+def test_every_subcommand_has_a_known_required_set():
+    assert {path for path, _ in _leaves(build_parser())} == set(REQUIRED)
+
+
+def test_underscores_are_accepted_on_every_subcommands_flags():
+    checked = []
+    for path, parser in _leaves(build_parser()):
+        for action, option in _hyphenated_flags(parser):
+            underscored = "--" + option[2:].replace("-", "_")
+            values = [None] if action.nargs == 0 else [str(action.choices[0])] if action.choices else CANDIDATE_VALUES
+            for value in values:
+                tokens = [option] if value is None else [option, value]
+                expected = _outcome([*path, *tokens, *REQUIRED[path]])
+                if isinstance(expected, dict):
+                    assert _outcome([*path, underscored, *tokens[1:], *REQUIRED[path]]) == expected, underscored
+                    assert _outcome([*path, f"{underscored}={value}" if value else underscored,
+                                     *REQUIRED[path]]) == expected, underscored
+                    checked.append((path, option))
+                    break
+            else:
+                pytest.fail(f"no candidate value parses for {' '.join(path)} {option}")
+    assert {path for path, _ in checked} >= {("plan",), ("check",), ("noise",), ("sandbox", "multi")}
+
+
+def test_underscores_leave_the_audited_command_alone():
+    args = build_parser().parse_args(["audit", "--", "python", "train.py", "--batch_size", "8"])
+    assert args.command[-2:] == ["--batch_size", "8"]
+
+
+def _number_flags():
+    from ddplab.cli import args
+
+    number_types = {int, float, args.integer, args.number}
+    for path, parser in _leaves(build_parser()):
+        for action in parser._actions:
+            if action.type in number_types and action.option_strings:
+                yield path, action.option_strings[0]
+
+
+def test_number_flags_exist_on_every_subcommand():
+    assert {path[0] for path, _ in _number_flags()} == {"sandbox", "plan", "check", "noise", "audit", "study"}
+
+
+@pytest.mark.parametrize("path, flag", list(_number_flags()))
+def test_a_bad_number_is_a_sentence(path, flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*path, flag, "abc", *REQUIRED[path]])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected " in err and "got 'abc'" in err, err
+    assert not re.search(r"positive_int|positive_float|invalid \w+ value|Traceback", err), err
+    assert f"(see 'ddplab {' '.join(path)} --help')" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("path", [("check",), ("noise",), ("plan",), ("sandbox", "multi")])
+def test_an_unknown_flag_points_at_the_subcommands_help(path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*path, "--no-such-flag", *REQUIRED[path]])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in err and f"(see 'ddplab {' '.join(path)} --help')" in err
+
+
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def _render(renderable, width: int) -> list[str]:
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(width=width, file=out, highlight=False, color_system=None).print(renderable)
+    return out.getvalue().splitlines()
+
+
+def _assert_numbers_whole(rows, lines):
+    assert not _numbers_split(rows, lines), "\n".join(lines)
+
+
+def _plan_output(argv, width, monkeypatch, capsys):
+    """(table rows, printed lines) of `ddplab plan` on a terminal of ``width`` columns (COLUMNS, piped)."""
+    tables = []
+    real_table = render.table
+    monkeypatch.setattr(render, "table",
+                        lambda title, columns, rows: tables.append(rows) or real_table(title, columns, rows))
+    monkeypatch.setenv("COLUMNS", str(width))
+    capsys.readouterr()
+    assert main(["plan", *argv]) == 0
+    return tables[0], capsys.readouterr().out.splitlines()
+
+
+PLAN_ARGVS = [
+    ["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "8", "--dataset-size", "1281167", "--epochs", "90"],
+    ["--ref-batch-size", "32", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8", "--nodes", "2",
+     "--dataset-size", "100000", "--epochs", "3"],
+    ["--ref-batch-size", "64", "--ref-lr", "0.1", "--devices", "8", "--nodes", "4", "--critical-batch-size", "500"],
+]
+
+
+@pytest.mark.parametrize("argv", PLAN_ARGVS)
+def test_a_plan_table_at_sixty_columns_never_splits_a_number(argv, monkeypatch, capsys):
+    rows, lines = _plan_output(argv, 60, monkeypatch, capsys)
+    assert max(len(line) for line in lines) <= 60
+    _assert_numbers_whole(rows, lines)
+
+
+SANDBOX_ROWS = [  # the README's `ddplab sandbox table`, which a 60-column terminal printed as "8.304e-0" / "9"
+    ["1", "single B=128, lr 1e-3, deterministic", "0.99800003", "0.99800000", "0", "0"],
+    ["3", "single B=128, lr 1e-3, noisy ×10,000", "0.99808125", "0.99808053", "8.304e-09", "8.429e-09"],
+    ["9", "multi 8×16, lr 2.8284e-3 (sqrt), noisy ×1,000", "0.99456692", "0.99457257", "6.525e-08", "6.747e-08"],
+]
+SANDBOX_COLUMNS = ["#", "run", "w", "w theory", "update var", "var theory"]
+
+
+def _numbers_split(rows, lines):
+    return [n for row in rows for cell in row for n in NUMBER.findall(cell) if not any(n in line for line in lines)]
+
+
+def test_the_split_from_the_issue_no_longer_happens():
+    from rich.table import Table
+
+    plain = Table()  # what render.table built before: rich's own widths, long words folded
+    for column in SANDBOX_COLUMNS:
+        plain.add_column(column, overflow="fold")
+    for row in SANDBOX_ROWS:
+        plain.add_row(*row)
+    assert "8.304e-09" in _numbers_split(SANDBOX_ROWS, _render(plain, 60))
+    table = render.table("ddplab sandbox table", SANDBOX_COLUMNS, SANDBOX_ROWS)
+    for width in (40, 60, 80, 104, 120):
+        lines = _render(table, width)
+        assert max(len(line) for line in lines) <= width
+        _assert_numbers_whole(SANDBOX_ROWS, lines)
+    # Wide enough, the table is side by side (one line per row), as rich would draw it.
+    assert sum("│ 3 │" in line for line in _render(table, 104)) == 1
+
+
+@pytest.mark.parametrize("width", [45, 52, 70, 90, 120, 160])
+@pytest.mark.parametrize("argv", PLAN_ARGVS)
+def test_plan_tables_keep_numbers_whole_at_other_widths(argv, width, monkeypatch, capsys):
+    rows, lines = _plan_output(argv, width, monkeypatch, capsys)
+    _assert_numbers_whole(rows, lines)
+
+
+def test_console_honours_columns_when_piped(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "70")
+    assert render.console().width == 70
+    monkeypatch.delenv("COLUMNS")
+    assert render.console().width == 120

@@ -1,0 +1,346 @@
+"""ddplab study: the fit against exact curves, the vectorized engine against exact theory and real DDP, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from ddplab.cli.main import main
+from ddplab.errors import UsageError
+from ddplab.plan import from_study
+from ddplab.study import analysis, engine, grid, verify, workloads
+from ddplab.study import fit as study_fit
+from ddplab.study.config import StudyConfig, Target
+
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+
+# ---------------------------------------------------------------------------------------------
+# The pure fit
+
+
+@pytest.mark.parametrize("b_crit", [3.0, 40.0, 500.0])
+def test_fit_recovers_exact_curve(b_crit):
+    batches = [2 ** k for k in range(1, 12)]
+    fit = study_fit.fit_steps(batches, [120.0 * (1 + b_crit / b) for b in batches])
+    assert fit.b_crit == pytest.approx(b_crit, rel=1e-9)
+    assert fit.s_min == pytest.approx(120.0, rel=1e-9)
+    assert fit.e_min == pytest.approx(120.0 * b_crit, rel=1e-9)
+
+
+def test_fit_within_ten_percent_of_steps_counted_every_k():
+    # Steps are only seen at evaluations every k: S is rounded up to a multiple of k.
+    batches, k, b_crit = [2 ** i for i in range(3, 11)], 5, 96.0
+    steps = [k * math.ceil(200 * (1 + b_crit / b) / k) for b in batches]
+    assert study_fit.fit_steps(batches, steps).b_crit == pytest.approx(b_crit, rel=0.10)
+
+
+def test_fit_edges_no_bend_and_no_gain():
+    batches = [8, 16, 32, 64]
+    assert study_fit.fit_steps(batches, [6400 / b for b in batches]).b_crit == math.inf
+    flat = study_fit.fit_steps(batches, [50.0] * 4)
+    assert flat.b_crit == 0 and flat.s_min == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="two or more"):
+        study_fit.fit_steps([8, 16], [math.inf, 10.0])
+
+
+def test_bootstrap_over_seeds_covers_the_truth():
+    rng = random.Random(7)
+    truth, s_min = 64.0, 100.0
+    batches = [2 ** i for i in range(2, 11)]
+    # Each seed's run lands within ±10% of the curve, independently per batch.
+    steps = {b: [s_min * (1 + truth / b) * math.exp(rng.gauss(0, 0.05)) for _ in range(5)] for b in batches}
+    fit = study_fit.fit_seeds(steps, n_boot=300)
+    assert fit["b_crit"] == pytest.approx(truth, rel=0.10)
+    low, high = fit["b_crit_ci95"]
+    assert low < truth < high and high / low < 2
+    assert fit["regimes"]["perfect_scaling_below"] == pytest.approx(fit["b_crit"] / 4)
+
+
+def test_median_counts_unreached_runs_as_infinite():
+    assert study_fit.median([3.0, math.inf, 5.0]) == 5.0
+    assert study_fit.median([math.inf, math.inf, 5.0]) == math.inf
+    assert study_fit.best_lr({0.1: [math.inf] * 3, 0.2: [10.0, 12.0, math.inf]}) == (0.2, 12.0)
+    assert study_fit.best_lr({0.1: [math.inf] * 3}) is None
+
+
+def test_the_measured_lr_is_interpolated_log_log():
+    study_json = {"workload": "w", "fit": {"tuned": {"b_crit": 123.0}},
+                  "tuned_lr": [{"global_batch_size": b, "lr": 0.01 * math.sqrt(b)} for b in (16, 64, 256)]}
+    source = from_study.StudyLr(from_study.load_study(study_json))
+    # lr ∝ √B is a straight line in log-log: interpolation is exact.
+    measured = source(32)
+    assert measured.lr == pytest.approx(0.01 * math.sqrt(32)) and "tuned curve" in measured.reason
+    assert measured.warnings == () and "B_crit 123" in measured.reason
+    far = source(1024)
+    assert far.lr == pytest.approx(0.32) and "outside" in far.warnings[0]
+    with pytest.raises(UsageError, match="tuned"):
+        from_study.load_study({"fit": {}, "tuned_lr": []})
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid and data order
+
+
+def test_sweep_spans_both_rules_and_rules_share_runs():
+    config = StudyConfig(target=Target(kind="accuracy", value=0.9), reference_global_batch_size=32, reference_lr=0.05,
+                               sweep_margin=2.0)
+    assert config.sweep(128) == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4])
+    lrs = config.lrs(32)
+    # At the reference batch constant, linear and sqrt are one run, also a sweep point.
+    assert lrs[0.05] == ["constant", "linear", "sqrt", "tuned"]
+
+
+def test_global_batch_is_the_union_of_ddp_rank_batches():
+    from ddplab.runtime.sharding import rank_indices
+
+    size, world, global_batch = 103, 4, 16
+    batches = engine._Batches(size, global_batch, [5])
+    for step in (0, 3, 6, 9):
+        per_epoch = size // global_batch
+        epoch, within = divmod(step, per_epoch)
+        per_device = global_batch // world
+        union = sorted(i for r in range(world) for i in
+                       rank_indices(size, world_size=world, rank=r, seed=5, epoch=epoch)[
+                           within * per_device:(within + 1) * per_device])
+        assert union == sorted(batches.indices(step)[0].tolist())
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine against exact theory
+
+
+def test_regression_steps_match_exact_recursion():
+    dim, target_ratio = 31, 0.05
+    workload = workloads.regression(dim=dim, n_train=8192, n_val=8192)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * target_ratio), momentum=0.0,
+                               global_batch_sizes=(8, 64), reference_global_batch_size=8, reference_lr=0.05, seeds=4,
+                               max_steps=400, eval_every=1, dtype="float64")
+    for b, lr in ((8, 0.05), (64, 0.2)):
+        runs = engine.train_group(workload, config, b, [(lr, s) for s in range(config.seeds)])
+        exact = workloads.regression_expected_steps(dim=dim, global_batch=b, lr=lr, start=start,
+                                                target=start * target_ratio)
+        measured = study_fit.median([r.steps_to_target for r in runs])
+        assert measured == pytest.approx(exact, rel=0.15), (b, measured, exact)
+
+
+def test_study_fit_matches_fit_of_exact_regression_curve():
+    # End to end: tuned sweep, medians over seeds, fit; against the same sweep's exact expected steps.
+    dim, ratio = 15, 1e-6
+    workload = workloads.regression(dim=dim, n_train=8192, n_val=4096)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * ratio), momentum=0.0, rules=("tuned",),
+                         global_batch_sizes=(2, 4, 8, 16, 32, 64, 128), reference_global_batch_size=16,
+                         reference_lr=0.1, sweep_factor=2 ** 0.5, sweep_margin=4, seeds=7, max_steps=600, eval_every=1,
+                         dtype="float64")
+    # 7 seeds: with 3, the median run is up to 19% ahead of the expected error's steps (Jensen) at some batch.
+    found = analysis.analyze(config, grid.run_grid(workload, config, None))
+    exact = {b: min(s for lr in config.sweep(b) if (s := workloads.regression_expected_steps(
+        dim=dim, global_batch=b, lr=lr, start=start, target=start * ratio)) is not None)
+        for b in config.global_batch_sizes}
+    measured = found.fit["tuned"]["median_steps"]
+    for b, steps in exact.items():
+        assert measured[str(b)] == pytest.approx(steps, rel=0.15, abs=1)
+    exact_fit = study_fit.fit_steps(list(exact), list(exact.values()))
+    # Medians of random runs run slightly ahead of the expected |e|² (Jensen): 15%, not exact.
+    assert found.fit["tuned"]["b_crit"] == pytest.approx(exact_fit.b_crit, rel=0.15)
+    low, high = found.fit["tuned"]["b_crit_ci95"]
+    assert low <= found.fit["tuned"]["b_crit"] <= high
+
+
+def test_b_simple_along_runs_matches_gaussian_theory():
+    from ddplab.noise import estimators as noise_estimators
+
+    dim = 15
+    workload = workloads.regression(dim=dim, n_train=8192, n_val=2048)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.01), momentum=0.0,
+                               global_batch_sizes=(8, 64), seeds=32, max_steps=400, eval_every=1, dtype="float64")
+    runs = engine.train_group(workload, config, 64, [(0.1, s) for s in range(config.seeds)])
+    g2s = [g for r in runs for g in r.noise_g2]
+    traces = [t for r in runs for t in r.noise_trace]
+    # tr Σ / |G|² = dim + 1 exactly for Gaussian inputs, at every step; |G|² shrinks along the runs, so the
+    # ratio of means is noisy: the exact value must lie in its 95% interval, the estimate within 40%.
+    summary = noise_estimators.summarize(g2s, traces)
+    low, high = summary.b_simple_ci95
+    assert low <= dim + 1 <= high and summary.b_simple == pytest.approx(dim + 1, rel=0.4)
+
+
+def test_vectorized_group_equals_one_run_at_a_time():
+    workload = workloads.regression(dim=8, n_train=256, n_val=64)
+    config = StudyConfig(target=Target(kind="loss", value=1e-9), momentum=0.9, global_batch_sizes=(16, 32),
+                               dtype="float64")
+    points = [(16, 0.01, 0), (16, 0.1, 1), (16, 0.05, 2)]
+    together = verify.simulated_params(workload, config, points, 25)
+    alone = [verify.simulated_params(workload, config, [p], 25)[0] for p in points]
+    for a, b in zip(together, alone):
+        assert torch.allclose(a["weight"], b["weight"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(90)
+def test_verify_ddp_two_ranks_float64():
+    workload = workloads.regression(dim=8, n_train=512, n_val=64)
+    config = StudyConfig(target=Target(kind="loss", value=1e-3), global_batch_sizes=(16, 64),
+                               reference_lr=0.05, seeds=2, dtype="float64")
+    verdict = verify.verify_ddp(workload, config, 3, world_size=2, steps=12)
+    assert len(verdict.points) == 3
+    assert verdict.max_abs_diff < 1e-12
+    # And the comparison can fail: a different lr on the DDP side shows up.
+    points = verify.verify_points(config, 1, 2)
+    moved = verify.simulated_params(workload, config, [(points[0][0], points[0][1] * 1.01, points[0][2])], 12)[0]
+    assert float(
+        (moved["weight"] - verify.simulated_params(workload, config, points, 12)[0]["weight"]).abs().max()) > 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def _study(tmp_path, *extra):
+    return ["study", "--global-batch-sizes", "32,128", "--seeds", "2", "--max-steps", "200", "--target-accuracy", "0.9",
+            "--sweep-margin", "2", "--sweep-factor", "4",
+            "--out", str(tmp_path / "out"), *extra]
+
+
+@pytest.mark.timeout(120)
+def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
+    assert main(_study(tmp_path, "--json", "--rules", "linear,tuned")) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("workload", "target", "rules", "global_batch_sizes", "runs", "fit", "b_simple", "plots", "report",
+                "seconds"):
+        assert key in report
+    assert {r["rule"] for r in report["runs"]} == {"linear", "tuned"}
+    assert all(set(r) >= {"rule", "global_batch_size", "lr", "seed", "steps_to_target"} for r in report["runs"])
+    assert all(os.path.exists(p) for p in report["plots"]) and os.path.exists(report["report"])
+    with open(report["report"]) as fh:
+        assert "data:image/png;base64," in fh.read()
+    # Run again: nothing retrains, the same answer comes back from the cache.
+    calls = []
+    real = grid.train_group
+    monkeypatch.setattr(grid, "train_group", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    assert main(_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots")) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert calls == [] and again["runs"] == report["runs"]
+    # One group lost (an interrupted study): only it retrains.
+    os.remove(tmp_path / "out" / "runs" / "batch-128.json")
+    assert main(_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots")) == 0
+    assert calls == [128] and json.loads(capsys.readouterr().out)["runs"] == report["runs"]
+    assert main(_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots", "--fresh")) == 0
+    assert calls == [128, 32, 128]
+    capsys.readouterr()
+    # Other settings in the same --out: refused, not mixed.
+    assert main(_study(tmp_path, "--rules", "linear", "--no-plots", "--ref-lr", "0.2")) == 2
+    assert "--fresh" in capsys.readouterr().err
+
+
+def _dropout_spec(tmp_path):
+    path = tmp_path / "dropout_spec.py"
+    with open(os.path.join(SPECS, "study_eval.py")) as fh:
+        source = fh.read()
+    path.write_text(source.replace("torch.nn.Tanh()", "torch.nn.Dropout(0.1)"))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
+    cases = [
+        (_study(tmp_path, "--no-plots", "--global-batch-sizes", "32,4096", "--fresh"),
+         "larger than the 1438 training"),
+        (_study(tmp_path, "--no-plots", "--ref-lr", "1e4", "--max-steps", "20", "--fresh"), "diverged"),
+        (["study", os.path.join(SPECS, "correct.py"), "--target-accuracy", "0.9", "--no-plots", "--out",
+          str(tmp_path / "spec")], "neither evaluate"),
+        (["study", str(_dropout_spec(tmp_path)), "--target-accuracy", "0.9", "--global-batch-sizes", "16,32",
+          "--no-plots", "--out", str(tmp_path / "dropout")], "random numbers in training"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    # The runs of the study that diverged stay cached.
+    assert os.listdir(tmp_path / "out" / "runs")
+
+
+@pytest.mark.timeout(120)
+def test_a_target_no_run_reaches_says_how_close_each_came(tmp_path, capsys):
+    argv = _study(tmp_path, "--max-steps", "10", "--target-accuracy", "0.9999", "--json", "--verify-ddp", "1")
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert captured.err.count("\n") == 1 and "no run reached the target (accuracy 0.9999)" in captured.err
+    assert report["fit"] == {} and report["tuned_lr"] == [] and report["plots"] == []
+    # Every rule at every batch size is named, with the best accuracy any of its runs got (a real fraction).
+    assert {(m["rule"], m["global_batch_size"]) for m in report["unreached"]} == {
+        (rule, b) for rule in ("constant", "linear", "sqrt", "tuned") for b in (32, 128)}
+    assert all(0 < m["best_metric"] < 0.9999 for m in report["unreached"])
+    # Nothing trained to the target, yet the engine's equivalence with DDP still holds on a grid point.
+    assert len(report["verify_ddp"]["points"]) == 1 and report["verify_ddp"]["max_abs_diff"] < 1e-4
+    with open(tmp_path / "out" / "study.json") as fh:
+        assert json.load(fh)["unreached"] == report["unreached"]
+
+
+@pytest.mark.timeout(60)
+def test_plan_from_study(tmp_path, capsys):
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"workload": "w", "fit": {"tuned": {"b_crit": 100.0}},
+                                "tuned_lr": [{"global_batch_size": b, "lr": 0.001 * b} for b in (32, 128, 512)]}))
+    argv = ["plan", "--ref-batch-size", "32", "--ref-lr", "0.05", "--devices", "8", "--batch-size", "32",
+            "--from-study", str(path), "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["global_batch_size"] == 256 and plan["lr"] == pytest.approx(0.256)
+    assert (plan["steps_factor"] == pytest.approx(1 + 100 / 256)
+            and plan["compute_factor"] == pytest.approx(1 + 256 / 100))
+    assert "ddplab study" in plan["reasons"]["lr"]
+    assert main(argv[:-1] + ["--devices", "32"]) == 0
+    assert "outside the study's measured range" in capsys.readouterr().out
+
+
+def test_spec_evaluate_agrees_with_vectorized_validation():
+    path = os.path.join(SPECS, "study_eval.py")
+    with_evaluate = workloads.from_spec(path)
+    vectorized = dataclasses.replace(with_evaluate, evaluate=None, val=with_evaluate.eval_dataset.tensors)
+    config = StudyConfig(target=Target(kind="accuracy", value=0.9), global_batch_sizes=(32, 64))
+    runs = [(0.05, 0), (0.2, 1)]
+    a = engine.train_group(with_evaluate, config, 32, runs)
+    b = engine.train_group(vectorized, config, 32, runs)
+    assert [r.steps_to_target for r in a] == [r.steps_to_target for r in b]
+    assert all(r.steps_to_target is not None for r in a)
+    assert [h[2] for h in a[0].history] == pytest.approx([h[2] for h in b[0].history], abs=1e-6)
+
+
+@pytest.mark.parametrize("seeds", [2, 3])
+def test_pruning_slow_sweep_lrs_keeps_the_best(seeds):
+    workload = workloads.regression(dim=8, n_train=1024, n_val=512)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.05), momentum=0.0, seeds=seeds,
+                               global_batch_sizes=(16, 32), max_steps=120, eval_every=2, dtype="float64")
+    runs = [(lr, s) for lr in (0.01, 0.04, 0.16) for s in range(seeds)]
+    full = engine.train_group(workload, config, 16, runs)
+    pruned = engine.train_group(workload, config, 16, runs, sweep_only={0.01, 0.04, 0.16})
+
+    def best(results):
+        return study_fit.best_lr({lr: [r.steps_to_target or math.inf for r in results if r.lr == lr]
+                                  for lr, _ in runs})
+
+    assert best(full) == best(pruned)
+    assert any(r.pruned for r in pruned) and not any(r.pruned for r in full)
+    assert [r.steps_to_target for r in full if r.lr == best(full)[0]] == \
+        [r.steps_to_target for r in pruned if r.lr == best(full)[0]]
+
+
+def test_missing_extras_say_what_to_install(monkeypatch, capsys, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert main(["study", "--no-plots", "--out", str(tmp_path)]) == 2
+    assert "pip install 'ddplab[study]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["study", "--out", str(tmp_path)]) == 2
+    assert "pip install 'ddplab[study]'" in capsys.readouterr().err
