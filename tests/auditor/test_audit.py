@@ -87,29 +87,92 @@ def test_audit_passes_the_commands_exit_code_through(capsys):
     assert main(["audit"]) == 2
 
 
+class _FlakyStep(torch.optim.SGD):
+    """An optimizer whose first step raises (a user's own error, caught by the user's own code)."""
+
+    failed = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a step that fails once")
+        return super().step(closure)
+
+
+def _patched_now(patched):
+    """Whether each (owner, name, original) is back to the original object."""
+    return [getattr(owner, name) is original for owner, name, original in patched]
+
+
 def _audit_from_code(ctx):
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+
     import ddplab
+    from ddplab.auditor import install, state
 
     torch.manual_seed(0)
     ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    optimizer = _FlakyStep(ddp.parameters(), lr=0.1)
     handle = ddplab.audit(ddp, optimizer=optimizer, steps=3)
+    patched = install.patched()
     generator = torch.Generator().manual_seed(ctx.rank)
-    for _ in range(3):
+    for _ in range(4):
         x = torch.randn(8, 4, generator=generator)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(ddp.module(x), x.sum(1, keepdim=True)).backward()  # bypass
-        optimizer.step()
+        try:
+            optimizer.step()
+        except RuntimeError:
+            pass  # the program goes on; so must the audit
     report = handle.report(timeout=30)
-    return sorted(handle.findings), handle.steps, {f.code: f.ranks for f in report.problems}
+    hooks = (optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks,
+             module_hooks._global_forward_pre_hooks)
+    left = {"restored": _patched_now(patched), "state": state.current(), "hooks": sum(map(len, hooks))}
+    owners = {f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in patched}
+    return sorted(handle.findings), handle.steps, {f.code: f.ranks for f in report.problems}, left, owners
 
 
-def test_audit_from_code_finds_the_bypass():
+def test_audit_from_code_finds_the_bypass_and_leaves_nothing_behind():
     results = launch(_audit_from_code, LaunchConfig(world_size=2))
-    for own, steps, merged in results:
-        # Each rank sees its own bypass; only comparing the ranks' records shows the divergence.
+    for own, steps, merged, left, owners in results:
+        # Each rank sees its own bypass; only comparing the ranks' records shows the divergence. The step that
+        # raised did not silence the audit: the three that followed were audited.
         assert own == ["NO_ALLREDUCE"] and steps == 3
         assert merged == {"NO_ALLREDUCE": [0, 1], "PARAMS_DIVERGED": [0, 1]}
+        # Ending the audit undid every patch (the same objects are back), every hook and the state.
+        assert left["restored"] and all(left["restored"]) and left["state"] is None and left["hooks"] == 0
+        assert {"DistributedDataParallel.forward", "DistributedDataParallel.__init__", "DistributedSampler.__iter__",
+                "Tensor.backward", "torch.nn.functional.cross_entropy", "LRScheduler.step"} <= owners
+
+
+def test_the_audited_command_keeps_its_own_environment(tmp_path, capfd, monkeypatch):
+    """Only ddplab itself joins the command's path: a second interpreter keeps its own torch, or none."""
+    import subprocess
+
+    other = tmp_path / "other-env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
+    probe = "import torch; print('torch from', torch.__file__)"
+    # An environment without torch: its program cannot import the torch of ddplab's own environment.
+    assert main(["audit", "--", str(other / "bin" / "python"), "-c", probe]) == 1
+    captured = capfd.readouterr()
+    assert "No module named 'torch'" in captured.err and "torch from" not in captured.out
+    # A torch of the user's own, on the user's PYTHONPATH, wins over ddplab's.
+    fake = tmp_path / "user-site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.0+user'\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "user-site"))
+    assert main(["audit", "--", sys.executable, "-c", probe]) == 0
+    captured = capfd.readouterr()
+    assert f"torch from {fake / '__init__.py'}" in captured.out
+    assert "auditing disabled in this process" in captured.err  # the auditor needs a real torch, and says so
+    # What is put in front of the user's path holds the bootstrap and ddplab, nothing else of its environment.
+    show = "import os; print(repr([(p, sorted(os.listdir(p))) for p in os.environ['PYTHONPATH'].split(os.pathsep)]))"
+    monkeypatch.delenv("PYTHONPATH")
+    assert main(["audit", "--", str(other / "bin" / "python"), "-c", show]) == 0
+    (path, listing), = eval(capfd.readouterr().out.strip().splitlines()[-1])
+    assert listing == ["ddplab", "sitecustomize.py"]
 
 
 def test_reports_merge_over_ranks():

@@ -318,6 +318,30 @@ def test_scaling_an_optimizer_keeps_its_scheduler_and_the_warmup_composes():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4 / 5)  # the scheduler's own lr, undisturbed
 
 
+def test_scale_learning_rate_knows_the_reference_by_its_global_batch_and_never_warms_down():
+    pytest.importorskip("lightning")
+    from ddplab.errors import UsageError
+    from ddplab.integrations.lightning import ScaleLearningRate
+
+    callback = ScaleLearningRate(reference_lr=0.1, reference_global_batch_size=256, warmup_steps=4)
+    assert callback.reference.global_batch_size == 256 and callback.reference.per_device_batch_size is None
+    # A Python user reads the callback's own argument names, never a command-line flag.
+    with pytest.raises(UsageError) as info:
+        ScaleLearningRate(reference_lr=0.1, reference_global_batch_size=0)
+    assert str(info.value) == "reference_global_batch_size must be a positive integer, got 0"
+    # Below the reference the lr shrinks: the update starts at the planned lr, nothing to warm up from.
+    plan = callback.make_plan(world_size=2, per_device_batch_size=16, accumulation_steps=2)
+    assert plan.global_batch_size == 64 and plan.lr == pytest.approx(0.025)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    from ddplab.integrations import _lr
+
+    _lr.scale_optimizer(optimizer, [], plan.lr_multiplier)
+    warmup = _lr.Warmup(optimizer, warmup_steps=4, lr_multiplier=plan.lr_multiplier)
+    for _ in range(6):
+        optimizer.step()
+    assert warmup.applied == pytest.approx([0.025] * 6)
+
+
 def _scaled_with_base_lrs(ctx):
     from torch.nn.parallel import DistributedDataParallel
 

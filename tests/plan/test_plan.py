@@ -346,3 +346,29 @@ def test_multiplier_reason_names_the_rule_that_applied(rule, multiplier, phrase)
     assert p.lr_multiplier == pytest.approx(multiplier) and p.lr == pytest.approx(0.1 * multiplier)
     assert phrase in p.reasons["lr_multiplier"]
     assert "under the none rule" not in p.reasons["lr_multiplier"]
+
+
+def test_a_python_caller_reads_field_names_and_the_defaults_live_in_the_config():
+    import torch
+
+    from ddplab.noise.scale import GradientNoiseScale
+
+    # The wrapper defaults in Reference itself: several devices mean DDP, one a single device.
+    assert Reference(per_device_batch_size=32, lr=0.1, devices=8).wrapper == "ddp"
+    assert Reference(per_device_batch_size=32, lr=0.1).wrapper == "single"
+    calls = [
+        (lambda: Reference(per_device_batch_size=0, lr=0.1), "reference.per_device_batch_size must be a positive"),
+        (lambda: Reference(per_device_batch_size=8, lr=float("nan")), "reference.lr must be a positive number"),
+        (lambda: Target(devices=8, per_device_batch_size=16, accumulation_steps=2, global_batch_size=1024),
+         "target.per_device_batch_size 16 × 8 ranks × target.accumulation_steps 2 = 256, not "
+         "target.global_batch_size 1024"),
+        (lambda: plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8)).lr_lambda(0),
+         "plan with data.dataset_size or data.warmup_steps"),
+        (lambda: Data(warmup_epochs=-1), "data.warmup_epochs must be zero or more"),
+        (lambda: GradientNoiseScale(torch.nn.Linear(2, 1), per_device_batch_size=0, accumulation_steps=2),
+         "per_device_batch_size, accumulation_steps and every must be positive"),
+    ]
+    for call, expected in calls:
+        with pytest.raises(UsageError) as info:
+            call()
+        assert expected in str(info.value) and "--" not in str(info.value)

@@ -287,18 +287,45 @@ def test_a_target_no_run_reaches_says_how_close_each_came(tmp_path, capsys):
 @pytest.mark.timeout(60)
 def test_plan_from_study(tmp_path, capsys):
     path = tmp_path / "study.json"
-    path.write_text(json.dumps({"workload": "w", "fit": {"tuned": {"b_crit": 100.0}},
+    path.write_text(json.dumps({"workload": "w", "fit": {"tuned": {"b_crit": 100.0}}, "train_size": 4000,
                                 "tuned_lr": [{"global_batch_size": b, "lr": 0.001 * b} for b in (32, 128, 512)]}))
     argv = ["plan", "--ref-batch-size", "32", "--ref-lr", "0.05", "--devices", "8", "--batch-size", "32",
             "--from-study", str(path), "--json"]
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["global_batch_size"] == 256 and plan["lr"] == pytest.approx(0.256)
+    assert plan["global_batch_size"] == 256 and plan["lr"] == pytest.approx(0.256) and plan["rule"] == "measured"
     assert (plan["steps_factor"] == pytest.approx(1 + 100 / 256)
             and plan["compute_factor"] == pytest.approx(1 + 256 / 100))
     assert "ddplab study" in plan["reasons"]["lr"]
+    # Reasoned from the lr it recommends: ×5.12 over the reference's 0.05 warms up, and the warmup says so.
+    assert plan["lr_multiplier"] == pytest.approx(0.256 / 0.05) and plan["warmup_recommended"]
+    assert "×5.12" in plan["reasons"]["warmup_recommended"]
+    # The other mode is planned from the study too: its lr at the reference's global batch of 32.
+    assert "at lr 0.032" in plan["other_mode"]
     assert main(argv[:-1] + ["--devices", "32"]) == 0
     assert "outside the study's measured range" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_plan_from_study_refuses_what_the_study_cannot_answer(tmp_path, capsys):
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"workload": "w", "fit": {"tuned": {"b_crit": 100.0}}, "train_size": 4000,
+                                "tuned_lr": [{"global_batch_size": b, "lr": 0.001 * b} for b in (32, 128, 512)]}))
+    base = ["plan", "--ref-batch-size", "32", "--ref-lr", "0.05", "--devices", "8", "--from-study", str(path)]
+    # A measured lr of 2× the reference needs no warmup, whatever the global batch grew by.
+    assert main([*base, "--batch-size", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["global_batch_size"] == 64 and plan["lr"] == pytest.approx(0.064) and not plan["warmup_recommended"]
+    for extra, message in ((["--critical-batch-size", "500"], "--critical-batch-size and --from-study both give"),
+                           (["--optimizer", "adamw"], "the study measured the best lr of SGD")):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    # A global batch larger than the study's training set: the study never took such a step, and the plan says so.
+    assert main([*base, "--batch-size", "1024", "--nodes", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["global_batch_size"] == 32768 and any("larger than the study's 4000 training samples" in w
+                                                       for w in plan["warnings"])
 
 
 def test_spec_evaluate_agrees_with_vectorized_validation():

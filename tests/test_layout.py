@@ -1,0 +1,121 @@
+"""The package's shape, checked: no import cycle, the library prints nothing, every error field has a flag."""
+
+import ast
+import os
+import re
+
+import pytest
+
+from ddplab.cli.args import FLAGS
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "ddplab")
+# Fields that only a Python caller can set (no command passes them): shown by their own name everywhere.
+PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "reference.global_batch_size"}
+# The auditor's voice inside the user's program, where there is no command line to print for it.
+MAY_PRINT = {"auditor/exchange.py", "auditor/bootstrap/sitecustomize.py", "integrations/lightning.py"}
+FIELD = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}")
+
+
+def _modules():
+    for folder, _, files in os.walk(SRC):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                relative = os.path.relpath(path, SRC)
+                module = "ddplab." + relative[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                with open(path) as fh:
+                    yield relative, module.removesuffix("."), ast.parse(fh.read())
+
+
+def _top_level_imports(tree, module: str, known: set[str]) -> set[str]:
+    """ddplab modules imported when ``module`` is imported (not inside functions)."""
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                      for alias in node.names}
+    return {name for name in found if name in known and name != module}
+
+
+def test_no_import_cycle():
+    modules = list(_modules())
+    known = {module for _, module, _ in modules}
+    graph = {module: _top_level_imports(tree, module, known) for _, module, tree in modules}
+    state: dict[str, int] = {}
+
+    def visit(module, path):
+        state[module] = 1
+        for target in graph[module]:
+            if state.get(target) == 1:
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(target):] + [target]))
+            if state.get(target) is None:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+
+
+def _prints(tree) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "print":
+                lines.append(node.lineno)
+            elif isinstance(func, ast.Attribute) and func.attr in ("print", "write") and \
+                    isinstance(func.value, ast.Attribute) and func.value.attr in ("stdout", "stderr"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_outside_the_command_line_prints():
+    offenders = [f"{path}:{line}" for path, _, tree in _modules() if not path.startswith("cli" + os.sep)
+                 and path not in MAY_PRINT for line in _prints(tree)]
+    assert offenders == []
+
+
+def _templates(tree):
+    """The first argument of every UsageError(...), SpecError(...) and spec.error(...): its literal text."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        if name not in ("UsageError", "SpecError", "error"):
+            continue
+        first = node.args[0]
+        parts = first.values if isinstance(first, ast.JoinedStr) else [first]
+        yield node.lineno, "".join(p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str))
+
+
+def test_every_field_an_error_names_has_a_flag_or_is_python_only():
+    fields = {}
+    for path, _, tree in _modules():
+        for line, text in _templates(tree):
+            for field in FIELD.findall(text):
+                fields.setdefault(field, f"{path}:{line}")
+    assert len(fields) > 40  # the scan sees the library's errors
+    unmapped = {field: where for field, where in fields.items() if field not in FLAGS and field not in PYTHON_ONLY}
+    assert unmapped == {}
+    assert all(flag.startswith("--") or flag.isupper() or flag.endswith(".py") for flag in FLAGS.values())
+
+
+def test_the_plans_prose_speaks_the_flags_of_the_table():
+    from ddplab.plan.planner import PROSE_NAMES
+
+    assert PROSE_NAMES.items() <= FLAGS.items()
+
+
+def test_launch_state_lives_in_objects_not_module_globals():
+    import threading
+
+    from ddplab.runtime import launch, signals
+
+    for module in (launch, signals):
+        mutable = [name for name, value in vars(module).items() if not name.startswith("__")
+                   and isinstance(value, (dict, list, set, threading.Event))]
+        assert mutable == [], module.__name__
