@@ -79,9 +79,15 @@ def test_the_deterministic_sandbox_is_clean_and_the_bypass_is_caught(tmp_path):
     assert _serious(report) == {"NO_ALLREDUCE": "error", "PARAMS_DIVERGED": "error"}
 
 
-def test_audit_passes_the_commands_exit_code_through(capsys):
-    assert main(["audit", "--", sys.executable, "-c", "raise SystemExit(7)"]) == 7
+def test_audit_passes_the_commands_exit_code_through(capsys, tmp_path):
+    report = tmp_path / "report.json"
+    assert main(["audit", "--json-file", str(report), "--", sys.executable, "-c", "raise SystemExit(7)"]) == 7
     assert "no DistributedDataParallel model was built" in capsys.readouterr().err
+    # Nothing to audit, and the report is still written: no findings, and RUN_INFO says why.
+    written = json.loads(report.read_text())
+    assert written["audited"] is False and written["steps_audited"] == 0
+    assert [(f["code"], f["severity"]) for f in written["findings"]] == [("RUN_INFO", "info")]
+    assert "no DistributedDataParallel model was built" in written["findings"][0]["message"]
     assert main(["audit", "--", sys.executable, "-E", "-c", "pass"]) == 0
     assert "the auditor never loaded" in capsys.readouterr().err
     assert main(["audit"]) == 2
@@ -292,6 +298,11 @@ def test_bad_commands_and_paths_are_one_line_errors(tmp_path, capsys):
     assert main(["audit", "--json-file", str(tmp_path / "missing" / "r.json"), "--", sys.executable, "-c", "pass"]) == 2
     err = capsys.readouterr().err
     assert "cannot write the report" in err and "Traceback" not in err
+    # A directory is refused before the command runs, not after it (the report would be lost).
+    marker = tmp_path / "ran"
+    assert main(["audit", "--json-file", str(tmp_path), "--", sys.executable, "-c",
+                 f"open({str(marker)!r}, 'w').close()"]) == 2
+    assert "--json-file" in capsys.readouterr().err and not marker.exists()
 
 
 @pytest.mark.slow

@@ -75,6 +75,8 @@ CORRECT = {
     "epochs_window_50": Case("epochs_and_exit.py", audit_steps=50),
     "epochs_os_exit_window_2": Case("epochs_and_exit.py", ("--exit", "os-exit"), audit_steps=2),
     "epochs_os_exit_window_50": Case("epochs_and_exit.py", ("--exit", "os-exit"), audit_steps=50),
+    "imagenet_ddp_on_cpu": Case("imagenet_style.py"),
+    "imagenet_hand_sync": Case("imagenet_style.py", ("--sync", "hand")),
 }
 
 # Every two-rank correct script under torchrun; spawn and fork get the cases that stress them most (fork: ranks
@@ -86,6 +88,7 @@ DEFAULT_CORRECT = [
     ("ema_teacher", "torchrun"), ("skipped_step_unused", "torchrun"), ("epochs_os_exit_window_2", "torchrun"),
     ("validate_all_ranks", "spawn"), ("nanogpt_eval_all", "spawn"), ("skipped_step_static", "spawn"),
     ("epochs_os_exit_window_50", "fork"), ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"),
+    ("imagenet_hand_sync", "torchrun"), ("imagenet_ddp_on_cpu", "spawn"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -104,6 +107,9 @@ MISTAKES = {
     "module_forward_in_training": (Case("validate_rank0.py", ("--mistake", "module-forward")),
                                    {"NO_ALLREDUCE": "error"}, {"PARAMS_DIVERGED": "error"}, "torchrun"),
     "bias_nudged_on_rank1": (Case("perturbed_bias.py"), {"PARAMS_DIVERGED": "error"}, {}, "fork"),
+    # pytorch/examples' ImageNet script on CPU: a process group and a sharded sampler, but no DDP model.
+    "imagenet_unwrapped_on_cpu": (Case("imagenet_style.py", ("--sync", "none")), {"NOT_DISTRIBUTED": "error"}, {},
+                                  "torchrun"),
 }
 
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.

@@ -107,11 +107,13 @@ def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
     # One command that starts a group per worker process, as torchrun runs it: a second one would meet stale keys.
     mismatch = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--world-size", "3"]
     check_run = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--steps", "3", "--json"]
-    results = _torchrun(4, mismatch, check_run)
+    sandbox_mismatch = ["sandbox", "multi", "--world-size", "2"]
+    results = _torchrun(4, mismatch, check_run, sandbox_mismatch)
     for rank in range(4):
-        code, stdout, stderr = results[rank][0]
-        assert code == 2 and stdout == "" and stderr.count("\n") == 1
-        assert "--world-size 3 disagrees with torchrun's WORLD_SIZE 4" in stderr
+        for index in (0, 2):
+            code, stdout, stderr = results[rank][index]
+            assert code == 2 and stdout == "" and stderr.count("\n") == 1
+            assert f"--world-size {3 if index == 0 else 2} disagrees with torchrun's WORLD_SIZE 4" in stderr
     assert all(results[rank][1] == (0, "", "") for rank in (1, 2, 3))  # quiet, and successful
     code, stdout, _ = results[0][1]
     report = json.loads(stdout)
@@ -239,3 +241,38 @@ def test_an_error_inside_one_rank_comes_back_as_one_line(capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "fails_on_rank_one.py: the forward pass raised RuntimeError: rank one cannot " \
             "read its shard (on rank 1)" in err, err
+
+
+HANGS_ON_RANK_ONE = SPEC_HEAD + LINEAR + """import time
+import torch.distributed as dist
+def step(model, batch, loss_fn):
+    if dist.is_initialized() and dist.get_rank() == 1:
+        time.sleep(60)  # stuck, say, reading its shard from a slow disk
+    inputs, target = batch
+    return loss_fn(model(inputs), target)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_strict_fails_a_divergence_and_a_hung_rank_is_named_with_its_stack(tmp_path, capsys):
+    assert main(["check", os.path.join(SPECS, "sum_reduction.py"), "--batch-size", "4", "--steps", "2"]) == 0
+    assert main(["check", os.path.join(SPECS, "sum_reduction.py"), "--batch-size", "4", "--steps", "2",
+                 "--strict"]) == 3
+    assert "DIVERGES" in capsys.readouterr().out
+    # Rank 0 waits in DDP's all-reduce and times out; rank 1 is the one to name, with where it is stuck.
+    spec = tmp_path / "hangs.py"
+    spec.write_text(HANGS_ON_RANK_ONE)
+    assert main(["check", str(spec), "--batch-size", "4", "--steps", "2", "--timeout", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ddplab: rank 1 stopped answering: rank 0 waited in a collective"), err
+    assert "hangs.py" in err and "in step" in err and "spec file" not in err
+    # A folder given as the spec is named as a folder.
+    assert main(["check", SPECS, "--batch-size", "4"]) == 2
+    assert "is a directory: give the Python file that defines model()" in capsys.readouterr().err
+
+
+def test_one_rank_is_one_rank(capsys):
+    assert main(["check", os.path.join(SPECS, "correct.py"), "--world-size", "1", "--batch-size", "8",
+                 "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ddplab check: 1 rank × 8 vs one process × 8" in out and "1 rank × 8 and one process" in out

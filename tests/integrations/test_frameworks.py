@@ -200,6 +200,18 @@ def test_accelerate_schedule_that_ends_half_way_is_a_warning(in_scripts, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_accelerate_schedule_built_after_prepare_that_ends_after_the_window_is_a_warning(in_scripts, tmp_path, capfd):
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "accelerate_train.py", "--mistake", "schedule_late"])
+    assert code == 0 and "accelerate-done steps=32" in out
+    assert _serious(report) == {"SCHEDULER_STEPS_PER_PROCESS": "warning"}
+    # A 32-step decay stepped twice per optimizer step reaches 0 at optimizer step 16; 5 steps were audited.
+    assert report["steps_audited"] == 5
+    assert "reached 0 at optimizer step 16" in _finding(report, "SCHEDULER_STEPS_PER_PROCESS")["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_accelerate_processes_that_each_train_alone_are_not_distributed(in_scripts, tmp_path, capfd):
     pytest.importorskip("accelerate")
     code, report, out = _audit(tmp_path, capfd, [*ACCELERATE_LAUNCH, "accelerate_train.py", "--mistake",
@@ -270,25 +282,37 @@ def _plain_schedules(ctx, mistake):
     ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
     handle = ddplab.audit(ddp, steps=3)  # before the scheduler: it is watched from its construction
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / 8))
-    if mistake == "lr_scaled":
+    # A decay over the run's length in optimizer steps (32 when the decay ends after the audited window).
+    steps = 32 if mistake == "twice_late" else 8
+    if mistake == "lr_scaled_step":
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.1)
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / steps))
+    if mistake.startswith("lr_scaled"):
         for group in optimizer.param_groups:
             group["lr"] *= math.sqrt(ctx.world_size)
     generator = torch.Generator().manual_seed(ctx.rank)
-    for _ in range(8):
+    lrs = []
+    for _ in range(steps):
         x = torch.randn(8, 4, generator=generator)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True)).backward()
         optimizer.step()
-        for _ in range(2 if mistake == "twice" else 1):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        for _ in range(2 if mistake.startswith("twice") else 1):
             scheduler.step()
+    if mistake == "lr_scaled_step":
+        # StepLR multiplies the lr it finds: the scaling survives its steps (0.1414 → 0.01414 at step 3).
+        assert lrs[:4] == pytest.approx([0.1 * math.sqrt(2)] * 3 + [0.01 * math.sqrt(2)])
     return {code: (f.severity, f.detail) for code, f in handle.findings.items()}
 
 
 @pytest.mark.parametrize("mistake, expected", [
     ("none", {}),
     ("twice", {"SCHEDULER_STEPS_PER_PROCESS": "warning"}),
+    ("twice_late", {"SCHEDULER_STEPS_PER_PROCESS": "warning"}),
     ("lr_scaled", {"LR_SCALED_NOT_SCHEDULE": "warning"}),
+    ("lr_scaled_step", {"LR_SCALED_NOT_SCHEDULE": "info"}),
 ])
 def test_scheduler_mistakes_in_a_plain_loop(mistake, expected):
     from ddplab.runtime.launch import LaunchConfig, launch
@@ -298,8 +322,14 @@ def test_scheduler_mistakes_in_a_plain_loop(mistake, expected):
         if mistake == "twice":
             # Stepping twice, the 8-step decay gives lr 0 at scheduler step 8 = before optimizer step 4.
             assert "reached 0 at optimizer step 4" in found["SCHEDULER_STEPS_PER_PROCESS"][1]
+        if mistake == "twice_late":
+            # Long after the 3 audited steps: the light watch goes on for the whole run.
+            assert "reached 0 at optimizer step 16" in found["SCHEDULER_STEPS_PER_PROCESS"][1]
         if mistake == "lr_scaled":
             assert "sqrt(W) = 1.414 times" in found["LR_SCALED_NOT_SCHEDULE"][1]
+            assert "brings the unscaled schedule back" in found["LR_SCALED_NOT_SCHEDULE"][1]
+        if mistake == "lr_scaled_step":
+            assert "the scaling is kept" in found["LR_SCALED_NOT_SCHEDULE"][1]
 
 
 def test_scaling_an_optimizer_keeps_its_scheduler_and_the_warmup_composes():

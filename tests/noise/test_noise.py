@@ -187,6 +187,22 @@ def test_cli_plot_and_bad_input(tmp_path, capsys):
     assert "needs --accumulation 2" in capsys.readouterr().err
     assert main(["noise", "missing_spec.py", "--batch-size", "8"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # A plot that cannot be written is refused before the run, so the run's figures are never lost to it.
+    assert main(["noise", LINEAR_SPEC, "--batch-size", "8", "--plot", str(tmp_path / "no" / "such" / "p.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "--plot" in captured.err
+
+
+def test_a_spec_whose_every_step_overflows_is_one_line(tmp_path, capsys):
+    spec = tmp_path / "overflowing.py"
+    spec.write_text("import torch\nfrom torch.utils.data import TensorDataset\n"
+                    "def model():\n    return torch.nn.Linear(4, 1)\n"
+                    "def dataset():\n    return TensorDataset(torch.randn(64, 4), torch.randn(64, 1))\n"
+                    "def loss(output, target):\n    return (output - target).pow(2).mean() * float('inf')\n")
+    assert main(["noise", str(spec), "--batch-size", "4", "--steps", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "all 6 measured steps had non-finite gradients" in err and "overflowing.py" in err
 
 
 def _accumulation_pairs(ctx):

@@ -146,6 +146,9 @@ def test_cli_json_keys(capsys):
       "--global-batch-size", "20"], "not a multiple"),
     (["--ref-batch-size", "250", "--ref-devices", "4", "--ref-wrapper", "dp", "--ref-lr", "0.1", "--devices", "4"],
      "unevenly"),
+    (["--ref-batch-size", "16", "--ref-lr", "0.1", "--devices", "8", "--batch-size", "16", "--accumulation", "2",
+      "--global-batch-size", "1024"],
+     "--batch-size 16 × 8 ranks × --accumulation 2 = 256, not --global-batch-size 1024: give two of the three"),
 ])
 def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

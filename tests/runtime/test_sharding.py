@@ -20,7 +20,7 @@ def _sampler_batch(dataset_size, *, world_size, rank, per_device_batch_size, see
 
 
 @pytest.mark.parametrize("dataset_size, world_size, batch", [(100, 3, 7), (64, 4, 16), (1001, 3, 167), (10, 4, 2),
-                                                             (5, 3, 1), (2, 7, 1)])
+                                                             (5, 3, 1), (7, 7, 1)])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_rank_orders_are_distributed_samplers_own(dataset_size, world_size, batch, drop_last):
     for seed in (0, 5):
@@ -78,3 +78,6 @@ def test_the_order_is_computed_once_per_epoch_and_keeps_one_shard(monkeypatch):
 def test_fewer_samples_than_one_batch_per_rank_is_refused_with_the_sizes():
     with pytest.raises(UsageError, match="each of 2 ranks gets 5, fewer than one batch of per_device_batch_size 8"):
         steps_per_epoch(10, world_size=2, per_device_batch_size=8, drop_last=False)
+    # More ranks than samples: some would train on the sampler's repeats alone.
+    with pytest.raises(UsageError, match="512 samples, fewer than the 2000 ranks: use world_size 512 or less"):
+        steps_per_epoch(512, world_size=2000, per_device_batch_size=1, drop_last=False)

@@ -2,6 +2,11 @@
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -106,14 +111,48 @@ def test_cli_single_json_has_the_documented_keys(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["sandbox", "single", "--batch-size", "100"], "must divide the 256"),
-    (["sandbox", "single", "--lr", "-1"], "positive"),
-    (["sandbox", "multi", "--world-size", "2", "--bypass-ddp"], "needs noisy data"),
+    (["sandbox", "single", "--batch-size", "100"], "--batch-size × world size = 100 must divide the 256 samples of "
+                                                   "an epoch: use --batch-size 128 (global batch 128)"),
+    (["sandbox", "multi", "--batch-size", "64"], "--batch-size × world size = 512 is more than the 256 samples"),
+    (["sandbox", "single", "--lr", "-1"], "--lr must be a positive number, got -1.0"),
+    (["sandbox", "multi", "--world-size", "2", "--bypass-ddp"], "--bypass-ddp needs noisy data (--noisy)"),
     (["sandbox", "single", "--deterministic", "maybe"], "True or False"),
+    (["sandbox", "single", "--noisy", "--deterministic", "True"], "not allowed with argument"),
+    # Refused before anything is allocated (10^10 experiments would be 640 GB of samples).
+    (["sandbox", "single", "--noisy", "--n-experiments", "10000000000"], "more than this machine has free"),
+    (["sandbox", "multi", "--noisy", "--n-experiments", "100000000"], "lower --n-experiments"),
 ])
 def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         raise SystemExit(main(argv))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def _descendants(pid):
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    children.setdefault(int(fh.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return children.get(pid, [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_is_one_line_and_exit_130_every_time():
+    """Ctrl-C at a terminal signals the whole foreground group: the command and every rank it forked."""
+    for argv in (["multi", "--noisy", "--n-experiments", "200000", "--n-epochs", "1000"],) * 3 + (["table"],):
+        command = subprocess.Popen([sys.executable, "-m", "ddplab", "sandbox", *argv], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while len(_descendants(command.pid)) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.killpg(command.pid, signal.SIGINT)
+        _, err = command.communicate(timeout=30)
+        assert command.returncode == 130 and err == "ddplab: cancelled (Ctrl-C)\n", err

@@ -211,7 +211,9 @@ def _study(tmp_path, *extra):
 @pytest.mark.timeout(120)
 def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
     assert main(_study(tmp_path, "--json", "--rules", "linear,tuned")) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert captured.err == ""  # no matplotlib or torch warning leaks into the command's output
     for key in ("workload", "target", "rules", "global_batch_sizes", "runs", "fit", "b_simple", "plots", "report",
                 "seconds"):
         assert key in report
@@ -371,3 +373,46 @@ def test_missing_extras_say_what_to_install(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["study", "--out", str(tmp_path)]) == 2
     assert "pip install 'ddplab[study]'" in capsys.readouterr().err
+
+
+def test_evaluate_that_raises_is_one_line_and_a_failed_start_leaves_no_fingerprint(tmp_path, capsys):
+    broken = tmp_path / "broken_eval.py"
+    with open(os.path.join(SPECS, "study_eval.py")) as fh:
+        source = fh.read()
+    broken.write_text(source.replace("x, y = dataset.tensors", "x, y = dataset.tensors[0], {'labels': 1}['label']"))
+    out = str(tmp_path / "out")
+    assert main(["study", str(broken), "--target-accuracy", "0.9", "--global-batch-sizes", "16,32", "--seeds", "1",
+                 "--no-plots", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "broken_eval.py: evaluate(model, dataset) raised KeyError: 'label'" in err
+    # Nothing was trained there, so another study may use the same --out.
+    assert main(["study", str(broken.with_name("fixed.py")), "--target-accuracy", "0.9"]) == 2
+    capsys.readouterr()
+    fixed = tmp_path / "fixed.py"
+    with open(os.path.join(SPECS, "study_eval.py")) as fh:
+        fixed.write_text(fh.read())
+    assert main(["study", str(fixed), "--target-accuracy", "0.8", "--global-batch-sizes", "16,32", "--seeds", "1",
+                 "--max-steps", "40", "--no-plots", "--out", out]) in (0, 1)
+    assert "other settings" not in capsys.readouterr().err
+    # A changed spec with the same name is a changed study: its cache is refused, not reused.
+    fixed.write_text(fixed.read_text().replace("torch.nn.Linear(6, 16)", "torch.nn.Linear(6, 32)").replace(
+        "torch.nn.Linear(16, 2)", "torch.nn.Linear(32, 2)"))
+    assert main(["study", str(fixed), "--target-accuracy", "0.8", "--global-batch-sizes", "16,32", "--seeds", "1",
+                 "--max-steps", "40", "--no-plots", "--out", out]) == 2
+    assert "other settings or another spec; pass --fresh" in capsys.readouterr().err
+
+
+def test_output_folders_are_checked_before_any_run(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for out, message in ((a_file, "is a file"), (a_file / "below", "is not writable"),
+                         ("/proc/no-such-place", "is not writable")):
+        assert main(["study", "--out", str(out), "--no-plots"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and "--out" in err
+    (tmp_path / "corrupt" / "runs").mkdir(parents=True)
+    (tmp_path / "corrupt" / "runs" / "batch-32.json").write_text("[{\"lr\": 0.1, ")
+    (tmp_path / "corrupt" / "config.json").write_text("{}")
+    assert main(_study(tmp_path, "--no-plots", "--out", str(tmp_path / "corrupt"))) == 2
+    err = capsys.readouterr().err
+    assert "batch-32.json cannot be read" in err and "--fresh" in err

@@ -58,8 +58,8 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "wrap every micro-step but the last in `with ddp_model.no_sync():`"),
     "NOT_DISTRIBUTED": (
         ERROR,
-        "several processes were started but each trains alone, on the whole dataset: W duplicate runs, W times "
-        "the compute for the result of one",
+        "several processes were started but each trains a model of its own: W separate runs, each learning only "
+        "from what its own process loads (its shard with DistributedSampler, the whole dataset without one)",
         "make the processes join one distributed run: init_process_group and DistributedDataParallel in a plain "
         "loop; with Accelerate on CPU, Accelerator(cpu=True) or ACCELERATE_USE_CPU=1 (check "
         "accelerator.num_processes == WORLD_SIZE)"),

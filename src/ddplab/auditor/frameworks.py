@@ -59,16 +59,17 @@ def check_not_distributed(audit, optimizer) -> None:
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world_size < 2 or "NOT_DISTRIBUTED" in audit.findings or audit.disabled is not None or audit.synchronised:
         return
+    if audit.attached_pid is None:
+        # A distributed run with no DDP model still reports its setting (and, with evidence, NOT_DISTRIBUTED).
+        audit.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+        audit.world_size = world_size
+        audit.lr = optimizer.param_groups[0].get("lr")
+        audit.optimizer = type(optimizer).__name__
+        audit.attached_pid = os.getpid()
+        audit.write()
     evidence = _alone_evidence(audit, world_size)
-    if evidence is None:
-        return
-    audit.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
-    audit.world_size = world_size
-    audit.lr = optimizer.param_groups[0].get("lr")
-    audit.optimizer = type(optimizer).__name__
-    # Records are written only by an attached process: this one has no wrapper, and still has a finding.
-    audit.attached_pid = os.getpid()
-    audit.add("NOT_DISTRIBUTED", evidence)
+    if evidence is not None:
+        audit.add("NOT_DISTRIBUTED", evidence)
 
 
 def _alone_evidence(audit, world_size: int) -> str | None:

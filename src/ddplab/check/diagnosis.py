@@ -100,7 +100,8 @@ def _has_batchnorm(spec) -> bool:
 
 def equivalent_text(cfg: CheckConfig, per_step: list[dict[str, float]]) -> str:
     worst = max(d["max_rel_diff"] for d in per_step)
-    return (f"{cfg.world_size} ranks × {cfg.per_device_batch_size} and one process with {cfg.global_batch_size} agree "
+    ranks = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
+    return (f"{ranks} × {cfg.per_device_batch_size} and one process with {cfg.global_batch_size} agree "
             f"after every one of {cfg.steps} steps (largest relative difference {worst:.1e} ≤ {cfg.tolerance:g})")
 
 

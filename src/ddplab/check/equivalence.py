@@ -59,6 +59,7 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckR
     # The spec's mistakes surface here, in one sentence, before any rank starts.
     facts, dataset = rank_tools.validate(spec, world_size=cfg.world_size, seed=cfg.seed, dtype=torch.float64,
                                          per_device_batch_size=cfg.per_device_batch_size)
+    rank_tools.check_capacity(cfg.world_size, facts)
     launch_config = (launch_config or LaunchConfig()).for_ranks(cfg.world_size)
     results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, cfg, facts)
     ranks = results[0]

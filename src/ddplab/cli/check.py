@@ -76,7 +76,7 @@ def _print(result) -> None:
     cfg = result.config
     rows = [[str(i), f"{d['max_abs_diff']:.2e}", f"{d['max_rel_diff']:.2e}",
              "✓" if d["max_rel_diff"] <= cfg.tolerance else "✗"] for i, d in enumerate(result.per_step)]
-    title = (f"ddplab check: {cfg.world_size} ranks × {cfg.per_device_batch_size} vs one process × "
+    title = (f"ddplab check: {render.count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size} vs one process × "
              f"{cfg.global_batch_size}, float64, tolerance {cfg.tolerance:g}")
     out = render.console()
     out.print(render.table(title, ["step", "max |Δparam|", "relative", ""], rows))

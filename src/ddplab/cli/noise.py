@@ -140,7 +140,8 @@ def _title(values: dict) -> str:
     motion = "weights move: B_simple averages over the trajectory" if values["weights_moved"] else "weights fixed"
     size = values["dataset_size"]
     samples = f"; {size} samples, corrected for drawing without replacement" if size else ""
-    return (f"ddplab noise: {values['world_size']} ranks × {values['per_device_batch_size']} per device "
+    ranks = render.count(values["world_size"], "rank")
+    return (f"ddplab noise: {ranks} × {values['per_device_batch_size']} per device "
             f"(global {values['global_batch_size']}), {values['steps']} steps\nlr {lr}, {motion}{samples}")
 
 

@@ -36,6 +36,7 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
     # The spec's mistakes surface here, in one sentence, before any rank starts.
     facts, _ = rank_tools.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
                                    per_device_batch_size=config.per_device_batch_size, drop_last=True)
+    rank_tools.check_capacity(config.world_size, facts)
     launch_config = (launch_config or LaunchConfig()).for_ranks(config.world_size)
     try:
         results, _ = rank_tools.launch_spec(_measure_on_rank, launch_config, (config, progress), facts)
@@ -63,7 +64,8 @@ def _measure_on_rank(ctx: RankContext, job: tuple[NoiseConfig, Progress], facts:
         _accumulate(ctx, config, spec, dataset, ddp, order, step)
         gns.step()
         optimizer.step()
-        show(step + 1, config.steps, f"B_simple ≈ {gns.b_simple:.4g}")
+        if show is not silent:
+            show(step + 1, config.steps, f"B_simple ≈ {gns.b_simple:.4g}")
         run.publish(completed_steps=step + 1)
     return run.report(config.steps) if ctx.is_main else None
 

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import default_collate
 
 from ddplab.errors import LaunchError, literal
-from ddplab.runtime.launch import LaunchConfig, RankContext, launch
+from ddplab.runtime import capacity
+from ddplab.runtime.launch import LaunchConfig, RankContext, gpus_for, launch, under_torchrun
 from ddplab.runtime.sharding import RankOrder, steps_per_epoch
 from ddplab.runtime.spec import Spec, describe, shown_path
 
@@ -62,6 +63,8 @@ class SpecFacts:
     """What one trial step of a spec found, which the ranks need to know before they start."""
 
     dataset_size: int
+    rank_bytes: int
+    """Memory the trial step took in this process (model, dataset, one step): what each rank will need too."""
     unused_parameters: tuple[str, ...]
     """Trainable parameters that got no gradient on the trial batch."""
     find_unused_parameters: bool = False
@@ -76,6 +79,7 @@ def validate(spec: Spec, *, world_size: int, per_device_batch_size: int, seed: i
     Returns what the ranks need to know, and the dataset. The trial model is thrown away: no
     optimizer step is taken.
     """
+    before = capacity.resident_bytes()
     model = seeded_model(spec, seed, dtype=dtype)
     dataset = spec.dataset()
     with spec.guard("the dataset's size"):
@@ -92,7 +96,16 @@ def validate(spec: Spec, *, world_size: int, per_device_batch_size: int, seed: i
     optimizer = spec.optimizer(model.parameters())
     if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
         raise spec.error(f"optimizer(params) must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return SpecFacts(dataset_size=len(dataset), unused_parameters=unused, find_unused_parameters=bool(unused)), dataset
+    after = capacity.resident_bytes()
+    rank_bytes = max(after - before, 0) if before is not None and after is not None else 0
+    return SpecFacts(dataset_size=len(dataset), rank_bytes=rank_bytes, unused_parameters=unused,
+                     find_unused_parameters=bool(unused)), dataset
+
+
+def check_capacity(world_size: int, facts: SpecFacts) -> None:
+    """Before starting ranks ourselves: refuse ranks that cannot fit in memory, warn when they share cores."""
+    if not under_torchrun():
+        capacity.check_ranks(world_size, facts.rank_bytes, on_cpu=not gpus_for(world_size))
 
 
 def _check_loss(spec: Spec, loss) -> None:

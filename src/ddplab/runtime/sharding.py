@@ -54,6 +54,10 @@ def rank_indices(dataset_size: int, *, world_size: int, rank: int, seed: int, ep
 
 def steps_per_epoch(dataset_size: int, *, world_size: int, per_device_batch_size: int, drop_last: bool) -> int:
     """Loader batches per rank in one epoch of DistributedSampler's shard."""
+    if dataset_size < world_size:
+        # Some ranks would train on the sampler's repeats alone.
+        raise UsageError(f"dataset() holds {dataset_size} samples, fewer than the {world_size} ranks: use "
+                         f"{{world_size}} {dataset_size} or less")
     per_rank = -(-dataset_size // world_size)
     # Fewer samples than one batch would train on a smaller batch than the one reported.
     if per_rank < per_device_batch_size:
@@ -105,11 +109,15 @@ class ReferenceOrder:
             self._epoch = epoch
         return self._order, within
 
-    def rank_batch(self, step: int, rank: int) -> list[int]:
-        """What :class:`RankOrder` gives ``rank`` at ``step``."""
+    def rank_batch(self, step: int, rank: int, *, keep_padding: bool = True) -> list[int]:
+        """What :class:`RankOrder` gives ``rank`` at ``step``; without the sampler's repeats unless ``keep_padding``."""
         order, within = self._epoch_order(step)
-        positions = self._positions(within, rank)
-        return order[positions].tolist()
+        # Rank r's j-th sample of the epoch sits at position r + W·j of the padded permutation: a strided view.
+        first, last = within * self.batch_size, (within + 1) * self.batch_size
+        if not keep_padding:
+            # Positions past N are the sampler's repeats: rank r has ceil((N − r)/W) real ones.
+            last = min(last, -(-(self.dataset_size - rank) // self.world_size))
+        return order[rank::self.world_size][first:max(first, last)].tolist()
 
     def batch(self, step: int, *, keep_padding: bool = False) -> list[int]:
         """The ranks' batches at ``step`` concatenated in rank order: one process's global batch.
@@ -117,17 +125,5 @@ class ReferenceOrder:
         DistributedSampler pads an epoch to a multiple of W by repeating samples; a single process
         would not see those repeats, so they are left out unless ``keep_padding``.
         """
-        order, within = self._epoch_order(step)
-        out: list[int] = []
-        for rank in range(self.world_size):
-            positions = self._positions(within, rank)
-            # Positions past N in the padded permutation are the sampler's repeats.
-            kept = positions if keep_padding else positions[positions < self.dataset_size]
-            out += order[kept].tolist()
-        return out
-
-    def _positions(self, within: int, rank: int) -> torch.Tensor:
-        # Rank r's j-th sample of the epoch sits at position r + W·j of the padded permutation.
-        per_rank = len(self._order) // self.world_size
-        first, last = within * self.batch_size, min((within + 1) * self.batch_size, per_rank)
-        return rank + self.world_size * torch.arange(first, last)
+        return [index for rank in range(self.world_size)
+                for index in self.rank_batch(step, rank, keep_padding=keep_padding)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -83,14 +84,16 @@ def _threads(count: int) -> Iterator[None]:
 
 
 def check_out(directory: str) -> None:
-    """Refuse an output directory that cannot hold the study's files, before anything trains."""
+    """Make sure the output directory exists and takes files, before anything trains."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"{{out}} {literal(directory)} is a file: give a directory for the study's cache and results")
-    parent = directory if os.path.isdir(directory) else os.path.dirname(os.path.abspath(directory))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{{out}} {literal(directory)} is not writable: choose another {{out}}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{{out}} {literal(directory)} is not writable ({literal(exc.strerror or exc)}): choose "
+                         "another {out}") from None
 
 
 def require_matplotlib() -> None:
