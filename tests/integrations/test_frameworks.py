@@ -19,9 +19,20 @@ from ddplab.noise import estimators as est
 from ddplab.plan import scaling
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+# --standalone: a free port for the rendezvous, so launches never meet on torchrun's default 29500.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LINEAR_SPEC = os.path.join(os.path.dirname(HERE), "..", "..", "examples", "linear_regression_spec.py")
-ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+
+
+def _accelerate_launch() -> list[str]:
+    """`accelerate launch` on 2 CPU processes, on a free port (its default, 29500, is shared by every launch)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--main_process_port", str(port)]
 
 
 @pytest.fixture
@@ -38,8 +49,10 @@ def _audit(tmp_path, capfd, command, *flags):
     """(exit code, report, the command's stdout) of ``ddplab audit`` on ``command``."""
     report = tmp_path / "audit.json"
     code = main(["audit", "--json-file", str(report), *flags, "--", *command])
-    out = capfd.readouterr().out
-    return code, json.loads(report.read_text()), out
+    captured = capfd.readouterr()
+    # Written again, so that a failing test shows the command's stderr in its report.
+    sys.stderr.write(captured.err)
+    return code, json.loads(report.read_text()), captured.out
 
 
 def _serious(report):
@@ -70,19 +83,24 @@ def test_lightning_correct_script_is_clean_and_its_lr_scaled_by_the_callback(in_
     assert result["applied"] == pytest.approx(expected, rel=1e-12)
 
 
+LIGHTNING_MISTAKES = {  # mistake → (its finding, what the finding says)
+    "sum_reduction": (("SUM_REDUCTION", "warning"), "accumulate_grad_batches=2"),
+    "lr_scaled": (("LR_SCALED_NOT_SCHEDULE", "warning"), "lr 0.1 is W = 2 times what LambdaLR set (0.05)"),
+    "no_sampler": (("SAME_DATA_ON_ALL_RANKS", "error"), "distinct training batches"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mistake, expected, says", [
-    ("sum_reduction", {"SUM_REDUCTION": "warning"}, "accumulate_grad_batches=2"),
-    ("lr_scaled", {"LR_SCALED_NOT_SCHEDULE": "warning"}, "lr 0.1 is W = 2 times what LambdaLR set (0.05)"),
-    ("no_sampler", {"SAME_DATA_ON_ALL_RANKS": "error"}, "distinct training batches"),
-])
-def test_lightning_mistakes_are_found(mistake, expected, says, in_scripts, tmp_path, capfd):
+def test_lightning_mistakes_are_found(in_scripts, tmp_path, capfd):
+    # Three independent mistakes in one Lightning run (each start costs ~10 s): each its own finding, nothing more.
     pytest.importorskip("lightning")
-    code, report, out = _audit(tmp_path, capfd, [sys.executable, "lightning_train.py", "--mistake", mistake])
+    code, report, out = _audit(tmp_path, capfd, [sys.executable, "lightning_train.py", "--mistake",
+                                                 *LIGHTNING_MISTAKES])
     assert code == 0 and "lightning-done steps=8" in out
-    assert _serious(report) == expected
-    assert says in _finding(report, next(iter(expected)))["message"]
+    assert _serious(report) == dict(finding for finding, _ in LIGHTNING_MISTAKES.values())
+    for (code_, _), says in LIGHTNING_MISTAKES.values():
+        assert says in _finding(report, code_)["message"]
 
 
 def _linear_regression():
@@ -214,7 +232,7 @@ def test_accelerate_schedule_built_after_prepare_that_ends_after_the_window_is_a
 @pytest.mark.timeout(300)
 def test_accelerate_processes_that_each_train_alone_are_not_distributed(in_scripts, tmp_path, capfd):
     pytest.importorskip("accelerate")
-    code, report, out = _audit(tmp_path, capfd, [*ACCELERATE_LAUNCH, "accelerate_train.py", "--mistake",
+    code, report, out = _audit(tmp_path, capfd, [*_accelerate_launch(), "accelerate_train.py", "--mistake",
                                                  "not_distributed"], "--strict")
     assert out.count("accelerate-done steps=16 processes=1") == 2  # two whole runs, side by side
     assert code == 3  # --strict: the command succeeded, an error was found

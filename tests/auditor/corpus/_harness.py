@@ -39,6 +39,9 @@ def run(train, args: argparse.Namespace) -> None:
     if args.launcher == "spawn":
         mp.spawn(_rank_main, args=(args.world_size, train, args), nprocs=args.world_size)
     else:
+        # DDP's constructor imports torch._dynamo (~1.6 s of CPU): once here, not once per forked rank.
+        import torch._dynamo  # noqa: F401
+
         mp.start_processes(_rank_main, args=(args.world_size, train, args), nprocs=args.world_size,
                            start_method="fork")
 

@@ -1,7 +1,8 @@
 """What every gallery script shares: data, model, and starting ranks by torchrun or mp.spawn.
 
 Each script is a small, complete DDP training loop with one mistake (or none, in correct.py).
-Run it as `torchrun --nproc_per_node 2 SCRIPT.py` or `python SCRIPT.py --launcher spawn`.
+Run it as `torchrun --nproc_per_node 2 SCRIPT.py`, `python SCRIPT.py --launcher spawn` or
+`python SCRIPT.py --launcher fork` (torch.multiprocessing.start_processes with fork).
 """
 
 import argparse
@@ -32,7 +33,7 @@ def model(batchnorm: bool = False):
 def main(train):
     """Run ``train(rank, world_size)`` on every rank, however the ranks were started."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--launcher", choices=("torchrun", "spawn"), default="torchrun")
+    parser.add_argument("--launcher", choices=("torchrun", "spawn", "fork"), default="torchrun")
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     if args.launcher == "torchrun":
@@ -41,7 +42,10 @@ def main(train):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    mp.spawn(_rank_main, args=(args.world_size, train), nprocs=args.world_size)
+    if args.launcher == "fork":
+        # DDP's constructor imports torch._dynamo (~1.6 s of CPU): once here, not once per forked rank.
+        import torch._dynamo  # noqa: F401
+    mp.start_processes(_rank_main, args=(args.world_size, train), nprocs=args.world_size, start_method=args.launcher)
 
 
 def _rank_main(rank, world_size, train):
