@@ -151,8 +151,10 @@ def _print(report) -> None:
         out.print(f"best tuned lr by global batch: {tuned}")
     _print_b_simple(out, values["b_simple"])
     for miss in values["unreached"]:
-        best = "no finite metric" if miss["best_metric"] is None else f"best {target['kind']} {miss['best_metric']:.4g}"
-        out.print(f"not reached: rule {miss['rule']} at global batch {miss['global_batch_size']} ({best})")
+        best = "no finite metric" if miss["best_metric"] is None else \
+            f"its runs' best {target['kind']}: {miss['best_metric']:.4g}"
+        out.print(f"median run never reached the target: rule {miss['rule']} at global batch "
+                  f"{miss['global_batch_size']} ({best})")
     _print_verify(out, values.get("verify_ddp"))
     for warning in values["warnings"]:
         out.print(f"[bold yellow]warning:[/] {warning}")
