@@ -100,6 +100,19 @@ def _parse(kind: type, text: str, expected: str):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
 
 
+def add_spec_run_flags(parser: argparse.ArgumentParser, config: type, *, world_size: int, steps: str,
+                       world_size_note: str = "") -> None:
+    """SPEC.py, --world-size, --batch-size, --steps and --seed: what every command that trains a spec takes."""
+    parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
+    parser.add_argument("--world-size", type=integer,
+                        help=f"DDP ranks (default {world_size}; under torchrun its WORLD_SIZE){world_size_note}")
+    parser.add_argument("--batch-size", type=integer, required=True, help="per-device (per-rank) batch")
+    parser.add_argument("--steps", type=integer,
+                        help=f"optimizer steps to {steps} (default {default(config, 'steps')})")
+    parser.add_argument("--seed", type=integer,
+                        help=f"model init and data order seed (default {default(config, 'seed')})")
+
+
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """--timeout and --deadline, for every command that starts ranks."""
     from ddplab.runtime.launch_config import LaunchConfig

@@ -6,7 +6,7 @@ import argparse
 
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, default, given, integer, launch_config, number
+from ddplab.cli.args import add_launch_flags, add_spec_run_flags, default, given, launch_config, number
 
 DESCRIPTION = f"""\
 Train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
@@ -37,14 +37,7 @@ examples:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("check", help="prove a model trains the same on N ranks as on one",
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
-    parser.add_argument("--world-size", type=integer,
-                        help=f"DDP ranks (default {DEFAULT_WORLD_SIZE}; under torchrun its WORLD_SIZE)")
-    parser.add_argument("--batch-size", type=integer, required=True, help="per-device (per-rank) batch")
-    parser.add_argument("--steps", type=integer,
-                        help=f"optimizer steps to compare (default {default(CheckConfig, 'steps')})")
-    parser.add_argument("--seed", type=integer,
-                        help=f"model init and data order seed (default {default(CheckConfig, 'seed')})")
+    add_spec_run_flags(parser, CheckConfig, world_size=DEFAULT_WORLD_SIZE, steps="compare")
     parser.add_argument("--tolerance", type=number,
                         help="largest relative parameter difference called equal "
                              f"(default {default(CheckConfig, 'tolerance'):g}, float64)")

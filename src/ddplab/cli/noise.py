@@ -8,7 +8,7 @@ import os
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, default, given, integer, launch_config
+from ddplab.cli.args import add_launch_flags, add_spec_run_flags, default, given, integer, launch_config
 from ddplab.errors import UsageError, literal
 from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
 
@@ -38,15 +38,8 @@ examples:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
-    parser.add_argument("--world-size", type=integer,
-                        help=f"DDP ranks (default {DEFAULT_WORLD_SIZE}; under torchrun its WORLD_SIZE); 1 works with "
-                             "--accumulation 2 or more")
-    parser.add_argument("--batch-size", type=integer, required=True, help="per-device (per-rank) batch")
-    parser.add_argument("--steps", type=integer,
-                        help=f"optimizer steps to train (default {default(NoiseConfig, 'steps')})")
-    parser.add_argument("--seed", type=integer,
-                        help=f"model init and data order seed (default {default(NoiseConfig, 'seed')})")
+    add_spec_run_flags(parser, NoiseConfig, world_size=DEFAULT_WORLD_SIZE, steps="train",
+                       world_size_note="; 1 works with --accumulation 2 or more")
     parser.add_argument("--accumulation", type=integer,
                         help="micro-batches of --batch-size per optimizer step, under no_sync "
                              f"(default {default(NoiseConfig, 'accumulation_steps')})")
