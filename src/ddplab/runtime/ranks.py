@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from ddplab.errors import LaunchError, literal
+from ddplab.errors import LaunchError, SpecError, literal
 from ddplab.runtime import capacity
 from ddplab.runtime.launch import LaunchConfig, RankContext, gpus_for, launch, under_torchrun
 from ddplab.runtime.sharding import RankOrder, steps_per_epoch
@@ -28,8 +28,6 @@ def collate(dataset, indices: list[int], device: torch.device, dtype: torch.dtyp
     try:
         batch = default_collate(items)
     except (TypeError, RuntimeError) as exc:
-        from ddplab.errors import SpecError
-
         path = getattr(dataset, "spec_path", None)
         where = f"spec file {literal(shown_path(path))}: " if path else ""
         raise SpecError(f"{where}dataset() items do not stack into a batch (torch's default_collate) "

@@ -134,12 +134,13 @@ def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list
         lrs = config.lrs(b)
         for rule in config.rules:
             served = [r for r in runs if rule in lrs.get(r.lr, [])]
-            if served and math.isinf(_median_steps(rule, served, config.seeds)):
+            if served and math.isinf(_median_steps(served)):
                 out.append({"rule": rule, "global_batch_size": b, "best_metric": _best_metric(config, served)})
     return out
 
 
-def _median_steps(rule: Rule, runs: list[RunResult], seeds: int) -> float:
+def _median_steps(runs: list[RunResult]) -> float:
+    """The fewest median steps over the runs' lrs (inf when no lr's median run reached the target)."""
     by_lr: dict[float, list[float]] = {}
     for run in runs:
         by_lr.setdefault(run.lr, []).append(_steps(run))
