@@ -196,3 +196,19 @@ def test_console_honours_columns_when_piped(monkeypatch):
     assert render.console().width == 70
     monkeypatch.delenv("COLUMNS")
     assert render.console().width == 120
+
+
+@pytest.mark.parametrize("path", [("sandbox", "single"), ("sandbox", "multi"), ("sandbox", "table"), ("plan",),
+                                  ("check",), ("noise",), ("audit",), ("study",)])
+def test_every_help_teaches_with_examples_and_states_its_defaults(path, capsys):
+    with pytest.raises(SystemExit):
+        main([*path, "--help"])
+    text = capsys.readouterr().out
+    assert "examples:" in text and "ddplab " + path[0] in text.split("examples:")[1]
+    if path[0] in ("check", "noise"):
+        assert "DDP ranks (default 2; under torchrun its WORLD_SIZE)" in " ".join(text.split())
+    if path == ("sandbox", "multi"):
+        assert "else 8 CPU ranks" in " ".join(text.split())
+    if path == ("study",):
+        flat = " ".join(text.split())
+        assert "(default study-out)" in flat and "--global-batch-sizes" in flat and "--ref-global-batch-size" in flat

@@ -222,6 +222,39 @@ def test_sigkill_to_the_parent_ends_every_rank(tmp_path):
     assert _wait_until_gone(ranks, 5) == []
 
 
+_MANY_RANKS = """
+import os, sys, time
+from ddplab.runtime.launch import LaunchConfig, launch
+
+def sleeper(ctx, out):
+    open(os.path.join(out, f"pid-{ctx.rank}"), "w").write(str(os.getpid()))
+    time.sleep(600)
+
+launch(sleeper, LaunchConfig(world_size=int(sys.argv[2])), sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_while_ranks_are_being_started_stops_everything_at_once(tmp_path):
+    script, out = tmp_path / "many.py", tmp_path / "out"
+    script.write_text(_MANY_RANKS)
+    out.mkdir()
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, str(script), str(out), "64"], env=env)
+    deadline = time.monotonic() + 60
+    while len(list(out.iterdir())) < 3:  # the first ranks are up; the others are still being forked
+        assert parent.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    parent.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert parent.wait(timeout=10) == -signal.SIGTERM
+    assert time.monotonic() - signalled < 2.0
+    ranks = [int(path.read_text()) for path in out.iterdir() if path.read_text()]
+    assert _wait_until_gone(ranks, 5) == [] and list(tmp_path.glob("ddplab-launch-*")) == []
+
+
 # --- the launch flags, and a command that keeps what it measured ---
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
