@@ -241,8 +241,9 @@ def test_sigterm_while_ranks_are_being_started_stops_everything_at_once(tmp_path
     script.write_text(_MANY_RANKS)
     out.mkdir()
     src = os.path.dirname(os.path.dirname(ddplab.__file__))
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    parent = subprocess.Popen([sys.executable, str(script), str(out), "64"], env=env)
+    path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
+    parent = subprocess.Popen([sys.executable, str(script), str(out), "64"],
+                              env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": path})
     deadline = time.monotonic() + 60
     while len(list(out.iterdir())) < 3:  # the first ranks are up; the others are still being forked
         assert parent.poll() is None and time.monotonic() < deadline
