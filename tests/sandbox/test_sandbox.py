@@ -87,6 +87,11 @@ def test_multi_rank_runs_through_the_real_launcher(world_size):
         assert bypass.allreduces == 0 and bypass.w_rank_spread > 1e-5
         ratio = bypass.update_step_variance / correct.update_step_variance
         assert ratio == pytest.approx(world_size, rel=0.15)
+        # AdaScale's gain from the measured gradient noise matches the closed form of the noisy data.
+        assert correct.adascale_gain == pytest.approx(correct.config.adascale_theory(), rel=0.02)
+        assert 1 < correct.config.adascale_theory() < world_size
+    else:
+        assert correct.adascale_gain is None
 
 
 def test_table_reproduces_the_classic_numbers_and_every_conclusion_holds(capsys):

@@ -109,6 +109,9 @@ def _print_run(result) -> None:
     ]
     if cfg.mode == "multi":
         rows.append(["gradient all-reduces", str(result.allreduces), f"{cfg.steps} (one per step)"])
+    if result.adascale_gain is not None:
+        rows.append([f"AdaScale gain (S = {cfg.world_size})", render.num(result.adascale_gain),
+                     render.num(cfg.adascale_theory())])
     if cfg.bypass_ddp:
         alone = cfg.theory(batch_size=cfg.per_device_batch_size)
         rows.append(["w spread across ranks", render.num(result.w_rank_spread), "0 when DDP syncs"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ddplab.adapt import gain
 from ddplab.noise import estimators
 from ddplab.noise.config import NoiseConfig
 from ddplab.serialize import finite
@@ -71,14 +72,8 @@ class NoiseReport:
 
 
 def adascale_gain(summary: estimators.Summary, scale: float, base_batch: float) -> float:
-    """AdaScale's gain r = (σ² + μ²)/(σ²/S + μ²) (Johnson et al. 2020), σ² the variance at ``base_batch``.
-
-    r is the lr multiplier AdaScale applies at S times the base batch: 1 without noise, S with noise alone.
-    """
-    sigma2, mu2 = max(summary.trace_sigma, 0.0) / base_batch, max(summary.g2, 0.0)
-    if sigma2 + mu2 == 0:
-        return 1.0
-    return (sigma2 + mu2) / (sigma2 / scale + mu2)
+    """AdaScale's gain at S times ``base_batch`` from the window's estimates (σ² = tr Σ / base batch, μ² = |G|²)."""
+    return gain.gain(summary.trace_sigma / base_batch, summary.g2, scale)
 
 
 def from_partial(config: NoiseConfig, partial: dict, stopped_early: str) -> NoiseReport:

@@ -106,6 +106,11 @@ class SandboxConfig:
         return theory.predict(lr=self.lr, batch_size=batch_size or self.global_batch_size, steps=self.steps,
                               deterministic=self.deterministic)
 
+    def adascale_theory(self) -> float:
+        """AdaScale's gain the closed form predicts for what the run measures (S = W over the per-rank batch)."""
+        return theory.adascale_gain(lr=self.lr, batch_size=self.per_device_batch_size, scale=self.world_size,
+                                    steps=self.steps, deterministic=self.deterministic, dataset_size=DATASET_SIZE)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SandboxResult:
@@ -126,6 +131,9 @@ class SandboxResult:
     seconds: float
     weights: tuple[float, ...] | None = None
     """Every experiment's final w, when asked for (rank 0's in bypass mode)."""
+    adascale_gain: float | None = None
+    """AdaScale's gain at S = world size over the per-rank batch, from the noise scale measured on DDP's
+    all-reduce at every step (multi runs through the wrapper); None otherwise."""
 
     def theory(self) -> theory.Prediction:
         return self.config.theory()
@@ -150,6 +158,9 @@ class SandboxResult:
             "theory": {"w": predicted.w, "update_step_variance": predicted.update_step_variance},
             "seconds": self.seconds,
         }
+        if self.adascale_gain is not None:
+            out["adascale_gain"] = self.adascale_gain
+            out["theory"]["adascale_gain"] = cfg.adascale_theory()
         if cfg.bypass_ddp:
             out["bypass_ddp"] = True
             out["w_rank_spread"] = self.w_rank_spread

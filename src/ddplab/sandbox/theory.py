@@ -9,12 +9,19 @@ Gaussian with Var u = w² + 1 and Cov(x, u) = w, which gives
 
 A step with a global batch of B averages B independent gradients, so the update
 lr·ḡ has mean lr·E[g] and variance lr²·Var[g]/B.
+
+AdaScale's gain at S times a reference batch b is r = (σ² + μ²)/(σ²/S + μ²) with σ² = Var[g]/b and
+μ² = E[g]²; the sandbox draws each epoch's N samples afresh and shards them without replacement,
+so what a measurement on its batches estimates is the epoch's own mean and variance, whose
+expectations are μ² + Var[g]/N and Var[g]·(N − 1)/N.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+from ddplab.adapt import gain as adascale
 
 
 def normal_cdf(z: float) -> float:
@@ -70,3 +77,24 @@ def predict(*, lr: float, batch_size: int, steps: int, deterministic: bool, w0: 
     # Pooled variance = mean within-step variance + spread of the step means.
     between = sum((m - grand_mean) ** 2 for m in means) / steps
     return Prediction(w=w, update_step_variance=sum(variances) / steps + between)
+
+
+def adascale_gain(*, lr: float, batch_size: int, scale: float, steps: int, deterministic: bool,
+                  dataset_size: int | None = None, w0: float = 1.0) -> float:
+    """AdaScale's gain at ``scale`` times ``batch_size``, from E[g] and Var[g] averaged along the mean-field run.
+
+    With ``dataset_size`` N, the expectation of what batches drawn without replacement from each
+    epoch's N fresh samples measure (see the module's docstring); without it, the gain of infinite data.
+    """
+    w, mu2, sigma2 = w0, 0.0, 0.0
+    for _ in range(max(steps, 1)):
+        mean = gradient_mean(w, deterministic=deterministic)
+        variance = gradient_variance(w, deterministic=deterministic)
+        if dataset_size is not None:
+            mean2, variance = mean * mean + variance / dataset_size, variance * (dataset_size - 1) / dataset_size
+        else:
+            mean2 = mean * mean
+        mu2 += mean2 / max(steps, 1)
+        sigma2 += variance / max(steps, 1)
+        w -= lr * mean
+    return adascale.gain(sigma2 / batch_size, mu2, scale)

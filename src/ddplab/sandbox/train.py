@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from ddplab.noise.report import adascale_gain
+from ddplab.noise.scale import GradientNoiseScale
 from ddplab.runtime import capacity
 from ddplab.runtime.launch import LaunchConfig, RankContext, default_world_size, launch, world_size_for
 from ddplab.runtime.sharding import rank_indices
@@ -75,12 +77,16 @@ def train(cfg: SandboxConfig, ctx: RankContext | None = None, *, keep_weights: b
     device = ctx.device if ctx else torch.device("cpu")
     rank, world_size = (ctx.rank, ctx.world_size) if ctx else (0, 1)
     model = Neuron(cfg.n_experiments).to(device)
-    forward, counter = model, {"allreduces": 0}
+    forward, counter, gns = model, {"allreduces": 0}, None
     if cfg.mode == "multi":
         ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
         ddp.register_comm_hook(counter, _count_allreduces)
         # The classic bug calls the inner module: DDP never sees the forward, so never all-reduces.
         forward = ddp.module if cfg.bypass_ddp else ddp
+        if not cfg.bypass_ddp and world_size > 1:
+            # Each epoch's 256 samples are drawn afresh and dealt without replacement: corrected for N = 256.
+            gns = GradientNoiseScale(ddp, per_device_batch_size=cfg.per_device_batch_size, every=1,
+                                     dataset_size=DATASET_SIZE)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     stats = _UpdateStats(device)
     for epoch in range(cfg.n_epochs):
@@ -90,10 +96,15 @@ def train(cfg: SandboxConfig, ctx: RankContext | None = None, *, keep_weights: b
             x, y = data.batch(cfg, epoch, chunk, device)
             optimizer.zero_grad(set_to_none=True)
             l1_loss(forward(x), y).backward()
+            if gns is not None:
+                gns.step()
             stats.add(cfg.lr * model.w.grad)
             optimizer.step()
     w = model.w.detach()
     result = _summarize(cfg, w, stats, counter["allreduces"], ctx, time.perf_counter() - started)
+    if gns is not None and gns.history:
+        result = dataclasses.replace(result, adascale_gain=adascale_gain(gns.summary(), world_size,
+                                                                          cfg.per_device_batch_size))
     return dataclasses.replace(result, weights=tuple(w.tolist())) if keep_weights else result
 
 
