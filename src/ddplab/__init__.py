@@ -24,6 +24,10 @@ def __getattr__(name):
         from ddplab.noise.scale import GradientNoiseScale
 
         return GradientNoiseScale
+    if name == "AdaScale":
+        from ddplab.adapt.adascale import AdaScale
+
+        return AdaScale
     if name in ("plan", "Reference", "Target", "Data"):
         from ddplab.plan import planner
 

@@ -155,3 +155,25 @@ def test_every_rank_applies_the_same_gain_and_stays_in_sync():
     assert gains0 == gains1 and len(gains0) < 40  # S = 2: fewer steps than the reference's 40
     assert all(1 <= g <= 2 for g in gains0) and max(gains0) > 1.2
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_example_under_torchrun_matches_the_reference_in_fewer_steps():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           os.path.join(root, "examples", "adascale_in_training_loop.py")],
+                          capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = re.search(r"(\d+) steps, final loss ([\d.]+)\n", done.stdout)
+    adaptive = re.search(r"\(S = 4\): (\d+) steps, final loss ([\d.]+), gain ([\d.]+) at the start → ([\d.]+)",
+                         done.stdout)
+    assert reference and adaptive, done.stdout
+    assert int(reference[1]) == 300 and int(adaptive[1]) < 300  # the gain buys steps
+    assert float(adaptive[2]) <= 1.01 * float(reference[2])  # and the loss is as good
+    assert 1 <= float(adaptive[3]) < float(adaptive[4]) <= 4  # the gain rises as the loss falls toward the noise
