@@ -204,6 +204,25 @@ def test_reports_merge_over_ranks():
     assert "NO_ALLREDUCE on ranks [0, 1]" in findings.render_text(report)
 
 
+def test_steps_past_a_ranks_join_are_not_compared_across_ranks():
+    def window(step, digest):
+        return {"wrapper": "ddp0-0.1", "step": step, "params": [["w", digest, 1.0]]}
+
+    def record(rank, digests, joined=None):
+        return {"rank": rank, "world_size": 2, "steps_audited": len(digests), "findings": [],
+                "windows": [window(step, d) for step, d in enumerate(digests)], "joined": joined or {}}
+
+    # Rank 0 joined before its step 2: its steps 2 and 3 are the next epoch's, rank 1's the end of this one.
+    uneven = [record(0, ["a", "b", "x", "y"], {"ddp0-0.1": 2}), record(1, ["a", "b", "c", "d"])]
+    report = findings.merge(uneven)
+    assert [f.code for f in report.findings] == ["AUDIT_INCOMPLETE"]
+    assert "before its optimizer step 2 and joined" in report.findings[0].detail
+    # Before the join the comparison stands; a join after the audited window changes nothing.
+    assert [f.code for f in findings.merge([record(0, ["a", "z", "x"], {"ddp0-0.1": 2}), record(1, ["a", "b", "c"])])
+            .findings][0] == "PARAMS_DIVERGED"
+    assert findings.merge([record(0, ["a", "b"], {"ddp0-0.1": 2}), record(1, ["a", "b"])]).findings == []
+
+
 # --- the auditor as a guest: no hang, no change, no state left in the user's objects ---
 
 def _guest_behaviour(ctx):

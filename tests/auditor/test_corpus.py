@@ -78,6 +78,7 @@ CORRECT = {
     "epochs_os_exit_window_50": Case("epochs_and_exit.py", ("--exit", "os-exit"), audit_steps=50),
     "imagenet_ddp_on_cpu": Case("imagenet_style.py"),
     "imagenet_hand_sync": Case("imagenet_style.py", ("--sync", "hand")),
+    "uneven_join": Case("uneven_join.py"),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -91,7 +92,7 @@ DEFAULT_CORRECT = [
     ("validate_all_ranks", "spawn"), ("nanogpt_eval_all", "spawn"), ("imagenet_ddp_on_cpu", "spawn"),
     ("nanogpt_eval_rank0", "fork"), ("gan_freeze", "fork"), ("probe_rank0", "fork"), ("ema_teacher", "fork"),
     ("skipped_step_unused", "fork"), ("skipped_step_static", "fork"), ("epochs_os_exit_window_50", "fork"),
-    ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"),
+    ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"), ("uneven_join", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -113,6 +114,8 @@ MISTAKES = {
     # pytorch/examples' ImageNet script on CPU: a process group and a sharded sampler, but no DDP model.
     "imagenet_unwrapped_on_cpu": (Case("imagenet_style.py", ("--sync", "none")), {"NOT_DISTRIBUTED": "error"}, {},
                                   "torchrun"),
+    # Ranks that join early under torch's Join still get the findings of their own steps.
+    "uneven_join_sum": (Case("uneven_join.py", ("--mistake", "sum")), {"SUM_REDUCTION": "warning"}, {}, "fork"),
 }
 
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.

@@ -183,10 +183,14 @@ def nothing_audited(why: str) -> Report:
 def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
     """Parameters, buffers and gradients compared step by step; batches compared over the whole window."""
     out = []
+    joined = _joined(records)
     windows: dict[tuple[str, int], dict[int, dict]] = {}
     for record in records:
         for window in record.get("windows", []):
-            windows.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window
+            # Past a rank's Join, steps of the same number are different steps on different ranks.
+            if window["step"] < joined.get(window["wrapper"], (float("inf"),))[0]:
+                windows.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window
+    out += _join_notes(records, joined)
     for field, code, what in (("params", "PARAMS_DIVERGED", "parameters after optimizer step"),
                               ("buffers", "PARAMS_DIVERGED", "buffers right after DDP broadcast them, at step"),
                               ("grads", "NO_ALLREDUCE", "gradients used by optimizer step")):
@@ -200,6 +204,28 @@ def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
     if duplicate is not None:
         out.append(duplicate)
     return out
+
+
+def _joined(records: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """wrapper → (the first optimizer step at which some rank had joined with uneven inputs, that rank)."""
+    joined: dict[str, tuple[int, int]] = {}
+    for record in records:
+        for wrapper, step in record.get("joined", {}).items():
+            if wrapper not in joined or step < joined[wrapper][0]:
+                joined[wrapper] = (step, record["rank"])
+    return joined
+
+
+def _join_notes(records: list[dict[str, Any]], joined: dict[str, tuple[int, int]]) -> list[Finding]:
+    audited = max((r.get("steps_audited", 0) for r in records), default=0)
+    notes = []
+    for step, rank in sorted(joined.values()):
+        if step < audited:
+            notes.append(Finding.make("AUDIT_INCOMPLETE", rank,
+                                      f"rank {rank} ran out of inputs before its optimizer step {step} and joined "
+                                      "(torch's Join for uneven inputs): ranks are compared step by step only "
+                                      "before it"))
+    return notes[:1]
 
 
 def _first_difference(windows, field: str, code: str, what: str) -> Finding | None:

@@ -47,6 +47,9 @@ def install(patches: Patches) -> None:
     patches.replace(DistributedDataParallel, "forward", _watched_forward)
     patches.hook(register_optimizer_step_pre_hook(_before_optimizer_step))
     patches.hook(register_optimizer_step_post_hook(_after_optimizer_step))
+    join_hook = compat.ddp_join_hook_class()
+    if join_hook is not None:
+        patches.replace(join_hook, "main_hook", _watched_join)
 
 
 def _watched_init(original_init):
@@ -93,6 +96,25 @@ def attach(audit: AuditState, ddp: DistributedDataParallel) -> None:
         audit.module_hook = register_module_forward_pre_hook(_module_pre_forward)
     frameworks.on_attach(audit)
     audit.write()
+
+
+def _watched_join(original_main_hook):
+    @functools.wraps(original_main_hook)
+    def main_hook(self, *args, **kwargs):
+        _joined_early(getattr(self, "ddp", None))
+        return original_main_hook(self, *args, **kwargs)
+
+    return main_hook
+
+
+@state.guarded("watching torch's Join")
+def _joined_early(audit: AuditState, ddp) -> None:
+    # This rank ran out of inputs and shadows the others' all-reduces: from here its optimizer steps no
+    # longer line up with theirs, so the step-by-step comparison stops at this step (findings.merge).
+    info = audit.wrappers.get(ddp) if ddp is not None else None
+    if info is not None and info.key not in audit.joined:
+        audit.joined[info.key] = info.steps
+        audit.write()
 
 
 # --- the wrapper's forward ---

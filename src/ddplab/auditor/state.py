@@ -50,6 +50,8 @@ class AuditState:
         self.steps_to_audit, self.out_dir = steps, out_dir
         self.findings: dict[str, fnd.Finding] = {}
         self.windows: list[dict] = []
+        # wrapper key → this rank's optimizer steps when it ran out of inputs and joined (torch's Join).
+        self.joined: dict[str, int] = {}
         self.batches: dict[str, list[str]] = {}  # training batch fingerprints per wrapper, kept past its life
         self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
         self.modules: WeakIdKeyDictionary = WeakIdKeyDictionary()  # inner module → its newest wrapper's info
@@ -93,6 +95,7 @@ class AuditState:
                 "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
+                "joined": self.joined,
                 "peers": self.peers, "interim": self.interim}
 
     def _with_info(self) -> list[fnd.Finding]:

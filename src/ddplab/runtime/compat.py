@@ -77,3 +77,11 @@ def collectives_issued() -> int | None:
         return sum(group._get_sequence_number_for_group() for group in list(_world.pg_map))
     except Exception:  # noqa: BLE001 - a torch without these internals: no evidence either way
         return None
+
+
+def ddp_join_hook_class():
+    """DDP's join hook class (torch's Join shadows a finished rank's collectives through it), or None."""
+    from torch.nn.parallel import distributed
+
+    hook = getattr(distributed, "_DDPJoinHook", None)
+    return hook if hook is not None and callable(getattr(hook, "main_hook", None)) else None
