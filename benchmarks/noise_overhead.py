@@ -1,4 +1,4 @@
-"""Step time of plain DDP vs DDP + GradientNoiseScale: the overhead of measuring the noise scale.
+"""Step time of plain DDP vs DDP + GradientNoiseScale (and AdaScale on it): the overhead of measuring and adapting.
 
     python benchmarks/noise_overhead.py [--rounds 80] [--steps-per-round 1] \
 [--out benchmarks/results/noise_overhead.json]
@@ -22,14 +22,17 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from ddplab.adapt.adascale import AdaScale
 from ddplab.noise.scale import GradientNoiseScale
 from ddplab.runtime.launch import LaunchConfig, launch
 
 # name → None (plain DDP), ("hook",) (torch's own Python allreduce hook: what any Python comm hook costs),
-# or (every, via) for GradientNoiseScale.
+# (every, via) for GradientNoiseScale, or (every, via, "adascale") for AdaScale driven by it at S = 2.
 VARIANTS = {"plain DDP": None, "torch's Python allreduce hook": ("hook",),
             "noise scale (default), every step": (1, "auto"), "noise scale (default), every 4th step": (4, "auto"),
-            "noise scale via comm hook, every step": (1, "comm_hook")}
+            "noise scale via comm hook, every step": (1, "comm_hook"),
+            "AdaScale, noise every step": (1, "auto", "adascale"),
+            "AdaScale, noise every 4th step": (4, "auto", "adascale")}
 
 
 def _model():
@@ -47,7 +50,11 @@ def _bench(ctx, rounds: int, steps_per_round: int, batch: int):
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         elif every:
             gns = GradientNoiseScale(ddp, per_device_batch_size=batch, every=every[0], via=every[1])
-        runs[name] = (ddp, gns, torch.optim.SGD(ddp.parameters(), lr=1e-4), [])
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+        if every and every[-1] == "adascale":
+            # The reference batch is one rank's: the global batch is S = world size times it.
+            AdaScale(optimizer, gns, reference_batch_size=batch)
+        runs[name] = (ddp, gns, optimizer, [])
     generator = torch.Generator().manual_seed(ctx.rank)
     x = torch.randn(batch, 1024, generator=generator).to(ctx.device)
     y = torch.randint(0, 10, (batch,), generator=generator).to(ctx.device)

@@ -1,3 +1,3 @@
-from ddplab.cli.main import main
+from ddplab.cli.main import console
 
-raise SystemExit(main())
+console()

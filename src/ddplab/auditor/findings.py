@@ -47,7 +47,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "optimizers mostly normalise the scale away, but not their epsilon or an L2 penalty in the loss)",
         "use reduction='mean', divide the summed loss by a sample or token count, or multiply it by the world size"),
     "BATCHNORM_NOT_SYNCED": (
-        WARNING,
+        INFO,
         "BatchNorm normalises with statistics over each rank's batch, not the global batch",
         "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping in DDP computes global statistics "
         "(it needs GPUs with NCCL); with large per-rank batches per-rank statistics are common practice"),

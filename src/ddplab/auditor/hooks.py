@@ -37,7 +37,6 @@ from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
 from ddplab.runtime import compat
 
-SMALL_BATCH = 16
 # Training batches fingerprinted per wrapper: longer than the step window, so streams shifted in time still meet.
 DATA_WINDOW_FACTOR = 4
 
@@ -215,12 +214,11 @@ def _module_pre_forward(audit: AuditState, module, args) -> None:
 
 
 def _check_batchnorm(audit: AuditState, info: WrapperInfo, per_rank_batch: int) -> None:
+    # Per-rank statistics are a choice many correct programs make (and a CNN's spatial positions add to the
+    # sample count): an info, never a warning, however small the batch.
     if info.batchnorm_layers and "BATCHNORM_NOT_SYNCED" not in audit.findings:
-        small = per_rank_batch < SMALL_BATCH
-        audit.add("BATCHNORM_NOT_SYNCED",
-                  f"{info.batchnorm_layers} BatchNorm layers, {per_rank_batch} samples per rank"
-                  + (f": fewer than {SMALL_BATCH}, so the statistics are noisy" if small else ""),
-                  severity=fnd.WARNING if small else fnd.INFO)
+        detail = f"{info.batchnorm_layers} BatchNorm layers, {per_rank_batch} samples per rank"
+        audit.add("BATCHNORM_NOT_SYNCED", detail, severity=fnd.INFO)
 
 
 # --- optimizer steps ---

@@ -2,13 +2,31 @@
 
 A patch replaces a class or module attribute and keeps the original; a hook keeps its handle.
 Undoing puts every original object back (the same object, not a copy) and removes every hook.
+
+A replacement's own frame sits between the user's call and torch's code, where it would take the
+blame for torch's warnings (``warnings.warn(..., stacklevel=2)`` names its caller's file and line,
+which the user's warning filters match on). CPython's warnings machinery steps over frames whose
+file name mentions ``importlib`` and ``_bootstrap``, so each replacement's code is given such a name:
+a warning raised through it names the user's line, exactly as it would unaudited.
 """
 
 from __future__ import annotations
 
 import atexit
+import types
 from collections.abc import Callable
 from typing import Any
+
+# What a replacement's frames are called in tracebacks; the two words are what the warnings machinery skips.
+TRANSPARENT_FILENAME = "<ddplab audit patch: skipped by warnings, like importlib._bootstrap frames>"
+
+
+def transparent(function: Any) -> Any:
+    """``function`` with its code renamed so that warnings raised beneath it name its caller's line."""
+    inner = function.__func__ if isinstance(function, (classmethod, staticmethod)) else function
+    if isinstance(inner, types.FunctionType):
+        inner.__code__ = inner.__code__.replace(co_filename=TRANSPARENT_FILENAME)
+    return function
 
 
 class Patches:
@@ -24,7 +42,7 @@ class Patches:
         own = name in vars(owner)
         original = vars(owner)[name] if own else getattr(owner, name)
         self._originals.append((owner, name, original, own))
-        setattr(owner, name, make(getattr(owner, name)))
+        setattr(owner, name, transparent(make(getattr(owner, name))))
         return original
 
     def hook(self, handle: Any) -> Any:

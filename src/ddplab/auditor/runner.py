@@ -50,7 +50,10 @@ class AuditOutcome:
     """The command's exit code and the merged report."""
 
     returncode: int
+    """The command's exit code; 128 + N when signal N ended it."""
     report: findings.Report
+    signal: int | None = None
+    """The signal that ended the command, if one did."""
     interim: list | None = None
     """The findings rank 0 printed during the run, if it did."""
 
@@ -61,18 +64,19 @@ class AuditOutcome:
 
 
 def run_audited(config: AuditConfig) -> AuditOutcome:
-    """Run the command audited; its exit code is 128+signum when a signal ended it."""
+    """Run the command audited; its exit code is 128 + N when signal N ended it (and ``signal`` says N)."""
     out_dir = tempfile.mkdtemp(prefix="ddplab-audit-")
     try:
-        returncode = _run(list(config.command), out_dir, config.steps)
+        status = _run(list(config.command), out_dir, config.steps)
         records = findings.read_records(out_dir)
-        loaded, failures = _markers(out_dir)
+        started, loaded, failures = _markers(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+    ended = {"returncode": 128 - status if status < 0 else status, "signal": -status if status < 0 else None}
     if not records:
-        return AuditOutcome(returncode=returncode, report=findings.nothing_audited(_why_nothing(loaded, failures)))
+        return AuditOutcome(**ended, report=findings.nothing_audited(_why_nothing(started, loaded, failures)))
     interim = next((r["interim"] for r in records if r.get("rank") == 0 and r.get("interim") is not None), None)
-    return AuditOutcome(returncode=returncode, report=findings.merge(records), interim=interim)
+    return AuditOutcome(**ended, report=findings.merge(records), interim=interim)
 
 
 def check_runnable(program: str) -> None:
@@ -88,6 +92,8 @@ def check_runnable(program: str) -> None:
 
 def check_writable(path: str, field: str) -> None:
     """Refuse a report path that cannot be written, before the command runs."""
+    if not path:
+        raise UsageError(f"{{{field}}} needs a file name, got an empty one")
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{{{field}}} {literal(path)} is a directory: give a file name for the report")
@@ -106,7 +112,7 @@ def python_path(out_dir: str) -> str:
 
 
 def _run(command: list[str], out_dir: str, steps: int) -> int:
-    """Run the command in its own process group; forward signals to the whole group; return its exit code."""
+    """Run the command in its own process group; forward signals to the whole group; its status (−N: signal N)."""
     env = dict(os.environ, DDPLAB_AUDIT_DIR=out_dir, DDPLAB_AUDIT_STEPS=str(steps))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(out_dir), os.environ.get("PYTHONPATH")) if p)
     # Its own group, so a signal reaches torchrun and every worker, not torchrun alone.
@@ -128,7 +134,7 @@ def _run(command: list[str], out_dir: str, steps: int) -> int:
             signal.signal(sig, handler)
     if received:
         sweep_group(child.pid, GRACE_S)
-    return 128 - returncode if returncode < 0 else returncode
+    return returncode
 
 
 def _wait(child: subprocess.Popen, received: list[int]) -> int:
@@ -144,22 +150,27 @@ def _wait(child: subprocess.Popen, received: list[int]) -> int:
             signal_group(child.pid, signal.SIGKILL)
 
 
-def _markers(out_dir: str) -> tuple[int, list[str]]:
-    loaded, failures = 0, []
+def _markers(out_dir: str) -> tuple[int, int, list[str]]:
+    """Python processes that read the bootstrap, those in which the auditor loaded, and why it failed in others."""
+    started, loaded, failures = 0, 0, []
     for name in os.listdir(out_dir):
-        if name.startswith("loaded-"):
+        if name.startswith("site-"):
+            started += 1
+        elif name.startswith("loaded-"):
             loaded += 1
         elif name.startswith("failed-"):
             with open(os.path.join(out_dir, name)) as fh:
                 failures.append(fh.read())
-    return loaded, failures
+    return started, loaded, failures
 
 
-def _why_nothing(loaded: int, failures: list[str]) -> str:
+def _why_nothing(started: int, loaded: int, failures: list[str]) -> str:
     if failures:
         return f"the auditor could not start in the command's Python processes ({failures[0]})"
     if loaded:
         return "no DistributedDataParallel model was built and no optimizer stepped in a distributed run, so there " \
                "was nothing to audit"
+    if started:
+        return "no Python process of the command imported torch, so there was nothing to audit"
     return ("the auditor never loaded: the command started no Python process that reads PYTHONPATH "
             "(python -E or -I ignores it)")

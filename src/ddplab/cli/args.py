@@ -14,6 +14,15 @@ from typing import Any
 
 from ddplab.errors import UsageError
 
+
+class EndedBySignal(Exception):
+    """The command a subcommand ran was killed by a signal: the console script dies by the same one."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 FLAGS: dict[str, str] = {
     # check, noise and the launch layer
     "spec_path": "SPEC.py", "per_device_batch_size": "--batch-size", "world_size": "--world-size",

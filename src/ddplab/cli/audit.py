@@ -6,7 +6,7 @@ import argparse
 
 from ddplab.auditor.runner import AuditConfig
 from ddplab.cli import render
-from ddplab.cli.args import default, given, integer
+from ddplab.cli.args import EndedBySignal, default, given, integer
 
 DESCRIPTION = """\
 Run your own training command unchanged, with ddplab's auditor injected into every Python
@@ -21,7 +21,7 @@ the DDP mistakes that silently change training:
                                    steps pass with no collective at all (a model never wrapped in DDP)
   SET_EPOCH_MISSING (warning)      two training passes drew the same DistributedSampler order
   SUM_REDUCTION (warning)          backward from a summed loss (reduction='sum', or 'none' then .sum())
-  BATCHNORM_NOT_SYNCED             warning under 16 samples per rank, info otherwise
+  BATCHNORM_NOT_SYNCED (info)      BatchNorm statistics are per rank (SyncBatchNorm makes them global)
   ACCUMULATION_SYNCS_EVERY_STEP    warning (performance): micro-batches all-reduced before they accumulate
   SCHEDULER_STEPS_PER_PROCESS      the lr scheduler steps several times per optimizer step (Accelerate):
                                    warning once the lr reaches 0 while training goes on, info otherwise
@@ -75,18 +75,29 @@ def run(args: argparse.Namespace) -> int:
     from ddplab.auditor.runner import check_writable, run_audited
 
     config = config_from_args(args)
-    if args.json_file:
+    if args.json_file is not None:
         check_writable(args.json_file, "json_file")
     outcome = run_audited(config)
-    if args.json_file:
-        with open(args.json_file, "w") as fh:
-            fh.write(serialize.dumps(outcome.report))
     _print(outcome)
     if args.json:
         render.print_json(outcome.report)
+    if args.json_file is not None:
+        _write_report(args.json_file, serialize.dumps(outcome.report))
+    if outcome.signal is not None:
+        raise EndedBySignal(outcome.signal)
     if args.strict and outcome.report.has_error and outcome.returncode == 0:
         return 3
     return outcome.returncode
+
+
+def _write_report(path: str, text: str) -> None:
+    # The command has run: a report that cannot be written is said, never turned into the command's failure.
+    try:
+        with open(path, "w") as fh:
+            fh.write(text)
+    except OSError as exc:
+        render.console(stderr=True).print(f"ddplab audit: could not write the report to {path}: "
+                                          f"{exc.strerror or exc}", markup=False)
 
 
 def _print(outcome) -> None:

@@ -4,6 +4,8 @@
   shown as its flag.
 - A rank that failed (``LaunchError``): what failed and where, exit code 1.
 - Ctrl-C or a cancelling signal: one line, exit code 130 (or the signal's own status).
+- ``audit``'s command killed by a signal: the console script kills itself with the same signal,
+  so a shell sees what it would see without ddplab in between (a loop stops on Ctrl-C).
 - Anything else is a bug: its traceback, exit code 1.
 
 Nothing here imports torch, so ``ddplab --help`` and ``ddplab plan`` answer instantly; each
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
+import signal
 import sys
 import warnings
 from collections.abc import Iterator
@@ -81,11 +85,33 @@ def _version() -> str:
     return f"ddplab {__version__}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def console() -> None:
+    """The console script: :func:`main`, then the exit status, or death by the signal that ended the command."""
+    from ddplab.cli.args import EndedBySignal
+
+    try:
+        code = main(reraise_signals=True)
+    except EndedBySignal as exc:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(exc.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), exc.signum)
+        code = 128 + exc.signum  # a signal whose default action is not to end the process
+    raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None, *, reraise_signals: bool = False) -> int:
+    """Run one command; returns its exit code (128 + N where a signal N ended an audited command)."""
+    from ddplab.cli.args import EndedBySignal
+
     args = build_parser().parse_args(argv)
     with _warnings_as_lines():
         try:
             return int(args.run(args) or 0)
+        except EndedBySignal as exc:
+            if reraise_signals:
+                raise
+            return 128 + exc.signum
         except UsageError as exc:
             from ddplab.cli.args import flag_error
 
@@ -120,4 +146,4 @@ def _warnings_as_lines() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console()

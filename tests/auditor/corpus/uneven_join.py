@@ -4,9 +4,10 @@ Each rank reads its own shard of a pre-split dataset, as projects do with one fi
 (4 + r) batches, so the last rank takes one more optimizer step per epoch than rank 0. `with Join([ddp])` lets
 the ranks that ran out shadow the others' all-reduces, and DDP broadcasts the last joiner's parameters when the
 context closes, so every rank ends each epoch with the same model (plain SGD: an optimizer with state, momentum
-or Adam, would keep the extra step in its buffers on one rank only). The script checks that itself. The audit must see no mistake here: after
-rank 0 joins, its step 4 is the next epoch's first step while rank 1's step 4 is the last of this one, so
-comparing ranks step by step past that point would compare different steps.
+or Adam, would keep the extra step in its buffers on one rank only). The script checks that itself.
+The audit must see no mistake here: after rank 0 joins, its step 4 is the next epoch's first step while
+rank 1's step 4 is the last of this one, so comparing ranks step by step past that point would compare
+different steps.
 
 Mistake (`--mistake sum`): the loss is summed over the batch (SUM_REDUCTION), with the same uneven shards.
 """

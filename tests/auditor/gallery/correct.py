@@ -13,7 +13,7 @@ ACCUMULATION = 2
 
 def train(rank, world_size):
     data = _harness.dataset()
-    ddp = DDP(_harness.model(batchnorm=True))  # 16 samples per rank: per-rank statistics are an info, not a warning
+    ddp = DDP(_harness.model(batchnorm=True))  # 16 samples per rank: per-rank statistics are an info
     sampler = DistributedSampler(data, shuffle=True)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)

@@ -1,4 +1,10 @@
-"""Injected by ``ddplab audit`` through PYTHONPATH: install the auditor, then chain to any other sitecustomize."""
+"""Injected by ``ddplab audit`` through PYTHONPATH: arm the auditor, then chain to any other sitecustomize.
+
+The auditor loads when the program itself imports torch, right after torch finishes importing, so a
+process that never imports torch is left exactly as it was (no torch loaded, no start-up cost), and
+whatever a program does before its ``import torch`` (OMP_NUM_THREADS, its own warning filters) acts
+as it would unaudited.
+"""
 
 import importlib.util
 import os
@@ -27,6 +33,49 @@ def _mark(kind, text):
         pass
 
 
+class _AfterTorch:
+    """A meta path finder that only watches: when ``torch`` is imported, install the auditor after it loads."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _InstallAfter(spec.loader)
+                return spec
+        return None  # the import goes on as if this finder were not there
+
+
+class _InstallAfter:
+    """torch's own loader, with the auditor installed once torch's module has run."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        # The module keeps its real loader, as it would unaudited.
+        module.__spec__.loader = module.__loader__ = self.loader
+        self.loader.exec_module(module)
+        _install_auditor()
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+def _arm():
+    _mark("site", "")
+    if "torch" in sys.modules:
+        _install_auditor()
+    else:
+        sys.meta_path.insert(0, _AfterTorch())
+
+
 def _chain_next_sitecustomize():
     for entry in sys.path:
         if os.path.abspath(entry or os.curdir) == _HERE:
@@ -40,5 +89,5 @@ def _chain_next_sitecustomize():
 
 
 if os.environ.get("DDPLAB_AUDIT_DIR"):
-    _install_auditor()
+    _arm()
 _chain_next_sitecustomize()
