@@ -188,9 +188,11 @@ def test_cli_plot_and_bad_input(tmp_path, capsys):
     assert main(["noise", "missing_spec.py", "--batch-size", "8"]) == 2
     assert "does not exist" in capsys.readouterr().err
     # A plot that cannot be written is refused before the run, so the run's figures are never lost to it.
-    assert main(["noise", LINEAR_SPEC, "--batch-size", "8", "--plot", str(tmp_path / "no" / "such" / "p.png")]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("\n") == 1 and "--plot" in captured.err
+    for bad, message in ((tmp_path / "no" / "such" / "p.png", "cannot be written"),
+                         (tmp_path / "gns.txt", "matplotlib cannot write .txt files; use one of")):
+        assert main(["noise", LINEAR_SPEC, "--batch-size", "8", "--plot", str(bad)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
 
 
 def test_a_spec_whose_every_step_overflows_is_one_line(tmp_path, capsys):

@@ -62,6 +62,12 @@ def test_step_accounting_follows_distributed_sampler():
     assert "partial accumulation window" in plan(
         Reference(per_device_batch_size=4, lr=0.1), Target(devices=4, accumulation_steps=2),
         Data(dataset_size=1001)).reasons["steps_per_epoch"]
+    assert not any("samples per epoch, fewer than" in w for w in p.warnings + q.warnings)
+    # 1000 samples over 8 ranks is 125 each, less than one step's 256: the "global batch 2048" never happens.
+    short = plan(Reference(per_device_batch_size=256, lr=0.1), Target(devices=8), Data(dataset_size=1000))
+    assert short.global_batch_size == 2048 and short.steps_per_epoch == 1
+    assert any("each rank holds 125 samples per epoch, fewer than one optimizer step's share (--batch-size 256 × 1 "
+               "accumulation step): every step sees at most 1000 samples" in w for w in short.warnings)
 
 
 def test_warmup_and_critical_batch():
@@ -142,6 +148,8 @@ def test_cli_json_keys(capsys):
     (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "64",
       "--max-batch-size-per-device", "32"], "larger than"),
     (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--betas", "0.9"], "two numbers"),
+    (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--eps", "1e-6"],
+     "--eps set Adam's moments and the plan's optimizer is SGD"),
     (["--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "8",
       "--global-batch-size", "20"], "not a multiple"),
     (["--ref-batch-size", "250", "--ref-devices", "4", "--ref-wrapper", "dp", "--ref-lr", "0.1", "--devices", "4"],
@@ -362,6 +370,8 @@ def test_a_python_caller_reads_field_names_and_the_defaults_live_in_the_config()
     calls = [
         (lambda: Reference(per_device_batch_size=0, lr=0.1), "reference.per_device_batch_size must be a positive"),
         (lambda: Reference(per_device_batch_size=8, lr=float("nan")), "reference.lr must be a positive number"),
+        (lambda: Reference(per_device_batch_size=8, lr="0.1"), "reference.lr must be a positive number, got '0.1' "
+                                                               "(a str)"),
         (lambda: Target(devices=8, per_device_batch_size=16, accumulation_steps=2, global_batch_size=1024),
          "target.per_device_batch_size 16 × 8 ranks × target.accumulation_steps 2 = 256, not "
          "target.global_batch_size 1024"),
@@ -375,3 +385,5 @@ def test_a_python_caller_reads_field_names_and_the_defaults_live_in_the_config()
         with pytest.raises(UsageError) as info:
             call()
         assert expected in str(info.value) and "--" not in str(info.value)
+    with pytest.raises(ValueError, match="step must be ≥ 0"):
+        plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=1000)).lr_lambda(-1)

@@ -18,6 +18,7 @@ from ddplab.cli.args import launch_config
 from ddplab.cli.main import build_parser, main
 from ddplab.errors import LaunchError, UsageError
 from ddplab.noise import estimators as est
+from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, launch
 
 
@@ -154,6 +155,7 @@ def test_forking_after_cuda_was_initialised_is_a_clear_error(monkeypatch, tmp_pa
 
 _SLEEPING_LAUNCH = """
 import os, sys, time
+from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, launch
 
 def sleeper(ctx, out):
@@ -224,6 +226,7 @@ def test_sigkill_to_the_parent_ends_every_rank(tmp_path):
 
 _MANY_RANKS = """
 import os, sys, time
+from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, launch
 
 def sleeper(ctx, out):
@@ -293,6 +296,41 @@ def test_noise_past_its_deadline_reports_what_it_measured(capsys):
     assert [r["step"] for r in report["per_step"]] == list(range(done))
     summary = est.summarize([r["g2"] for r in report["per_step"]], [r["trace_sigma"] for r in report["per_step"]])
     assert report["b_simple"] == pytest.approx(summary.b_simple) and report["measured_steps"] == done
+
+
+def test_the_deadline_bounds_the_commands_own_work_too():
+    # A block in this process is woken even from a blocking sleep, and said to be past the deadline.
+    deadline = Deadline(0.5)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="a hung dataset was still running after the 0.5 s deadline") as info:
+        with deadline.guard("a hung dataset"):
+            time.sleep(30)
+    assert info.value.kind == "deadline" and time.monotonic() - start < 5
+    # The launch after it gets only what is left; with nothing left it never starts.
+    with pytest.raises(LaunchError, match="the ranks never started after the 0.5 s deadline"):
+        deadline.for_launch(LaunchConfig(world_size=2))
+    roomy = Deadline(60)
+    with roomy.guard("quick work"):
+        pass
+    assert 59 < roomy.for_launch(LaunchConfig(world_size=2)).deadline_s <= 60
+    assert Deadline.of(LaunchConfig()).for_launch(LaunchConfig()) == LaunchConfig()
+    # Ctrl-C inside the block stays Ctrl-C, and the disarmed alarm never fires later.
+    with pytest.raises(KeyboardInterrupt):
+        with Deadline(0.5).guard("work"):
+            raise KeyboardInterrupt
+    time.sleep(0.8)
+
+
+@pytest.mark.timeout(60)
+def test_check_past_its_deadline_in_the_spec_stops(tmp_path, capsys):
+    spec = tmp_path / "slow_spec.py"
+    spec.write_text(open(os.path.join(ROOT, "tests", "specs", "correct.py")).read().replace(
+        "def dataset():\n", "def dataset():\n    import time\n    time.sleep(120)\n"))
+    start = time.monotonic()
+    assert main(["check", str(spec), "--batch-size", "8", "--world-size", "2", "--deadline", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "loading the spec (its model() and dataset()) was still running after the 2 s deadline" in err
+    assert time.monotonic() - start < 20
 
 
 def _say_pid_then_sleep(ctx, out):

@@ -259,6 +259,7 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
           str(tmp_path / "spec")], "neither evaluate"),
         (["study", str(_dropout_spec(tmp_path)), "--target-accuracy", "0.9", "--global-batch-sizes", "16,32",
           "--no-plots", "--out", str(tmp_path / "dropout")], "random numbers in training"),
+        (["study", str(tmp_path / "no_such_spec.py")], f"spec file {tmp_path / 'no_such_spec.py'} does not exist"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
@@ -319,7 +320,8 @@ def test_plan_from_study_refuses_what_the_study_cannot_answer(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["global_batch_size"] == 64 and plan["lr"] == pytest.approx(0.064) and not plan["warmup_recommended"]
     for extra, message in ((["--critical-batch-size", "500"], "--critical-batch-size and --from-study both give"),
-                           (["--optimizer", "adamw"], "the study measured the best lr of SGD")):
+                           (["--optimizer", "adamw"], "the study measured the best lr of SGD"),
+                           (["--rule", "sqrt"], "--rule sqrt and --from-study both choose the lr")):
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
@@ -328,6 +330,12 @@ def test_plan_from_study_refuses_what_the_study_cannot_answer(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["global_batch_size"] == 32768 and any("larger than the study's 4000 training samples" in w
                                                        for w in plan["warnings"])
+    # A reference lr far from what the study found best at the reference's own batch (0.032): said, not hidden.
+    for ref_lr, warned in (("0.05", False), ("0.5", True)):
+        assert main([*base, "--ref-lr", ref_lr, "--json"]) == 0
+        warnings = json.loads(capsys.readouterr().out)["warnings"]
+        assert any("the study's best lr at the reference's global batch 32 is 0.032, 15.6× away from --ref-lr 0.5"
+                   in w for w in warnings) == warned
 
 
 def test_spec_evaluate_agrees_with_vectorized_validation():

@@ -17,6 +17,7 @@ from ddplab.check import diagnosis
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.check.result import CheckResult
 from ddplab.runtime import ranks as rank_tools
+from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
 from ddplab.runtime.sharding import RankOrder, ReferenceOrder
 from ddplab.runtime.spec import Spec, load_spec
@@ -55,17 +56,20 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckR
     """
     # Under torchrun the reference must split batches over torchrun's ranks, not a requested count.
     cfg = dataclasses.replace(cfg, world_size=world_size_for(cfg.world_size, default=DEFAULT_WORLD_SIZE))
-    spec = load_spec(cfg.spec_path)
-    # The spec's mistakes surface here, in one sentence, before any rank starts.
-    facts, dataset = rank_tools.validate(spec, world_size=cfg.world_size, seed=cfg.seed, dtype=torch.float64,
-                                         per_device_batch_size=cfg.per_device_batch_size)
+    deadline = Deadline.of(launch_config)
+    with deadline.guard("loading the spec (its model() and dataset())"):
+        spec = load_spec(cfg.spec_path)
+        # The spec's mistakes surface here, in one sentence, before any rank starts.
+        facts, dataset = rank_tools.validate(spec, world_size=cfg.world_size, seed=cfg.seed, dtype=torch.float64,
+                                             per_device_batch_size=cfg.per_device_batch_size)
     rank_tools.check_capacity(cfg.world_size, facts)
-    launch_config = (launch_config or LaunchConfig()).for_ranks(cfg.world_size)
+    launch_config = deadline.for_launch((launch_config or LaunchConfig()).for_ranks(cfg.world_size))
     results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, cfg, facts)
     ranks = results[0]
     if ranks is None:  # a torchrun rank other than 0
         return None
-    return _compare(spec, dataset, cfg, ranks, reference(spec, dataset, cfg, "global"), facts)
+    with deadline.guard("the single-process reference run"):
+        return _compare(spec, dataset, cfg, ranks, reference(spec, dataset, cfg, "global"), facts)
 
 
 def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: Trajectory,

@@ -78,11 +78,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_plot(path: str) -> None:
-    """Before the run: matplotlib is there and the plot's folder can take the file."""
+    """Before the run: matplotlib is there, knows the file's format, and the plot's folder can take the file."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'ddplab[plot]'") from None
+    # No extension saves a PNG; an extension matplotlib cannot write would fail only after the whole run.
+    extension = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension and extension not in formats:
+        raise UsageError(f"--plot {literal(path)}: matplotlib cannot write .{extension} files; use one of "
+                         + ", ".join(f".{name}" for name in sorted(formats)))
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise UsageError(f"--plot {literal(path)} cannot be written: give a file in an existing, writable folder")

@@ -6,6 +6,7 @@ import argparse
 
 from ddplab.cli import render
 from ddplab.cli.args import default, given, integer, number, parse_bool
+from ddplab.errors import UsageError
 from ddplab.plan.planner import Data, Reference
 
 DESCRIPTION = """\
@@ -111,6 +112,11 @@ def config_from_args(args: argparse.Namespace):
     """(Reference, Target, Data) from the flags; each validates itself, naming its fields."""
     from ddplab.plan import planner
 
+    if args.optimizer in (None, "sgd"):
+        adam_only = [flag for flag, value in (("--betas", args.betas), ("--eps", args.eps)) if value is not None]
+        if adam_only:
+            raise UsageError(f"{' and '.join(adam_only)} set Adam's moments and the plan's optimizer is SGD, where "
+                             "they would change nothing: pass --optimizer adam or adamw")
     reference = planner.Reference(**given(
         args, per_device_batch_size="ref_batch_size", lr="ref_lr", devices="ref_devices", nodes="ref_nodes",
         accumulation_steps="ref_accumulation", wrapper="ref_wrapper", optimizer="optimizer", betas="betas",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ddplab.cli import render
 from ddplab.cli.args import default, given, integer, integers, number
+from ddplab.errors import SpecError, literal
 from ddplab.study.config import DEFAULT_ACCURACY, DEFAULT_BATCHES, RULES, StudyConfig, StudyOptions
 
 DESCRIPTION = f"""\
@@ -103,6 +105,9 @@ def _rule_list(text: str) -> tuple[str, ...]:
 def config_from_args(args: argparse.Namespace) -> tuple[StudyConfig, StudyOptions]:
     from ddplab.study.config import target_for
 
+    # A missing file is the first thing to say: asking it for a target would send the user the wrong way.
+    if args.spec and not os.path.exists(args.spec):
+        raise SpecError(f"spec file {literal(args.spec)} does not exist")
     target = target_for(spec=args.spec, accuracy=args.target_accuracy, loss=args.target_loss)
     grid = given(args, global_batch_sizes="global_batch_sizes", rules="rules",
                  reference_global_batch_size="ref_global_batch_size", reference_lr="ref_lr", seeds="seeds",

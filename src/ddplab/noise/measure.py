@@ -19,6 +19,7 @@ from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
 from ddplab.noise.scale import GradientNoiseScale
 from ddplab.progress import Progress, silent
 from ddplab.runtime import ranks as rank_tools
+from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
 from ddplab.runtime.sharding import RankOrder
 from ddplab.runtime.spec import load_spec
@@ -33,11 +34,13 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
     ``stopped_early`` saying why. ``progress`` is called in rank 0 after every step.
     """
     config = dataclasses.replace(config, world_size=world_size_for(config.world_size, default=DEFAULT_WORLD_SIZE))
-    # The spec's mistakes surface here, in one sentence, before any rank starts.
-    facts, _ = rank_tools.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
-                                   per_device_batch_size=config.per_device_batch_size, drop_last=True)
+    deadline = Deadline.of(launch_config)
+    with deadline.guard("loading the spec (its model() and dataset())"):
+        # The spec's mistakes surface here, in one sentence, before any rank starts.
+        facts, _ = rank_tools.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
+                                       per_device_batch_size=config.per_device_batch_size, drop_last=True)
     rank_tools.check_capacity(config.world_size, facts)
-    launch_config = (launch_config or LaunchConfig()).for_ranks(config.world_size)
+    launch_config = deadline.for_launch((launch_config or LaunchConfig()).for_ranks(config.world_size))
     try:
         results, _ = rank_tools.launch_spec(_measure_on_rank, launch_config, (config, progress), facts)
     except LaunchError as exc:

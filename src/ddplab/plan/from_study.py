@@ -27,10 +27,27 @@ def plan_from_study(reference: planner.Reference, target: planner.Target, data: 
     if data.critical_batch_size is not None:
         raise UsageError("{data.critical_batch_size} and {from_study} both give the critical batch size: drop "
                          "{data.critical_batch_size}, the study's measured B_crit is used")
+    if target.rule != "auto":
+        raise UsageError(f"{{target.rule}} {target.rule} and {{from_study}} both choose the lr: drop {{target.rule}}, "
+                         "the study's best lr at the planned global batch replaces any rule")
     _check_optimizer(reference, loaded)
     b_crit = _b_crit(loaded)
     source = StudyLr(loaded)
-    return planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit), lr_source=source)
+    result = planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit), lr_source=source)
+    mismatch = _reference_lr_mismatch(reference, source)
+    return dataclasses.replace(result, warnings=result.warnings + mismatch) if mismatch else result
+
+
+def _reference_lr_mismatch(reference: planner.Reference, source: StudyLr) -> tuple[str, ...]:
+    """A warning when the study's best lr at the reference's own batch is far from the lr the reference trusts."""
+    measured = source(reference.global_batch_size).lr
+    ratio = reference.lr / measured
+    if 0.5 <= ratio <= 2:
+        return ()
+    return (f"the study's best lr at the reference's global batch {reference.global_batch_size} is {measured:.4g}, "
+            f"{max(ratio, 1 / ratio):.3g}× away from --ref-lr {reference.lr:g}: the study's workload may "
+            "not behave like yours, so its lrs may not transfer; study your own training (a spec file) to be "
+            "sure",)
 
 
 @dataclasses.dataclass(frozen=True)

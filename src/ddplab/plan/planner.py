@@ -40,6 +40,9 @@ def _require_positive(field: str, value: float | None, *, integer: bool = False)
     # `not value > 0` also catches NaN; infinity is no size, rate or epoch count either.
     if value is None:
         return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{{{field}}} must be a {'positive integer' if integer else 'positive number'}, got "
+                         f"{value!r} (a {type(value).__name__})")
     if integer and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         raise UsageError(f"{{{field}}} must be a positive integer, got {value}")
     if not 0 < value < math.inf:
@@ -535,6 +538,13 @@ def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: 
         reasons["steps_per_epoch"] = "pass --dataset-size for step counts"
     else:
         out.update(_epoch_arithmetic(data, world, batch, accumulation, reasons))
+        if out["samples_per_rank"] < batch * accumulation:
+            # One epoch's share is less than one step's: every step is short, so the global batch is not what it says.
+            seen = out["samples_per_rank"] * world
+            share = f"--batch-size {batch} × {_count(accumulation, 'accumulation step')}"
+            warnings.append(f"each rank holds {out['samples_per_rank']} samples per epoch, fewer than one optimizer "
+                            f"step's share ({share}): every step sees at most {seen} samples, not the global batch "
+                            f"{global_batch}; lower --batch-size or use more data")
     out.update(_warmup(data, warmup, out["steps_per_epoch"], out["total_steps"], lr_fields["lr"], reasons, warnings))
     out.update(_critical(data, global_batch, reasons))
     return {**out, "reasons": reasons}

@@ -87,6 +87,8 @@ def warmup_factor(step: int, *, warmup_steps: int, lr_multiplier: float) -> floa
     Goyal et al. (2017) gradual warmup; usable as a LambdaLR ``lr_lambda``. An lr scaled down
     (multiplier ≤ 1) has nothing to warm up from: it starts at the planned lr.
     """
+    if step < 0:
+        raise ValueError(f"step must be ≥ 0 (LambdaLR counts from 0), got {step}")
     if warmup_steps <= 0 or step >= warmup_steps or lr_multiplier <= 1:
         return 1.0
     start = 1.0 / lr_multiplier
