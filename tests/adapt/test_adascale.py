@@ -130,6 +130,12 @@ def test_bad_arguments_name_the_parameter():
         with pytest.raises(UsageError) as info:
             AdaScale(optimizer, gns, **kwargs)
         assert message in str(info.value) and "--" not in str(info.value)
+    # A ValueError naming the parameter for what the adapter cannot drive, too.
+    for args, message in (((model, gns), "optimizer must be a torch.optim.Optimizer"),
+                          ((optimizer, 0.5), "noise_scale must be a ddplab GradientNoiseScale"),
+                          ((optimizer, gns, "cosine"), "scheduler must be a torch lr scheduler")):
+        with pytest.raises(ValueError, match=message):
+            AdaScale(*args[:2], reference_batch_size=8, scheduler=args[2] if len(args) > 2 else None)
 
 
 def _adascale_on_ranks(ctx):

@@ -59,6 +59,7 @@ class AdaScale:
 
     def __init__(self, optimizer, noise_scale, *, reference_batch_size: int, scheduler=None,
                  reference_steps: int | None = None, smoothing: float | None = None):
+        _require_drivable(optimizer, noise_scale, scheduler)
         if not (isinstance(reference_batch_size, int) and reference_batch_size >= 1):
             raise UsageError(f"{{reference_batch_size}} must be a positive integer, got {reference_batch_size}")
         self.scale = noise_scale.b_big / reference_batch_size
@@ -138,3 +139,16 @@ class AdaScale:
         """Stop adapting: the optimizer's own lr from here on."""
         for handle in self._handles:
             handle.remove()
+
+
+def _require_drivable(optimizer, noise_scale, scheduler) -> None:
+    """What the adapter needs of each: torch's step hooks and param groups, the measured history, a step()."""
+    if not (hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "param_groups")):
+        raise UsageError(f"{{optimizer}} must be a torch.optim.Optimizer (the adapter scales its param groups' lr "
+                         f"in its step hooks), got {type(optimizer).__name__}")
+    if not (hasattr(noise_scale, "history") and hasattr(noise_scale, "b_big")):
+        raise UsageError(f"{{noise_scale}} must be a ddplab GradientNoiseScale on the model {{optimizer}} trains, got "
+                         f"{type(noise_scale).__name__}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise UsageError(f"{{scheduler}} must be a torch lr scheduler (something with step()), got "
+                         f"{type(scheduler).__name__}")
