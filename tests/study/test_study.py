@@ -183,6 +183,48 @@ def test_vectorized_group_equals_one_run_at_a_time():
         assert torch.allclose(a["weight"], b["weight"], rtol=0, atol=1e-12)
 
 
+def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
+    """The engine's vectorized AdaScale runs take, step for step, the updates of torch.optim.SGD driven by
+    ddplab.AdaScale from the same |G|² and tr Σ estimates (float64)."""
+    from types import SimpleNamespace
+
+    from ddplab.adapt.adascale import AdaScale
+    from ddplab.noise import estimators
+
+    workload = workloads.regression(dim=8, n_train=512, n_val=64)
+    config = StudyConfig(target=Target(kind="loss", value=1e-12), global_batch_sizes=(16, 64), rules=("adascale",),
+                         reference_global_batch_size=16, reference_lr=0.02, dtype="float64")
+    batch, half, steps = 64, 32, 40
+    group = engine.Group(workload, config, batch, [(0.02, 0)], adascale=True)
+    for step in range(steps):
+        group.step(step, measure=True)
+
+    model = workload.model().to(torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=config.momentum)
+    measured = SimpleNamespace(b_big=batch, history=[])
+    adascale = AdaScale(optimizer, measured, reference_batch_size=16)
+    order = engine._Batches(workload.train_size, batch, [0])
+    inputs, targets = workload.train[0].to(torch.float64), workload.train[1].to(torch.float64)
+
+    def grad_sq(x, y):
+        grads = torch.autograd.grad(workload.loss(model(x), y), list(model.parameters()))
+        return float(sum(g.pow(2).sum() for g in grads))
+
+    for step in range(steps):
+        index = order.indices(step)[0]
+        x, y = inputs[index], targets[index]
+        g2, trace = estimators.unbiased_estimates(grad_sq(x[:half], y[:half]), grad_sq(x, y), half, batch)
+        measured.history.append(SimpleNamespace(g2=g2, trace_sigma=trace))
+        optimizer.zero_grad()
+        workload.loss(model(x), y).backward()
+        optimizer.step()
+    gains = [g[1] for g in group.results[0].gains]
+    assert gains == pytest.approx([h.gain for h in adascale.history], rel=1e-10)
+    # A noisy problem (B_simple = dim + 1 = 9 against the reference batch 16): the gain is well above 1.
+    assert 1.2 < gains[-1] < 4 and group.results[0].gains[-1][2] == pytest.approx(sum(gains), rel=1e-12)
+    assert torch.allclose(group.params["weight"][0], model.weight.detach(), rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.timeout(90)
 def test_verify_ddp_two_ranks_float64():
     workload = workloads.regression(dim=8, n_train=512, n_val=64)
@@ -239,6 +281,37 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
     # Other settings in the same --out: refused, not mixed.
     assert main(_study(tmp_path, "--rules", "linear", "--no-plots", "--ref-lr", "0.2")) == 2
     assert "--fresh" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_the_adascale_rule_runs_beside_the_fixed_rules(tmp_path, capsys):
+    argv = _study(tmp_path, "--json", "--rules", "constant,tuned,adascale", "--global-batch-sizes", "16,32,128")
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    ada = [r for r in report["runs"] if r["rule"] == "adascale"]
+    # Only from the reference batch (32) up, one run per seed, at the reference lr, with the gain on each evaluation.
+    assert sorted({r["global_batch_size"] for r in ada}) == [32, 128] and len(ada) == 4
+    assert all(r["lr"] == 0.1 and r["gains"] and r["gains"][0][0] == report["eval_every"] for r in ada)
+    # At the reference batch S = 1, the gain is exactly 1: AdaScale is the constant rule there, step for step.
+    constant = {r["seed"]: r["steps_to_target"] for r in report["runs"]
+                if r["rule"] == "constant" and r["global_batch_size"] == 32}
+    assert {r["seed"]: r["steps_to_target"] for r in ada if r["global_batch_size"] == 32} == constant
+    assert all(g[1] == 1.0 for r in ada if r["global_batch_size"] == 32 for g in r["gains"])
+    assert all(1 <= g[1] <= 4 for r in ada if r["global_batch_size"] == 128 for g in r["gains"])
+    summary = {p["global_batch_size"]: p for p in report["adascale"]}
+    tuned = {p["global_batch_size"]: p["median_steps"] for p in report["tuned_lr"]}
+    assert summary[128]["scale"] == 4 and summary[128]["tuned_median_steps"] == tuned[128]
+    assert summary[128]["steps_over_tuned"] == pytest.approx(summary[128]["median_steps"] / tuned[128])
+    assert report["trained_runs"] == len({(r["global_batch_size"], r["lr"], r["seed"], r["rule"] == "adascale")
+                                          for r in report["runs"]})
+    assert any(p.endswith("adascale.png") for p in report["plots"])
+    with open(report["report"]) as fh:
+        assert "AdaScale from the reference lr, untuned" in fh.read()
+    # Its runs have a cache file of their own: a second study trains nothing.
+    assert sorted(os.listdir(tmp_path / "out" / "runs")) == [
+        "batch-128-adascale.json", "batch-128.json", "batch-16.json", "batch-32-adascale.json", "batch-32.json"]
+    assert main([*argv, "--no-plots"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"] == report["runs"]
 
 
 def _dropout_spec(tmp_path):

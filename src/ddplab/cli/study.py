@@ -39,6 +39,7 @@ code is 1 when no run reached the target (the JSON then says how close each batc
 examples:
   ddplab study
   ddplab study --global-batch-sizes 16,64,256 --seeds 3 --json
+  ddplab study --rules tuned,adascale
   ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8 --batch-size 32
 """
@@ -57,7 +58,9 @@ def add_parser(subparsers) -> None:
                         help="global batch sizes, comma-separated (default {})".format(
                             ",".join(map(str, DEFAULT_BATCHES))))
     parser.add_argument("--rules", type=_rule_list,
-                        help=f"lr rules, comma-separated among {','.join(RULES)} (default all)")
+                        help=f"lr rules, comma-separated among {','.join(RULES)} (default "
+                             f"{','.join(default(StudyConfig, 'rules'))}); adascale adds AdaScale runs from --ref-lr, "
+                             "untuned, at every batch from the reference up")
     parser.add_argument("--ref-global-batch-size", type=integer,
                         help="the reference's global batch, which the rules scale from "
                              f"(default {default(StudyConfig, 'reference_global_batch_size')})")
@@ -155,6 +158,12 @@ def _print(report) -> None:
         tuned = ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in values["tuned_lr"])
         out.print(f"best tuned lr by global batch: {tuned}")
     _print_b_simple(out, values["b_simple"])
+    if values.get("adascale"):
+        out.print("AdaScale from the reference lr, untuned: median steps vs the best tuned lr's at each global batch: "
+                  + ", ".join(f"{p['global_batch_size']} (S={p['scale']:g}): {_num(p['median_steps'])} vs "
+                              f"{_num(p['tuned_median_steps'])}" + (f" = {p['steps_over_tuned']:.2f}×"
+                                                                     if p["steps_over_tuned"] is not None else "")
+                              for p in values["adascale"]))
     for miss in values["unreached"]:
         best = "no finite metric" if miss["best_metric"] is None else \
             f"its runs' best {target['kind']}: {miss['best_metric']:.4g}"

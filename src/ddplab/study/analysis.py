@@ -30,6 +30,8 @@ class StudyAnalysis:
     unreached: list[dict]
     """Per (rule, global batch) whose median run never reached the target: the best metric any of its runs got."""
     steps_by_rule: dict[Rule, dict[int, list[float]]]
+    adascale: list[dict] = dataclasses.field(default_factory=list)
+    """Per global batch AdaScale ran at: its median steps beside the best-tuned fixed lr's, and its mean gain."""
 
     @property
     def reached(self) -> bool:
@@ -39,7 +41,9 @@ class StudyAnalysis:
 
 def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAnalysis:
     """The study's answer from its runs; UsageError when every lr of a batch size diverged."""
-    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs}
+    # AdaScale's runs share the reference lr with the constant rule's: they are told apart by their flag.
+    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs if not r.adascale}
+    adaptive = {(b, r.seed): r for b, rs in results.items() for r in rs if r.adascale}
     _check_divergence(config, results)
     runs, steps_by_rule, tuned = [], {rule: {} for rule in config.rules}, []
     for b in sorted(results):
@@ -48,8 +52,12 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
         if best is not None:
             tuned.append({"global_batch_size": b, "lr": best[0], "median_steps": best[1],
                           "sweep": sorted(lr for lr, rules in lrs.items() if "tuned" in rules)})
-        runs += _rows(config, b, lrs, by_key, best)
+        runs += _rows(config, b, lrs, by_key, best) + _adascale_rows(config, b, adaptive)
         for rule in config.rules:
+            if rule == "adascale":
+                if config.adascale_runs(b):
+                    steps_by_rule[rule][b] = [_steps(adaptive[(b, s)]) for s in range(config.seeds)]
+                continue
             if rule == "tuned" and best is None:
                 continue
             lr = best[0] if rule == "tuned" else round_lr(config.rule_lr(rule, b))
@@ -58,7 +66,35 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     warnings += _edge_warnings(tuned)
     best_runs = [by_key[(p["global_batch_size"], p["lr"], s)] for p in tuned for s in range(config.seeds)]
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=_b_simple(best_runs, fits.get("tuned")),
-                         warnings=warnings, unreached=_unreached(config, results), steps_by_rule=steps_by_rule)
+                         warnings=warnings, unreached=_unreached(config, results), steps_by_rule=steps_by_rule,
+                         adascale=_adascale_summary(config, adaptive, tuned))
+
+
+def _adascale_rows(config: StudyConfig, b: int, adaptive: dict) -> list[dict]:
+    rows = []
+    for seed in range(config.seeds):
+        run = adaptive.get((b, seed))
+        if run is not None:
+            rows.append({"rule": "adascale", "global_batch_size": b, "lr": run.lr, "seed": seed,
+                         "steps_to_target": run.steps_to_target, "diverged": run.diverged, "pruned": False,
+                         "best": False, "gains": run.gains})
+    return rows
+
+
+def _adascale_summary(config: StudyConfig, adaptive: dict, tuned: list[dict]) -> list[dict]:
+    """AdaScale against the best-tuned fixed lr at the same batch: the issue's measure of 'no tuning needed'."""
+    best = {p["global_batch_size"]: p["median_steps"] for p in tuned}
+    out = []
+    for b in sorted({b for b, _ in adaptive}):
+        seeds = [adaptive[(b, s)] for s in range(config.seeds)]
+        median = fit.median([_steps(r) for r in seeds])
+        gains = [g[1] for r in seeds for g in r.gains]
+        tuned_steps = best.get(b)
+        ratio = median / tuned_steps if tuned_steps and math.isfinite(median) and math.isfinite(tuned_steps) else None
+        out.append({"global_batch_size": b, "scale": b / config.reference_global_batch_size, "median_steps": median,
+                    "tuned_median_steps": tuned_steps, "steps_over_tuned": ratio,
+                    "mean_gain": sum(gains) / len(gains) if gains else None})
+    return out
 
 
 def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[dict]:
@@ -75,8 +111,9 @@ def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[di
 
 def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) -> None:
     for b, runs in sorted(results.items()):
-        sweep = [r for r in runs if "tuned" in config.lrs(b).get(r.lr, [])] or runs
-        if all(r.diverged for r in sweep):
+        fixed = [r for r in runs if not r.adascale]
+        sweep = [r for r in fixed if "tuned" in config.lrs(b).get(r.lr, [])] or fixed
+        if sweep and all(r.diverged for r in sweep):
             lrs = [r.lr for r in sweep]
             raise UsageError(f"every lr {'of the tuned sweep ' if 'tuned' in config.rules else ''}diverged at global "
                              f"batch {b} ({min(lrs):g} to {max(lrs):g}): lower {{reference_lr}} (runs are cached)")
@@ -133,7 +170,8 @@ def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list
     for b, runs in sorted(results.items()):
         lrs = config.lrs(b)
         for rule in config.rules:
-            served = [r for r in runs if rule in lrs.get(r.lr, [])]
+            served = [r for r in runs if r.adascale == (rule == "adascale")
+                      and (rule == "adascale" or rule in lrs.get(r.lr, []))]
             if served and math.isinf(_median_steps(served)):
                 out.append({"rule": rule, "global_batch_size": b, "best_metric": _best_metric(config, served)})
     return out

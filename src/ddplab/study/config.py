@@ -10,8 +10,10 @@ from typing import Literal, get_args
 
 from ddplab.errors import UsageError
 
-Rule = Literal["constant", "linear", "sqrt", "tuned"]
+Rule = Literal["constant", "linear", "sqrt", "tuned", "adascale"]
 RULES: tuple[Rule, ...] = get_args(Rule)
+FIXED_RULES: tuple[Rule, ...] = ("constant", "linear", "sqrt", "tuned")
+"""The rules that train at a fixed lr, and the default: ``adascale`` adapts its lr as it trains."""
 TargetKind = Literal["accuracy", "loss"]
 Dtype = Literal["float32", "float64"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -48,8 +50,8 @@ class StudyConfig:
     """When a run has reached the result."""
     global_batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
     """Global batch sizes to measure."""
-    rules: tuple[Rule, ...] = RULES
-    """lr rules to run."""
+    rules: tuple[Rule, ...] = FIXED_RULES
+    """lr rules to run; ``adascale`` adds AdaScale runs from the reference lr at every batch from the reference up."""
     reference_global_batch_size: int = 32
     """Reference global batch the rules scale from."""
     reference_lr: float = 0.1
@@ -106,9 +108,18 @@ class StudyConfig:
         """Every lr trained at ``global_batch`` and the rules it serves (one run serves several)."""
         out: dict[float, list[Rule]] = {}
         for rule in self.rules:
+            if rule == "adascale":
+                continue
             for lr in self.sweep(global_batch) if rule == "tuned" else [round_lr(self.rule_lr(rule, global_batch))]:
                 out.setdefault(lr, []).append(rule)
         return out
+
+    def adascale_runs(self, global_batch: int) -> list[tuple[float, int]]:
+        """The ``adascale`` rule's (lr, seed) runs at ``global_batch``: the reference lr, untuned, at every batch
+        from the reference up (AdaScale only scales up); none without the rule."""
+        if "adascale" not in self.rules or global_batch < max(self.reference_global_batch_size, 2):
+            return []
+        return [(self.reference_lr, seed) for seed in range(self.seeds)]
 
     def grid_runs(self, global_batch: int) -> list[tuple[float, int]]:
         """Every (lr, seed) trained at ``global_batch``."""

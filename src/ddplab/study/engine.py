@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.func import functional_call, vmap
 
+from ddplab.adapt.gain import Smoothed, default_smoothing
 from ddplab.errors import UsageError
 from ddplab.noise import estimators
 from ddplab.runtime.sharding import epoch_permutation
@@ -70,6 +71,10 @@ class RunResult:
     noise_g2: list = dataclasses.field(default_factory=list)
     noise_trace: list = dataclasses.field(default_factory=list)
     """Per-evaluation |G|² and tr Σ (estimators.unbiased_estimates) up to the target."""
+    adascale: bool = False
+    """Trained by AdaScale from the reference lr (the ``adascale`` rule) rather than at a fixed lr."""
+    gains: list = dataclasses.field(default_factory=list)
+    """AdaScale runs: [step, gain, τ] at each evaluation (the gain of that step's update)."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,7 +93,8 @@ def seeded_params(workload: Workload, seed: int, dtype: torch.dtype) -> dict[str
 class Group:
     """All runs of one global batch size, as stacked parameters trained together."""
 
-    def __init__(self, workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]]):
+    def __init__(self, workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
+                 *, adascale: bool = False):
         self.workload, self.config, self.global_batch = workload, config, global_batch
         dtype = torch_dtype(config)
         self.model = workload.model().to(dtype)
@@ -99,7 +105,15 @@ class Group:
         self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype)
         self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
         self.active = list(range(len(runs)))
-        self.results = [RunResult(global_batch_size=global_batch, lr=lr, seed=seed) for lr, seed in runs]
+        self.results = [RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adascale=adascale)
+                        for lr, seed in runs]
+        # AdaScale (ddplab.adapt's gain and smoothing, per run): the lr of each update is lr × r_t.
+        self.scale = global_batch / config.reference_global_batch_size if adascale else None
+        if self.scale is not None and (self.scale < 1 or global_batch < 2):
+            raise UsageError(f"AdaScale scales up from the reference global batch {config.reference_global_batch_size}"
+                             f" and measures with two halves of the batch: global batch {global_batch} cannot")
+        self.smoothed = [Smoothed(default_smoothing(self.scale)) for _ in runs] if adascale else []
+        self.tau = [0.0] * len(runs)
         self.batches = _Batches(workload.train_size, global_batch, seeds)
         self.inputs = cast(workload.train[0], dtype)
         self.targets = cast(workload.train[1], dtype)
@@ -128,28 +142,48 @@ class Group:
         indices = self.batches.indices(step)[self.seed_row]
         inputs, targets = self.inputs[indices], self.targets[indices]
         grads, losses = self._grad_and_loss(self.params, inputs, targets)
-        if measure and self.global_batch >= 2:
-            self._measure(grads, inputs, targets)
+        # AdaScale needs the estimates at every step; the fixed-lr runs only where they are recorded.
+        estimates = None
+        if (measure or self.scale is not None) and self.global_batch >= 2:
+            estimates = self._estimates(grads, inputs, targets)
+        if measure and estimates is not None:
+            for row, run in enumerate(self.active):
+                self.results[run].noise_g2.append(estimates[row][0])
+                self.results[run].noise_trace.append(estimates[row][1])
+        lr = self.lr if self.scale is None else self.lr * self._gains(estimates, step, record=measure)
         names = list(grads)
         buffers, params = [self.momentum[n] for n in names], [self.params[n] for n in names]
-        lrs = [self.lr.view(-1, *[1] * (self.params[n].dim() - 1)) for n in names]
+        lrs = [lr.view(-1, *[1] * (self.params[n].dim() - 1)) for n in names]
         # torch.optim.SGD: buf ← μ·buf + g (buf starts at 0, so the first step sets buf = g), p ← p − lr·buf.
         torch._foreach_mul_(buffers, self.config.momentum)
         torch._foreach_add_(buffers, [grads[n] for n in names])
         torch._foreach_addcmul_(params, lrs, buffers, value=-1)
         return losses
 
-    def _measure(self, grads, inputs, targets) -> None:
-        # The gradient of the first half of each batch beside the whole batch's: McCandlish's two sizes.
+    def _estimates(self, grads, inputs, targets) -> list[tuple[float, float]]:
+        """Each active run's (|G|², tr Σ): the first half of its batch's gradient beside the whole batch's
+        (McCandlish's two sizes)."""
         half = self.global_batch // 2
         small = self._grad(self.params, inputs[:, :half], targets[:, :half])
-        big_sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
-        small_sq = sum(g.flatten(1).pow(2).sum(1) for g in small.values())
+        big_sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values()).tolist()
+        small_sq = sum(g.flatten(1).pow(2).sum(1) for g in small.values()).tolist()
+        return [estimators.unbiased_estimates(s, b, half, self.global_batch) for s, b in zip(small_sq, big_sq)]
+
+    def _gains(self, estimates: list[tuple[float, float]], step: int, *, record: bool) -> torch.Tensor:
+        """AdaScale's gain for this update, per active run: σ² of one reference-batch gradient and μ² = |G|²."""
+        gains = []
         for row, run in enumerate(self.active):
-            g2, trace = estimators.unbiased_estimates(float(small_sq[row]), float(big_sq[row]), half,
-                                                            self.global_batch)
-            self.results[run].noise_g2.append(g2)
-            self.results[run].noise_trace.append(trace)
+            g2, trace = estimates[row]
+            smoothed = self.smoothed[run]
+            # A step whose estimates are not finite is left out of the averages, as ddplab.AdaScale does.
+            if math.isfinite(g2) and math.isfinite(trace):
+                smoothed.update(trace / self.config.reference_global_batch_size, g2)
+            gain = smoothed.gain(self.scale)
+            self.tau[run] += gain
+            gains.append(gain)
+            if record:
+                self.results[run].gains.append([step + 1, gain, self.tau[run]])
+        return torch.tensor(gains, dtype=self.lr.dtype)
 
     def metrics(self) -> list[float]:
         """Each active run's evaluation: vectorized on the validation split, or the spec's evaluate per run."""
@@ -198,13 +232,14 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
                 progress: Callable[[int], None] | None = None, *,
-                sweep_only: set[float] = frozenset()) -> list[RunResult]:
+                sweep_only: set[float] = frozenset(), adascale: bool = False) -> list[RunResult]:
     """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps.
 
     Runs of an lr in ``sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
-    have the fewest median steps: they only had to lose to the best.
+    have the fewest median steps: they only had to lose to the best. With ``adascale`` each run's
+    updates use lr × AdaScale's gain, measured at every step.
     """
-    group = Group(workload, config, global_batch, runs)
+    group = Group(workload, config, global_batch, runs, adascale=adascale)
     reported = 0
     for step in range(config.max_steps):
         evaluate = (step + 1) % config.eval_every == 0

@@ -61,11 +61,12 @@ class Cache:
             raise UsageError(f"the study cache file {literal(path)} cannot be read (cut short or edited?): pass "
                              "{fresh} to start over") from None
 
-    def _path(self, global_batch: int) -> str:
-        return os.path.join(self.runs_dir, f"batch-{global_batch}.json")
+    def _path(self, global_batch: int, kind: str) -> str:
+        return os.path.join(self.runs_dir, f"batch-{global_batch}{kind}.json")
 
-    def load(self, global_batch: int, runs: list[tuple[float, int]]) -> list[RunResult] | None:
-        path = self._path(global_batch)
+    def load(self, global_batch: int, runs: list[tuple[float, int]], kind: str = "") -> list[RunResult] | None:
+        """The cached runs of one group (``kind`` "-adascale" for the AdaScale runs), or None."""
+        path = self._path(global_batch, kind)
         if not os.path.exists(path):
             return None
         try:
@@ -78,9 +79,9 @@ class Cache:
             return None
         return [cached[key] for key in runs]
 
-    def save(self, global_batch: int, results: list[RunResult]) -> None:
+    def save(self, global_batch: int, results: list[RunResult], kind: str = "") -> None:
         write_json_atomic(self.stamp, {"fingerprint": self.fingerprint})
-        write_json_atomic(self._path(global_batch), [r.to_json() for r in results], standard=False)
+        write_json_atomic(self._path(global_batch, kind), [r.to_json() for r in results], standard=False)
 
 
 def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
@@ -91,14 +92,25 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
     """
     results = {}
     for global_batch in sorted(config.global_batch_sizes):
-        runs = config.grid_runs(global_batch)
-        cached = cache.load(global_batch, runs) if cache else None
-        if cached is None:
-            sweep_only = {lr for lr, rules in config.lrs(global_batch).items() if rules == ["tuned"]}
-            cached = train_group(workload, config, global_batch, runs, advance, sweep_only=sweep_only)
-            if cache:
-                cache.save(global_batch, cached)
-        elif advance:
-            advance(config.max_steps)
-        results[global_batch] = cached
+        results[global_batch] = []
+        # The fixed-lr runs, then AdaScale's (their lr is the reference's too: a group and a cache file of their own).
+        for runs, kind in ((config.grid_runs(global_batch), ""), (config.adascale_runs(global_batch), "-adascale")):
+            if not runs:
+                continue
+            cached = cache.load(global_batch, runs, kind) if cache else None
+            if cached is None:
+                sweep_only = {lr for lr, rules in config.lrs(global_batch).items() if rules == ["tuned"]} \
+                    if not kind else set()
+                cached = train_group(workload, config, global_batch, runs, advance, sweep_only=sweep_only,
+                                     adascale=bool(kind))
+                if cache:
+                    cache.save(global_batch, cached, kind)
+            elif advance:
+                advance(config.max_steps)
+            results[global_batch] += cached
     return results
+
+
+def groups(config: StudyConfig) -> int:
+    """How many groups the grid trains: one per batch size, and one more per batch size AdaScale runs at."""
+    return sum(bool(config.grid_runs(b)) + bool(config.adascale_runs(b)) for b in config.global_batch_sizes)

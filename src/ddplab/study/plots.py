@@ -7,7 +7,8 @@ import html
 import math
 import os
 
-COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "tuned": "tab:green"}
+COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "tuned": "tab:green",
+          "adascale": "tab:red"}
 
 
 def _pyplot():
@@ -26,7 +27,43 @@ def plots(report: dict, results: dict, directory: str) -> list[str]:
     _steps_plot(report, paths[0])
     _lr_plot(report, paths[1])
     _curves_plot(report, results, paths[2])
+    if report.get("adascale"):
+        paths.append(os.path.join(directory, "adascale.png"))
+        _adascale_plot(report, paths[-1])
     return paths
+
+
+def _adascale_plot(report: dict, path: str) -> None:
+    """AdaScale's gain along its runs (seed 0), and its steps to target beside the best-tuned fixed lr's."""
+    plt = _pyplot()
+    fig, (ax_gain, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cmap = plt.get_cmap("plasma")
+    rows = [r for r in report["runs"] if r["rule"] == "adascale" and r["seed"] == 0 and r.get("gains")]
+    for i, row in enumerate(rows):
+        steps, gains, _ = zip(*row["gains"])
+        scale = row["global_batch_size"] / report["reference"]["global_batch_size"]
+        label = f"B={row['global_batch_size']} (S={scale:g})"
+        ax_gain.plot(steps, gains, color=cmap(i / max(1, len(rows))), label=label)
+    ax_gain.set_xlabel("optimizer step")
+    ax_gain.set_ylabel("gain r_t (lr = reference lr × r_t)")
+    ax_gain.set_title("AdaScale's gain along its runs (seed 0)")
+    points = [p for p in report["adascale"] if p["median_steps"] is not None]
+    ax_steps.plot([p["global_batch_size"] for p in points], [p["median_steps"] for p in points], "o-",
+                  color=COLORS["adascale"], label="AdaScale from the reference lr")
+    tuned = [p for p in report["tuned_lr"] if p["median_steps"] is not None]
+    ax_steps.plot([p["global_batch_size"] for p in tuned], [p["median_steps"] for p in tuned], "o-",
+                  color=COLORS["tuned"], label="best tuned fixed lr")
+    ax_steps.set_xscale("log", base=2)
+    ax_steps.set_yscale("log")
+    ax_steps.set_xlabel("global batch size B")
+    ax_steps.set_ylabel("optimizer steps to target (median over seeds)")
+    ax_steps.set_title("AdaScale, untuned, vs the best tuned lr")
+    for axis in (ax_gain, ax_steps):
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _steps_plot(report: dict, path: str) -> None:
@@ -124,7 +161,7 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
     cmap = plt.get_cmap("viridis")
     for i, point in enumerate(picks):
         b, lr = point["global_batch_size"], point["lr"]
-        run = next((r for r in results.get(b, []) if r.lr == lr and r.seed == 0), None)
+        run = next((r for r in results.get(b, []) if r.lr == lr and r.seed == 0 and not r.adascale), None)
         if run is None or not run.history:
             continue
         steps, losses, metrics = zip(*run.history)
@@ -158,6 +195,14 @@ def write_html(report: dict, path: str) -> str:
         f"<td>{r['lr']:.4g}</td>"
         f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
     b_simple = report.get("b_simple") or {}
+    adascale = "".join(
+        f"<tr><td>{p['global_batch_size']}</td><td>{p['scale']:g}</td><td>{_n(p['median_steps'])}</td>"
+        f"<td>{_n(p['tuned_median_steps'])}</td><td>{_n(p['steps_over_tuned'])}</td><td>{_n(p['mean_gain'])}</td></tr>"
+        for p in report.get("adascale") or [])
+    if adascale:
+        adascale = ("<h2>AdaScale from the reference lr, untuned</h2><table><tr><th>global batch</th><th>S</th>"
+                    "<th>median steps</th><th>best tuned median steps</th><th>ratio</th><th>mean gain</th></tr>"
+                    f"{adascale}</table>")
     target = report["target"]
     body = f"""<!doctype html><html><head><meta charset="utf-8">\
 <title>ddplab study: {html_escape(report['workload'])}</title>
@@ -174,6 +219,7 @@ reference lr {report['reference']['lr']:g} at global batch
 <p>B_simple along the best tuned runs: {_n(b_simple.get('value'))}; \
 B_crit / B_simple = {_n(b_simple.get('b_crit_over_b_simple'))}</p>
 {''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
+{adascale}
 {images}
 <h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>
 <table><tr><th>rule</th><th>global batch</th><th>lr</th><th>seed</th><th>steps to target</th></tr>{runs}</table>

@@ -63,7 +63,7 @@ def _save(report: StudyReport, options: StudyOptions, started: float) -> None:
 
 
 def _advance(progress: Progress, config: StudyConfig):
-    total, done = config.max_steps * len(config.global_batch_sizes), 0
+    total, done = config.max_steps * grid.groups(config), 0
 
     def advance(steps: int) -> None:
         nonlocal done
