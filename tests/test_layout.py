@@ -12,7 +12,9 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 # Fields that only a Python caller can set (no command passes them): shown by their own name everywhere.
 PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "reference.global_batch_size",
                # ddplab.adapt.AdaScale's arguments: a library API with no command of its own.
-               "optimizer", "noise_scale", "scheduler", "reference_batch_size", "reference_steps", "smoothing"}
+               "optimizer", "noise_scale", "scheduler", "reference_batch_size", "reference_steps", "smoothing",
+               # ddplab.adapt.BatchRamp's.
+               "max_accumulation_steps", "rule", "warmup_steps", "target_ratio", "interval"}
 # The auditor's voice inside the user's program, where there is no command line to print for it.
 MAY_PRINT = {"auditor/exchange.py", "auditor/bootstrap/sitecustomize.py", "integrations/lightning.py"}
 FIELD = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}")

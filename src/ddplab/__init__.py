@@ -24,10 +24,10 @@ def __getattr__(name):
         from ddplab.noise.scale import GradientNoiseScale
 
         return GradientNoiseScale
-    if name == "AdaScale":
-        from ddplab.adapt.adascale import AdaScale
+    if name in ("AdaScale", "BatchRamp"):
+        from ddplab import adapt
 
-        return AdaScale
+        return getattr(adapt, name)
     if name in ("plan", "Reference", "Target", "Data"):
         from ddplab.plan import planner
 

@@ -89,14 +89,8 @@ class GradientNoiseScale:
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         _validate(self.world_size, per_device_batch_size, accumulation_steps, every)
-        self.accumulation_steps = accumulation_steps
-        if self.world_size == 1:
-            # One process: each micro-batch is a small batch, their mean the big one.
-            self.b_small, self.b_big = per_device_batch_size, per_device_batch_size * accumulation_steps
-        else:
-            # Accumulated micro-batches make the synchronising gradient one over A·b samples.
-            self.b_small = per_device_batch_size * accumulation_steps
-            self.b_big = self.world_size * self.b_small
+        self.per_device_batch_size = per_device_batch_size
+        self.set_accumulation_steps(accumulation_steps)
         if dataset_size is not None and dataset_size < max(self.b_big, 2):
             raise UsageError(f"{{dataset_size}} {dataset_size} is smaller than the batch of {self.b_big} it must "
                              "supply")
@@ -114,6 +108,18 @@ class GradientNoiseScale:
         else:
             ready = self._local_grad_ready if self.via == "grad_hooks" else self._micro_grad_ready
             self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self._params]
+
+    def set_accumulation_steps(self, accumulation_steps: int) -> None:
+        """The micro-steps of the next optimizer steps (a batch ramp changes them between steps)."""
+        _validate(self.world_size, self.per_device_batch_size, accumulation_steps, 1)
+        self.accumulation_steps = accumulation_steps
+        if self.world_size == 1:
+            # One process: each micro-batch is a small batch, their mean the big one.
+            self.b_small, self.b_big = self.per_device_batch_size, self.per_device_batch_size * accumulation_steps
+        else:
+            # Accumulated micro-batches make the synchronising gradient one over A·b samples.
+            self.b_small = self.per_device_batch_size * accumulation_steps
+            self.b_big = self.world_size * self.b_small
 
     def _local_grad_ready(self, param) -> None:
         # Under no_sync the grad only accumulates; the synchronising micro-step holds all A·b samples.

@@ -1,0 +1,179 @@
+"""A global batch that grows with the measured noise scale, by accumulation steps (McCandlish et al. 2018).
+
+    gns = GradientNoiseScale(ddp_model, per_device_batch_size=32, every=1)
+    ramp = BatchRamp(ddp_model, optimizer, gns, max_accumulation_steps=16, rule="linear", warmup_steps=20)
+    for x, y in loader:
+        with ramp.accumulate():                    # no_sync on every micro-batch but a window's last
+            (loss_fn(ddp_model(x), y) / ramp.accumulation_steps).backward()
+        if ramp.should_step():
+            gns.step()                             # the measurement the ramp reads
+            optimizer.step()                       # at the rule's lr for the current global batch
+            optimizer.zero_grad()
+
+The per-device batch and the world size stay fixed; the global batch W·b·A grows by raising the
+accumulation steps A, so the loader and its DistributedSampler go on exactly as they were: no sample
+is skipped or repeated when the batch changes mid-epoch (a window may run over an epoch's end). The
+target is the measured B_simple (the noise scale's running estimate, the same on every rank since
+it comes from an all-reduce): after each step, once ``interval`` measured steps have passed since
+the last change, A grows to the smallest value whose global batch reaches ``target_ratio`` ×
+B_simple, never shrinking, at most ``max_accumulation_steps``. The lr follows ``rule`` from the
+starting batch (linear ×k, square root ×√k, or none) and, after each jump, ramps linearly from the
+old lr to the new over ``warmup_steps`` steps. The lr is applied during each ``optimizer.step()``
+only (step hooks), so your scheduler keeps its own lr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+from ddplab.errors import UsageError
+
+RampRule = Literal["linear", "sqrt", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RampChange:
+    """One growth of the global batch."""
+
+    step: int
+    """The optimizer step after which it changed (0-based)."""
+    accumulation_steps: int
+    global_batch_size: int
+    b_simple: float
+    """The measured B_simple that asked for it."""
+    lr_factor: float
+    """The rule's lr factor at this global batch, relative to the starting one."""
+
+
+class BatchRamp:
+    """Grow ``ddp_model``'s global batch with ``noise_scale``'s B_simple, and ``optimizer``'s lr with it.
+
+    Args:
+        ddp_model: the DistributedDataParallel model (or, on one process, the module) being trained.
+        optimizer: the torch optimizer stepping it.
+        noise_scale: the ``ddplab.GradientNoiseScale`` on ``ddp_model``; measure every step (``every=1``)
+            or close to it. Its accumulation steps are the ramp's start.
+        max_accumulation_steps: the most accumulation steps the ramp may reach (the largest global batch).
+        rule: how the lr follows the global batch: "linear" (SGD), "sqrt" (Adam), or "none".
+        warmup_steps: optimizer steps over which the lr moves to its new value after each jump.
+        target_ratio: the global batch the ramp aims for, as a multiple of B_simple.
+        interval: measured steps between two changes (the estimate must settle in between).
+    """
+
+    def __init__(self, ddp_model, optimizer, noise_scale, *, max_accumulation_steps: int,
+                 rule: RampRule = "linear", warmup_steps: int = 0, target_ratio: float = 1.0, interval: int = 10):
+        if not (hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "param_groups")):
+            raise UsageError(f"{{optimizer}} must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not (hasattr(noise_scale, "history") and hasattr(noise_scale, "set_accumulation_steps")):
+            raise UsageError(f"{{noise_scale}} must be a ddplab GradientNoiseScale, got {type(noise_scale).__name__}")
+        start = noise_scale.accumulation_steps
+        if not (isinstance(max_accumulation_steps, int) and max_accumulation_steps >= start):
+            raise UsageError(f"{{max_accumulation_steps}} must be an integer at least the starting accumulation steps "
+                             f"{start}, got {max_accumulation_steps}")
+        if rule not in ("linear", "sqrt", "none"):
+            raise UsageError(f"{{rule}} must be linear, sqrt or none, got {rule!r}")
+        for name, value, low in (("warmup_steps", warmup_steps, 0), ("interval", interval, 1)):
+            if not (isinstance(value, int) and value >= low):
+                raise UsageError(f"{{{name}}} must be an integer ≥ {low}, got {value}")
+        if not 0 < target_ratio < math.inf:
+            raise UsageError(f"{{target_ratio}} must be a positive number, got {target_ratio}")
+        self.ddp_model, self.optimizer, self.noise_scale = ddp_model, optimizer, noise_scale
+        self.max_accumulation_steps, self.rule = max_accumulation_steps, rule
+        self.warmup_steps, self.target_ratio, self.interval = warmup_steps, target_ratio, interval
+        self.start_accumulation_steps = self.accumulation_steps = start
+        self.samples_per_micro_step = noise_scale.b_big // start
+        """Global samples in one micro-step: world size × per-device batch."""
+        self.steps, self.micro_steps = 0, 0
+        self.changes: list[RampChange] = []
+        self._measured_at_change = len(noise_scale.history)
+        self._from_factor = self._to_factor = 1.0
+        self._changed_at = 0
+        self._saved: list[float] | None = None
+        self._handles = [optimizer.register_step_pre_hook(self._before),
+                         optimizer.register_step_post_hook(self._after)]
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.samples_per_micro_step * self.accumulation_steps
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """One micro-step: under ``no_sync`` unless it closes the window (then DDP all-reduces)."""
+        last = self.micro_steps + 1 >= self.accumulation_steps
+        no_sync = getattr(self.ddp_model, "no_sync", None)
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            yield
+        self.micro_steps += 1
+
+    def should_step(self) -> bool:
+        """True once the window's micro-steps are done: measure, step and zero the gradients now."""
+        if self.micro_steps < self.accumulation_steps:
+            return False
+        self.micro_steps = 0
+        return True
+
+    def lr_factor(self) -> float:
+        """The factor on the optimizer's lr for the next update: the rule's, warmed up after a jump."""
+        if self.warmup_steps == 0 or self.steps - self._changed_at >= self.warmup_steps:
+            return self._to_factor
+        done = (self.steps - self._changed_at) / self.warmup_steps
+        return self._from_factor + (self._to_factor - self._from_factor) * done
+
+    def _rule_factor(self, accumulation_steps: int) -> float:
+        k = accumulation_steps / self.start_accumulation_steps
+        return {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[self.rule]
+
+    def _before(self, optimizer, args, kwargs) -> None:
+        factor = self.lr_factor()
+        self._saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+
+    def _after(self, optimizer, args, kwargs) -> None:
+        if self._saved is not None:
+            for group, saved in zip(optimizer.param_groups, self._saved):
+                group["lr"] = saved
+            self._saved = None
+        self.steps += 1
+        self._maybe_grow()
+
+    def _maybe_grow(self) -> None:
+        measured = len(self.noise_scale.history) - self._measured_at_change
+        b_simple = self.noise_scale.b_simple
+        if measured < self.interval or not math.isfinite(b_simple) or b_simple <= 0:
+            return
+        wanted = math.ceil(self.target_ratio * b_simple / self.samples_per_micro_step)
+        grown = min(max(wanted, self.accumulation_steps), self.max_accumulation_steps)
+        if grown == self.accumulation_steps:
+            return
+        # The lr starts its ramp from wherever it is now (a jump during a warmup continues from there).
+        self._from_factor, self._to_factor = self.lr_factor(), self._rule_factor(grown)
+        self._changed_at = self.steps
+        self.accumulation_steps = grown
+        self.noise_scale.set_accumulation_steps(grown)
+        self._measured_at_change = len(self.noise_scale.history)
+        self.changes.append(RampChange(self.steps - 1, grown, self.global_batch_size, b_simple, self._to_factor))
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume the same batch, lr factor and warmup."""
+        return {"accumulation_steps": self.accumulation_steps, "steps": self.steps, "changed_at": self._changed_at,
+                "from_factor": self._from_factor, "to_factor": self._to_factor,
+                "changes": [dataclasses.asdict(c) for c in self.changes]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accumulation_steps = state["accumulation_steps"]
+        self.noise_scale.set_accumulation_steps(self.accumulation_steps)
+        self.steps, self._changed_at = state["steps"], state["changed_at"]
+        self._from_factor, self._to_factor = state["from_factor"], state["to_factor"]
+        self.changes = [RampChange(**c) for c in state["changes"]]
+        self._measured_at_change = len(self.noise_scale.history)
+        self.micro_steps = 0
+
+    def remove(self) -> None:
+        """Stop adapting: the optimizer's own lr from here on (the batch stays where it is)."""
+        for handle in self._handles:
+            handle.remove()
