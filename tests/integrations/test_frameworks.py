@@ -172,6 +172,36 @@ def test_lightning_noise_scale_callback_matches_the_exact_norms_and_the_closed_f
     assert result["audit"] == {} and result["audited"] == 3
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_batch_ramp_grows_the_accumulation_at_epoch_starts_with_the_lr_it_planned(in_scripts):
+    pytest.importorskip("lightning")
+    done = subprocess.run([sys.executable, "lightning_ramp.py"], capture_output=True, text=True, timeout=280,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(in_scripts.read_text())
+    accumulation, changes = result["accumulation"], result["changes"]
+    # It grew, only upward, only when an epoch started, to the global batch the measured B_simple asked for.
+    assert accumulation[0] == 1 and accumulation == sorted(accumulation) and accumulation[-1] > 1 and changes
+    assert [c["accumulation_steps"] for c in changes] == sorted(set(accumulation) - {1})
+    for change in changes:
+        assert change["global_batch_size"] == min(256, 16 * math.ceil(change["b_simple"] / 16))
+        assert change["lr_factor"] == change["accumulation_steps"]  # the linear rule for SGD
+    # Lightning stepped once per window of each epoch (a shorter last window where the batches do not divide).
+    per_epoch = result["batches_per_epoch"]
+    assert result["steps"] == sum(math.ceil(per_epoch / a) for a in accumulation) == len(result["lrs"])
+    # Every update ran at the planned lr: the rule's factor, warmed up over 5 steps from the previous one.
+    jumps = {c["step"] + 1: c["lr_factor"] for c in changes}
+    start, end, at, expected = 1.0, 1.0, 0, []
+    for step in range(result["steps"]):
+        if step in jumps:
+            start, end, at = start + (end - start) * min(1, (step - at) / 5), jumps[step], step
+        expected.append(result["lr"] * (start + (end - start) * min(1, (step - at) / 5)))
+    assert result["lrs"] == pytest.approx(expected, rel=1e-12)
+    # DDP stayed in sync, and Lightning's sampler drew every sample exactly once in every epoch.
+    assert result["same_weights"] and result["complete"] == [True] * len(accumulation)
+
+
 # --- Accelerate ---
 
 @pytest.mark.slow

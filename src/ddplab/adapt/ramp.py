@@ -62,10 +62,13 @@ class BatchRamp:
         warmup_steps: optimizer steps over which the lr moves to its new value after each jump.
         target_ratio: the global batch the ramp aims for, as a multiple of B_simple.
         interval: measured steps between two changes (the estimate must settle in between).
+        grow_after_step: grow after any optimizer step (a plain loop); False leaves it to :meth:`grow`, for a
+            framework that can change its accumulation only at set points (Lightning: an epoch's start).
     """
 
     def __init__(self, ddp_model, optimizer, noise_scale, *, max_accumulation_steps: int,
-                 rule: RampRule = "linear", warmup_steps: int = 0, target_ratio: float = 1.0, interval: int = 10):
+                 rule: RampRule = "linear", warmup_steps: int = 0, target_ratio: float = 1.0, interval: int = 10,
+                 grow_after_step: bool = True):
         if not (hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "param_groups")):
             raise UsageError(f"{{optimizer}} must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not (hasattr(noise_scale, "history") and hasattr(noise_scale, "set_accumulation_steps")):
@@ -84,6 +87,7 @@ class BatchRamp:
         self.ddp_model, self.optimizer, self.noise_scale = ddp_model, optimizer, noise_scale
         self.max_accumulation_steps, self.rule = max_accumulation_steps, rule
         self.warmup_steps, self.target_ratio, self.interval = warmup_steps, target_ratio, interval
+        self.grow_after_step = grow_after_step
         self.start_accumulation_steps = self.accumulation_steps = start
         self.samples_per_micro_step = noise_scale.b_big // start
         """Global samples in one micro-step: world size × per-device batch."""
@@ -139,17 +143,19 @@ class BatchRamp:
                 group["lr"] = saved
             self._saved = None
         self.steps += 1
-        self._maybe_grow()
+        if self.grow_after_step:
+            self.grow()
 
-    def _maybe_grow(self) -> None:
+    def grow(self) -> bool:
+        """Raise the accumulation steps if the measured B_simple asks for it; True when they changed."""
         measured = len(self.noise_scale.history) - self._measured_at_change
         b_simple = self.noise_scale.b_simple
         if measured < self.interval or not math.isfinite(b_simple) or b_simple <= 0:
-            return
+            return False
         wanted = math.ceil(self.target_ratio * b_simple / self.samples_per_micro_step)
         grown = min(max(wanted, self.accumulation_steps), self.max_accumulation_steps)
         if grown == self.accumulation_steps:
-            return
+            return False
         # The lr starts its ramp from wherever it is now (a jump during a warmup continues from there).
         self._from_factor, self._to_factor = self.lr_factor(), self._rule_factor(grown)
         self._changed_at = self.steps
@@ -157,6 +163,7 @@ class BatchRamp:
         self.noise_scale.set_accumulation_steps(grown)
         self._measured_at_change = len(self.noise_scale.history)
         self.changes.append(RampChange(self.steps - 1, grown, self.global_batch_size, b_simple, self._to_factor))
+        return True
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume the same batch, lr factor and warmup."""

@@ -6,6 +6,9 @@
         Audit(steps=5),
     ])
 
+or, to grow the global batch with the measured noise scale (instead of ScaleLearningRate):
+``noise = GradientNoiseScale(every=1)`` and ``callbacks=[noise, BatchRamp(noise, max_accumulation_steps=16)]``.
+
 Needs ``pip install ddplab[lightning]``. Lightning ignores ``DDPStrategy(ddp_comm_hook=...)`` on CPU;
 the noise scale does not need a comm hook (it reads the local gradient from post-accumulate-grad hooks).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,6 +59,8 @@ class GradientNoiseScale(Callback):
         self.history: list[dict] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.noise_scale is not None:  # started already, by a BatchRamp that reads it
+            return
         model = trainer.strategy.model
         if trainer.world_size > 1 and not isinstance(model, DistributedDataParallel):
             raise UsageError("GradientNoiseScale needs strategy='ddp' (or 'ddp_spawn') when training on several "
@@ -68,6 +74,54 @@ class GradientNoiseScale(Callback):
         values = _noise.measure(self.noise_scale, trainer.global_step, self.history)
         if values is not None and self.log:
             pl_module.log_dict(values, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+class BatchRamp(Callback):
+    """Grow the global batch with the measured noise scale: ``trainer.accumulate_grad_batches`` at each epoch's start.
+
+    Args:
+        noise_scale: the :class:`GradientNoiseScale` callback of the same trainer (measure every step or close).
+        max_accumulation_steps: the most accumulation steps the ramp may reach.
+        rule: how the lr follows the global batch: "auto" (linear for SGD, square root for Adam/AdamW),
+            "linear", "sqrt" or "none"; applied during each optimizer step, so schedulers keep their own lr.
+        warmup_steps: optimizer steps over which the lr moves to its new value after each jump.
+        target_ratio: the global batch the ramp aims for, as a multiple of B_simple.
+        interval: measured steps between two changes.
+
+    Lightning counts accumulation windows from each epoch's first batch and divides each micro-batch's
+    loss by ``accumulate_grad_batches``, so the ramp changes it only when an epoch starts, as Lightning's
+    own ``GradientAccumulationScheduler`` does (an epoch whose batches do not divide by it ends in one
+    shorter window). ``ramp`` is the underlying :class:`ddplab.adapt.ramp.BatchRamp`; ``ramp.changes``
+    lists each growth.
+    """
+
+    def __init__(self, noise_scale: GradientNoiseScale, *, max_accumulation_steps: int, rule: str = "auto",
+                 warmup_steps: int = 0, target_ratio: float = 1.0, interval: int = 10):
+        if not isinstance(noise_scale, GradientNoiseScale):
+            raise UsageError("{noise_scale} must be ddplab's Lightning GradientNoiseScale callback of the same "
+                             f"trainer, got {type(noise_scale).__name__}")
+        self.noise = noise_scale
+        self.options = {"max_accumulation_steps": max_accumulation_steps, "rule": rule, "warmup_steps": warmup_steps,
+                        "target_ratio": target_ratio, "interval": interval}
+        self.ramp = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from ddplab.adapt.ramp import BatchRamp as Ramp
+
+        self.noise.on_train_start(trainer, pl_module)
+        optimizer = trainer.optimizers[0]
+        options = dict(self.options)
+        if options["rule"] == "auto":
+            options["rule"] = "sqrt" if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else "linear"
+        self.ramp = Ramp(trainer.strategy.model, optimizer, self.noise.noise_scale, grow_after_step=False, **options)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.ramp is not None and self.ramp.grow():
+            trainer.accumulate_grad_batches = self.ramp.accumulation_steps
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.ramp is not None:
+            self.ramp.remove()
 
 
 class ScaleLearningRate(Callback):
