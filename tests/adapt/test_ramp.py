@@ -68,15 +68,53 @@ def test_the_batch_grows_with_b_simple_never_shrinks_and_the_lr_follows_with_its
     # A B_simple past the maximum: clipped to 8 micro-steps, the lr warming from where it was (×3) to ×8.
     _step(ramp, optimizer, measured, 1000.0, after)
     assert ramp.accumulation_steps == 8 and ramp.changes[-1].lr_factor == 8 and ramp.global_batch_size == 64
-    assert ramp.lr_factor() == 3
-    _step(ramp, optimizer, measured, 1000.0, after)
+    # The next update is a quarter of the way, the fourth at the new factor.
     assert ramp.lr_factor() == pytest.approx(3 + 5 * 1 / 4)
+    factors = []
+    for _ in range(4):
+        _step(ramp, optimizer, measured, 1000.0, after)
+        factors.append(ramp.lr_factor())
+    assert factors == pytest.approx([3 + 5 * 2 / 4, 3 + 5 * 3 / 4, 8, 8])
     # A checkpoint resumes the same batch and warmup.
     other = BatchRamp(torch.nn.Linear(1, 1), torch.optim.SGD([param], lr=0.1), _Measured(4, 2, 1),
                       max_accumulation_steps=8, warmup_steps=4)
     other.load_state_dict(ramp.state_dict())
     assert other.accumulation_steps == 8 and other.noise_scale.accumulation_steps == 8
     assert other.lr_factor() == ramp.lr_factor() and other.changes == ramp.changes
+    # Resumed with a noise scale built at the grown batch, the rule still scales from the run's first batch.
+    resumed = BatchRamp(torch.nn.Linear(1, 1), torch.optim.SGD([param], lr=0.1), _Measured(4, 2, 8),
+                        max_accumulation_steps=16)
+    resumed.load_state_dict(ramp.state_dict())
+    assert resumed._rule_factor(16) == 16 and resumed.global_batch_size == 64
+
+
+def test_with_the_real_noise_scale_on_one_process_and_a_tensor_lr():
+    from ddplab.noise.scale import GradientNoiseScale
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.05))
+    gns = GradientNoiseScale(model, per_device_batch_size=8, accumulation_steps=2, every=1, dataset_size=4096)
+    # The largest batch the ramp could reach must fit the noise scale's data: 8 × 1024 does not.
+    with pytest.raises(UsageError, match="max_accumulation_steps 1024 makes a global batch of 8192, more than the "
+                                         "noise scale's dataset_size 4096: lower it to 512 or less"):
+        BatchRamp(model, optimizer, gns, max_accumulation_steps=1024)
+    ramp = BatchRamp(model, optimizer, gns, max_accumulation_steps=32, interval=5)
+    x = torch.randn(4096, 4)
+    y = x.sum(1, keepdim=True) + torch.randn(4096, 1)
+    for start in range(0, 4096, 8):
+        with ramp.accumulate():
+            loss = torch.nn.functional.mse_loss(model(x[start:start + 8]), y[start:start + 8])
+            (loss / ramp.accumulation_steps).backward()
+        if ramp.should_step():
+            gns.step()
+            optimizer.step()
+            optimizer.zero_grad()
+    # It grew as the weights approached w* (B_simple rises), and the noise scale measured each batch as it was.
+    assert ramp.changes and ramp.accumulation_steps > 2 and gns.b_big == 8 * ramp.accumulation_steps
+    assert len(gns.history) == ramp.steps and all(math.isfinite(h.g2) for h in gns.history)
+    # The tensor lr is the optimizer's own again after every step, never scaled in place.
+    assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(0.05)
 
 
 def test_the_lr_the_optimizer_uses_during_its_step():

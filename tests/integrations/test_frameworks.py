@@ -195,8 +195,8 @@ def test_lightning_batch_ramp_grows_the_accumulation_at_epoch_starts_with_the_lr
     start, end, at, expected = 1.0, 1.0, 0, []
     for step in range(result["steps"]):
         if step in jumps:
-            start, end, at = start + (end - start) * min(1, (step - at) / 5), jumps[step], step
-        expected.append(result["lr"] * (start + (end - start) * min(1, (step - at) / 5)))
+            start, end, at = start + (end - start) * min(1, (step - at + 1) / 5), jumps[step], step
+        expected.append(result["lr"] * (start + (end - start) * min(1, (step - at + 1) / 5)))
     assert result["lrs"] == pytest.approx(expected, rel=1e-12)
     # DDP stayed in sync, and Lightning's sampler drew every sample exactly once in every epoch.
     assert result["same_weights"] and result["complete"] == [True] * len(accumulation)

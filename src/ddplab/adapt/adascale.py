@@ -105,7 +105,7 @@ class AdaScale:
         self._gain = self.gain
         self._saved = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
-            group["lr"] *= self._gain
+            group["lr"] = group["lr"] * self._gain  # a new object: a tensor lr is never scaled in place
 
     def _after(self, optimizer, args, kwargs) -> None:
         lr = optimizer.param_groups[0]["lr"]

@@ -77,6 +77,11 @@ class BatchRamp:
         if not (isinstance(max_accumulation_steps, int) and max_accumulation_steps >= start):
             raise UsageError(f"{{max_accumulation_steps}} must be an integer at least the starting accumulation steps "
                              f"{start}, got {max_accumulation_steps}")
+        dataset_size, micro = getattr(noise_scale, "dataset_size", None), noise_scale.b_big // start
+        if dataset_size is not None and max_accumulation_steps * micro > dataset_size:
+            raise UsageError(f"{{max_accumulation_steps}} {max_accumulation_steps} makes a global batch of "
+                             f"{max_accumulation_steps * micro}, more than the noise scale's {{dataset_size}} "
+                             f"{dataset_size}: lower it to {dataset_size // micro} or less")
         if rule not in ("linear", "sqrt", "none"):
             raise UsageError(f"{{rule}} must be linear, sqrt or none, got {rule!r}")
         for name, value, low in (("warmup_steps", warmup_steps, 0), ("interval", interval, 1)):
@@ -122,9 +127,10 @@ class BatchRamp:
 
     def lr_factor(self) -> float:
         """The factor on the optimizer's lr for the next update: the rule's, warmed up after a jump."""
-        if self.warmup_steps == 0 or self.steps - self._changed_at >= self.warmup_steps:
+        if self.warmup_steps == 0 or self.steps - self._changed_at + 1 >= self.warmup_steps:
             return self._to_factor
-        done = (self.steps - self._changed_at) / self.warmup_steps
+        # The first update after a jump is 1/warmup_steps of the way; the warmup_steps-th is at the new lr.
+        done = (self.steps - self._changed_at + 1) / self.warmup_steps
         return self._from_factor + (self._to_factor - self._from_factor) * done
 
     def _rule_factor(self, accumulation_steps: int) -> float:
@@ -135,7 +141,7 @@ class BatchRamp:
         factor = self.lr_factor()
         self._saved = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
-            group["lr"] *= factor
+            group["lr"] = group["lr"] * factor  # a new object: a tensor lr is never scaled in place
 
     def _after(self, optimizer, args, kwargs) -> None:
         if self._saved is not None:
@@ -168,10 +174,15 @@ class BatchRamp:
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume the same batch, lr factor and warmup."""
         return {"accumulation_steps": self.accumulation_steps, "steps": self.steps, "changed_at": self._changed_at,
+                "start_accumulation_steps": self.start_accumulation_steps,
+                "samples_per_micro_step": self.samples_per_micro_step,
                 "from_factor": self._from_factor, "to_factor": self._to_factor,
                 "changes": [dataclasses.asdict(c) for c in self.changes]}
 
     def load_state_dict(self, state: dict) -> None:
+        # The rule scales from the run's first batch, not from the batch this noise scale was built at.
+        self.start_accumulation_steps = state["start_accumulation_steps"]
+        self.samples_per_micro_step = state["samples_per_micro_step"]
         self.accumulation_steps = state["accumulation_steps"]
         self.noise_scale.set_accumulation_steps(self.accumulation_steps)
         self.steps, self._changed_at = state["steps"], state["changed_at"]

@@ -40,9 +40,9 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
         facts, _ = rank_tools.validate(load_spec(config.spec_path), world_size=config.world_size, seed=config.seed,
                                        per_device_batch_size=config.per_device_batch_size, drop_last=True)
     rank_tools.check_capacity(config.world_size, facts)
-    launch_config = deadline.for_launch((launch_config or LaunchConfig()).for_ranks(config.world_size))
+    launch_config = (launch_config or LaunchConfig()).for_ranks(config.world_size)
     try:
-        results, _ = rank_tools.launch_spec(_measure_on_rank, launch_config, (config, progress), facts)
+        results, _ = rank_tools.launch_spec(_measure_on_rank, launch_config, (config, progress), facts, deadline)
     except LaunchError as exc:
         return _partial_report(config, exc)
     return results[0]

@@ -112,6 +112,10 @@ class GradientNoiseScale:
     def set_accumulation_steps(self, accumulation_steps: int) -> None:
         """The micro-steps of the next optimizer steps (a batch ramp changes them between steps)."""
         _validate(self.world_size, self.per_device_batch_size, accumulation_steps, 1)
+        big = self.per_device_batch_size * accumulation_steps * (self.world_size if self.world_size > 1 else 1)
+        if getattr(self, "dataset_size", None) is not None and self.dataset_size < big:
+            raise UsageError(f"{{accumulation_steps}} {accumulation_steps} makes a batch of {big}, more than the "
+                             f"{{dataset_size}} {self.dataset_size} samples")
         self.accumulation_steps = accumulation_steps
         if self.world_size == 1:
             # One process: each micro-batch is a small batch, their mean the big one.

@@ -17,6 +17,7 @@ from torch.utils.data import default_collate
 
 from ddplab.errors import LaunchError, SpecError, literal
 from ddplab.runtime import capacity
+from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, RankContext, gpus_for, launch, under_torchrun
 from ddplab.runtime.sharding import RankOrder, steps_per_epoch
 from ddplab.runtime.spec import Spec, describe, shown_path
@@ -124,21 +125,24 @@ def wrap_ddp(model: torch.nn.Module, ctx: RankContext, facts: SpecFacts):
                                    find_unused_parameters=facts.find_unused_parameters)
 
 
-def launch_spec(fn, launch_config: LaunchConfig, config, facts: SpecFacts) -> tuple[list, SpecFacts]:
+def launch_spec(fn, launch_config: LaunchConfig, config, facts: SpecFacts,
+                deadline: Deadline | None = None) -> tuple[list, SpecFacts]:
     """``launch(fn, launch_config, config, facts)`` and the facts it ran with; spec errors come back as one sentence.
 
     A forward that leaves a parameter unused on a later batch only (the trial batch used them all)
     fails inside DDP; ranks we start ourselves are then started once more, looking for unused
-    parameters. Under torchrun the ranks are not ours to restart: that failure is reported.
+    parameters, within what is left of ``deadline``. Under torchrun the ranks are not ours to
+    restart: that failure is reported.
     """
+    deadline = deadline or Deadline(None)
     with rank_errors():
         try:
-            return launch(fn, launch_config, config, facts), facts
+            return launch(fn, deadline.for_launch(launch_config), config, facts), facts
         except LaunchError as exc:
             if facts.find_unused_parameters or exc.failure is None or not exc.failure.unused_parameters:
                 raise
         facts = dataclasses.replace(facts, find_unused_parameters=True)
-        return launch(fn, launch_config, config, facts), facts
+        return launch(fn, deadline.for_launch(launch_config), config, facts), facts
 
 
 @contextlib.contextmanager
