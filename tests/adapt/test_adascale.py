@@ -165,21 +165,14 @@ def test_every_rank_applies_the_same_gain_and_stays_in_sync():
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_the_example_under_torchrun_matches_the_reference_in_fewer_steps():
-    import os
+def test_the_example_under_torchrun_matches_the_reference_in_fewer_steps(torchrun_example):
     import re
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           os.path.join(root, "examples", "adascale_in_training_loop.py")],
-                          capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = re.search(r"(\d+) steps, final loss ([\d.]+)\n", done.stdout)
+    out = torchrun_example("adascale_in_training_loop.py")
+    reference = re.search(r"(\d+) steps, final loss ([\d.]+)\n", out)
     adaptive = re.search(r"\(S = 4\): (\d+) steps, final loss ([\d.]+), gain ([\d.]+) at the start → ([\d.]+)",
-                         done.stdout)
-    assert reference and adaptive, done.stdout
+                         out)
+    assert reference and adaptive, out
     assert int(reference[1]) == 300 and int(adaptive[1]) < 300  # the gain buys steps
     assert float(adaptive[2]) <= 1.01 * float(reference[2])  # and the loss is as good
     assert 1 <= float(adaptive[3]) < float(adaptive[4]) <= 4  # the gain rises as the loss falls toward the noise

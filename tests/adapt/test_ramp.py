@@ -1,10 +1,7 @@
 """BatchRamp: the growth policy and the lr it sets, exactly; then the example under torchrun with DDP."""
 
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -148,13 +145,8 @@ def test_bad_arguments_name_the_parameter():
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_the_example_under_torchrun_grows_the_batch_and_keeps_ddp_and_the_sampler_intact():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           os.path.join(root, "examples", "batch_ramp_in_training_loop.py")],
-                          capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+def test_the_example_under_torchrun_grows_the_batch_and_keeps_ddp_and_the_sampler_intact(torchrun_example):
+    out = torchrun_example("batch_ramp_in_training_loop.py")
     batches = [int(b) for b in re.findall(r"global batch (\d+) \(measured", out)]
     # The batch changed mid-run, several times, only upward, within the maximum.
     assert len(batches) >= 2 and batches == sorted(set(batches)) and 16 < batches[0] and batches[-1] <= 256
