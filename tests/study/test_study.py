@@ -225,6 +225,22 @@ def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
     assert torch.allclose(group.params["weight"][0], model.weight.detach(), rtol=1e-10, atol=1e-14)
 
 
+def test_a_ramp_that_cannot_grow_is_the_fixed_run_at_its_batch():
+    """With the grid's largest batch its start, the ramp run (torch SGD, two micro-batches per step, the library's
+    BatchRamp) is the vectorized constant-lr run of the same seed, evaluation for evaluation (float64)."""
+    workload = workloads.regression(dim=8, n_train=512, n_val=64)
+    config = StudyConfig(target=Target(kind="loss", value=1e-12), global_batch_sizes=(16,), rules=("constant", "ramp"),
+                         reference_global_batch_size=16, reference_lr=0.05, seeds=2, max_steps=40, dtype="float64")
+    runs = grid.run_grid(workload, config, None)[16]
+    fixed = {r.seed: r for r in runs if not r.ramp}
+    ramped = {r.seed: r for r in runs if r.ramp}
+    assert sorted(ramped) == [0, 1] and all(r.lr == 0.05 for r in ramped.values())
+    for seed, run in ramped.items():
+        assert [h[0] for h in run.history] == [h[0] for h in fixed[seed].history] == list(range(5, 41, 5))
+        assert [h[2] for h in run.history] == pytest.approx([h[2] for h in fixed[seed].history], rel=1e-9)
+        assert {t[1] for t in run.trajectory} == {16}
+
+
 @pytest.mark.timeout(90)
 def test_verify_ddp_two_ranks_float64():
     workload = workloads.regression(dim=8, n_train=512, n_val=64)
@@ -312,6 +328,33 @@ def test_the_adascale_rule_runs_beside_the_fixed_rules(tmp_path, capsys):
         "batch-128-adascale.json", "batch-128.json", "batch-16.json", "batch-32-adascale.json", "batch-32.json"]
     assert main([*argv, "--no-plots"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"] == report["runs"]
+
+
+@pytest.mark.timeout(120)
+def test_the_ramp_rule_grows_from_the_smallest_batch_and_is_judged_against_the_tuned_runs(tmp_path, capsys):
+    argv = _study(tmp_path, "--json", "--rules", "tuned,ramp", "--global-batch-sizes", "16,128")
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    ramp = [r for r in report["runs"] if r["rule"] == "ramp"]
+    tuned = {p["global_batch_size"]: p for p in report["tuned_lr"]}
+    # One run per seed from the smallest batch, at the best lr the sweep found there.
+    assert [r["seed"] for r in ramp] == [0, 1] and {r["global_batch_size"] for r in ramp} == {16}
+    assert all(r["lr"] == tuned[16]["lr"] for r in ramp)
+    for run in ramp:
+        batches = [t[1] for t in run["trajectory"]]
+        # Whole micro-batches of 8, growing only, never past the grid's largest batch; the batch did grow.
+        assert batches == sorted(batches) and all(b % 8 == 0 and 16 <= b <= 128 for b in batches) and batches[-1] > 16
+        steps = run["steps_to_target"]
+        assert steps is not None and 16 * steps <= run["samples_to_target"] <= 128 * steps
+    summary = report["ramp"]
+    assert summary["start_global_batch_size"] == 16 and summary["tuned_median_steps"] == tuned[16]["median_steps"]
+    assert summary["steps_over_tuned"] == pytest.approx(summary["median_steps"] / tuned[16]["median_steps"])
+    assert summary["samples_over_tuned"] == pytest.approx(summary["median_samples"] / (16 * tuned[16]["median_steps"]))
+    assert "ramp" not in report["fit"] and any(p.endswith("ramp.png") for p in report["plots"])
+    assert "batch-16-ramp.json" in os.listdir(tmp_path / "out" / "runs")
+    # An odd smallest batch cannot be two micro-batches.
+    assert main(_study(tmp_path, "--rules", "ramp", "--global-batch-sizes", "15,64", "--fresh")) == 2
+    assert "the ramp starts from the smallest of --global-batch-sizes, 15: it must be even" in capsys.readouterr().err
 
 
 def _dropout_spec(tmp_path):

@@ -39,7 +39,7 @@ code is 1 when no run reached the target (the JSON then says how close each batc
 examples:
   ddplab study
   ddplab study --global-batch-sizes 16,64,256 --seeds 3 --json
-  ddplab study --rules tuned,adascale
+  ddplab study --rules tuned,adascale,ramp
   ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8 --batch-size 32
 """
@@ -60,7 +60,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--rules", type=_rule_list,
                         help=f"lr rules, comma-separated among {','.join(RULES)} (default "
                              f"{','.join(default(StudyConfig, 'rules'))}); adascale adds AdaScale runs from --ref-lr, "
-                             "untuned, at every batch from the reference up")
+                             "untuned, at every batch from the reference up; ramp adds one BatchRamp run per seed "
+                             "from the smallest batch, growing with the measured noise scale")
     parser.add_argument("--ref-global-batch-size", type=integer,
                         help="the reference's global batch, which the rules scale from "
                              f"(default {default(StudyConfig, 'reference_global_batch_size')})")
@@ -164,6 +165,16 @@ def _print(report) -> None:
                               f"{_num(p['tuned_median_steps'])}" + (f" = {p['steps_over_tuned']:.2f}×"
                                                                      if p["steps_over_tuned"] is not None else "")
                               for p in values["adascale"]))
+    ramp = values.get("ramp")
+    if ramp:
+        versus = "" if ramp["tuned_median_steps"] is None else (
+            f" vs the best tuned lr's {_num(ramp['tuned_median_steps'])} steps and "
+            f"{_num(ramp['tuned_median_samples'])} samples")
+        ratios = "" if ramp["steps_over_tuned"] is None else (
+            f" ({ramp['steps_over_tuned']:.2f}× the steps, {ramp['samples_over_tuned']:.2f}× the samples)")
+        out.print(f"ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}: median "
+                  f"{_num(ramp['median_steps'])} steps and {_num(ramp['median_samples'])} samples{versus}{ratios}; "
+                  f"final global batches {', '.join(map(str, ramp['final_global_batch_sizes']))}")
     for miss in values["unreached"]:
         best = "no finite metric" if miss["best_metric"] is None else \
             f"its runs' best {target['kind']}: {miss['best_metric']:.4g}"

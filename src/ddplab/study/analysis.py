@@ -32,6 +32,8 @@ class StudyAnalysis:
     steps_by_rule: dict[Rule, dict[int, list[float]]]
     adascale: list[dict] = dataclasses.field(default_factory=list)
     """Per global batch AdaScale ran at: its median steps beside the best-tuned fixed lr's, and its mean gain."""
+    ramp: dict | None = None
+    """The ramp runs against the best-tuned fixed lr at their starting batch: steps and samples to target."""
 
     @property
     def reached(self) -> bool:
@@ -42,10 +44,12 @@ class StudyAnalysis:
 def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAnalysis:
     """The study's answer from its runs; UsageError when every lr of a batch size diverged."""
     # AdaScale's runs share the reference lr with the constant rule's: they are told apart by their flag.
-    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs if not r.adascale}
+    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs if not (r.adascale or r.ramp)}
     adaptive = {(b, r.seed): r for b, rs in results.items() for r in rs if r.adascale}
+    ramps = {r.seed: r for rs in results.values() for r in rs if r.ramp}
     _check_divergence(config, results)
-    runs, steps_by_rule, tuned = [], {rule: {} for rule in config.rules}, []
+    # The ramp has no one batch size to fit at: it is judged against the tuned runs at its start instead.
+    runs, steps_by_rule, tuned = [], {rule: {} for rule in config.rules if rule != "ramp"}, []
     for b in sorted(results):
         lrs = config.lrs(b)
         best = _tuned_best(config, b, lrs, by_key) if "tuned" in config.rules else None
@@ -53,7 +57,10 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
             tuned.append({"global_batch_size": b, "lr": best[0], "median_steps": best[1],
                           "sweep": sorted(lr for lr, rules in lrs.items() if "tuned" in rules)})
         runs += _rows(config, b, lrs, by_key, best) + _adascale_rows(config, b, adaptive)
+        runs += [_ramp_row(ramps[s]) for s in sorted(ramps) if ramps[s].global_batch_size == b]
         for rule in config.rules:
+            if rule == "ramp":
+                continue
             if rule == "adascale":
                 if config.adascale_runs(b):
                     steps_by_rule[rule][b] = [_steps(adaptive[(b, s)]) for s in range(config.seeds)]
@@ -67,7 +74,35 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     best_runs = [by_key[(p["global_batch_size"], p["lr"], s)] for p in tuned for s in range(config.seeds)]
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=_b_simple(best_runs, fits.get("tuned")),
                          warnings=warnings, unreached=_unreached(config, results), steps_by_rule=steps_by_rule,
-                         adascale=_adascale_summary(config, adaptive, tuned))
+                         adascale=_adascale_summary(config, adaptive, tuned), ramp=_ramp_summary(ramps, tuned))
+
+
+def _ramp_row(run: RunResult) -> dict:
+    return {"rule": "ramp", "global_batch_size": run.global_batch_size, "lr": run.lr, "seed": run.seed,
+            "steps_to_target": run.steps_to_target, "samples_to_target": run.samples_to_target,
+            "diverged": run.diverged, "pruned": False, "best": False, "trajectory": run.trajectory}
+
+
+def _ramp_summary(ramps: dict[int, RunResult], tuned: list[dict]) -> dict | None:
+    """Median steps and samples of the ramp runs over those of the best-tuned fixed lr at their starting batch."""
+    if not ramps:
+        return None
+    start = next(iter(ramps.values())).global_batch_size
+    runs = [ramps[s] for s in sorted(ramps)]
+    steps = fit.median([_steps(r) for r in runs])
+    samples = fit.median([float(r.samples_to_target) if r.samples_to_target is not None else math.inf
+                          for r in runs])
+    fixed = next((p["median_steps"] for p in tuned if p["global_batch_size"] == start), None)
+
+    def ratio(value, reference):
+        ok = reference and math.isfinite(value) and math.isfinite(reference)
+        return value / reference if ok else None
+
+    return {"start_global_batch_size": start, "lr": runs[0].lr, "median_steps": steps, "median_samples": samples,
+            "tuned_median_steps": fixed, "tuned_median_samples": fixed * start if fixed is not None else None,
+            "steps_over_tuned": ratio(steps, fixed),
+            "samples_over_tuned": ratio(samples, fixed * start if fixed is not None else None),
+            "final_global_batch_sizes": [r.trajectory[-1][1] if r.trajectory else start for r in runs]}
 
 
 def _adascale_rows(config: StudyConfig, b: int, adaptive: dict) -> list[dict]:
@@ -111,7 +146,7 @@ def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[di
 
 def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) -> None:
     for b, runs in sorted(results.items()):
-        fixed = [r for r in runs if not r.adascale]
+        fixed = [r for r in runs if not (r.adascale or r.ramp)]
         sweep = [r for r in fixed if "tuned" in config.lrs(b).get(r.lr, [])] or fixed
         if sweep and all(r.diverged for r in sweep):
             lrs = [r.lr for r in sweep]
@@ -170,8 +205,8 @@ def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list
     for b, runs in sorted(results.items()):
         lrs = config.lrs(b)
         for rule in config.rules:
-            served = [r for r in runs if r.adascale == (rule == "adascale")
-                      and (rule == "adascale" or rule in lrs.get(r.lr, []))]
+            served = [r for r in runs if r.adascale == (rule == "adascale") and r.ramp == (rule == "ramp")
+                      and (rule in ("adascale", "ramp") or rule in lrs.get(r.lr, []))]
             if served and math.isinf(_median_steps(served)):
                 out.append({"rule": rule, "global_batch_size": b, "best_metric": _best_metric(config, served)})
     return out

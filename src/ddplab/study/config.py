@@ -10,10 +10,12 @@ from typing import Literal, get_args
 
 from ddplab.errors import UsageError
 
-Rule = Literal["constant", "linear", "sqrt", "tuned", "adascale"]
+Rule = Literal["constant", "linear", "sqrt", "tuned", "adascale", "ramp"]
 RULES: tuple[Rule, ...] = get_args(Rule)
 FIXED_RULES: tuple[Rule, ...] = ("constant", "linear", "sqrt", "tuned")
-"""The rules that train at a fixed lr, and the default: ``adascale`` adapts its lr as it trains."""
+"""The rules that train at a fixed lr and batch, and the default: ``adascale`` adapts its lr as it trains,
+``ramp`` its global batch."""
+ADAPTIVE_RULES: tuple[Rule, ...] = ("adascale", "ramp")
 TargetKind = Literal["accuracy", "loss"]
 Dtype = Literal["float32", "float64"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -51,7 +53,8 @@ class StudyConfig:
     global_batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
     """Global batch sizes to measure."""
     rules: tuple[Rule, ...] = FIXED_RULES
-    """lr rules to run; ``adascale`` adds AdaScale runs from the reference lr at every batch from the reference up."""
+    """lr rules to run; ``adascale`` adds AdaScale runs from the reference lr at every batch from the reference up,
+    ``ramp`` one BatchRamp run per seed from the smallest batch."""
     reference_global_batch_size: int = 32
     """Reference global batch the rules scale from."""
     reference_lr: float = 0.1
@@ -78,6 +81,10 @@ class StudyConfig:
             raise UsageError("{global_batch_sizes} needs at least two sizes for a fit")
         if not self.rules or any(r not in RULES for r in self.rules):
             raise UsageError(f"{{rules}} must be among {', '.join(RULES)}")
+        start = min(self.global_batch_sizes)
+        if "ramp" in self.rules and start % 2:
+            raise UsageError(f"the ramp starts from the smallest of {{global_batch_sizes}}, {start}: it must be even "
+                             "(two micro-batches of half of it)")
         for field, value in (("reference_global_batch_size", self.reference_global_batch_size),
                              ("seeds", self.seeds), ("max_steps", self.max_steps), ("eval_every", self.eval_every)):
             if not value >= 1:
@@ -108,7 +115,7 @@ class StudyConfig:
         """Every lr trained at ``global_batch`` and the rules it serves (one run serves several)."""
         out: dict[float, list[Rule]] = {}
         for rule in self.rules:
-            if rule == "adascale":
+            if rule in ADAPTIVE_RULES:
                 continue
             for lr in self.sweep(global_batch) if rule == "tuned" else [round_lr(self.rule_lr(rule, global_batch))]:
                 out.setdefault(lr, []).append(rule)

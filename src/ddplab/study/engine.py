@@ -75,6 +75,12 @@ class RunResult:
     """Trained by AdaScale from the reference lr (the ``adascale`` rule) rather than at a fixed lr."""
     gains: list = dataclasses.field(default_factory=list)
     """AdaScale runs: [step, gain, τ] at each evaluation (the gain of that step's update)."""
+    ramp: bool = False
+    """Trained by ddplab.BatchRamp from the smallest batch (the ``ramp`` rule): its global batch grows."""
+    trajectory: list = dataclasses.field(default_factory=list)
+    """Ramp runs: [step, global batch, lr] at each evaluation (the batch and lr of the next update)."""
+    samples_to_target: int | None = None
+    """Training samples consumed until the target was reached."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

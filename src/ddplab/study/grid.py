@@ -8,13 +8,15 @@ a changed setting or spec never silently reuses old runs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
 
 from ddplab.errors import UsageError, literal
 from ddplab.serialize import write_json_atomic
-from ddplab.study.config import StudyConfig
+from ddplab.study import fit, ramp
+from ddplab.study.config import StudyConfig, round_lr
 from ddplab.study.engine import RunResult, train_group
 from ddplab.study.workloads import Workload
 
@@ -108,9 +110,44 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
             elif advance:
                 advance(config.max_steps)
             results[global_batch] += cached
+    start = ramp.start_batch(config)
+    if start is not None:
+        results[start] += _ramp_runs(workload, config, cache, results[start], advance)
     return results
 
 
+def _ramp_runs(workload: Workload, config: StudyConfig, cache: Cache | None, at_start: list[RunResult],
+               advance: Callable[[int], None] | None) -> list[RunResult]:
+    """One ramp run per seed, from the best tuned lr at the starting batch (else the linear rule's lr there)."""
+    lr = ramp_lr(config, at_start)
+    runs = [(lr, seed) for seed in range(config.seeds)]
+    cached = cache.load(ramp.start_batch(config), runs, "-ramp") if cache else None
+    if cached is None:
+        cached = []
+        for _, seed in runs:
+            cached.append(ramp.train_ramp(workload, config, lr, seed))
+            if advance:
+                advance(config.max_steps)
+        if cache:
+            cache.save(ramp.start_batch(config), cached, "-ramp")
+    elif advance:
+        advance(config.max_steps * config.seeds)
+    return cached
+
+
+def ramp_lr(config: StudyConfig, at_start: list[RunResult]) -> float:
+    """The lr ramp runs start at: what a user would have tuned at the starting batch."""
+    sweep: dict[float, list[float]] = {}
+    start = ramp.start_batch(config)
+    for run in at_start:
+        if not (run.adascale or run.ramp) and "tuned" in config.lrs(start).get(run.lr, []):
+            sweep.setdefault(run.lr, []).append(run.steps_to_target or math.inf)
+    best = fit.best_lr(sweep) if sweep else None
+    return best[0] if best else round_lr(config.rule_lr("linear", start))
+
+
 def groups(config: StudyConfig) -> int:
-    """How many groups the grid trains: one per batch size, and one more per batch size AdaScale runs at."""
-    return sum(bool(config.grid_runs(b)) + bool(config.adascale_runs(b)) for b in config.global_batch_sizes)
+    """Stretches of ``max_steps`` the grid trains: a group per batch size, one more per batch size AdaScale runs
+    at, and one per ramp run."""
+    ramps = config.seeds if ramp.start_batch(config) is not None else 0
+    return sum(bool(config.grid_runs(b)) + bool(config.adascale_runs(b)) for b in config.global_batch_sizes) + ramps

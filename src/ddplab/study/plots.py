@@ -30,7 +30,37 @@ def plots(report: dict, results: dict, directory: str) -> list[str]:
     if report.get("adascale"):
         paths.append(os.path.join(directory, "adascale.png"))
         _adascale_plot(report, paths[-1])
+    if report.get("ramp"):
+        paths.append(os.path.join(directory, "ramp.png"))
+        _ramp_plot(report, paths[-1])
     return paths
+
+
+def _ramp_plot(report: dict, path: str) -> None:
+    """Each ramp run's global batch and lr along its steps, the tuned fixed run's batch beside them."""
+    plt = _pyplot()
+    fig, (ax_batch, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row in (r for r in report["runs"] if r["rule"] == "ramp" and r.get("trajectory")):
+        steps, batches, lrs = zip(*row["trajectory"])
+        ax_batch.step(steps, batches, where="post", label=f"seed {row['seed']}")
+        ax_lr.step(steps, lrs, where="post", label=f"seed {row['seed']}")
+    ramp = report["ramp"]
+    ax_batch.axhline(ramp["start_global_batch_size"], color=COLORS["tuned"], linestyle=":",
+                     label="fixed runs at the start")
+    if report.get("b_simple") and report["b_simple"]["value"]:
+        ax_batch.axhline(report["b_simple"]["value"], color="tab:purple", linestyle=":", label="B_simple (tuned runs)")
+    ax_batch.set_yscale("log", base=2)
+    ax_batch.set_ylabel("global batch")
+    ax_lr.set_ylabel("learning rate")
+    ax_batch.set_title("ramp: the global batch as the noise scale grows")
+    ax_lr.set_title("ramp: the lr, linear in the batch, warmed up after each jump")
+    for axis in (ax_batch, ax_lr):
+        axis.set_xlabel("optimizer step")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _adascale_plot(report: dict, path: str) -> None:
@@ -203,6 +233,14 @@ def write_html(report: dict, path: str) -> str:
         adascale = ("<h2>AdaScale from the reference lr, untuned</h2><table><tr><th>global batch</th><th>S</th>"
                     "<th>median steps</th><th>best tuned median steps</th><th>ratio</th><th>mean gain</th></tr>"
                     f"{adascale}</table>")
+    ramp = report.get("ramp")
+    if ramp:
+        adascale += (f"<h2>Batch ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}</h2>"
+                     f"<p>median {_n(ramp['median_steps'])} steps and {_n(ramp['median_samples'])} samples to the "
+                     f"target; the best tuned fixed lr at that batch: {_n(ramp['tuned_median_steps'])} steps, "
+                     f"{_n(ramp['tuned_median_samples'])} samples (ratios {_n(ramp['steps_over_tuned'])} and "
+                     f"{_n(ramp['samples_over_tuned'])}); final global batches "
+                     f"{', '.join(map(str, ramp['final_global_batch_sizes']))}</p>")
     target = report["target"]
     body = f"""<!doctype html><html><head><meta charset="utf-8">\
 <title>ddplab study: {html_escape(report['workload'])}</title>

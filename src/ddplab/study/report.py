@@ -27,7 +27,9 @@ class StudyReport:
     @property
     def trained_runs(self) -> int:
         """Runs trained (or read from the cache): one per (batch, lr, seed), whichever rules it serves."""
-        return len({(r["global_batch_size"], r["lr"], r["seed"], r["rule"] == "adascale") for r in self.analysis.runs})
+        kinds = ("adascale", "ramp")
+        return len({(r["global_batch_size"], r["lr"], r["seed"], r["rule"] if r["rule"] in kinds else "")
+                    for r in self.analysis.runs})
 
     def to_json(self) -> dict[str, Any]:
         cfg, analysis = self.config, self.analysis
@@ -40,7 +42,7 @@ class StudyReport:
             "optimizer": {"family": "sgd", "name": "SGD", "momentum": cfg.momentum},
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
-            "unreached": analysis.unreached, "adascale": analysis.adascale,
+            "unreached": analysis.unreached, "adascale": analysis.adascale, "ramp": analysis.ramp,
             "plots": self.plots, "report": self.report, "out": self.out,
         }
         if self.verify_ddp is not None:
