@@ -305,6 +305,9 @@ def test_the_adascale_rule_runs_beside_the_fixed_rules(tmp_path, capsys):
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     ada = [r for r in report["runs"] if r["rule"] == "adascale"]
+    # Every run says its samples to the target: steps × its batch, for a fixed batch.
+    assert all(r["samples_to_target"] == (None if r["steps_to_target"] is None
+                                          else r["steps_to_target"] * r["global_batch_size"]) for r in report["runs"])
     # Only from the reference batch (32) up, one run per seed, at the reference lr, with the gain on each evaluation.
     assert sorted({r["global_batch_size"] for r in ada}) == [32, 128] and len(ada) == 4
     assert all(r["lr"] == 0.1 and r["gains"] and r["gains"][0][0] == report["eval_every"] for r in ada)

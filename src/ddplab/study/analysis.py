@@ -111,7 +111,8 @@ def _adascale_rows(config: StudyConfig, b: int, adaptive: dict) -> list[dict]:
         run = adaptive.get((b, seed))
         if run is not None:
             rows.append({"rule": "adascale", "global_batch_size": b, "lr": run.lr, "seed": seed,
-                         "steps_to_target": run.steps_to_target, "diverged": run.diverged, "pruned": False,
+                         "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b),
+                         "diverged": run.diverged, "pruned": False,
                          "best": False, "gains": run.gains})
     return rows
 
@@ -139,7 +140,8 @@ def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[di
             for seed in range(config.seeds):
                 run = by_key[(b, lr, seed)]
                 rows.append({"rule": rule, "global_batch_size": b, "lr": lr, "seed": seed,
-                             "steps_to_target": run.steps_to_target, "diverged": run.diverged, "pruned": run.pruned,
+                             "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b),
+                             "diverged": run.diverged, "pruned": run.pruned,
                              "best": rule == "tuned" and best is not None and lr == best[0]})
     return rows
 
@@ -152,6 +154,13 @@ def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) 
             lrs = [r.lr for r in sweep]
             raise UsageError(f"every lr {'of the tuned sweep ' if 'tuned' in config.rules else ''}diverged at global "
                              f"batch {b} ({min(lrs):g} to {max(lrs):g}): lower {{reference_lr}} (runs are cached)")
+
+
+def _samples(run: RunResult, global_batch: int) -> int | None:
+    """Samples to the target: what the run counted (a ramp's batch changes), else steps × its fixed batch."""
+    if run.samples_to_target is not None or run.steps_to_target is None:
+        return run.samples_to_target
+    return run.steps_to_target * global_batch
 
 
 def _steps(run: RunResult) -> float:
