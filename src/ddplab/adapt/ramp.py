@@ -20,6 +20,12 @@ B_simple, never shrinking, at most ``max_accumulation_steps``. The lr follows ``
 starting batch (linear ×k, square root ×√k, or none) and, after each jump, ramps linearly from the
 old lr to the new over ``warmup_steps`` steps. The lr is applied during each ``optimizer.step()``
 only (step hooks), so your scheduler keeps its own lr.
+
+Gradient clipping: call ``gns.step()`` before clipping, so the measurement sees the true gradients. A
+step GradScaler skips (an overflow) never reaches the optimizer's hooks: it neither advances the
+ramp nor counts as a measurement (the noise scale leaves non-finite steps out). Checkpoints:
+``state_dict()`` beside the optimizer's, restored with ``load_state_dict()`` (the starting batch
+the rule scales from included).
 """
 
 from __future__ import annotations
