@@ -56,11 +56,7 @@ def _ramp_plot(report: dict, path: str) -> None:
     ax_lr.set_title("ramp: the lr, linear in the batch, warmed up after each jump")
     for axis in (ax_batch, ax_lr):
         axis.set_xlabel("optimizer step")
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, (ax_batch, ax_lr))
 
 
 def _adascale_plot(report: dict, path: str) -> None:
@@ -88,7 +84,12 @@ def _adascale_plot(report: dict, path: str) -> None:
     ax_steps.set_xlabel("global batch size B")
     ax_steps.set_ylabel("optimizer steps to target (median over seeds)")
     ax_steps.set_title("AdaScale, untuned, vs the best tuned lr")
-    for axis in (ax_gain, ax_steps):
+    _save(plt, fig, path, (ax_gain, ax_steps))
+
+
+def _save(plt, fig, path: str, axes) -> None:
+    """Grid and legend on each axis, then the PNG, and the figure freed."""
+    for axis in axes:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
     fig.tight_layout()
