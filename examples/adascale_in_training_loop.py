@@ -9,8 +9,7 @@ the schedule on the scale-invariant iteration τ. Rank 0 also trains the referen
 the two final losses sit side by side (the best possible loss is the label noise, 1.0).
 """
 
-import os
-
+import linear_regression_spec  # beside this script: its directory is first on sys.path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -25,7 +24,7 @@ BATCH = 32  # per device: 2 ranks make a global batch of 64
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    spec = _linear_regression()
+    spec = linear_regression_spec
     dataset = spec.dataset()
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
@@ -78,16 +77,6 @@ def _reference_run(spec, dataset) -> float:
 def _loss(spec, model, dataset) -> float:
     x, y = dataset.tensors
     return spec.loss(model(x), y).item()
-
-
-def _linear_regression():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_regression_spec.py")
-    module_spec = importlib.util.spec_from_file_location("linear_regression_spec", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 if __name__ == "__main__":

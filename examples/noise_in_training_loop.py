@@ -6,8 +6,7 @@ Linear regression with Gaussian inputs held at fixed weights (lr 0), where B_sim
 exactly (examples/linear_regression_spec.py): the printed estimate should land near 12.
 """
 
-import os
-
+import linear_regression_spec  # beside this script: its directory is first on sys.path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -21,7 +20,7 @@ BATCH, STEPS = 16, 400
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    spec = _linear_regression()
+    spec = linear_regression_spec
     dataset = spec.dataset()
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
@@ -48,16 +47,6 @@ def main() -> None:
               f"(exact: {spec.TRUE_B_SIMPLE:g})")
     del ddp_model, gns, optimizer
     dist.destroy_process_group()
-
-
-def _linear_regression():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_regression_spec.py")
-    module_spec = importlib.util.spec_from_file_location("linear_regression_spec", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 if __name__ == "__main__":

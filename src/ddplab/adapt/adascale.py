@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ddplab.adapt.during_step import LrDuringStep, require_optimizer
 from ddplab.adapt.gain import Smoothed, default_smoothing
 from ddplab.errors import UsageError
 
@@ -79,9 +80,8 @@ class AdaScale:
         self.tau, self.steps, self.scheduler_steps = 0.0, 0, 0
         self.history: list[AdaScaleStep] = []
         self._seen = len(noise_scale.history)
-        self._saved: list[float] | None = None
         self._gain = 1.0
-        self._handles = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
+        self._during_step = LrDuringStep(optimizer, self._next_gain, self._after)
 
     @property
     def gain(self) -> float:
@@ -101,18 +101,11 @@ class AdaScale:
             self.estimates.update(record.trace_sigma / self.reference_batch_size, record.g2)
         self._seen = len(history)
 
-    def _before(self, optimizer, args, kwargs) -> None:
+    def _next_gain(self) -> float:
         self._gain = self.gain
-        self._saved = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * self._gain  # a new object: a tensor lr is never scaled in place
+        return self._gain
 
-    def _after(self, optimizer, args, kwargs) -> None:
-        lr = optimizer.param_groups[0]["lr"]
-        if self._saved is not None:
-            for group, saved in zip(optimizer.param_groups, self._saved):
-                group["lr"] = saved
-            self._saved = None
+    def _after(self, lr: float) -> None:
         self.tau += self._gain
         self.steps += 1
         self.history.append(AdaScaleStep(self.steps - 1, self._gain, self.tau, lr))
@@ -137,15 +130,12 @@ class AdaScale:
 
     def remove(self) -> None:
         """Stop adapting: the optimizer's own lr from here on."""
-        for handle in self._handles:
-            handle.remove()
+        self._during_step.remove()
 
 
 def _require_drivable(optimizer, noise_scale, scheduler) -> None:
     """What the adapter needs of each: torch's step hooks and param groups, the measured history, a step()."""
-    if not (hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "param_groups")):
-        raise UsageError(f"{{optimizer}} must be a torch.optim.Optimizer (the adapter scales its param groups' lr "
-                         f"in its step hooks), got {type(optimizer).__name__}")
+    require_optimizer(optimizer)
     if not (hasattr(noise_scale, "history") and hasattr(noise_scale, "b_big")):
         raise UsageError(f"{{noise_scale}} must be a ddplab GradientNoiseScale on the model {{optimizer}} trains, got "
                          f"{type(noise_scale).__name__}")

@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterator
 from typing import Literal
 
+from ddplab.adapt.during_step import LrDuringStep, require_optimizer
 from ddplab.errors import UsageError
 
 RampRule = Literal["linear", "sqrt", "none"]
@@ -75,15 +76,16 @@ class BatchRamp:
     def __init__(self, ddp_model, optimizer, noise_scale, *, max_accumulation_steps: int,
                  rule: RampRule = "linear", warmup_steps: int = 0, target_ratio: float = 1.0, interval: int = 10,
                  grow_after_step: bool = True):
-        if not (hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "param_groups")):
-            raise UsageError(f"{{optimizer}} must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        require_optimizer(optimizer)
         if not (hasattr(noise_scale, "history") and hasattr(noise_scale, "set_accumulation_steps")):
             raise UsageError(f"{{noise_scale}} must be a ddplab GradientNoiseScale, got {type(noise_scale).__name__}")
         start = noise_scale.accumulation_steps
         if not (isinstance(max_accumulation_steps, int) and max_accumulation_steps >= start):
             raise UsageError(f"{{max_accumulation_steps}} must be an integer at least the starting accumulation steps "
                              f"{start}, got {max_accumulation_steps}")
-        dataset_size, micro = getattr(noise_scale, "dataset_size", None), noise_scale.b_big // start
+        # Global samples in one micro-step: world size × per-device batch.
+        micro = noise_scale.b_big // start
+        dataset_size = getattr(noise_scale, "dataset_size", None)
         if dataset_size is not None and max_accumulation_steps * micro > dataset_size:
             raise UsageError(f"{{max_accumulation_steps}} {max_accumulation_steps} makes a global batch of "
                              f"{max_accumulation_steps * micro}, more than the noise scale's {{dataset_size}} "
@@ -100,16 +102,13 @@ class BatchRamp:
         self.warmup_steps, self.target_ratio, self.interval = warmup_steps, target_ratio, interval
         self.grow_after_step = grow_after_step
         self.start_accumulation_steps = self.accumulation_steps = start
-        self.samples_per_micro_step = noise_scale.b_big // start
-        """Global samples in one micro-step: world size × per-device batch."""
+        self.samples_per_micro_step = micro
         self.steps, self.micro_steps = 0, 0
         self.changes: list[RampChange] = []
         self._measured_at_change = len(noise_scale.history)
         self._from_factor = self._to_factor = 1.0
         self._changed_at = 0
-        self._saved: list[float] | None = None
-        self._handles = [optimizer.register_step_pre_hook(self._before),
-                         optimizer.register_step_post_hook(self._after)]
+        self._during_step = LrDuringStep(optimizer, self.lr_factor, self._after)
 
     @property
     def global_batch_size(self) -> int:
@@ -143,17 +142,7 @@ class BatchRamp:
         k = accumulation_steps / self.start_accumulation_steps
         return {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[self.rule]
 
-    def _before(self, optimizer, args, kwargs) -> None:
-        factor = self.lr_factor()
-        self._saved = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * factor  # a new object: a tensor lr is never scaled in place
-
-    def _after(self, optimizer, args, kwargs) -> None:
-        if self._saved is not None:
-            for group, saved in zip(optimizer.param_groups, self._saved):
-                group["lr"] = saved
-            self._saved = None
+    def _after(self, lr: float) -> None:
         self.steps += 1
         if self.grow_after_step:
             self.grow()
@@ -199,5 +188,4 @@ class BatchRamp:
 
     def remove(self) -> None:
         """Stop adapting: the optimizer's own lr from here on (the batch stays where it is)."""
-        for handle in self._handles:
-            handle.remove()
+        self._during_step.remove()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ddplab.adapt.during_step import LrDuringStep
 from ddplab.plan import scaling
 
 
@@ -24,36 +25,21 @@ def scale_optimizer(optimizer, schedulers, factor: float) -> None:
 
 
 class Warmup:
-    """Goyal et al. gradual warmup as a factor on the lr during each optimizer update only.
-
-    The factor is applied in a step pre-hook and removed in the post-hook, so whatever scheduler
-    the optimizer has keeps computing its own lr undisturbed (no chained-scheduler arithmetic).
-    """
+    """Goyal et al. gradual warmup as a factor on the lr during each optimizer update only
+    (:class:`ddplab.adapt.during_step.LrDuringStep`), so the optimizer's scheduler runs undisturbed."""
 
     def __init__(self, optimizer, *, warmup_steps: int, lr_multiplier: float):
         self.warmup_steps, self.lr_multiplier = warmup_steps, lr_multiplier
         self.steps = 0
         self.applied: list[float] = []  # the lr of group 0 during each update, warmup included
-        self._saved: list[float] | None = None
-        self._handles = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
+        self._during_step = LrDuringStep(optimizer, lambda: self.factor(self.steps), self._after)
 
     def factor(self, step: int) -> float:
         return scaling.warmup_factor(step, warmup_steps=self.warmup_steps, lr_multiplier=self.lr_multiplier)
 
-    def _before(self, optimizer, args, kwargs):
-        factor = self.factor(self.steps)
-        self._saved = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-        self.applied.append(optimizer.param_groups[0]["lr"])
-
-    def _after(self, optimizer, args, kwargs):
-        if self._saved is not None:
-            for group, lr in zip(optimizer.param_groups, self._saved):
-                group["lr"] = lr
-            self._saved = None
+    def _after(self, lr: float) -> None:
+        self.applied.append(lr)
         self.steps += 1
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self._during_step.remove()

@@ -89,12 +89,8 @@ class GradientNoiseScale:
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         _validate(self.world_size, per_device_batch_size, accumulation_steps, every)
-        self.per_device_batch_size = per_device_batch_size
+        self.per_device_batch_size, self.dataset_size = per_device_batch_size, dataset_size
         self.set_accumulation_steps(accumulation_steps)
-        if dataset_size is not None and dataset_size < max(self.b_big, 2):
-            raise UsageError(f"{{dataset_size}} {dataset_size} is smaller than the batch of {self.b_big} it must "
-                             "supply")
-        self.dataset_size = dataset_size
         self.every, self.comm_hook, self.user_state = every, comm_hook, state
         self.steps, self.skipped_steps, self.history = 0, 0, []
         self._ema_g2, self._ema_trace = est.Ema(ema_decay), est.Ema(ema_decay)
@@ -112,18 +108,17 @@ class GradientNoiseScale:
     def set_accumulation_steps(self, accumulation_steps: int) -> None:
         """The micro-steps of the next optimizer steps (a batch ramp changes them between steps)."""
         _validate(self.world_size, self.per_device_batch_size, accumulation_steps, 1)
-        big = self.per_device_batch_size * accumulation_steps * (self.world_size if self.world_size > 1 else 1)
-        if getattr(self, "dataset_size", None) is not None and self.dataset_size < big:
-            raise UsageError(f"{{accumulation_steps}} {accumulation_steps} makes a batch of {big}, more than the "
-                             f"{{dataset_size}} {self.dataset_size} samples")
-        self.accumulation_steps = accumulation_steps
         if self.world_size == 1:
             # One process: each micro-batch is a small batch, their mean the big one.
-            self.b_small, self.b_big = self.per_device_batch_size, self.per_device_batch_size * accumulation_steps
+            b_small, b_big = self.per_device_batch_size, self.per_device_batch_size * accumulation_steps
         else:
             # Accumulated micro-batches make the synchronising gradient one over A·b samples.
-            self.b_small = self.per_device_batch_size * accumulation_steps
-            self.b_big = self.world_size * self.b_small
+            b_small = self.per_device_batch_size * accumulation_steps
+            b_big = self.world_size * b_small
+        if self.dataset_size is not None and self.dataset_size < max(b_big, 2):
+            raise UsageError(f"{{dataset_size}} {self.dataset_size} is smaller than the batch of {b_big} it must "
+                             "supply")
+        self.accumulation_steps, self.b_small, self.b_big = accumulation_steps, b_small, b_big
 
     def _local_grad_ready(self, param) -> None:
         # Under no_sync the grad only accumulates; the synchronising micro-step holds all A·b samples.

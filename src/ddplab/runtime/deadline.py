@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 
 from ddplab.errors import LaunchError
+from ddplab.runtime.launch_config import under_torchrun
 
 
 class Deadline:
@@ -29,8 +29,7 @@ class Deadline:
     @classmethod
     def of(cls, launch_config) -> Deadline:
         """The deadline a launch config asks for; none under torchrun, where the launcher bounds the job."""
-        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        return cls(None if launch_config is None or under_torchrun else launch_config.deadline_s)
+        return cls(None if launch_config is None or under_torchrun() else launch_config.deadline_s)
 
     def remaining(self) -> float | None:
         return None if self.at is None else self.at - time.monotonic()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ddplab.errors import LaunchError, RankFailure, UsageError
 from ddplab.runtime import compat, failures
-from ddplab.runtime.launch_config import LaunchConfig
+from ddplab.runtime.launch_config import LaunchConfig, under_torchrun
 from ddplab.runtime.signals import CancelOnSignals
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -85,11 +85,6 @@ class RankContext:
         if self.workdir is not None and records:
             with open(_path(self.workdir, "journal", self.rank), "ab") as fh:
                 pickle.dump(records, fh)
-
-
-def under_torchrun() -> bool:
-    """True when a launcher (torchrun, elastic) already assigned this process a rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def gpus_for(world_size: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
 from ddplab.errors import UsageError
@@ -42,3 +43,8 @@ class LaunchConfig:
     def for_ranks(self, world_size: int) -> LaunchConfig:
         """This configuration for ``world_size`` ranks (a command's choice when none was given)."""
         return dataclasses.replace(self, world_size=self.world_size or world_size)
+
+
+def under_torchrun() -> bool:
+    """True when a launcher (torchrun, elastic) already assigned this process a rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -52,7 +52,7 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     runs, steps_by_rule, tuned = [], {rule: {} for rule in config.rules if rule != "ramp"}, []
     for b in sorted(results):
         lrs = config.lrs(b)
-        best = _tuned_best(config, b, lrs, by_key) if "tuned" in config.rules else None
+        best = tuned_best(config, b, lrs, by_key) if "tuned" in config.rules else None
         if best is not None:
             tuned.append({"global_batch_size": b, "lr": best[0], "median_steps": best[1],
                           "sweep": sorted(lr for lr, rules in lrs.items() if "tuned" in rules)})
@@ -77,10 +77,21 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
                          adascale=_adascale_summary(config, adaptive, tuned), ramp=_ramp_summary(ramps, tuned))
 
 
+def _row(rule: str, b: int, run: RunResult, *, best: bool = False, **extra) -> dict:
+    """One run as the runs table lists it (a run serving several rules is listed once per rule)."""
+    return {"rule": rule, "global_batch_size": b, "lr": run.lr, "seed": run.seed,
+            "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b), "diverged": run.diverged,
+            "pruned": run.pruned, "best": best, **extra}
+
+
 def _ramp_row(run: RunResult) -> dict:
-    return {"rule": "ramp", "global_batch_size": run.global_batch_size, "lr": run.lr, "seed": run.seed,
-            "steps_to_target": run.steps_to_target, "samples_to_target": run.samples_to_target,
-            "diverged": run.diverged, "pruned": False, "best": False, "trajectory": run.trajectory}
+    return _row("ramp", run.global_batch_size, run, trajectory=run.trajectory)
+
+
+def _ratio(value: float, reference: float | None) -> float | None:
+    """value / reference where both are finite numbers, else None (JSON null)."""
+    ok = reference and math.isfinite(value) and math.isfinite(reference)
+    return value / reference if ok else None
 
 
 def _ramp_summary(ramps: dict[int, RunResult], tuned: list[dict]) -> dict | None:
@@ -93,15 +104,10 @@ def _ramp_summary(ramps: dict[int, RunResult], tuned: list[dict]) -> dict | None
     samples = fit.median([float(r.samples_to_target) if r.samples_to_target is not None else math.inf
                           for r in runs])
     fixed = next((p["median_steps"] for p in tuned if p["global_batch_size"] == start), None)
-
-    def ratio(value, reference):
-        ok = reference and math.isfinite(value) and math.isfinite(reference)
-        return value / reference if ok else None
-
+    fixed_samples = fixed * start if fixed is not None else None
     return {"start_global_batch_size": start, "lr": runs[0].lr, "median_steps": steps, "median_samples": samples,
-            "tuned_median_steps": fixed, "tuned_median_samples": fixed * start if fixed is not None else None,
-            "steps_over_tuned": ratio(steps, fixed),
-            "samples_over_tuned": ratio(samples, fixed * start if fixed is not None else None),
+            "tuned_median_steps": fixed, "tuned_median_samples": fixed_samples,
+            "steps_over_tuned": _ratio(steps, fixed), "samples_over_tuned": _ratio(samples, fixed_samples),
             "final_global_batch_sizes": [r.trajectory[-1][1] if r.trajectory else start for r in runs]}
 
 
@@ -110,10 +116,7 @@ def _adascale_rows(config: StudyConfig, b: int, adaptive: dict) -> list[dict]:
     for seed in range(config.seeds):
         run = adaptive.get((b, seed))
         if run is not None:
-            rows.append({"rule": "adascale", "global_batch_size": b, "lr": run.lr, "seed": seed,
-                         "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b),
-                         "diverged": run.diverged, "pruned": False,
-                         "best": False, "gains": run.gains})
+            rows.append(_row("adascale", b, run, gains=run.gains))
     return rows
 
 
@@ -126,9 +129,8 @@ def _adascale_summary(config: StudyConfig, adaptive: dict, tuned: list[dict]) ->
         median = fit.median([_steps(r) for r in seeds])
         gains = [g[1] for r in seeds for g in r.gains]
         tuned_steps = best.get(b)
-        ratio = median / tuned_steps if tuned_steps and math.isfinite(median) and math.isfinite(tuned_steps) else None
         out.append({"global_batch_size": b, "scale": b / config.reference_global_batch_size, "median_steps": median,
-                    "tuned_median_steps": tuned_steps, "steps_over_tuned": ratio,
+                    "tuned_median_steps": tuned_steps, "steps_over_tuned": _ratio(median, tuned_steps),
                     "mean_gain": sum(gains) / len(gains) if gains else None})
     return out
 
@@ -138,11 +140,8 @@ def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[di
     for lr, rules in lrs.items():
         for rule in rules:
             for seed in range(config.seeds):
-                run = by_key[(b, lr, seed)]
-                rows.append({"rule": rule, "global_batch_size": b, "lr": lr, "seed": seed,
-                             "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b),
-                             "diverged": run.diverged, "pruned": run.pruned,
-                             "best": rule == "tuned" and best is not None and lr == best[0]})
+                rows.append(_row(rule, b, by_key[(b, lr, seed)],
+                                 best=rule == "tuned" and best is not None and lr == best[0]))
     return rows
 
 
@@ -167,7 +166,8 @@ def _steps(run: RunResult) -> float:
     return float(run.steps_to_target) if run.steps_to_target is not None else math.inf
 
 
-def _tuned_best(config: StudyConfig, b: int, lrs: dict, by_key: dict) -> tuple[float, float] | None:
+def tuned_best(config: StudyConfig, b: int, lrs: dict, by_key: dict) -> tuple[float, float] | None:
+    """(lr, median steps) of the tuned sweep's best lr at global batch ``b``; None when no lr's median arrived."""
     sweep = {lr: [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)]
              for lr, rules in lrs.items() if "tuned" in rules}
     return fit.best_lr(sweep)

@@ -8,14 +8,13 @@ a changed setting or spec never silently reuses old runs.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from collections.abc import Callable
 
 from ddplab.errors import UsageError, literal
 from ddplab.serialize import write_json_atomic
-from ddplab.study import fit, ramp
+from ddplab.study import analysis, ramp
 from ddplab.study.config import StudyConfig, round_lr
 from ddplab.study.engine import RunResult, train_group
 from ddplab.study.workloads import Workload
@@ -137,12 +136,9 @@ def _ramp_runs(workload: Workload, config: StudyConfig, cache: Cache | None, at_
 
 def ramp_lr(config: StudyConfig, at_start: list[RunResult]) -> float:
     """The lr ramp runs start at: what a user would have tuned at the starting batch."""
-    sweep: dict[float, list[float]] = {}
     start = ramp.start_batch(config)
-    for run in at_start:
-        if not (run.adascale or run.ramp) and "tuned" in config.lrs(start).get(run.lr, []):
-            sweep.setdefault(run.lr, []).append(run.steps_to_target or math.inf)
-    best = fit.best_lr(sweep) if sweep else None
+    fixed = {(start, r.lr, r.seed): r for r in at_start if not (r.adascale or r.ramp)}
+    best = analysis.tuned_best(config, start, config.lrs(start), fixed) if "tuned" in config.rules else None
     return best[0] if best else round_lr(config.rule_lr("linear", start))
 
 
