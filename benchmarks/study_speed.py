@@ -30,7 +30,7 @@ def loop_over_runs(workload, config, global_batch: int, runs, steps: int):
     for lr, seed in runs:
         torch.manual_seed(seed)
         model = workload.model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.optimizer.momentum)
         row = batches.seeds.index(seed)
         for step in range(steps):
             index = batches.indices(step)[row]

@@ -46,7 +46,9 @@ FLAGS: dict[str, str] = {
     "target.accuracy": "--target-accuracy", "target.loss": "--target-loss",
     "global_batch_sizes": "--global-batch-sizes", "rules": "--rules",
     "reference_global_batch_size": "--ref-global-batch-size", "reference_lr": "--ref-lr", "seeds": "--seeds",
-    "momentum": "--momentum", "max_steps": "--max-steps", "eval_every": "--eval-every",
+    "optimizer.family": "--optimizer", "optimizer.momentum": "--momentum", "optimizer.dampening": "--dampening",
+    "optimizer.nesterov": "--nesterov", "optimizer.weight_decay": "--weight-decay", "optimizer.betas": "--betas",
+    "optimizer.eps": "--eps", "patience": "--patience", "max_steps": "--max-steps", "eval_every": "--eval-every",
     "sweep_factor": "--sweep-factor", "sweep_margin": "--sweep-margin", "dtype": "--dtype", "out": "--out",
     "fresh": "--fresh", "plots=False": "--no-plots", "verify_ddp": "--verify-ddp",
     "verify_world_size": "--verify-world-size", "verify_steps": "--verify-steps", "threads": "--threads",
@@ -100,6 +102,15 @@ def integers(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like 8,16,32, got {text!r}") from None
+
+
+def betas(text: str) -> tuple[float, float]:
+    """Two numbers, like Adam's 0.9,0.999."""
+    try:
+        first, second = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two numbers like 0.9,0.999, got {text!r}") from None
+    return first, second
 
 
 def _parse(kind: type, text: str, expected: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddplab.cli import render
-from ddplab.cli.args import default, given, integer, number, parse_bool
+from ddplab.cli.args import betas, default, given, integer, number, parse_bool
 from ddplab.errors import UsageError
 from ddplab.plan.planner import Data, Reference
 
@@ -44,7 +44,7 @@ def add_parser(subparsers) -> None:
                      help="single device, DataParallel or DDP (default: single for one device, else ddp)")
     ref.add_argument("--optimizer", choices=("sgd", "adam", "adamw"),
                      help=f"(default {default(Reference, 'optimizer')})")
-    ref.add_argument("--betas", type=_betas,
+    ref.add_argument("--betas", type=betas,
                      help="Adam betas as B1,B2 (default {},{})".format(*default(Reference, "betas")))
     ref.add_argument("--eps", type=number, help=f"Adam epsilon (default {default(Reference, 'eps'):g})")
     ref.add_argument("--reduction", choices=("mean", "sum"),
@@ -82,14 +82,6 @@ def add_parser(subparsers) -> None:
                            "batch in place of --rule (not with --critical-batch-size)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
-
-
-def _betas(text: str) -> tuple[float, float]:
-    try:
-        first, second = (float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two numbers like 0.9,0.999, got {text!r}") from None
-    return first, second
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import default, given, integer, integers, number
-from ddplab.errors import SpecError, literal
-from ddplab.study.config import DEFAULT_ACCURACY, DEFAULT_BATCHES, RULES, StudyConfig, StudyOptions
+from ddplab.cli.args import betas, default, given, integer, integers, number
+from ddplab.errors import SpecError, UsageError, literal
+from ddplab.study.config import (
+    ADAM_RULES,
+    DEFAULT_ACCURACY,
+    DEFAULT_BATCHES,
+    FAMILIES,
+    FIXED_RULES,
+    RULES,
+    OptimizerConfig,
+    StudyConfig,
+    StudyOptions,
+)
 
 DESCRIPTION = f"""\
 Train a grid of runs — global batch sizes × lr rules × seeds — each until it first reaches a
@@ -59,7 +70,9 @@ def add_parser(subparsers) -> None:
                             ",".join(map(str, DEFAULT_BATCHES))))
     parser.add_argument("--rules", type=_rule_list,
                         help=f"lr rules, comma-separated among {','.join(RULES)} (default "
-                             f"{','.join(default(StudyConfig, 'rules'))}); adascale adds AdaScale runs from --ref-lr, "
+                             f"{','.join(FIXED_RULES)} for SGD, {','.join(ADAM_RULES)} for Adam/AdamW); adam-sqrt is "
+                             "Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adascale adds AdaScale "
+                             "runs from --ref-lr, "
                              "untuned, at every batch from the reference up; ramp adds one BatchRamp run per seed "
                              "from the smallest batch, growing with the measured noise scale")
     parser.add_argument("--ref-global-batch-size", type=integer,
@@ -68,7 +81,22 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--ref-lr", type=number,
                         help=f"lr at the reference global batch (default {default(StudyConfig, 'reference_lr'):g})")
     parser.add_argument("--seeds", type=integer, help=f"seeds per grid point (default {default(StudyConfig, 'seeds')})")
-    parser.add_argument("--momentum", type=number, help=f"SGD momentum (default {default(StudyConfig, 'momentum')})")
+    opt = parser.add_argument_group("optimizer (default: the spec's optimizer(), else SGD with momentum 0.9; "
+                                    "flags override single settings)")
+    opt.add_argument("--optimizer", choices=FAMILIES, help="the optimizer family every run trains with")
+    opt.add_argument("--momentum", type=number,
+                     help=f"SGD momentum (default {default(OptimizerConfig, 'momentum')})")
+    opt.add_argument("--dampening", type=number, help="SGD dampening (default 0)")
+    opt.add_argument("--nesterov", action="store_const", const=True, help="SGD with Nesterov momentum")
+    opt.add_argument("--weight-decay", type=number,
+                     help="weight decay as torch.optim applies it: added to the gradient (SGD, Adam) or decoupled "
+                          "(AdamW) (default 0)")
+    opt.add_argument("--betas", type=betas,
+                     help="Adam/AdamW betas as B1,B2 (default {},{})".format(*default(OptimizerConfig, "betas")))
+    opt.add_argument("--eps", type=number, help=f"Adam/AdamW epsilon (default {default(OptimizerConfig, 'eps'):g})")
+    parser.add_argument("--patience", type=integer,
+                        help="stop a run whose metric has not improved for this many evaluations, counted as not "
+                             f"reached and flagged stalled (default {default(StudyConfig, 'patience')}; 0: never)")
     parser.add_argument("--max-steps", type=integer,
                         help=f"step budget per run (default {default(StudyConfig, 'max_steps')})")
     parser.add_argument("--eval-every", type=integer,
@@ -106,7 +134,8 @@ def _rule_list(text: str) -> tuple[str, ...]:
     return rules
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[StudyConfig, StudyOptions]:
+def config_from_args(args: argparse.Namespace, spec_defaults: dict | None = None) -> tuple[StudyConfig, StudyOptions]:
+    """The study's settings: the flags given, else the spec's optimizer and lr (``spec_defaults``), else defaults."""
     from ddplab.study.config import target_for
 
     # A missing file is the first thing to say: asking it for a target would send the user the wrong way.
@@ -115,8 +144,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[StudyConfig, StudyOption
     target = target_for(spec=args.spec, accuracy=args.target_accuracy, loss=args.target_loss)
     grid = given(args, global_batch_sizes="global_batch_sizes", rules="rules",
                  reference_global_batch_size="ref_global_batch_size", reference_lr="ref_lr", seeds="seeds",
-                 momentum="momentum", max_steps="max_steps", eval_every="eval_every", sweep_factor="sweep_factor",
-                 sweep_margin="sweep_margin", dtype="dtype")
+                 max_steps="max_steps", eval_every="eval_every", sweep_factor="sweep_factor",
+                 sweep_margin="sweep_margin", dtype="dtype", patience="patience")
+    spec_defaults = spec_defaults or {}
+    if "reference_lr" not in grid and "reference_lr" in spec_defaults:
+        grid["reference_lr"] = spec_defaults["reference_lr"]
+    grid["optimizer"] = _optimizer(args, spec_defaults.get("optimizer"))
     if "global_batch_sizes" in grid:
         grid["global_batch_sizes"] = tuple(sorted(set(grid["global_batch_sizes"])))
     options = StudyOptions(fresh=args.fresh, plots=not args.no_plots, **given(
@@ -125,11 +158,27 @@ def config_from_args(args: argparse.Namespace) -> tuple[StudyConfig, StudyOption
     return StudyConfig(target=target, **grid), options
 
 
-def run(args: argparse.Namespace) -> int:
-    config, options = config_from_args(args)
-    from ddplab.study.run import run_study, workload_for
+def _optimizer(args: argparse.Namespace, spec_optimizer: OptimizerConfig | None) -> OptimizerConfig:
+    """The spec's optimizer (or the default) with the flags given on top; another --optimizer starts afresh."""
+    fields = given(args, momentum="momentum", dampening="dampening", nesterov="nesterov",
+                   weight_decay="weight_decay", betas="betas", eps="eps")
+    family = args.optimizer or (spec_optimizer.family if spec_optimizer else "sgd")
+    wrong = [f"--{name.replace('_', '-')}" for name in fields
+             if name in (("momentum", "dampening", "nesterov") if family != "sgd" else ("betas", "eps"))]
+    if wrong:
+        raise UsageError(f"{', '.join(wrong)} changes nothing for {family}: drop it or pass {{optimizer.family}} "
+                         f"{'sgd' if family != 'sgd' else 'adam or adamw'}")
+    base = spec_optimizer if spec_optimizer and spec_optimizer.family == family else OptimizerConfig(family=family)
+    return dataclasses.replace(base, **fields)
 
-    report = run_study(workload_for(args.spec), config, options, progress=render.ProgressBar("ddplab study"))
+
+def run(args: argparse.Namespace) -> int:
+    config_from_args(args)  # bad flags are said before the spec is loaded
+    from ddplab.study.run import run_study, spec_defaults, workload_for
+
+    workload = workload_for(args.spec)
+    config, options = config_from_args(args, spec_defaults(workload))
+    report = run_study(workload, config, options, progress=render.ProgressBar("ddplab study"))
     if args.json:
         render.print_json(report)
     else:
@@ -148,6 +197,9 @@ def _print(report) -> None:
     title = (f"ddplab study: {values['workload']}, steps to {target['kind']} {target['value']:g}, "
              f"{values['trained_runs']} runs, {values['seeds']} seeds, {values['seconds']:.0f} s")
     rows = []
+    from ddplab.study.report import optimizer_text
+
+    out.print(f"optimizer: {optimizer_text(values['optimizer'])}; engine: {values['engine']}")
     for rule, fit in values["fit"].items():
         low, high = fit["b_crit_ci95"]
         rows.append([rule, _num(fit["s_min"]), _num(fit["b_crit"]), f"[{_num(low)}, {_num(high)}]", _num(fit["e_min"])])

@@ -44,8 +44,9 @@ class StudyAnalysis:
 def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAnalysis:
     """The study's answer from its runs; UsageError when every lr of a batch size diverged."""
     # AdaScale's runs share the reference lr with the constant rule's: they are told apart by their flag.
-    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs if not (r.adascale or r.ramp)}
+    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs if r.fixed}
     adaptive = {(b, r.seed): r for b, rs in results.items() for r in rs if r.adascale}
+    scaled = {(b, r.seed): r for b, rs in results.items() for r in rs if r.adam_sqrt}
     ramps = {r.seed: r for rs in results.values() for r in rs if r.ramp}
     _check_divergence(config, results)
     # The ramp has no one batch size to fit at: it is judged against the tuned runs at its start instead.
@@ -57,21 +58,26 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
             tuned.append({"global_batch_size": b, "lr": best[0], "median_steps": best[1],
                           "sweep": sorted(lr for lr, rules in lrs.items() if "tuned" in rules)})
         runs += _rows(config, b, lrs, by_key, best) + _adascale_rows(config, b, adaptive)
+        runs += [_row("adam-sqrt", b, scaled[(b, s)]) for s in range(config.seeds) if (b, s) in scaled]
         runs += [_ramp_row(ramps[s]) for s in sorted(ramps) if ramps[s].global_batch_size == b]
         for rule in config.rules:
             if rule == "ramp":
                 continue
-            if rule == "adascale":
-                if config.adascale_runs(b):
-                    steps_by_rule[rule][b] = [_steps(adaptive[(b, s)]) for s in range(config.seeds)]
+            if rule in ("adascale", "adam-sqrt"):
+                own = adaptive if rule == "adascale" else scaled
+                if (b, 0) in own:
+                    steps_by_rule[rule][b] = [_steps(own[(b, s)]) for s in range(config.seeds)]
                 continue
             if rule == "tuned" and best is None:
                 continue
             lr = best[0] if rule == "tuned" else round_lr(config.rule_lr(rule, b))
             steps_by_rule[rule][b] = [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)]
     fits, warnings = _fits(steps_by_rule)
-    warnings += _edge_warnings(tuned)
+    warnings += _edge_warnings(tuned) + _adam_sqrt_warnings(config, scaled)
     best_runs = [by_key[(p["global_batch_size"], p["lr"], s)] for p in tuned for s in range(config.seeds)]
+    warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get("tuned", {}))
+    # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
+    best_runs = [r for r in best_runs if r.steps_to_target is not None]
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=_b_simple(best_runs, fits.get("tuned")),
                          warnings=warnings, unreached=_unreached(config, results), steps_by_rule=steps_by_rule,
                          adascale=_adascale_summary(config, adaptive, tuned), ramp=_ramp_summary(ramps, tuned))
@@ -81,7 +87,7 @@ def _row(rule: str, b: int, run: RunResult, *, best: bool = False, **extra) -> d
     """One run as the runs table lists it (a run serving several rules is listed once per rule)."""
     return {"rule": rule, "global_batch_size": b, "lr": run.lr, "seed": run.seed,
             "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b), "diverged": run.diverged,
-            "pruned": run.pruned, "best": best, **extra}
+            "stalled": run.stalled, "pruned": run.pruned, "best": best, **extra}
 
 
 def _ramp_row(run: RunResult) -> dict:
@@ -147,7 +153,7 @@ def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[di
 
 def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) -> None:
     for b, runs in sorted(results.items()):
-        fixed = [r for r in runs if not (r.adascale or r.ramp)]
+        fixed = [r for r in runs if r.fixed]
         sweep = [r for r in fixed if "tuned" in config.lrs(b).get(r.lr, [])] or fixed
         if sweep and all(r.diverged for r in sweep):
             lrs = [r.lr for r in sweep]
@@ -182,10 +188,45 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
             continue
         fitted = fit.fit_seeds(reached)
         fits[rule] = {**fitted, "median_steps": {str(b): v for b, v in fitted["median_steps"].items()},
+                      "seed_range": {str(b): v for b, v in fitted["seed_range"].items()},
                       "batches_fitted": sorted(reached)}
         if not math.isfinite(fitted["b_crit"]):
             warnings.append(f"rule {rule}: steps fall as 1/B over the whole measured range; B_crit lies above it")
     return fits, warnings
+
+
+def _adam_sqrt_warnings(config: StudyConfig, scaled: dict) -> list[str]:
+    clamped = {b: config.adam_sqrt_optimizer(b)[1] for b, _ in scaled}
+    at = sorted(b for b, names in clamped.items() if names)
+    if not at:
+        return []
+    return [f"the adam-sqrt rule's 1 − k(1 − β) falls below 0 at global batch {', '.join(map(str, at))}: clamped "
+            "to 0 (as ddplab plan does); the rule was derived for batches that grow less than 1/(1 − β₁)"]
+
+
+def _collapsed_warnings(best_runs: list[RunResult]) -> list[str]:
+    """Seeds of a batch's best lr that never arrived while its median did: they diverged or got stuck."""
+    out = []
+    for run in best_runs:
+        if run.steps_to_target is None:
+            how = "diverged" if run.diverged else "stalled (stopped improving)" if run.stalled else "ran out of steps"
+            out.append(f"at global batch {run.global_batch_size}, seed {run.seed} of the best lr {run.lr:g} {how} "
+                       "while its median seed arrived: left out of B_simple; more seeds would firm up the median")
+    return out
+
+
+def _monotonicity_warnings(tuned_steps: dict[int, list[float]]) -> list[str]:
+    """A larger batch whose best median steps exceed a smaller one's beyond the seeds' spread: the tuned curve
+    must not rise (a larger batch can always take the smaller's steps), so the sweep or the seeds are too thin."""
+    out, batches = [], sorted(tuned_steps)
+    for small, large in zip(batches, batches[1:]):
+        low_small, _, high_small = fit.spread(tuned_steps[small])
+        low_large, _, _ = fit.spread(tuned_steps[large])
+        if math.isfinite(high_small) and low_large > high_small:
+            out.append(f"the tuned curve rises from global batch {small} to {large} ({fit.median(tuned_steps[small]):g}"
+                       f" to {fit.median(tuned_steps[large]):g} median steps, beyond the seeds' spread): the sweep or "
+                       "the seeds are too thin there; add seeds or narrow --sweep-factor")
+    return out
 
 
 def _edge_warnings(tuned: list[dict]) -> list[str]:
@@ -214,8 +255,9 @@ def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list
     for b, runs in sorted(results.items()):
         lrs = config.lrs(b)
         for rule in config.rules:
-            served = [r for r in runs if r.adascale == (rule == "adascale") and r.ramp == (rule == "ramp")
-                      and (rule in ("adascale", "ramp") or rule in lrs.get(r.lr, []))]
+            own = {"adascale": "adascale", "ramp": "ramp", "adam-sqrt": "adam_sqrt"}
+            served = [r for r in runs if all(getattr(r, flag) == (rule == name) for name, flag in own.items())
+                      and (rule in own or rule in lrs.get(r.lr, []))]
             if served and math.isinf(_median_steps(served)):
                 out.append({"rule": rule, "global_batch_size": b, "best_metric": _best_metric(config, served)})
     return out

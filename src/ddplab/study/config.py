@@ -10,12 +10,17 @@ from typing import Literal, get_args
 
 from ddplab.errors import UsageError
 
-Rule = Literal["constant", "linear", "sqrt", "tuned", "adascale", "ramp"]
+Rule = Literal["constant", "linear", "sqrt", "adam-sqrt", "tuned", "adascale", "ramp"]
 RULES: tuple[Rule, ...] = get_args(Rule)
 FIXED_RULES: tuple[Rule, ...] = ("constant", "linear", "sqrt", "tuned")
-"""The rules that train at a fixed lr and batch, and the default: ``adascale`` adapts its lr as it trains,
+"""The rules that train at a fixed lr and batch, and SGD's default: ``adascale`` adapts its lr as it trains,
 ``ramp`` its global batch."""
+ADAM_RULES: tuple[Rule, ...] = ("constant", "linear", "sqrt", "adam-sqrt", "tuned")
+"""Adam's and AdamW's default: ``adam-sqrt`` is Malladi et al.'s (2022) square-root rule, lr × √k with
+1 − β' = k(1 − β) and ε' = ε/√k, as ``ddplab plan`` prints it."""
 ADAPTIVE_RULES: tuple[Rule, ...] = ("adascale", "ramp")
+Family = Literal["sgd", "adam", "adamw"]
+FAMILIES: tuple[Family, ...] = get_args(Family)
 TargetKind = Literal["accuracy", "loss"]
 Dtype = Literal["float32", "float64"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -45,6 +50,57 @@ class Target:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The optimizer every run trains with (its lr comes from the rule): torch.optim's SGD, Adam or AdamW."""
+
+    family: Family = "sgd"
+    momentum: float = 0.9
+    """SGD momentum."""
+    dampening: float = 0.0
+    """SGD dampening."""
+    nesterov: bool = False
+    """SGD Nesterov momentum."""
+    weight_decay: float = 0.0
+    """L2 penalty added to the gradient (SGD, Adam) or decoupled decay (AdamW), as torch.optim applies it."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam/AdamW betas."""
+    eps: float = 1e-8
+    """Adam/AdamW epsilon."""
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise UsageError(f"{{optimizer.family}} must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"{{optimizer.momentum}} must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.dampening <= 1:
+            raise UsageError(f"{{optimizer.dampening}} must be in [0, 1], got {self.dampening}")
+        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise UsageError("{optimizer.nesterov} needs momentum above 0 and no dampening (as torch.optim.SGD)")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UsageError(f"{{optimizer.weight_decay}} must be zero or more, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UsageError(f"{{optimizer.betas}} must be two numbers in [0, 1), got {self.betas}")
+        if not 0 < self.eps < math.inf:
+            raise UsageError(f"{{optimizer.eps}} must be a positive number, got {self.eps}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+
+    @property
+    def adam(self) -> bool:
+        return self.family in ("adam", "adamw")
+
+    @property
+    def name(self) -> str:
+        return {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[self.family]
+
+    def to_json(self) -> dict:
+        if self.adam:
+            return {"family": self.family, "name": self.name, "betas": list(self.betas), "eps": self.eps,
+                    "weight_decay": self.weight_decay}
+        return {"family": self.family, "name": self.name, "momentum": self.momentum, "dampening": self.dampening,
+                "nesterov": self.nesterov, "weight_decay": self.weight_decay}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StudyConfig:
     """The grid and how each run is trained."""
 
@@ -52,21 +108,25 @@ class StudyConfig:
     """When a run has reached the result."""
     global_batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
     """Global batch sizes to measure."""
-    rules: tuple[Rule, ...] = FIXED_RULES
-    """lr rules to run; ``adascale`` adds AdaScale runs from the reference lr at every batch from the reference up,
-    ``ramp`` one BatchRamp run per seed from the smallest batch."""
+    rules: tuple[Rule, ...] | None = None
+    """lr rules to run (default: FIXED_RULES for SGD, ADAM_RULES for Adam and AdamW); ``adascale`` adds AdaScale
+    runs from the reference lr at every batch from the reference up, ``ramp`` one BatchRamp run per seed from the
+    smallest batch."""
     reference_global_batch_size: int = 32
     """Reference global batch the rules scale from."""
     reference_lr: float = 0.1
     """Learning rate at the reference global batch."""
     seeds: int = 3
     """Seeds per grid point: model init and data order."""
-    momentum: float = 0.9
-    """SGD momentum."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """The optimizer's family and hyperparameters (the lr is the rules')."""
     max_steps: int = 3000
     """Step budget per run; a run that has not reached the target by then is 'not reached'."""
     eval_every: int = 5
     """Evaluate every k optimizer steps."""
+    patience: int = 100
+    """Stop a run whose metric has not improved on its best for this many evaluations (0: never): a run stuck at
+    chance need not spend the whole step budget. It counts as not reached, flagged ``stalled``."""
     sweep_factor: float = 2.0
     """Spacing of the tuned sweep."""
     sweep_margin: float = 4.0
@@ -75,12 +135,17 @@ class StudyConfig:
     """Training precision."""
 
     def __post_init__(self):
+        if self.rules is None:
+            object.__setattr__(self, "rules", ADAM_RULES if self.optimizer.adam else FIXED_RULES)
         if not self.global_batch_sizes or any(b < 1 for b in self.global_batch_sizes):
             raise UsageError("{global_batch_sizes} must be positive integers")
         if len(set(self.global_batch_sizes)) < 2 and "tuned" in self.rules:
             raise UsageError("{global_batch_sizes} needs at least two sizes for a fit")
         if not self.rules or any(r not in RULES for r in self.rules):
             raise UsageError(f"{{rules}} must be among {', '.join(RULES)}")
+        if "adam-sqrt" in self.rules and not self.optimizer.adam:
+            raise UsageError("the adam-sqrt rule scales Adam's betas and eps: it needs {optimizer.family} adam or "
+                             "adamw")
         start = min(self.global_batch_sizes)
         if "ramp" in self.rules and start % 2:
             raise UsageError(f"the ramp starts from the smallest of {{global_batch_sizes}}, {start}: it must be even "
@@ -89,10 +154,10 @@ class StudyConfig:
                              ("seeds", self.seeds), ("max_steps", self.max_steps), ("eval_every", self.eval_every)):
             if not value >= 1:
                 raise UsageError(f"{{{field}}} must be at least 1, got {value}")
+        if not self.patience >= 0:
+            raise UsageError(f"{{patience}} must be zero or more, got {self.patience}")
         if not 0 < self.reference_lr < math.inf:
             raise UsageError(f"{{reference_lr}} must be a positive number, got {self.reference_lr}")
-        if not 0 <= self.momentum < 1:
-            raise UsageError(f"{{momentum}} must be in [0, 1), got {self.momentum}")
         if not self.sweep_factor > 1 or not self.sweep_margin >= 1:
             raise UsageError("{sweep_factor} must be above 1 and {sweep_margin} at least 1")
         if self.dtype not in get_args(Dtype):
@@ -101,7 +166,16 @@ class StudyConfig:
     def rule_lr(self, rule: Rule, global_batch: int) -> float:
         """The lr a fixed rule gives at ``global_batch`` from the reference (batch, lr)."""
         k = global_batch / self.reference_global_batch_size
-        return self.reference_lr * {"constant": 1.0, "linear": k, "sqrt": math.sqrt(k)}[rule]
+        return self.reference_lr * {"constant": 1.0, "linear": k, "sqrt": math.sqrt(k), "adam-sqrt": math.sqrt(k)}[rule]
+
+    def adam_sqrt_optimizer(self, global_batch: int) -> tuple[OptimizerConfig, list[str]]:
+        """The adam-sqrt rule's optimizer at ``global_batch``: 1 − β' = k(1 − β) (clamped at 0, as plan does) and
+        ε' = ε/√k; with what was clamped."""
+        k = global_batch / self.reference_global_batch_size
+        opt = self.optimizer
+        betas = tuple(1.0 - k * (1.0 - b) for b in opt.betas)
+        clamped = [f"β{i + 1}" for i, b in enumerate(betas) if b < 0]
+        return dataclasses.replace(opt, betas=tuple(max(b, 0.0) for b in betas), eps=opt.eps / math.sqrt(k)), clamped
 
     def sweep(self, global_batch: int) -> list[float]:
         """The tuned rule's lrs at ``global_batch``: a log grid through the reference lr, spanning both rules."""
@@ -115,7 +189,7 @@ class StudyConfig:
         """Every lr trained at ``global_batch`` and the rules it serves (one run serves several)."""
         out: dict[float, list[Rule]] = {}
         for rule in self.rules:
-            if rule in ADAPTIVE_RULES:
+            if rule in ADAPTIVE_RULES or rule == "adam-sqrt":
                 continue
             for lr in self.sweep(global_batch) if rule == "tuned" else [round_lr(self.rule_lr(rule, global_batch))]:
                 out.setdefault(lr, []).append(rule)
@@ -127,6 +201,13 @@ class StudyConfig:
         if "adascale" not in self.rules or global_batch < max(self.reference_global_batch_size, 2):
             return []
         return [(self.reference_lr, seed) for seed in range(self.seeds)]
+
+    def adam_sqrt_runs(self, global_batch: int) -> list[tuple[float, int]]:
+        """The ``adam-sqrt`` rule's (lr, seed) runs at ``global_batch`` (their betas and eps differ from the grid's,
+        so they train as a group of their own); none without the rule."""
+        if "adam-sqrt" not in self.rules:
+            return []
+        return [(round_lr(self.rule_lr("adam-sqrt", global_batch)), seed) for seed in range(self.seeds)]
 
     def grid_runs(self, global_batch: int) -> list[tuple[float, int]]:
         """Every (lr, seed) trained at ``global_batch``."""

@@ -22,8 +22,8 @@ from ddplab.adapt.gain import Smoothed, default_smoothing
 from ddplab.errors import UsageError
 from ddplab.noise import estimators
 from ddplab.runtime.sharding import epoch_permutation
-from ddplab.study import fit
-from ddplab.study.config import StudyConfig
+from ddplab.study import fit, optim
+from ddplab.study.config import OptimizerConfig, StudyConfig
 from ddplab.study.workloads import Workload
 
 # A run whose training loss is not finite (or explodes past this) has diverged.
@@ -81,6 +81,15 @@ class RunResult:
     """Ramp runs: [step, global batch, lr] at each evaluation (the batch and lr of the next update)."""
     samples_to_target: int | None = None
     """Training samples consumed until the target was reached."""
+    adam_sqrt: bool = False
+    """Trained by the adam-sqrt rule: its betas and eps are scaled with the batch, not the grid's."""
+    stalled: bool = False
+    """Stopped early: no better metric for ``StudyConfig.patience`` evaluations."""
+
+    @property
+    def fixed(self) -> bool:
+        """Trained at a fixed lr and batch with the grid's optimizer (the constant, linear, sqrt and tuned rules)."""
+        return not (self.adascale or self.ramp or self.adam_sqrt)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,31 +97,38 @@ class RunResult:
 
 def seeded_params(workload: Workload, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's parameters as built under ``seed`` (as every DDP rank builds them)."""
+    return seeded_state(workload, seed, dtype)[0]
+
+
+def seeded_state(workload: Workload, seed: int, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model's parameters and buffers (BatchNorm's running statistics) as built under ``seed``."""
     torch.manual_seed(seed)
     model = workload.model().to(dtype)
-    if any(True for _ in model.buffers()):
-        raise UsageError("the study trains models without buffers (no BatchNorm running statistics): "
-                         "vmap over stacked parameters cannot update them")
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return params, {name: b.detach().clone() for name, b in model.named_buffers()}
 
 
 class Group:
     """All runs of one global batch size, as stacked parameters trained together."""
 
     def __init__(self, workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                 *, adascale: bool = False):
+                 *, adascale: bool = False, optimizer: OptimizerConfig | None = None, adam_sqrt: bool = False):
         self.workload, self.config, self.global_batch = workload, config, global_batch
         dtype = torch_dtype(config)
         self.model = workload.model().to(dtype)
         seeds = sorted({seed for _, seed in runs})
-        init = {seed: seeded_params(workload, seed, dtype) for seed in seeds}
-        self.params = {name: torch.stack([init[seed][name] for _, seed in runs]) for name in init[seeds[0]]}
-        self.momentum = {name: torch.zeros_like(p) for name, p in self.params.items()}
+        init = {seed: seeded_state(workload, seed, dtype) for seed in seeds}
+        self.params = {name: torch.stack([init[seed][0][name] for _, seed in runs]) for name in init[seeds[0]][0]}
+        # Buffers (BatchNorm's running statistics) are per run too: each run's forward updates its own slice.
+        self.buffers = {name: torch.stack([init[seed][1][name] for _, seed in runs]) for name in init[seeds[0]][1]}
+        self.optimizer = optim.stacked(optimizer or config.optimizer, self.params)
+        # Dropout draws a different mask for every run (vmap's randomness="different"), the same for the same grid.
+        torch.manual_seed(global_batch)
         self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype)
         self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
         self.active = list(range(len(runs)))
-        self.results = [RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adascale=adascale)
-                        for lr, seed in runs]
+        self.results = [RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adascale=adascale,
+                                  adam_sqrt=adam_sqrt) for lr, seed in runs]
         # AdaScale (ddplab.adapt's gain and smoothing, per run): the lr of each update is lr × r_t.
         self.scale = global_batch / config.reference_global_batch_size if adascale else None
         if self.scale is not None and (self.scale < 1 or global_batch < 2):
@@ -123,28 +139,24 @@ class Group:
         self.batches = _Batches(workload.train_size, global_batch, seeds)
         self.inputs = cast(workload.train[0], dtype)
         self.targets = cast(workload.train[1], dtype)
-        self._forward = vmap(lambda params, inputs: functional_call(self.model, params, (inputs,)))
+        self._forward = vmap(lambda params, buffers, inputs: functional_call(self.model, (params, buffers), (inputs,)),
+                             randomness="different")
         self._losses = vmap(workload.loss)
 
-    def _grad_and_loss(self, params, inputs, targets):
+    def _grad_and_loss(self, params, inputs, targets, buffers=None):
         # Runs share no parameters, so one backward of the summed losses gives each run its own gradient
         # (cheaper than vmap over torch.func.grad, and bit-identical).
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
-        try:
-            losses = self._losses(self._forward(leaves, inputs), targets)
-        except RuntimeError as exc:
-            if "randomness" not in str(exc):
-                raise
-            raise UsageError("the model draws random numbers in training (dropout?): the vectorized study cannot "
-                             "replay them run by run; remove them for the study") from None
+        losses = self._losses(self._forward(leaves, self.buffers if buffers is None else buffers, inputs), targets)
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
         return dict(zip(leaves, grads)), losses.detach()
 
     def _grad(self, params, inputs, targets):
-        return self._grad_and_loss(params, inputs, targets)[0]
+        # A measurement only: the running statistics it would update are a copy, thrown away.
+        return self._grad_and_loss(params, inputs, targets, {n: b.clone() for n, b in self.buffers.items()})[0]
 
     def step(self, step: int, *, measure: bool) -> torch.Tensor:
-        """One optimizer step of every active run (SGD with momentum, torch.optim.SGD's formula); returns losses."""
+        """One optimizer step of every active run (torch.optim's formula, ddplab.study.optim); returns losses."""
         indices = self.batches.indices(step)[self.seed_row]
         inputs, targets = self.inputs[indices], self.targets[indices]
         grads, losses = self._grad_and_loss(self.params, inputs, targets)
@@ -157,13 +169,8 @@ class Group:
                 self.results[run].noise_g2.append(estimates[row][0])
                 self.results[run].noise_trace.append(estimates[row][1])
         lr = self.lr if self.scale is None else self.lr * self._gains(estimates, step, record=measure)
-        names = list(grads)
-        buffers, params = [self.momentum[n] for n in names], [self.params[n] for n in names]
-        lrs = [lr.view(-1, *[1] * (self.params[n].dim() - 1)) for n in names]
-        # torch.optim.SGD: buf ← μ·buf + g (buf starts at 0, so the first step sets buf = g), p ← p − lr·buf.
-        torch._foreach_mul_(buffers, self.config.momentum)
-        torch._foreach_add_(buffers, [grads[n] for n in names])
-        torch._foreach_addcmul_(params, lrs, buffers, value=-1)
+        with torch.no_grad():
+            self.optimizer.step(self.params, grads, lr)
         return losses
 
     def _estimates(self, grads, inputs, targets) -> list[tuple[float, float]]:
@@ -198,7 +205,7 @@ class Group:
         inputs, targets = self.workload.val
         inputs, targets = cast(inputs, torch_dtype(self.config)), cast(targets, torch_dtype(self.config))
         with torch.no_grad(), _eval_mode(self.model):
-            outputs = vmap(lambda p: functional_call(self.model, p, (inputs,)))(self.params)
+            outputs = vmap(lambda p, b: functional_call(self.model, (p, b), (inputs,)))(self.params, self.buffers)
             if self.config.target.kind == "accuracy":
                 values = (outputs.argmax(-1) == targets).to(torch.float64).mean(-1)
             else:
@@ -209,7 +216,8 @@ class Group:
         out = []
         with torch.no_grad():
             for row in range(len(self.active)):
-                self.model.load_state_dict({n: p[row] for n, p in self.params.items()}, strict=False)
+                state = {n: t[row] for tensors in (self.params, self.buffers) for n, t in tensors.items()}
+                self.model.load_state_dict(state, strict=False)
                 out.append(float(self.workload.evaluate(self.model, self.workload.eval_dataset)))
         return out
 
@@ -217,7 +225,8 @@ class Group:
         """Drop finished runs: only the rows in ``rows`` go on training."""
         index = torch.tensor(rows, dtype=torch.long)
         self.params = {n: p[index] for n, p in self.params.items()}
-        self.momentum = {n: b[index] for n, b in self.momentum.items()}
+        self.buffers = {n: b[index] for n, b in self.buffers.items()}
+        self.optimizer.keep(index)
         self.lr, self.seed_row = self.lr[index], self.seed_row[index]
         self.active = [self.active[r] for r in rows]
 
@@ -238,14 +247,17 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
                 progress: Callable[[int], None] | None = None, *,
-                sweep_only: set[float] = frozenset(), adascale: bool = False) -> list[RunResult]:
+                sweep_only: set[float] = frozenset(), adascale: bool = False,
+                adam_sqrt: bool = False) -> list[RunResult]:
     """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps.
 
     Runs of an lr in ``sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
     have the fewest median steps: they only had to lose to the best. With ``adascale`` each run's
-    updates use lr × AdaScale's gain, measured at every step.
+    updates use lr × AdaScale's gain, measured at every step; with ``adam_sqrt`` the optimizer's betas and eps
+    are the adam-sqrt rule's at this batch.
     """
-    group = Group(workload, config, global_batch, runs, adascale=adascale)
+    optimizer = config.adam_sqrt_optimizer(global_batch)[0] if adam_sqrt else None
+    group = Group(workload, config, global_batch, runs, adascale=adascale, optimizer=optimizer, adam_sqrt=adam_sqrt)
     reported = 0
     for step in range(config.max_steps):
         evaluate = (step + 1) % config.eval_every == 0
@@ -317,4 +329,17 @@ def _finish_reached(group: Group, losses: torch.Tensor, steps: int) -> set[int]:
         elif group.config.target.reached(metric):
             result.steps_to_target = steps
             finished.add(run)
+        elif stalled(group.config, result.history):
+            result.stalled = True
+            finished.add(run)
     return finished
+
+
+def stalled(config: StudyConfig, history: list) -> bool:
+    """No evaluation among the last ``patience`` improved on the best before them."""
+    patience = config.patience
+    if not patience or len(history) <= patience:
+        return False
+    sign = 1.0 if config.target.kind == "accuracy" else -1.0
+    before = max(sign * h[2] for h in history[:-patience])
+    return max(sign * h[2] for h in history[-patience:]) <= before

@@ -86,6 +86,12 @@ def median(values: Sequence[float]) -> float:
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """(fewest, median, most) over seeds, a run that never arrived counting as inf: the error bar of a point."""
+    ordered = sorted(values)
+    return (ordered[0], median(ordered), ordered[-1]) if ordered else (math.inf, math.inf, math.inf)
+
+
 def fit_seeds(steps_by_batch: dict[int, list[float]], *, n_boot: int = 1000, seed: int = 0) -> dict:
     """Fit the median over seeds, and a 95% bootstrap interval for B_crit resampling seeds.
 
@@ -107,7 +113,8 @@ def fit_seeds(steps_by_batch: dict[int, list[float]], *, n_boot: int = 1000, see
             continue
     low, high = _percentiles(draws, 0.025, 0.975) if draws else (math.nan, math.nan)
     return {"s_min": fit.s_min, "b_crit": fit.b_crit, "b_crit_ci95": [low, high], "e_min": fit.e_min,
-            "median_steps": {b: medians[b] for b in batches}, "regimes": regimes(fit.b_crit)}
+            "median_steps": {b: medians[b] for b in batches}, "regimes": regimes(fit.b_crit),
+            "seed_range": {b: [spread(steps_by_batch[b])[0], spread(steps_by_batch[b])[2]] for b in batches}}
 
 
 def _percentiles(values: list[float], *quantiles: float) -> tuple[float, ...]:

@@ -94,8 +94,10 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
     results = {}
     for global_batch in sorted(config.global_batch_sizes):
         results[global_batch] = []
-        # The fixed-lr runs, then AdaScale's (their lr is the reference's too: a group and a cache file of their own).
-        for runs, kind in ((config.grid_runs(global_batch), ""), (config.adascale_runs(global_batch), "-adascale")):
+        # The fixed-lr runs, then AdaScale's and adam-sqrt's (an lr another rule may share, but another update):
+        # each a group and a cache file of their own.
+        for runs, kind in ((config.grid_runs(global_batch), ""), (config.adascale_runs(global_batch), "-adascale"),
+                           (config.adam_sqrt_runs(global_batch), "-adam-sqrt")):
             if not runs:
                 continue
             cached = cache.load(global_batch, runs, kind) if cache else None
@@ -103,7 +105,7 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
                 sweep_only = {lr for lr, rules in config.lrs(global_batch).items() if rules == ["tuned"]} \
                     if not kind else set()
                 cached = train_group(workload, config, global_batch, runs, advance, sweep_only=sweep_only,
-                                     adascale=bool(kind))
+                                     adascale=kind == "-adascale", adam_sqrt=kind == "-adam-sqrt")
                 if cache:
                     cache.save(global_batch, cached, kind)
             elif advance:
@@ -137,7 +139,7 @@ def _ramp_runs(workload: Workload, config: StudyConfig, cache: Cache | None, at_
 def ramp_lr(config: StudyConfig, at_start: list[RunResult]) -> float:
     """The lr ramp runs start at: what a user would have tuned at the starting batch."""
     start = ramp.start_batch(config)
-    fixed = {(start, r.lr, r.seed): r for r in at_start if not (r.adascale or r.ramp)}
+    fixed = {(start, r.lr, r.seed): r for r in at_start if r.fixed}
     best = analysis.tuned_best(config, start, config.lrs(start), fixed) if "tuned" in config.rules else None
     return best[0] if best else round_lr(config.rule_lr("linear", start))
 
@@ -146,4 +148,5 @@ def groups(config: StudyConfig) -> int:
     """Stretches of ``max_steps`` the grid trains: a group per batch size, one more per batch size AdaScale runs
     at, and one per ramp run."""
     ramps = config.seeds if ramp.start_batch(config) is not None else 0
-    return sum(bool(config.grid_runs(b)) + bool(config.adascale_runs(b)) for b in config.global_batch_sizes) + ramps
+    return sum(bool(config.grid_runs(b)) + bool(config.adascale_runs(b)) + bool(config.adam_sqrt_runs(b))
+               for b in config.global_batch_sizes) + ramps

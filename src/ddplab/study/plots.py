@@ -7,8 +7,10 @@ import html
 import math
 import os
 
-COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "tuned": "tab:green",
-          "adascale": "tab:red"}
+from ddplab.study.report import optimizer_text
+
+COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "adam-sqrt": "tab:brown",
+          "tuned": "tab:green", "adascale": "tab:red", "ramp": "tab:purple"}
 
 
 def _pyplot():
@@ -23,10 +25,12 @@ def _pyplot():
 def plots(report: dict, results: dict, directory: str) -> list[str]:
     """Write the three plots under ``directory``; returns their paths."""
     os.makedirs(directory, exist_ok=True)
-    paths = [os.path.join(directory, name) for name in ("steps_vs_batch.png", "tuned_lr.png", "loss_curves.png")]
+    names = ("steps_vs_batch.png", "tuned_lr.png", "loss_curves.png", "pareto.png")
+    paths = [os.path.join(directory, name) for name in names]
     _steps_plot(report, paths[0])
     _lr_plot(report, paths[1])
     _curves_plot(report, results, paths[2])
+    _pareto_plot(report, paths[3])
     if report.get("adascale"):
         paths.append(os.path.join(directory, "adascale.png"))
         _adascale_plot(report, paths[-1])
@@ -103,9 +107,14 @@ def _steps_plot(report: dict, path: str) -> None:
     batches = report["global_batch_sizes"]
     for rule in report["rules"]:
         points = _median_points(report, rule)
-        if points:
-            ax.plot(*zip(*points), "o-", color=COLORS[rule], label=rule)
-            ax_e.plot([b for b, _ in points], [b * s for b, s in points], "o-", color=COLORS[rule], label=rule)
+        if not points:
+            # A rule that diverged or never arrived still has its line in the legend, saying so.
+            ax.plot([], [], "o-", color=COLORS[rule], label=f"{rule}: median never reached at two batches")
+            continue
+        lows, highs = _seed_bars(report, rule, points)
+        ax.errorbar(*zip(*points), yerr=(lows, highs), fmt="o-", color=COLORS[rule], capsize=3,
+                    label=f"{rule} (bars: fastest to slowest seed)")
+        ax_e.plot([b for b, _ in points], [b * s for b, s in points], "o-", color=COLORS[rule], label=rule)
         fit = report["fit"].get(rule)
         if fit and fit["b_crit"] is not None and fit["s_min"]:
             grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 100) for i in range(101)]
@@ -131,6 +140,46 @@ def _steps_plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _seed_bars(report: dict, rule: str, points: list[tuple[int, float]]) -> tuple[list[float], list[float]]:
+    """Error bars from the median down to the fastest seed and up to the slowest (capped where a seed never
+    arrived)."""
+    ranges = report["fit"][rule].get("seed_range", {})
+    lows, highs = [], []
+    for b, median in points:
+        low, high = ranges.get(str(b), [median, median])
+        lows.append(median - (low if low is not None else median))
+        highs.append((high if high is not None else report["max_steps"]) - median)
+    return lows, highs
+
+
+def _pareto_plot(report: dict, path: str) -> None:
+    """Steps against samples for the tuned curve, with the fitted Pareto front (S/S_min − 1)(E/E_min − 1) = 1
+    (McCandlish et al. 2018, fig. 7a)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    for rule in report["rules"]:
+        points = _median_points(report, rule)
+        if points:
+            ax.plot([b * s for b, s in points], [s for _, s in points], "o", color=COLORS[rule], label=rule)
+            for b, s in points:
+                ax.annotate(str(b), (b * s, s), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    fit = report["fit"].get("tuned")
+    if fit and fit["b_crit"] is not None and fit["s_min"] and fit["e_min"]:
+        s_min, e_min = fit["s_min"], fit["e_min"]
+        # x = E/E_min − 1 over three decades: S = S_min(1 + 1/x), E = E_min(1 + x).
+        xs = [10 ** (-2 + 4 * i / 200) for i in range(201)]
+        ax.plot([e_min * (1 + x) for x in xs], [s_min * (1 + 1 / x) for x in xs], "--", color=COLORS["tuned"],
+                label="tuned fit: (S/S_min − 1)(E/E_min − 1) = 1")
+        ax.axhline(s_min, color="gray", linestyle=":", label=f"S_min {s_min:.3g}")
+        ax.axvline(e_min, color="gray", linestyle="-.", label=f"E_min {e_min:.3g}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("samples to target E = S·B (median steps × batch)")
+    ax.set_ylabel("optimizer steps to target S")
+    ax.set_title("steps vs samples: the Pareto front (labels: global batch)")
+    _save(plt, fig, path, (ax,))
 
 
 def _regimes(ax, fit: dict, batches: list[int]) -> None:
@@ -192,7 +241,7 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
     cmap = plt.get_cmap("viridis")
     for i, point in enumerate(picks):
         b, lr = point["global_batch_size"], point["lr"]
-        run = next((r for r in results.get(b, []) if r.lr == lr and r.seed == 0 and not r.adascale), None)
+        run = next((r for r in results.get(b, []) if r.lr == lr and r.seed == 0 and r.fixed), None)
         if run is None or not run.history:
             continue
         steps, losses, metrics = zip(*run.history)
@@ -252,7 +301,8 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;te
 (evaluated every {report['eval_every']} steps,
 budget {report['max_steps']}), median over {report['seeds']} seeds; \
 reference lr {report['reference']['lr']:g} at global batch
-{report['reference']['global_batch_size']}; SGD momentum {report['momentum']}. Fit: S(B) = S_min(1 + B_crit/B).</p>
+{report['reference']['global_batch_size']}; {html_escape(optimizer_text(report['optimizer']))}. \
+Fit: S(B) = S_min(1 + B_crit/B).</p>
 <table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th>\
 <th>E_min (samples)</th></tr>{fits}</table>
 <p>B_simple along the best tuned runs: {_n(b_simple.get('value'))}; \
@@ -290,3 +340,4 @@ def _steps(run: dict) -> str:
     if run.get("pruned"):
         return "stopped: slower than the best lr"
     return "diverged" if run.get("diverged") else "not reached"
+

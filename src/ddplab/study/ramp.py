@@ -1,7 +1,7 @@
 """The study's ``ramp`` rule: ``ddplab.BatchRamp`` itself, one run per seed, from the grid's smallest batch.
 
 A ramp run's global batch changes as it trains, so it cannot share a vectorized group: it trains
-one model with torch's SGD (momentum as the grid's), the one-process noise scale (micro-batches of
+one model with the grid's torch optimizer, the one-process noise scale (micro-batches of
 half the starting batch, measured at every step) and the library's BatchRamp, growing up to the
 grid's largest batch with the linear rule and a warmup of ``WARMUP_STEPS`` after each jump. Its
 micro-batches follow DistributedSampler's order for the run's seed (full micro-batches only), it
@@ -18,7 +18,8 @@ import torch
 from ddplab.adapt.ramp import BatchRamp
 from ddplab.noise.scale import GradientNoiseScale
 from ddplab.study.config import StudyConfig
-from ddplab.study.engine import DIVERGED_LOSS, RunResult, _Batches, _eval_mode, cast, seeded_params, torch_dtype
+from ddplab.study.engine import DIVERGED_LOSS, RunResult, _Batches, _eval_mode, cast, seeded_state, stalled, torch_dtype
+from ddplab.study.optim import torch_optimizer
 from ddplab.study.workloads import Workload
 
 WARMUP_STEPS = 10
@@ -37,8 +38,9 @@ def train_ramp(workload: Workload, config: StudyConfig, lr: float, seed: int) ->
     micro = start // 2
     dtype = torch_dtype(config)
     model = workload.model().to(dtype)
-    model.load_state_dict(seeded_params(workload, seed, dtype), strict=False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
+    params, buffers = seeded_state(workload, seed, dtype)
+    model.load_state_dict({**params, **buffers}, strict=False)
+    optimizer = torch_optimizer(config.optimizer, model.parameters(), lr)
     noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
                                dataset_size=workload.train_size)
     largest = min(max(config.global_batch_sizes), workload.train_size)
@@ -72,6 +74,9 @@ def train_ramp(workload: Workload, config: StudyConfig, lr: float, seed: int) ->
                 break
             if config.target.reached(metric):
                 result.steps_to_target, result.samples_to_target = step + 1, samples
+                break
+            if stalled(config, result.history):
+                result.stalled = True
                 break
     ramp.remove()
     return result

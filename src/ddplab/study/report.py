@@ -18,6 +18,8 @@ class StudyReport:
     train_size: int
     analysis: StudyAnalysis
     out: str
+    engine: str = "vmap"
+    """Which engine trained the grid."""
     verify_ddp: VerifyResult | None = None
     plots: list[str] = dataclasses.field(default_factory=list)
     report: str | None = None
@@ -27,7 +29,7 @@ class StudyReport:
     @property
     def trained_runs(self) -> int:
         """Runs trained (or read from the cache): one per (batch, lr, seed), whichever rules it serves."""
-        kinds = ("adascale", "ramp")
+        kinds = ("adascale", "ramp", "adam-sqrt")
         return len({(r["global_batch_size"], r["lr"], r["seed"], r["rule"] if r["rule"] in kinds else "")
                     for r in self.analysis.runs})
 
@@ -37,9 +39,9 @@ class StudyReport:
             "workload": self.workload, "target": cfg.target.to_json(), "rules": list(cfg.rules),
             "global_batch_sizes": sorted(cfg.global_batch_sizes),
             "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr},
-            "seeds": cfg.seeds, "momentum": cfg.momentum, "max_steps": cfg.max_steps,
-            "eval_every": cfg.eval_every, "dtype": cfg.dtype, "train_size": self.train_size,
-            "optimizer": {"family": "sgd", "name": "SGD", "momentum": cfg.momentum},
+            "seeds": cfg.seeds, "max_steps": cfg.max_steps, "eval_every": cfg.eval_every, "patience": cfg.patience,
+            "dtype": cfg.dtype, "train_size": self.train_size, "optimizer": cfg.optimizer.to_json(),
+            "engine": self.engine,
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
             "unreached": analysis.unreached, "adascale": analysis.adascale, "ramp": analysis.ramp,
@@ -49,3 +51,9 @@ class StudyReport:
             out["verify_ddp"] = self.verify_ddp.to_json()
         out["seconds"] = self.seconds
         return finite(out)
+
+
+def optimizer_text(optimizer: dict) -> str:
+    """The optimizer of a study's JSON as one line: its class and hyperparameters."""
+    settings = ", ".join(f"{k} {v}" for k, v in optimizer.items() if k not in ("family", "name"))
+    return f"{optimizer['name']} ({settings})"

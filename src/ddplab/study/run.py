@@ -26,6 +26,20 @@ def workload_for(spec: str | None) -> Workload:
     return workloads.from_spec(spec) if spec else workloads.digits()
 
 
+def spec_defaults(workload: Workload) -> dict:
+    """StudyConfig fields the spec's own optimizer() sets: its family and hyperparameters, and its lr as the
+    reference lr (what a flag or a caller gives wins)."""
+    if workload.not_vectorized:
+        raise UsageError(f"spec {literal(workload.name)}: {literal(workload.not_vectorized)}; the study trains SGD, "
+                         "Adam and AdamW: give {optimizer.family} and its settings")
+    out = {}
+    if workload.optimizer is not None:
+        out["optimizer"] = workload.optimizer
+    if workload.lr is not None:
+        out["reference_lr"] = workload.lr
+    return out
+
+
 def run_study(workload: Workload, config: StudyConfig, options: StudyOptions | None = None, *,
               progress: Progress = silent, launch_config: LaunchConfig | None = None) -> StudyReport:
     """Train (or read from the cache) every run of the grid, fit, and write study.json, plots and report.html.

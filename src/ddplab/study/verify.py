@@ -13,6 +13,7 @@ from ddplab.serialize import finite
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engine import Group, cast, torch_dtype
+from ddplab.study.optim import torch_optimizer
 from ddplab.study.workloads import Workload
 
 Point = tuple[int, float, int]
@@ -97,7 +98,7 @@ def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig,
         torch.manual_seed(seed)
         model = workload.model().to(dtype).to(ctx.device)
         ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=config.momentum)
+        optimizer = torch_optimizer(config.optimizer, ddp.parameters(), lr)
         shards = _Shards(workload.train_size, global_batch, ctx, seed)
         for step in range(steps):
             index = shards.batch(step).to(ctx.device)

@@ -40,6 +40,12 @@ class Workload:
     """How to build this workload again (:func:`load`)."""
     fingerprint: str
     """What the study's cache depends on: the workload's name and, for a spec, its file's content."""
+    optimizer: Any = None
+    """The spec's optimizer() as an OptimizerConfig, when it defines one the vectorized engine trains."""
+    lr: float | None = None
+    """The lr of the spec's optimizer(): the study's reference lr unless one is given."""
+    not_vectorized: str = ""
+    """Why the vectorized engine cannot train this workload as the spec does ('' when it can)."""
 
     @property
     def train_size(self) -> int:
@@ -120,14 +126,30 @@ def from_spec(path: str) -> Workload:
                          "when a run reaches the target")
     if spec.custom_step:
         raise spec.error("defines step(): the study vectorizes loss(model(x), y) and cannot replay a custom step")
+    optimizer, lr, why = _spec_optimizer(spec, module)
     train = _as_tensors(spec, spec.dataset(), "dataset()")
     with spec.guard("val_dataset()"):
         eval_dataset = val_dataset() if callable(val_dataset) else spec.dataset()
     common = dict(name=os.path.basename(path), model=spec.model, loss=spec.loss, train=train,
-                  source=("spec", (("path", spec.path),)), fingerprint=_file_fingerprint(spec.path))
+                  source=("spec", (("path", spec.path),)), fingerprint=_file_fingerprint(spec.path),
+                  optimizer=optimizer, lr=lr, not_vectorized=why)
     if callable(evaluate):
         return Workload(evaluate=_guarded_evaluate(spec, evaluate), eval_dataset=eval_dataset, **common)
     return Workload(val=_as_tensors(spec, eval_dataset, "val_dataset()"), **common)
+
+
+def _spec_optimizer(spec, module) -> tuple[Any, float | None, str]:
+    """(OptimizerConfig or None, its lr, why it cannot be vectorized) of the spec's own optimizer(), if any."""
+    if not callable(getattr(module, "optimizer", None)):
+        return None, None, ""
+    from ddplab.study.optim import from_torch
+
+    with spec.guard("optimizer(params)"):
+        built = spec.optimizer(spec.model().parameters())
+    if not isinstance(built, torch.optim.Optimizer):
+        raise spec.error(f"optimizer(params) must return a torch.optim.Optimizer, got {literal(type(built).__name__)}")
+    config, lr, why = from_torch(built)
+    return config, lr, (f"its optimizer(): {why}" if why else "")
 
 
 def _guarded_evaluate(spec, evaluate):
