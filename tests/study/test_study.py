@@ -534,3 +534,37 @@ def test_output_folders_are_checked_before_any_run(tmp_path, capsys):
     assert main(_study(tmp_path, "--no-plots", "--out", str(tmp_path / "corrupt"))) == 2
     err = capsys.readouterr().err
     assert "batch-32.json cannot be read" in err and "--fresh" in err
+
+
+@pytest.mark.timeout(180)
+def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsys):
+    """The spec's own AdamW (its lr the reference, its betas and weight decay kept), the adam-sqrt rule with
+    plan's betas and eps, dropout and LayerNorm in the vectorized group, plots, and plan --from-study."""
+    spec = os.path.join(SPECS, "study_adamw.py")
+    argv = ["study", spec, "--target-accuracy", "0.9", "--global-batch-sizes", "16,64", "--seeds", "2",
+            "--max-steps", "300", "--out", str(tmp_path / "out"), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["optimizer"] == {"family": "adamw", "name": "AdamW", "betas": [0.9, 0.98], "eps": 1e-8,
+                                   "weight_decay": 0.05}
+    assert report["engine"] == "vmap" and report["reference"] == {"global_batch_size": 32, "lr": 3e-3}
+    assert report["rules"] == ["constant", "linear", "sqrt", "adam-sqrt", "tuned"]
+    # k = 2 at batch 64: 1 − β' = 2(1 − β), ε' = ε/√2, lr × √2 (plan's numbers).
+    at_64 = next(p for p in report["adam_sqrt"] if p["global_batch_size"] == 64)
+    assert at_64["betas"] == pytest.approx([0.8, 0.96]) and at_64["eps"] == pytest.approx(1e-8 / math.sqrt(2))
+    assert at_64["lr"] == pytest.approx(3e-3 * math.sqrt(2))
+    assert {r["rule"] for r in report["runs"]} == set(report["rules"])
+    assert report["fit"]["tuned"]["b_crit"] is not None
+    assert any(p.endswith("pareto.png") for p in report["plots"])
+    # Flags override single settings of the spec's optimizer, and another family's flags are refused.
+    assert main([*argv, "--no-plots", "--weight-decay", "0.01", "--betas", "0.9,0.95", "--fresh"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer"]["betas"] == [0.9, 0.95]
+    assert main([*argv, "--momentum", "0.5"]) == 2
+    assert "--momentum changes nothing for adamw" in capsys.readouterr().err
+    # plan --from-study takes an AdamW study for AdamW (and Adam), and refuses it for SGD.
+    plan = ["plan", "--ref-batch-size", "16", "--ref-lr", "3e-3", "--devices", "4", "--batch-size", "16",
+            "--from-study", str(tmp_path / "out" / "study.json")]
+    assert main([*plan, "--optimizer", "adamw", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rule"] == "measured"
+    assert main(plan) == 2
+    assert "the study measured the best lr of AdamW" in capsys.readouterr().err

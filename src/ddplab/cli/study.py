@@ -146,6 +146,10 @@ def config_from_args(args: argparse.Namespace, spec_defaults: dict | None = None
                  reference_global_batch_size="ref_global_batch_size", reference_lr="ref_lr", seeds="seeds",
                  max_steps="max_steps", eval_every="eval_every", sweep_factor="sweep_factor",
                  sweep_margin="sweep_margin", dtype="dtype", patience="patience")
+    if spec_defaults is None and args.spec and not args.optimizer:
+        # The spec's optimizer is not known yet: the family its flags name stands in for it.
+        family = "adam" if args.betas is not None or args.eps is not None else "sgd"
+        spec_defaults = {"optimizer": OptimizerConfig(family=family)}
     spec_defaults = spec_defaults or {}
     if "reference_lr" not in grid and "reference_lr" in spec_defaults:
         grid["reference_lr"] = spec_defaults["reference_lr"]
@@ -173,7 +177,7 @@ def _optimizer(args: argparse.Namespace, spec_optimizer: OptimizerConfig | None)
 
 
 def run(args: argparse.Namespace) -> int:
-    config_from_args(args)  # bad flags are said before the spec is loaded
+    config_from_args(args)  # bad flags are said before the spec is loaded (its optimizer guessed from the flags)
     from ddplab.study.run import run_study, spec_defaults, workload_for
 
     workload = workload_for(args.spec)

@@ -81,12 +81,14 @@ def _b_crit(study: dict) -> float:
 
 def _check_optimizer(reference: planner.Reference, study: dict) -> None:
     # A study without an optimizer field predates AdamW support: it trained SGD with momentum.
+    # Adam and AdamW scale alike (their update is the same but for where weight decay enters).
+    kind = {"sgd": "sgd", "adam": "adam", "adamw": "adam"}
     measured = (study.get("optimizer") or {}).get("family", "sgd")
-    family = "sgd" if reference.optimizer == "sgd" else "adam"
-    if family != measured:
-        raise UsageError(f"the study measured the best lr of {measured.upper()}, and {{reference.optimizer}} "
-                         f"{reference.optimizer} scales by other rules (Adam's square-root rule, Malladi et al. "
-                         "2022): study that optimizer, or plan by its rule without {from_study}")
+    if kind.get(measured, measured) != kind[reference.optimizer]:
+        name = (study.get("optimizer") or {}).get("name", measured.upper())
+        raise UsageError(f"the study measured the best lr of {name}, and {{reference.optimizer}} "
+                         f"{reference.optimizer} scales by other rules (square-root for Adam, Malladi et al. "
+                         "2022; linear for SGD): study that optimizer, or plan by its rule without {from_study}")
 
 
 def load_study(study: str | dict) -> dict:
