@@ -32,9 +32,15 @@ rules are judged against. B_simple (the gradient noise scale, as in ddplab noise
 along the best tuned runs and printed beside B_crit.
 
 Every batch size here is a global batch: per-device batch × devices × nodes × accumulation.
-A global batch B trains the same on W DDP ranks as in one process with B, so the grid runs in one
-process, all runs of a batch size vectorized (torch.func.vmap); --verify-ddp K replays K grid points
-on real DDP ranks and reports the largest difference.
+A global batch B trains the same on W DDP ranks as in one process with B, so by default the grid
+runs in one process, all runs of a batch size vectorized (torch.func.vmap over the stacked runs,
+each with its own dropout masks and BatchNorm statistics; the optimizer is torch.optim's SGD, Adam
+or AdamW as stacked updates); --verify-ddp K replays K grid points on real DDP ranks and reports
+the largest difference. What cannot be vectorized (a spec's own step(), another optimizer) trains
+on the DDP engine: each run on --world-size real DDP ranks, one launch per batch size. Under
+torchrun (one node or several) every process runs the command and the grid trains across the
+job; rank 0 owns the cache and the report. With BatchNorm, the vectorized engine normalizes over
+the whole global batch, as one device would; DDP ranks normalize over their own share.
 
 Without SPEC.py: sklearn's digits, an MLP, SGD with momentum, target validation accuracy
 {DEFAULT_ACCURACY} (pip install 'ddplab[study]'). SPEC.py defines model(), dataset(), loss(output,
@@ -52,6 +58,9 @@ examples:
   ddplab study --global-batch-sizes 16,64,256 --seeds 3 --json
   ddplab study --rules tuned,adascale,ramp
   ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
+  ddplab study spec.py --target-loss 1.5 --optimizer adamw --weight-decay 0.1 --rules tuned,adam-sqrt
+  ddplab study spec.py --target-accuracy 0.9 --engine ddp --world-size 4 --max-batch-size-per-device 32
+  torchrun --nnodes 2 --nproc-per-node 4 ... -m ddplab study spec.py --target-accuracy 0.9
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8 --batch-size 32
 """
 
@@ -121,6 +130,19 @@ def add_parser(subparsers) -> None:
                         help=f"torch intra-op threads while training (default {default(StudyOptions, 'threads')}: "
                              "the runs are already batched, and small models lose more to thread hand-offs than "
                              "they gain)")
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--engine", choices=("auto", "vmap", "ddp"),
+                     help="vmap: a batch size's runs train at once in one process; ddp: each run on --world-size "
+                          "real DDP ranks, one launch per batch size (a spec's own step(), any optimizer, torchrun "
+                          "across nodes); auto (default): vmap where the spec allows, else ddp, saying why")
+    eng.add_argument("--world-size", type=integer,
+                     help=f"ranks of the DDP engine (default {default(StudyOptions, 'world_size')}; under torchrun: "
+                          "torchrun's)")
+    eng.add_argument("--max-batch-size-per-device", type=integer,
+                     help="the DDP engine's largest loader batch per rank: a larger share of a global batch "
+                          "accumulates over micro-batches (default: no cap)")
+    eng.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                     help="where runs train (default auto: CUDA when torch sees it; the DDP engine then uses NCCL)")
     parser.add_argument("--no-plots", action="store_true", help="skip PNG plots and the HTML report")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
@@ -158,7 +180,8 @@ def config_from_args(args: argparse.Namespace, spec_defaults: dict | None = None
         grid["global_batch_sizes"] = tuple(sorted(set(grid["global_batch_sizes"])))
     options = StudyOptions(fresh=args.fresh, plots=not args.no_plots, **given(
         args, out="out", verify_ddp="verify_ddp", verify_world_size="verify_world_size",
-        verify_steps="verify_steps", threads="threads"))
+        verify_steps="verify_steps", threads="threads", engine="engine", world_size="world_size",
+        max_batch_size_per_device="max_batch_size_per_device", device="device"))
     return StudyConfig(target=target, **grid), options
 
 
@@ -183,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     workload = workload_for(args.spec)
     config, options = config_from_args(args, spec_defaults(workload))
     report = run_study(workload, config, options, progress=render.ProgressBar("ddplab study"))
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun, rank 0 speaks for the study
     if args.json:
         render.print_json(report)
     else:

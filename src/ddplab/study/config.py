@@ -23,6 +23,8 @@ Family = Literal["sgd", "adam", "adamw"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 TargetKind = Literal["accuracy", "loss"]
 Dtype = Literal["float32", "float64"]
+Engine = Literal["auto", "vmap", "ddp"]
+Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_ACCURACY = 0.95
 """The built-in workload's target, when none is given."""
@@ -254,8 +256,23 @@ class StudyOptions:
     """Steps per verify_ddp point."""
     threads: int = 1
     """torch intra-op threads while training (the runs are already batched; small models lose to hand-offs)."""
+    engine: Engine = "auto"
+    """vmap: every run of a batch size in one process, vectorized; ddp: each run on ``world_size`` real DDP ranks
+    (a spec's own step(), any optimizer, torchrun across nodes); auto: vmap where the spec allows, else ddp."""
+    world_size: int = 2
+    """Ranks of the DDP engine (under torchrun: torchrun's)."""
+    max_batch_size_per_device: int | None = None
+    """The DDP engine's largest loader batch per rank; larger shares accumulate (None: no cap)."""
+    device: Device = "auto"
+    """Where runs train: auto (CUDA when available), cpu or cuda."""
 
     def __post_init__(self):
+        if self.engine not in get_args(Engine):
+            raise UsageError(f"{{engine}} must be one of {', '.join(get_args(Engine))}, got {self.engine!r}")
+        if self.device not in get_args(Device):
+            raise UsageError(f"{{device}} must be one of {', '.join(get_args(Device))}, got {self.device!r}")
+        if not self.world_size >= 1 or not (self.max_batch_size_per_device or 1) >= 1:
+            raise UsageError("{world_size} and {max_batch_size_per_device} must be at least 1")
         for field, value in (("verify_world_size", self.verify_world_size), ("verify_steps", self.verify_steps),
                              ("threads", self.threads)):
             if not value >= 1:

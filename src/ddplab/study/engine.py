@@ -112,19 +112,23 @@ class Group:
     """All runs of one global batch size, as stacked parameters trained together."""
 
     def __init__(self, workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                 *, adascale: bool = False, optimizer: OptimizerConfig | None = None, adam_sqrt: bool = False):
+                 *, adascale: bool = False, optimizer: OptimizerConfig | None = None, adam_sqrt: bool = False,
+                 device: torch.device | str = "cpu"):
         self.workload, self.config, self.global_batch = workload, config, global_batch
+        self.device = torch.device(device)
         dtype = torch_dtype(config)
-        self.model = workload.model().to(dtype)
+        self.model = workload.model().to(dtype).to(self.device)
         seeds = sorted({seed for _, seed in runs})
         init = {seed: seeded_state(workload, seed, dtype) for seed in seeds}
-        self.params = {name: torch.stack([init[seed][0][name] for _, seed in runs]) for name in init[seeds[0]][0]}
+        self.params = {name: torch.stack([init[seed][0][name] for _, seed in runs]).to(self.device)
+                       for name in init[seeds[0]][0]}
         # Buffers (BatchNorm's running statistics) are per run too: each run's forward updates its own slice.
-        self.buffers = {name: torch.stack([init[seed][1][name] for _, seed in runs]) for name in init[seeds[0]][1]}
+        self.buffers = {name: torch.stack([init[seed][1][name] for _, seed in runs]).to(self.device)
+                        for name in init[seeds[0]][1]}
         self.optimizer = optim.stacked(optimizer or config.optimizer, self.params)
         # Dropout draws a different mask for every run (vmap's randomness="different"), the same for the same grid.
         torch.manual_seed(global_batch)
-        self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype)
+        self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype, device=self.device)
         self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
         self.active = list(range(len(runs)))
         self.results = [RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adascale=adascale,
@@ -137,8 +141,8 @@ class Group:
         self.smoothed = [Smoothed(default_smoothing(self.scale)) for _ in runs] if adascale else []
         self.tau = [0.0] * len(runs)
         self.batches = _Batches(workload.train_size, global_batch, seeds)
-        self.inputs = cast(workload.train[0], dtype)
-        self.targets = cast(workload.train[1], dtype)
+        self.inputs = cast(workload.train[0], dtype).to(self.device)
+        self.targets = cast(workload.train[1], dtype).to(self.device)
         self._forward = vmap(lambda params, buffers, inputs: functional_call(self.model, (params, buffers), (inputs,)),
                              randomness="different")
         self._losses = vmap(workload.loss)
@@ -157,7 +161,7 @@ class Group:
 
     def step(self, step: int, *, measure: bool) -> torch.Tensor:
         """One optimizer step of every active run (torch.optim's formula, ddplab.study.optim); returns losses."""
-        indices = self.batches.indices(step)[self.seed_row]
+        indices = self.batches.indices(step)[self.seed_row].to(self.device)
         inputs, targets = self.inputs[indices], self.targets[indices]
         grads, losses = self._grad_and_loss(self.params, inputs, targets)
         # AdaScale needs the estimates at every step; the fixed-lr runs only where they are recorded.
@@ -196,14 +200,15 @@ class Group:
             gains.append(gain)
             if record:
                 self.results[run].gains.append([step + 1, gain, self.tau[run]])
-        return torch.tensor(gains, dtype=self.lr.dtype)
+        return torch.tensor(gains, dtype=self.lr.dtype, device=self.device)
 
     def metrics(self) -> list[float]:
         """Each active run's evaluation: vectorized on the validation split, or the spec's evaluate per run."""
         if self.workload.evaluate is not None:
             return self._evaluate_each()
         inputs, targets = self.workload.val
-        inputs, targets = cast(inputs, torch_dtype(self.config)), cast(targets, torch_dtype(self.config))
+        dtype = torch_dtype(self.config)
+        inputs, targets = cast(inputs, dtype).to(self.device), cast(targets, dtype).to(self.device)
         with torch.no_grad(), _eval_mode(self.model):
             outputs = vmap(lambda p, b: functional_call(self.model, (p, b), (inputs,)))(self.params, self.buffers)
             if self.config.target.kind == "accuracy":
@@ -223,12 +228,26 @@ class Group:
 
     def keep(self, rows: list[int]) -> None:
         """Drop finished runs: only the rows in ``rows`` go on training."""
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.params = {n: p[index] for n, p in self.params.items()}
         self.buffers = {n: b[index] for n, b in self.buffers.items()}
         self.optimizer.keep(index)
-        self.lr, self.seed_row = self.lr[index], self.seed_row[index]
+        self.lr, self.seed_row = self.lr[index], self.seed_row[index.cpu()]
         self.active = [self.active[r] for r in rows]
+
+
+def evaluate_model(workload: Workload, config: StudyConfig, model: torch.nn.Module) -> float:
+    """One model's evaluation, as a group evaluates each of its runs (eval mode, validation split or evaluate())."""
+    with torch.no_grad(), _eval_mode(model):
+        if workload.evaluate is not None:
+            return float(workload.evaluate(model, workload.eval_dataset))
+        device = next(model.parameters()).device
+        inputs, targets = workload.val
+        outputs = model(cast(inputs, torch_dtype(config)).to(device))
+        targets = cast(targets, torch_dtype(config)).to(device)
+        if config.target.kind == "accuracy":
+            return float((outputs.argmax(-1) == targets).to(torch.float64).mean())
+        return float(workload.loss(outputs, targets))
 
 
 @contextlib.contextmanager
@@ -248,7 +267,7 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
                 progress: Callable[[int], None] | None = None, *,
                 sweep_only: set[float] = frozenset(), adascale: bool = False,
-                adam_sqrt: bool = False) -> list[RunResult]:
+                adam_sqrt: bool = False, device: torch.device | str = "cpu") -> list[RunResult]:
     """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps.
 
     Runs of an lr in ``sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
@@ -257,7 +276,8 @@ def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs
     are the adam-sqrt rule's at this batch.
     """
     optimizer = config.adam_sqrt_optimizer(global_batch)[0] if adam_sqrt else None
-    group = Group(workload, config, global_batch, runs, adascale=adascale, optimizer=optimizer, adam_sqrt=adam_sqrt)
+    group = Group(workload, config, global_batch, runs, adascale=adascale, optimizer=optimizer, adam_sqrt=adam_sqrt,
+                  device=device)
     reported = 0
     for step in range(config.max_steps):
         evaluate = (step + 1) % config.eval_every == 0

@@ -31,6 +31,24 @@ def check_grid(workload: Workload, config: StudyConfig) -> None:
                          "reached")
 
 
+class RankZeroCache:
+    """A study under torchrun: rank 0 alone reads and writes the cache, and every rank takes its answer."""
+
+    def __init__(self, cache: Cache | None, rank: int):
+        self.cache, self.rank = cache, rank
+
+    def load(self, global_batch: int, runs: list[tuple[float, int]], kind: str = "") -> list[RunResult] | None:
+        import torch.distributed as dist
+
+        found = [self.cache.load(global_batch, runs, kind) if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def save(self, global_batch: int, results: list[RunResult], kind: str = "") -> None:
+        if self.rank == 0:
+            self.cache.save(global_batch, results, kind)
+
+
 class Cache:
     """Finished groups under ``DIR/runs/``, one JSON per batch size, written atomically."""
 
@@ -85,9 +103,13 @@ class Cache:
         write_json_atomic(self._path(global_batch, kind), [r.to_json() for r in results], standard=False)
 
 
+Trainer = Callable[..., list[RunResult]]
+"""train(workload, config, global_batch, runs, advance, *, sweep_only, adascale, adam_sqrt) → the group's results."""
+
+
 def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
-             advance: Callable[[int], None] | None = None) -> dict[int, list[RunResult]]:
-    """Every batch size's group, from the cache when it is there, else trained and cached at once.
+             advance: Callable[[int], None] | None = None, train: Trainer = train_group) -> dict[int, list[RunResult]]:
+    """Every batch size's group, from the cache when it is there, else trained by ``train`` and cached at once.
 
     ``advance(steps)`` is told each stretch of the step budget as it is used (or skipped).
     """
@@ -104,8 +126,8 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
             if cached is None:
                 sweep_only = {lr for lr, rules in config.lrs(global_batch).items() if rules == ["tuned"]} \
                     if not kind else set()
-                cached = train_group(workload, config, global_batch, runs, advance, sweep_only=sweep_only,
-                                     adascale=kind == "-adascale", adam_sqrt=kind == "-adam-sqrt")
+                cached = train(workload, config, global_batch, runs, advance, sweep_only=sweep_only,
+                               adascale=kind == "-adascale", adam_sqrt=kind == "-adam-sqrt")
                 if cache:
                     cache.save(global_batch, cached, kind)
             elif advance:

@@ -159,6 +159,12 @@ def _pareto_plot(report: dict, path: str) -> None:
     (McCandlish et al. 2018, fig. 7a)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    if not any(_median_points(report, rule) for rule in report["rules"]):
+        ax.text(0.5, 0.5, "no rule's median run reached the target at two batch sizes", ha="center",
+                transform=ax.transAxes)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     for rule in report["rules"]:
         points = _median_points(report, rule)
         if points:

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ddplab.adapt.ramp import BatchRamp
 from ddplab.noise.scale import GradientNoiseScale
 from ddplab.study.config import StudyConfig
-from ddplab.study.engine import DIVERGED_LOSS, RunResult, _Batches, _eval_mode, cast, seeded_state, stalled, torch_dtype
+from ddplab.study.engine import (
+    DIVERGED_LOSS,
+    RunResult,
+    _Batches,
+    cast,
+    evaluate_model,
+    seeded_state,
+    stalled,
+    torch_dtype,
+)
 from ddplab.study.optim import torch_optimizer
 from ddplab.study.workloads import Workload
 
@@ -66,7 +73,7 @@ def train_ramp(workload: Workload, config: StudyConfig, lr: float, seed: int) ->
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % config.eval_every == 0:
-            metric = _evaluate(workload, config, model)
+            metric = evaluate_model(workload, config, model)
             result.history.append([step + 1, loss, metric])
             result.trajectory.append([step + 1, ramp.global_batch_size, lr * ramp.lr_factor()])
             if not math.isfinite(metric):
@@ -80,14 +87,3 @@ def train_ramp(workload: Workload, config: StudyConfig, lr: float, seed: int) ->
                 break
     ramp.remove()
     return result
-
-
-def _evaluate(workload: Workload, config: StudyConfig, model: torch.nn.Module) -> float:
-    with torch.no_grad(), _eval_mode(model):
-        if workload.evaluate is not None:
-            return float(workload.evaluate(model, workload.eval_dataset))
-        inputs, targets = workload.val
-        outputs = model(cast(inputs, torch_dtype(config)))
-        if config.target.kind == "accuracy":
-            return float((outputs.argmax(-1) == targets).to(torch.float64).mean())
-        return float(workload.loss(outputs, cast(targets, torch_dtype(config))))

@@ -20,6 +20,9 @@ class StudyReport:
     out: str
     engine: str = "vmap"
     """Which engine trained the grid."""
+    engine_reason: str = ""
+    """Why that engine."""
+    device: str = "cpu"
     verify_ddp: VerifyResult | None = None
     plots: list[str] = dataclasses.field(default_factory=list)
     report: str | None = None
@@ -41,7 +44,7 @@ class StudyReport:
             "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr},
             "seeds": cfg.seeds, "max_steps": cfg.max_steps, "eval_every": cfg.eval_every, "patience": cfg.patience,
             "dtype": cfg.dtype, "train_size": self.train_size, "optimizer": cfg.optimizer.to_json(),
-            "engine": self.engine,
+            "engine": self.engine, "engine_reason": self.engine_reason, "device": self.device,
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
             "unreached": analysis.unreached, "adascale": analysis.adascale, "ramp": analysis.ramp,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 import tempfile
 import time
@@ -12,10 +14,12 @@ import torch
 
 from ddplab.errors import UsageError, literal
 from ddplab.progress import Progress, silent
-from ddplab.runtime.launch import LaunchConfig
+from ddplab.runtime.launch import LaunchConfig, RankContext, launch, world_size_for
+from ddplab.runtime.launch_config import under_torchrun
 from ddplab.serialize import write_json_atomic
-from ddplab.study import analysis, grid, workloads
+from ddplab.study import analysis, ddp, grid, workloads
 from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.engine import train_group
 from ddplab.study.report import StudyReport
 from ddplab.study.verify import verify_ddp
 from ddplab.study.workloads import Workload
@@ -29,9 +33,6 @@ def workload_for(spec: str | None) -> Workload:
 def spec_defaults(workload: Workload) -> dict:
     """StudyConfig fields the spec's own optimizer() sets: its family and hyperparameters, and its lr as the
     reference lr (what a flag or a caller gives wins)."""
-    if workload.not_vectorized:
-        raise UsageError(f"spec {literal(workload.name)}: {literal(workload.not_vectorized)}; the study trains SGD, "
-                         "Adam and AdamW: give {optimizer.family} and its settings")
     out = {}
     if workload.optimizer is not None:
         out["optimizer"] = workload.optimizer
@@ -45,30 +46,103 @@ def run_study(workload: Workload, config: StudyConfig, options: StudyOptions | N
     """Train (or read from the cache) every run of the grid, fit, and write study.json, plots and report.html.
 
     study.json is written before anything is drawn, so a failing plot never loses a finished study.
+    Under torchrun every process calls this: the grid's runs train across the job's ranks, and rank 0
+    owns the cache, study.json and the plots.
     """
-    started = time.monotonic()
     options = options or StudyOptions()
-    if options.plots:
+    engine, why = choose_engine(workload, config, options)
+    device = resolve_device(options.device)
+    if under_torchrun():
+        return launch(_study_in_group, launch_config or LaunchConfig(), workload, config, options, engine, why,
+                      device, progress)[0]
+    return _study(workload, config, options, engine, why, device, progress, launch_config, rank=None)
+
+
+def _study_in_group(ctx: RankContext, workload, config, options, engine, why, device, progress) -> StudyReport:
+    # The group stays up for the whole study: each batch's launch joins it, and the cache's answers are broadcast.
+    return _study(workload, config, options, engine, why, device, progress if ctx.is_main else silent,
+                  LaunchConfig(), rank=ctx.rank)
+
+
+def _study(workload, config, options, engine, why, device, progress, launch_config, *, rank) -> StudyReport:
+    started = time.monotonic()
+    main = rank in (None, 0)
+    if options.plots and main:
         require_matplotlib()
-    check_out(options.out)
-    grid.check_grid(workload, config)
-    cache = grid.Cache(options.out, config.fingerprint(workload.fingerprint), fresh=options.fresh)
-    with _threads(options.threads):
-        results = grid.run_grid(workload, config, cache, _advance(progress, config))
+    cache = None
+    if main:
+        check_out(options.out)
+        grid.check_grid(workload, config)
+        cache = grid.Cache(options.out, config.fingerprint(workload.fingerprint), fresh=options.fresh)
+    if rank is not None:
+        cache = grid.RankZeroCache(cache, rank)
+    train = _trainer(engine, device, options, launch_config)
+    with _threads(options.threads if engine == "vmap" else torch.get_num_threads()):
+        results = grid.run_grid(workload, config, cache, _advance(progress, config), train)
     found = analysis.analyze(config, results)
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
-                         out=options.out)
-    if options.verify_ddp:
+                         out=options.out, engine=engine, engine_reason=why, device=str(device))
+    if options.verify_ddp and engine == "vmap":
         report.verify_ddp = verify_ddp(workload, config, options.verify_ddp, world_size=options.verify_world_size,
                                        steps=options.verify_steps, tuned=found.tuned_lr, launch_config=launch_config)
+    if not main:
+        return report
     _save(report, options, started)
-    if options.plots and found.reached:
+    if options.plots and found.fit:  # a figure needs a curve: some rule fitted at two batch sizes
         from ddplab.study import plots
 
         report.plots = plots.plots(report.to_json(), results, options.out)
         report.report = plots.write_html(report.to_json(), os.path.join(options.out, "report.html"))
         _save(report, options, started)
     return report
+
+
+def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions) -> tuple[str, str]:
+    """(engine, why): what trains the grid, and the reason in words."""
+    adaptive = [rule for rule in config.rules if rule in ("adascale", "ramp")]
+    if options.engine == "vmap" or (options.engine == "auto" and not workload.not_vectorized
+                                    and not under_torchrun()):
+        if workload.not_vectorized:
+            raise UsageError(f"{{engine}} vmap cannot train {literal(workload.name)}: "
+                             f"{literal(workload.not_vectorized)}; use {{engine}} ddp (or auto)")
+        if under_torchrun():
+            raise UsageError("under torchrun the grid runs across the job's ranks: use {engine} ddp (or auto)")
+        return "vmap", ("asked for" if options.engine == "vmap" else
+                        "the model and optimizer vectorize: every run of a batch size trains at once in one process")
+    if adaptive:
+        raise UsageError(f"the rule {adaptive[0]} runs on the vectorized engine only: drop it from {{rules}} for "
+                         "the DDP engine")
+    if options.engine == "ddp":
+        return "ddp", "asked for"
+    if under_torchrun():
+        return "ddp", "under torchrun: the grid's runs train across the job's ranks"
+    return "ddp", f"the spec cannot be vectorized: {workload.not_vectorized}"
+
+
+def resolve_device(device: str) -> torch.device:
+    """The device runs train on: ``auto`` is CUDA where there is one."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("{device} cuda, but torch sees no CUDA device here: use {device} cpu (or auto)")
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def _trainer(engine: str, device: torch.device, options: StudyOptions, launch_config: LaunchConfig | None):
+    """The function that trains one group on the chosen engine and device."""
+    if engine == "vmap":
+        return functools.partial(train_group, device=device)
+    launch_config = dataclasses.replace(launch_config or LaunchConfig(),
+                                        world_size=world_size_for(None, default=options.world_size),
+                                        backend="nccl" if device.type == "cuda" else "gloo")
+
+    def train(workload, config, global_batch, runs, advance=None, *, sweep_only=(), adascale=False,
+              adam_sqrt=False):
+        results = ddp.train_group_ddp(workload, config, global_batch, runs, launch_config, adam_sqrt=adam_sqrt,
+                                      max_per_device=options.max_batch_size_per_device)
+        if advance:
+            advance(config.max_steps)
+        return results
+
+    return train
 
 
 def _save(report: StudyReport, options: StudyOptions, started: float) -> None:

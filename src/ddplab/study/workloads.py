@@ -46,6 +46,11 @@ class Workload:
     """The lr of the spec's optimizer(): the study's reference lr unless one is given."""
     not_vectorized: str = ""
     """Why the vectorized engine cannot train this workload as the spec does ('' when it can)."""
+    step: Callable[[torch.nn.Module, Any, Callable], torch.Tensor] | None = None
+    """The spec's own step(model, batch, loss_fn), which only the DDP engine runs."""
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    """The spec's optimizer(params) when it is outside SGD, Adam and AdamW: the DDP engine builds it and scales
+    its lrs by the grid's lr over ``lr``."""
 
     @property
     def train_size(self) -> int:
@@ -124,15 +129,16 @@ def from_spec(path: str) -> Workload:
     if not callable(evaluate) and not callable(val_dataset):
         raise spec.error("defines neither evaluate(model, dataset) nor val_dataset(): the study needs one to know "
                          "when a run reaches the target")
-    if spec.custom_step:
-        raise spec.error("defines step(): the study vectorizes loss(model(x), y) and cannot replay a custom step")
     optimizer, lr, why = _spec_optimizer(spec, module)
+    # What only the DDP engine can train: the spec's own step(), an optimizer the stacked engine lacks.
+    why = "; ".join(filter(None, ["it defines step()" if spec.custom_step else "", why]))
     train = _as_tensors(spec, spec.dataset(), "dataset()")
     with spec.guard("val_dataset()"):
         eval_dataset = val_dataset() if callable(val_dataset) else spec.dataset()
     common = dict(name=os.path.basename(path), model=spec.model, loss=spec.loss, train=train,
                   source=("spec", (("path", spec.path),)), fingerprint=_file_fingerprint(spec.path),
-                  optimizer=optimizer, lr=lr, not_vectorized=why)
+                  optimizer=optimizer, lr=lr, not_vectorized=why, step=spec.step if spec.custom_step else None,
+                  make_optimizer=spec.optimizer if optimizer is None and lr is not None else None)
     if callable(evaluate):
         return Workload(evaluate=_guarded_evaluate(spec, evaluate), eval_dataset=eval_dataset, **common)
     return Workload(val=_as_tensors(spec, eval_dataset, "val_dataset()"), **common)
@@ -149,7 +155,7 @@ def _spec_optimizer(spec, module) -> tuple[Any, float | None, str]:
     if not isinstance(built, torch.optim.Optimizer):
         raise spec.error(f"optimizer(params) must return a torch.optim.Optimizer, got {literal(type(built).__name__)}")
     config, lr, why = from_torch(built)
-    return config, lr, (f"its optimizer(): {why}" if why else "")
+    return config, lr, (f"its optimizer() ({why})" if why else "")
 
 
 def _guarded_evaluate(spec, evaluate):

@@ -1,0 +1,145 @@
+"""The DDP engine: each grid point trained as a real DDP run, one launch per global batch for all its runs.
+
+For what the vectorized engine cannot train: a spec's own ``step()``, an optimizer outside SGD,
+Adam and AdamW, a model that does not vmap, BatchNorm whose statistics must be per rank, or a
+study under torchrun across nodes. The launch layer (:mod:`ddplab.runtime.launch`) starts
+``world_size`` ranks once per global batch (or joins torchrun's group), and they train that
+batch's runs in turn. Each rank takes its DistributedSampler share of the engine's global batch
+(the order :mod:`ddplab.study.engine` uses, so both engines see the same samples at each step),
+in ``accumulation`` micro-batches under ``no_sync`` when the per-rank batch is capped.
+
+Every decision to stop is one all ranks take together: the training loss is all-reduced at each
+step, and rank 0 evaluates and broadcasts the metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from ddplab.errors import UsageError
+from ddplab.runtime.launch import LaunchConfig, RankContext, launch
+from ddplab.study import workloads
+from ddplab.study.config import StudyConfig
+from ddplab.study.engine import DIVERGED_LOSS, RunResult, cast, evaluate_model, stalled, torch_dtype
+from ddplab.study.optim import torch_optimizer
+from ddplab.study.verify import _Shards
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DdpPlan:
+    """How the ranks split one global batch."""
+
+    world_size: int
+    accumulation_steps: int
+    per_device_batch_size: int
+    """The loader batch of each rank and micro-step."""
+
+
+def split(global_batch: int, world_size: int, max_per_device: int | None) -> DdpPlan:
+    """The fewest accumulation steps that keep each rank's micro-batch at most ``max_per_device``."""
+    if global_batch % world_size:
+        raise UsageError(f"global batch {global_batch} does not split evenly over {world_size} DDP ranks "
+                         "({world_size}): choose {global_batch_sizes} that are multiples of it")
+    per_rank = global_batch // world_size
+    cap = max_per_device or per_rank
+    accumulation = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= cap)
+    return DdpPlan(world_size=world_size, accumulation_steps=accumulation,
+                   per_device_batch_size=per_rank // accumulation)
+
+
+def train_group_ddp(workload: workloads.Workload, config: StudyConfig, global_batch: int,
+                    runs: list[tuple[float, int]], launch_config: LaunchConfig, *, adam_sqrt: bool = False,
+                    max_per_device: int | None = None) -> list[RunResult]:
+    """Train every (lr, seed) run at ``global_batch`` on ``launch_config.world_size`` DDP ranks, one after another."""
+    plan = split(global_batch, launch_config.world_size, max_per_device)
+    if adam_sqrt:
+        config = dataclasses.replace(config, optimizer=config.adam_sqrt_optimizer(global_batch)[0])
+    # Every rank returns the same results (each stop is decided together): rank 0's serve.
+    return launch(_train_runs, launch_config, workload.source, config, global_batch, runs, plan, adam_sqrt)[0]
+
+
+def _train_runs(ctx: RankContext, source, config: StudyConfig, global_batch: int, runs, plan: DdpPlan,
+                adam_sqrt: bool) -> list[RunResult]:
+    # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
+    workload = workloads.load(source)
+    dtype = torch_dtype(config)
+    inputs = cast(workload.train[0], dtype).to(ctx.device)
+    targets = cast(workload.train[1], dtype).to(ctx.device)
+    out = []
+    for lr, seed in runs:
+        result = RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adam_sqrt=adam_sqrt)
+        _train_one(ctx, workload, config, plan, inputs, targets, result)
+        out.append(result)
+    return out
+
+
+def _optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
+    if workload.make_optimizer is None:
+        return torch_optimizer(config.optimizer, params, lr)
+    # The spec's own optimizer, every group's lr scaled as the rule scales the reference lr.
+    optimizer = workload.make_optimizer(params)
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * lr / workload.lr
+    return optimizer
+
+
+def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
+               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(result.seed)
+    model = workload.model().to(torch_dtype(config)).to(ctx.device)
+    ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
+    optimizer = _optimizer(workload, config, ddp.parameters(), result.lr)
+    shards = _Shards(workload.train_size, result.global_batch_size, ctx, result.seed)
+    # Dropout's masks differ per rank and per run, the same every time the grid runs.
+    torch.manual_seed(1_000_003 * result.seed + ctx.rank)
+    step_fn = workload.step or _default_step
+    for step in range(config.max_steps):
+        index = shards.batch(step).to(ctx.device)
+        loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
+            last = micro == plan.accumulation_steps - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                value = step_fn(ddp, (inputs[part], targets[part]), workload.loss)
+                (value / plan.accumulation_steps).backward()
+            loss += value.detach().to(torch.float64) / plan.accumulation_steps
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss)
+        loss = float(loss) / ctx.world_size
+        if not math.isfinite(loss) or abs(loss) > DIVERGED_LOSS:
+            result.diverged = True
+            break
+        if (step + 1) % config.eval_every == 0 and _evaluated(ctx, workload, config, model, result, step + 1, loss):
+            break
+    del ddp, optimizer, model
+
+
+def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: RunResult, steps: int,
+               loss: float) -> bool:
+    """Rank 0 evaluates and every rank records its metric; True when the run is finished."""
+    metric = torch.tensor(evaluate_model(workload, config, model) if ctx.is_main else 0.0, dtype=torch.float64,
+                          device=ctx.device)
+    dist.broadcast(metric, src=0)
+    metric = float(metric)
+    result.history.append([steps, loss, metric])
+    if not math.isfinite(metric):
+        result.diverged = True
+    elif config.target.reached(metric):
+        result.steps_to_target = steps
+    elif stalled(config, result.history):
+        result.stalled = True
+    else:
+        return False
+    return True
+
+
+def _default_step(model, batch, loss_fn):
+    inputs, targets = batch
+    return loss_fn(model(inputs), targets)

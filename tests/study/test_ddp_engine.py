@@ -1,0 +1,164 @@
+"""The study's DDP engine: real DDP ranks per grid point, agreeing with the vectorized engine; specs only it can
+train; torchrun across two local agents."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ddplab.cli.main import main
+from ddplab.runtime.launch import LaunchConfig
+from ddplab.study import ddp, grid, workloads
+from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+
+
+def _ddp_trainer(world_size: int, max_per_device: int | None):
+    config = LaunchConfig(world_size=world_size, backend="gloo")
+
+    def train(workload, study, global_batch, runs, advance=None, *, sweep_only=(), adascale=False, adam_sqrt=False):
+        return ddp.train_group_ddp(workload, study, global_batch, runs, config, adam_sqrt=adam_sqrt,
+                                   max_per_device=max_per_device)
+
+    return train
+
+
+@pytest.mark.timeout(180)
+def test_the_ddp_engine_takes_the_vectorized_engines_steps():
+    """float64, a deterministic model: every run's evaluations and steps to target are the same on 2 DDP ranks (with
+    and without accumulation) as in the vectorized group, Adam's adam-sqrt runs included."""
+    workload = workloads.regression(dim=8, n_train=512, n_val=128)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(8, 32), seeds=2,
+                         optimizer=OptimizerConfig(family="adam"), reference_global_batch_size=8,
+                         reference_lr=0.02, sweep_margin=2, max_steps=150, eval_every=5, dtype="float64")
+    vectorized = grid.run_grid(workload, config, None)
+    for world_size, cap in ((2, None), (2, 4)):
+        on_ranks = grid.run_grid(workload, config, None, train=_ddp_trainer(world_size, cap))
+        for b in config.global_batch_sizes:
+            assert len(on_ranks[b]) == len(vectorized[b]) > 0
+            for mine, theirs in zip(on_ranks[b], vectorized[b]):
+                assert (mine.lr, mine.seed, mine.adam_sqrt) == (theirs.lr, theirs.seed, theirs.adam_sqrt)
+                # The vectorized engine stops a sweep lr that can no longer win (the DDP engine trains it on).
+                shared = len(theirs.history)
+                if not theirs.pruned:
+                    assert mine.steps_to_target == theirs.steps_to_target and mine.diverged == theirs.diverged
+                    assert len(mine.history) == shared
+                assert [h[0] for h in mine.history[:shared]] == [h[0] for h in theirs.history]
+                assert [h[2] for h in mine.history[:shared]] == pytest.approx([h[2] for h in theirs.history],
+                                                                               rel=1e-9)
+    assert any(r.steps_to_target for r in vectorized[32]) and any(r.adam_sqrt for r in vectorized[32])
+    assert ddp.split(32, 2, 4) == ddp.DdpPlan(world_size=2, accumulation_steps=4, per_device_batch_size=4)
+    assert ddp.split(24, 2, 5) == ddp.DdpPlan(world_size=2, accumulation_steps=3, per_device_batch_size=4)
+
+
+@pytest.mark.timeout(240)
+def test_a_spec_with_batchnorm_and_its_own_step_runs_on_the_ddp_engine(tmp_path, capsys):
+    spec = os.path.join(SPECS, "study_bn_step.py")
+    argv = ["study", spec, "--target-accuracy", "0.85", "--global-batch-sizes", "8,32,256", "--seeds", "2",
+            "--max-steps", "300", "--sweep-factor", "4", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["engine"] == "ddp" and report["engine_reason"] == "the spec cannot be vectorized: it defines step()"
+    assert report["device"] == "cpu" and report["fit"] and any(p.endswith("report.html") for p in [report["report"]])
+    assert report["optimizer"]["name"] == "SGD"
+    # plan --from-study reads it as any study.
+    assert main(["plan", "--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "32",
+                 "--from-study", str(tmp_path / "out" / "study.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rule"] == "measured"
+    # What the DDP engine cannot do, or the vectorized engine for this spec, is one line and exit 2.
+    cases = [(["--engine", "vmap"], "--engine vmap cannot train study_bn_step.py: it defines step(); use --engine ddp"),
+             (["--rules", "tuned,adascale"], "the rule adascale runs on the vectorized engine only"),
+             (["--global-batch-sizes", "15,64"], "global batch 15 does not split evenly over 2 DDP ranks")]
+    if not _cuda():
+        cases.append((["--device", "cuda"], "--device cuda, but torch sees no CUDA device here"))
+    for extra, message in cases:
+        assert main([*argv, *extra, "--no-plots", "--fresh"]) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_study_runs_under_torchrun_on_two_local_agents(tmp_path):
+    """torchrun --nnodes 2 --nproc-per-node 2 over loopback: the grid trains across 4 ranks, rank 0 alone reports,
+    and the result is the vectorized engine's (float64, deterministic workload)."""
+    spec = tmp_path / "regression.py"
+    spec.write_text(REGRESSION_SPEC)
+    out = tmp_path / "out"
+    port = _free_port()
+    command = functools.partial(
+        _agent, ["-m", "ddplab", "study", str(spec), "--target-loss", "0.02", "--global-batch-sizes", "8,32",
+                 "--seeds", "2", "--max-steps", "200", "--dtype", "float64", "--out", str(out), "--no-plots",
+                 "--json", "--sweep-margin", "2", "--ref-global-batch-size", "8"], port)
+    agents = [command(node) for node in (0, 1)]
+    outputs = [agent.communicate(timeout=280) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    printed = [stdout for stdout, _ in outputs if stdout.strip()]
+    assert len(printed) == 1  # rank 0 alone
+    report = json.loads((out / "study.json").read_text())
+    assert json.loads(printed[0])["runs"] == report["runs"]
+    assert report["engine"] == "ddp" and "under torchrun" in report["engine_reason"]
+    assert main(["study", str(spec), "--target-loss", "0.02", "--global-batch-sizes", "8,32", "--seeds", "2",
+                 "--max-steps", "200", "--dtype", "float64", "--out", str(tmp_path / "vmap"), "--no-plots",
+                 "--sweep-margin", "2", "--ref-global-batch-size", "8", "--json"]) == 0
+    vectorized = json.loads((tmp_path / "vmap" / "study.json").read_text())
+    assert vectorized["engine"] == "vmap"
+    assert [(r["rule"], r["lr"], r["seed"], r["steps_to_target"]) for r in report["runs"]] == \
+        [(r["rule"], r["lr"], r["seed"], r["steps_to_target"]) for r in vectorized["runs"]]
+
+
+def _agent(argv: list[str], port: int, node: int) -> subprocess.Popen:
+    torchrun = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, *torchrun, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+REGRESSION_SPEC = '''
+import torch
+
+
+def model():
+    layer = torch.nn.Linear(8, 1, bias=False)
+    torch.nn.init.zeros_(layer.weight)
+    return layer
+
+
+def _data(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return torch.utils.data.TensorDataset(x, x @ torch.linspace(-1, 1, 8).unsqueeze(1) / 2)
+
+
+def dataset():
+    return _data(0, 512)
+
+
+def val_dataset():
+    return _data(1, 256)
+
+
+def loss(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+'''
