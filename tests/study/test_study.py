@@ -283,8 +283,10 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
         assert "data:image/png;base64," in fh.read()
     # Run again: nothing retrains, the same answer comes back from the cache.
     calls = []
-    real = grid.train_group
-    monkeypatch.setattr(grid, "train_group", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    from ddplab.study import run as study_run
+
+    real = study_run.train_group
+    monkeypatch.setattr(study_run, "train_group", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     assert main(_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots")) == 0
     again = json.loads(capsys.readouterr().out)
     assert calls == [] and again["runs"] == report["runs"]

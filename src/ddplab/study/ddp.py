@@ -8,8 +8,8 @@ batch's runs in turn. Each rank takes its DistributedSampler share of the engine
 (the order :mod:`ddplab.study.engine` uses, so both engines see the same samples at each step),
 in ``accumulation`` micro-batches under ``no_sync`` when the per-rank batch is capped.
 
-Every decision to stop is one all ranks take together: the training loss is all-reduced at each
-step, and rank 0 evaluates and broadcasts the metric.
+Every decision to stop is one all ranks take together, from one all-reduce per evaluation: rank 0's
+metric, the mean training loss, and the largest loss since the last evaluation (divergence).
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
     # Dropout's masks differ per rank and per run, the same every time the grid runs.
     torch.manual_seed(1_000_003 * result.seed + ctx.rank)
     step_fn = workload.step or _default_step
+    window = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for step in range(config.max_steps):
         index = shards.batch(step).to(ctx.device)
         loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -111,23 +112,31 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
             loss += value.detach().to(torch.float64) / plan.accumulation_steps
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss)
-        loss = float(loss) / ctx.world_size
-        if not math.isfinite(loss) or abs(loss) > DIVERGED_LOSS:
-            result.diverged = True
-            break
-        if (step + 1) % config.eval_every == 0 and _evaluated(ctx, workload, config, model, result, step + 1, loss):
-            break
+        # A diverged step poisons every later one (its gradient is all-reduced), so checking the window's losses
+        # at each evaluation stops the same runs; one collective per evaluation instead of one per step.
+        window = torch.where(loss.isfinite(), torch.maximum(window, loss.abs()), math.inf)
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.max_steps:
+            if _evaluated(ctx, workload, config, model, result, step + 1, loss, window):
+                break
+            window.zero_()
     del ddp, optimizer, model
 
 
 def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: RunResult, steps: int,
-               loss: float) -> bool:
-    """Rank 0 evaluates and every rank records its metric; True when the run is finished."""
-    metric = torch.tensor(evaluate_model(workload, config, model) if ctx.is_main else 0.0, dtype=torch.float64,
-                          device=ctx.device)
-    dist.broadcast(metric, src=0)
-    metric = float(metric)
+               loss: torch.Tensor, window: torch.Tensor) -> bool:
+    """Rank 0 evaluates; one all-reduce gives every rank the metric, the mean loss and the window's largest loss.
+    True when the run is finished (every rank decides alike)."""
+    metric = evaluate_model(workload, config, model) if ctx.is_main else 0.0
+    diverged = (window > DIVERGED_LOSS).to(torch.float64)
+    shared = torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), loss.new_tensor(metric), diverged])
+    # Sums: the loss over ranks; the metric is rank 0's alone; a count of the ranks whose window diverged.
+    dist.all_reduce(shared)
+    loss, metric, diverged = float(shared[0]) / ctx.world_size, float(shared[1]), float(shared[2])
+    if diverged:
+        result.diverged = True
+        return True
+    if (steps % config.eval_every) != 0:
+        return False
     result.history.append([steps, loss, metric])
     if not math.isfinite(metric):
         result.diverged = True
