@@ -85,7 +85,8 @@ def main() -> None:
            "eval_every": config.eval_every, "points": args.points, "seconds": times,
            "overhead_after_first_point": engine / plain - 1,
            "overhead_over_evaluating_loop_after_first_point": engine / evaluating - 1,
-           "first_point_overhead": times["engine"][0] / times["plain"][0] - 1, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
+           "first_point_overhead": times["engine"][0] / times["plain"][0] - 1,
+           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as fh:
