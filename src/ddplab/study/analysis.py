@@ -243,7 +243,8 @@ def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None
     if not g2s:
         return None
     summary = estimators.summarize(g2s, traces)
-    ratio = tuned_fit["b_crit"] / summary.b_simple if tuned_fit and summary.b_simple > 0 else None
+    # B_simple is undefined (inf) where |G|² came out at or below 0: no ratio then, rather than 0.
+    ratio = _ratio(tuned_fit["b_crit"], summary.b_simple) if tuned_fit and summary.b_simple > 0 else None
     interval = list(summary.b_simple_ci95) if summary.b_simple_ci95 is not None else [None, None]
     return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps,
             "b_crit_over_b_simple": ratio}
