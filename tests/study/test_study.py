@@ -490,9 +490,48 @@ def test_missing_extras_say_what_to_install(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     assert main(["study", "--no-plots", "--out", str(tmp_path)]) == 2
     assert "pip install 'ddplab[study]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "mnist1d", None)
+    monkeypatch.setitem(sys.modules, "mnist1d.data", None)
+    assert main(["study", "--workload", "mnist1d", "--no-plots", "--out", str(tmp_path)]) == 2
+    assert "the mnist1d workload needs the mnist1d package: pip install 'ddplab[study]'" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["study", "--out", str(tmp_path)]) == 2
     assert "pip install 'ddplab[study]'" in capsys.readouterr().err
+
+
+def test_the_built_in_workloads_bring_their_documented_settings():
+    """mnist1d is built offline and leaves the process's random generators as they were; charlm's windows predict
+    the next character; each workload's documented target, grid and optimizer come with it."""
+    import random
+
+    import numpy
+
+    from ddplab.study.run import workload_defaults
+
+    random.seed(7)
+    numpy.random.seed(7)
+    expected = random.random(), numpy.random.random()
+    random.seed(7)
+    numpy.random.seed(7)
+    mnist = workloads.load(("mnist1d", ()))
+    assert (random.random(), numpy.random.random()) == expected
+    assert mnist.train[0].shape == (4000, 40) and mnist.val[0].shape == (1000, 40)
+    assert sorted(mnist.train[1].unique().tolist()) == list(range(10))
+    assert workload_defaults(mnist)["target"] == Target(kind="accuracy", value=0.6)
+    lm = workloads.load(("charlm", ()))
+    inputs, targets = lm.train
+    assert inputs.shape[1] == workloads.CHARLM_CONTEXT and torch.equal(inputs[1:, -1], targets[:-1, -1])
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    defaults = workload_defaults(lm)
+    assert defaults["optimizer"].family == "adamw" and defaults["target"] == Target(kind="loss", value=2.1)
+    output = lm.model()(inputs[:4])
+    assert output.shape == (4, workloads.CHARLM_CONTEXT, output.shape[-1])
+    # Causal: changing the last character changes no earlier position's prediction.
+    model = lm.model().eval()
+    changed = inputs[:1].clone()
+    changed[0, -1] = (changed[0, -1] + 1) % output.shape[-1]
+    with torch.no_grad():
+        assert torch.equal(model(inputs[:1])[0, :-1], model(changed)[0, :-1])
 
 
 def test_evaluate_that_raises_is_one_line_and_a_failed_start_leaves_no_fingerprint(tmp_path, capsys):
@@ -570,3 +609,26 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["rule"] == "measured"
     assert main(plan) == 2
     assert "the study measured the best lr of AdamW" in capsys.readouterr().err
+
+
+def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
+    """Noiseless regression, SGD without momentum, a sweep far below the best lr: runs are added a factor at a time
+    until the best is interior, each addition cached with the rest; a budget too small for that leaves the warning."""
+    workload = workloads.regression(dim=8, n_train=1024, n_val=512)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(16, 64),
+                         rules=("tuned",), reference_global_batch_size=16, reference_lr=0.01, sweep_margin=1,
+                         optimizer=PLAIN_SGD, seeds=2, max_steps=400, eval_every=2, dtype="float64")
+    found = analysis.analyze(config, grid.run_grid(workload, config, None))
+    for point in found.tuned_lr:
+        assert point["sweep"][0] < point["lr"] < point["sweep"][-1], point
+        # The exact recursion's best lr (1 / (2(1 + (dim + 1)/B))) lies within a sweep factor of the one found.
+        exact = 1 / (2 * (1 + 9 / point["global_batch_size"]))
+        assert exact / 2 <= point["lr"] <= exact * 2, (point, exact)
+    assert any(r["extension"] for r in found.runs) and not any("sits at the edge" in w for w in found.warnings)
+    grid_runs = sum(len(config.grid_runs(b)) for b in config.global_batch_sizes)
+    tight = dataclasses.replace(config, max_runs=grid_runs + 2)
+    found = analysis.analyze(tight, grid.run_grid(workload, tight, None))
+    assert any("sits at the edge of its sweep" in w and "--max-runs" in w for w in found.warnings)
+    with pytest.raises(UsageError, match=f"the grid has {grid_runs} fixed-lr runs, more than max_runs"):
+        grid.run_grid(workload, dataclasses.replace(config, max_runs=grid_runs - 1), None)

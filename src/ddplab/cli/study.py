@@ -17,6 +17,7 @@ from ddplab.study.config import (
     FAMILIES,
     FIXED_RULES,
     RULES,
+    WORKLOADS,
     OptimizerConfig,
     StudyConfig,
     StudyOptions,
@@ -70,6 +71,11 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", metavar="SPEC.py", nargs="?", default=None,
                         help="training spec file (default: the built-in digits workload)")
+    parser.add_argument("--workload", choices=WORKLOADS,
+                        help="a built-in workload instead of a spec, each with its documented target and grid: "
+                             "digits (scikit-learn's digits, an MLP, accuracy 0.95), mnist1d (MNIST-1D built "
+                             "offline, an MLP, accuracy 0.6), charlm (a character-level transformer with LayerNorm, "
+                             "dropout and AdamW on public-domain text, validation loss 2.1)")
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--target-accuracy", type=number,
                         help=f"validation accuracy to reach (default {DEFAULT_ACCURACY} for the built-in workload)")
@@ -116,6 +122,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--sweep-margin", type=number,
                         help="the sweep spans the constant and linear lrs widened by this factor "
                              f"(default {default(StudyConfig, 'sweep_margin'):g})")
+    parser.add_argument("--max-runs", type=integer,
+                        help="at most this many fixed-lr runs: the grid must fit in it, and a tuned sweep whose best "
+                             "lr sits on its edge extends past it (a --sweep-factor at a time, until the best is "
+                             f"interior) while runs remain (default {default(StudyConfig, 'max_runs')})")
     parser.add_argument("--dtype", choices=("float32", "float64"), help="(default float32)")
     parser.add_argument("--out", help="directory for the cache, plots, study.json and report "
                                       f"(default {default(StudyOptions, 'out')})")
@@ -156,26 +166,32 @@ def _rule_list(text: str) -> tuple[str, ...]:
     return rules
 
 
-def config_from_args(args: argparse.Namespace, spec_defaults: dict | None = None) -> tuple[StudyConfig, StudyOptions]:
-    """The study's settings: the flags given, else the spec's optimizer and lr (``spec_defaults``), else defaults."""
+def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> tuple[StudyConfig, StudyOptions]:
+    """The study's settings: the flags given, else the workload's own (a spec's optimizer and lr, a built-in
+    workload's documented target and grid: ``defaults``), else StudyConfig's."""
     from ddplab.study.config import target_for
 
     # A missing file is the first thing to say: asking it for a target would send the user the wrong way.
     if args.spec and not os.path.exists(args.spec):
         raise SpecError(f"spec file {literal(args.spec)} does not exist")
+    if args.spec and args.workload:
+        raise UsageError("give a spec file or {workload}, not both")
     target = target_for(spec=args.spec, accuracy=args.target_accuracy, loss=args.target_loss)
+    if defaults and "target" in defaults and args.target_accuracy is None and args.target_loss is None:
+        target = defaults["target"]
     grid = given(args, global_batch_sizes="global_batch_sizes", rules="rules",
                  reference_global_batch_size="ref_global_batch_size", reference_lr="ref_lr", seeds="seeds",
                  max_steps="max_steps", eval_every="eval_every", sweep_factor="sweep_factor",
-                 sweep_margin="sweep_margin", dtype="dtype", patience="patience")
-    if spec_defaults is None and args.spec and not args.optimizer:
-        # The spec's optimizer is not known yet: the family its flags name stands in for it.
+                 sweep_margin="sweep_margin", dtype="dtype", patience="patience", max_runs="max_runs")
+    if defaults is None and (args.spec or args.workload not in (None, "digits")) and not args.optimizer:
+        # The workload's optimizer is not known yet: the family its flags name stands in for it.
         family = "adam" if args.betas is not None or args.eps is not None else "sgd"
-        spec_defaults = {"optimizer": OptimizerConfig(family=family)}
-    spec_defaults = spec_defaults or {}
-    if "reference_lr" not in grid and "reference_lr" in spec_defaults:
-        grid["reference_lr"] = spec_defaults["reference_lr"]
-    grid["optimizer"] = _optimizer(args, spec_defaults.get("optimizer"))
+        defaults = {"optimizer": OptimizerConfig(family=family)}
+    defaults = defaults or {}
+    for field in ("reference_lr", "global_batch_sizes", "max_steps"):
+        if field not in grid and field in defaults:
+            grid[field] = defaults[field]
+    grid["optimizer"] = _optimizer(args, defaults.get("optimizer"))
     if "global_batch_sizes" in grid:
         grid["global_batch_sizes"] = tuple(sorted(set(grid["global_batch_sizes"])))
     options = StudyOptions(fresh=args.fresh, plots=not args.no_plots, **given(
@@ -201,10 +217,10 @@ def _optimizer(args: argparse.Namespace, spec_optimizer: OptimizerConfig | None)
 
 def run(args: argparse.Namespace) -> int:
     config_from_args(args)  # bad flags are said before the spec is loaded (its optimizer guessed from the flags)
-    from ddplab.study.run import run_study, spec_defaults, workload_for
+    from ddplab.study.run import run_study, workload_defaults, workload_for
 
-    workload = workload_for(args.spec)
-    config, options = config_from_args(args, spec_defaults(workload))
+    workload = workload_for(args.spec, args.workload)
+    config, options = config_from_args(args, workload_defaults(workload))
     report = run_study(workload, config, options, progress=render.ProgressBar("ddplab study"))
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the study
@@ -228,7 +244,8 @@ def _print(report) -> None:
     rows = []
     from ddplab.study.report import optimizer_text
 
-    out.print(f"optimizer: {optimizer_text(values['optimizer'])}; engine: {values['engine']}")
+    out.print(f"optimizer: {optimizer_text(values['optimizer'])}; engine: {values['engine']} "
+              f"({values['engine_reason']})")
     for rule, fit in values["fit"].items():
         low, high = fit["b_crit_ci95"]
         rows.append([rule, _num(fit["s_min"]), _num(fit["b_crit"]), f"[{_num(low)}, {_num(high)}]", _num(fit["e_min"])])

@@ -52,7 +52,7 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     # The ramp has no one batch size to fit at: it is judged against the tuned runs at its start instead.
     runs, steps_by_rule, tuned = [], {rule: {} for rule in config.rules if rule != "ramp"}, []
     for b in sorted(results):
-        lrs = config.lrs(b)
+        lrs = sweep_lrs(config, b, results[b])
         best = tuned_best(config, b, lrs, by_key) if "tuned" in config.rules else None
         if best is not None:
             tuned.append({"global_batch_size": b, "lr": best[0], "median_steps": best[1],
@@ -87,7 +87,7 @@ def _row(rule: str, b: int, run: RunResult, *, best: bool = False, **extra) -> d
     """One run as the runs table lists it (a run serving several rules is listed once per rule)."""
     return {"rule": rule, "global_batch_size": b, "lr": run.lr, "seed": run.seed,
             "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b), "diverged": run.diverged,
-            "stalled": run.stalled, "pruned": run.pruned, "best": best, **extra}
+            "stalled": run.stalled, "pruned": run.pruned, "extension": run.extension, "best": best, **extra}
 
 
 def _ramp_row(run: RunResult) -> dict:
@@ -154,7 +154,7 @@ def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[di
 def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) -> None:
     for b, runs in sorted(results.items()):
         fixed = [r for r in runs if r.fixed]
-        sweep = [r for r in fixed if "tuned" in config.lrs(b).get(r.lr, [])] or fixed
+        sweep = [r for r in fixed if "tuned" in sweep_lrs(config, b, runs).get(r.lr, [])] or fixed
         if sweep and all(r.diverged for r in sweep):
             lrs = [r.lr for r in sweep]
             raise UsageError(f"every lr {'of the tuned sweep ' if 'tuned' in config.rules else ''}diverged at global "
@@ -170,6 +170,16 @@ def _samples(run: RunResult, global_batch: int) -> int | None:
 
 def _steps(run: RunResult) -> float:
     return float(run.steps_to_target) if run.steps_to_target is not None else math.inf
+
+
+def sweep_lrs(config: StudyConfig, b: int, runs: list[RunResult]) -> dict[float, list[Rule]]:
+    """Every fixed lr trained at global batch ``b`` and the rules it serves: the grid's, and the tuned sweep's
+    extensions past its edge."""
+    lrs = {lr: list(rules) for lr, rules in config.lrs(b).items()}
+    for run in runs:
+        if run.extension:
+            lrs.setdefault(run.lr, ["tuned"])
+    return lrs
 
 
 def tuned_best(config: StudyConfig, b: int, lrs: dict, by_key: dict) -> tuple[float, float] | None:
@@ -233,8 +243,8 @@ def _edge_warnings(tuned: list[dict]) -> list[str]:
     edge = [p["global_batch_size"] for p in tuned if p["lr"] in (p["sweep"][0], p["sweep"][-1]) and len(p["sweep"]) > 1]
     if not edge:
         return []
-    return [(f"the best tuned lr sits at the edge of its sweep at global batch {', '.join(map(str, edge))}: "
-             "widen --sweep-margin")]
+    return [(f"the best tuned lr sits at the edge of its sweep at global batch {', '.join(map(str, edge))}, "
+             "which extends past its edge while --max-runs allows: raise --max-runs or widen --sweep-margin")]
 
 
 def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None:
@@ -254,7 +264,7 @@ def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list
     """Per (rule, batch) whose median run missed the target: how close its runs got."""
     out = []
     for b, runs in sorted(results.items()):
-        lrs = config.lrs(b)
+        lrs = sweep_lrs(config, b, runs)
         for rule in config.rules:
             own = {"adascale": "adascale", "ramp": "ramp", "adam-sqrt": "adam_sqrt"}
             served = [r for r in runs if all(getattr(r, flag) == (rule == name) for name, flag in own.items())

@@ -26,6 +26,8 @@ Dtype = Literal["float32", "float64"]
 Engine = Literal["auto", "vmap", "ddp"]
 Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
+WORKLOADS = ("digits", "mnist1d", "charlm")
+"""The built-in workloads (``--workload``)."""
 DEFAULT_ACCURACY = 0.95
 """The built-in workload's target, when none is given."""
 
@@ -133,6 +135,9 @@ class StudyConfig:
     """Spacing of the tuned sweep."""
     sweep_margin: float = 4.0
     """The tuned sweep spans the constant and linear rules' lrs, widened by this factor."""
+    max_runs: int = 1000
+    """At most this many fixed-lr runs: the grid must fit, and a sweep whose best lr sits on its edge extends
+    past it (``sweep_factor`` at a time, until the best is interior) only while they last."""
     dtype: Dtype = "float32"
     """Training precision."""
 
@@ -153,6 +158,7 @@ class StudyConfig:
             raise UsageError(f"the ramp starts from the smallest of {{global_batch_sizes}}, {start}: it must be even "
                              "(two micro-batches of half of it)")
         for field, value in (("reference_global_batch_size", self.reference_global_batch_size),
+                             ("max_runs", self.max_runs),
                              ("seeds", self.seeds), ("max_steps", self.max_steps), ("eval_every", self.eval_every)):
             if not value >= 1:
                 raise UsageError(f"{{{field}}} must be at least 1, got {value}")
@@ -217,7 +223,8 @@ class StudyConfig:
 
     def fingerprint(self, workload_fingerprint: str) -> str:
         """What a cached run depends on: the workload (its content) and every training setting."""
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("global_batch_sizes", "rules")}
+        fields = {k: v for k, v in dataclasses.asdict(self).items()
+                  if k not in ("global_batch_sizes", "rules", "max_runs")}
         return hashlib.sha256(
             json.dumps([workload_fingerprint, fields], sort_keys=True, default=str).encode()).hexdigest()[:16]
 

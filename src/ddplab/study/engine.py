@@ -85,6 +85,8 @@ class RunResult:
     """Trained by the adam-sqrt rule: its betas and eps are scaled with the batch, not the grid's."""
     stalled: bool = False
     """Stopped early: no better metric for ``StudyConfig.patience`` evaluations."""
+    extension: bool = False
+    """A tuned-sweep lr past the configured sweep's edge, added because the best lr sat on it."""
 
     @property
     def fixed(self) -> bool:

@@ -44,6 +44,13 @@ class RankZeroCache:
         dist.broadcast_object_list(found, src=0)
         return found[0]
 
+    def load_any(self, global_batch: int, kind: str) -> dict[tuple[float, int], RunResult]:
+        import torch.distributed as dist
+
+        found = [self.cache.load_any(global_batch, kind) if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
+
     def save(self, global_batch: int, results: list[RunResult], kind: str = "") -> None:
         if self.rank == 0:
             self.cache.save(global_batch, results, kind)
@@ -85,18 +92,22 @@ class Cache:
 
     def load(self, global_batch: int, runs: list[tuple[float, int]], kind: str = "") -> list[RunResult] | None:
         """The cached runs of one group (``kind`` "-adascale" for the AdaScale runs), or None."""
+        cached = self.load_any(global_batch, kind)
+        # A cached group serves when it holds every run asked for (a grid may shrink, not grow).
+        if not cached or not all(key in cached for key in runs):
+            return None
+        return [cached[key] for key in runs]
+
+    def load_any(self, global_batch: int, kind: str) -> dict[tuple[float, int], RunResult]:
+        """Every cached run of one file, by (lr, seed)."""
         path = self._path(global_batch, kind)
         if not os.path.exists(path):
-            return None
+            return {}
         try:
-            cached = {(r["lr"], r["seed"]): RunResult(**r) for r in self._read(path)}
+            return {(r["lr"], r["seed"]): RunResult(**r) for r in self._read(path)}
         except (TypeError, KeyError):
             raise UsageError(f"the study cache file {literal(path)} holds no runs ddplab wrote: pass {{fresh}} to "
                              "start over") from None
-        # A cached group serves when it holds every run asked for (a grid may shrink, not grow).
-        if not all(key in cached for key in runs):
-            return None
-        return [cached[key] for key in runs]
 
     def save(self, global_batch: int, results: list[RunResult], kind: str = "") -> None:
         write_json_atomic(self.stamp, {"fingerprint": self.fingerprint})
@@ -114,6 +125,7 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
     ``advance(steps)`` is told each stretch of the step budget as it is used (or skipped).
     """
     results = {}
+    budget = _Budget(config)
     for global_batch in sorted(config.global_batch_sizes):
         results[global_batch] = []
         # The fixed-lr runs, then AdaScale's and adam-sqrt's (an lr another rule may share, but another update):
@@ -133,10 +145,56 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
             elif advance:
                 advance(config.max_steps)
             results[global_batch] += cached
+        results[global_batch] += _extend_sweep(workload, config, cache, global_batch, results[global_batch], train,
+                                               budget)
     start = ramp.start_batch(config)
     if start is not None:
         results[start] += _ramp_runs(workload, config, cache, results[start], advance)
     return results
+
+
+class _Budget:
+    """Fixed-lr runs the study may still add to extend its sweeps (``max_runs`` less the grid's own)."""
+
+    def __init__(self, config: StudyConfig):
+        self.left = config.max_runs - sum(len(config.grid_runs(b)) for b in config.global_batch_sizes)
+        if self.left < 0:
+            raise UsageError(f"the grid has {config.max_runs - self.left} fixed-lr runs, more than {{max_runs}} "
+                             f"{config.max_runs}: raise it, or give fewer {{global_batch_sizes}}, seeds or a coarser "
+                             "{sweep_factor}")
+
+
+def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, global_batch: int,
+                  runs: list[RunResult], train, budget: _Budget) -> list[RunResult]:
+    """Runs past the tuned sweep's edge, a factor at a time, until its best lr is interior (or the next lr
+    diverged, or the budget is spent): the sweep's best is only a best when something on each side lost to it."""
+    if "tuned" not in config.rules:
+        return []
+    cached = cache.load_any(global_batch, "-extension") if cache else {}
+    added: list[RunResult] = []
+    while True:
+        fixed = {(global_batch, r.lr, r.seed): r for r in runs + added if r.fixed}
+        lrs = analysis.sweep_lrs(config, global_batch, runs + added)
+        best = analysis.tuned_best(config, global_batch, lrs, fixed)
+        sweep = sorted(lr for lr, rules in lrs.items() if "tuned" in rules)
+        if best is None or best[0] not in (sweep[0], sweep[-1]):
+            return added
+        lr = round_lr(best[0] * config.sweep_factor if best[0] == sweep[-1] else best[0] / config.sweep_factor)
+        new = [(lr, seed) for seed in range(config.seeds)]
+        if all(key in cached for key in new):
+            trained = [cached[key] for key in new]
+        elif budget.left < len(new):
+            return added
+        else:
+            budget.left -= len(new)
+            trained = train(workload, config, global_batch, new, None)
+            for run in trained:
+                run.extension = True
+        added += trained
+        if cache:
+            cache.save(global_batch, added, "-extension")
+        if all(r.diverged for r in trained):
+            return added
 
 
 def _ramp_runs(workload: Workload, config: StudyConfig, cache: Cache | None, at_start: list[RunResult],
@@ -162,7 +220,8 @@ def ramp_lr(config: StudyConfig, at_start: list[RunResult]) -> float:
     """The lr ramp runs start at: what a user would have tuned at the starting batch."""
     start = ramp.start_batch(config)
     fixed = {(start, r.lr, r.seed): r for r in at_start if r.fixed}
-    best = analysis.tuned_best(config, start, config.lrs(start), fixed) if "tuned" in config.rules else None
+    lrs = analysis.sweep_lrs(config, start, at_start)
+    best = analysis.tuned_best(config, start, lrs, fixed) if "tuned" in config.rules else None
     return best[0] if best else round_lr(config.rule_lr("linear", start))
 
 

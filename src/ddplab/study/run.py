@@ -25,15 +25,17 @@ from ddplab.study.verify import verify_ddp
 from ddplab.study.workloads import Workload
 
 
-def workload_for(spec: str | None) -> Workload:
-    """The spec's workload, or the built-in digits one."""
-    return workloads.from_spec(spec) if spec else workloads.digits()
+def workload_for(spec: str | None, name: str | None = None) -> Workload:
+    """The spec's workload, or the built-in one named (digits by default)."""
+    if spec:
+        return workloads.from_spec(spec)
+    return workloads.load((name or "digits", ()))
 
 
-def spec_defaults(workload: Workload) -> dict:
-    """StudyConfig fields the spec's own optimizer() sets: its family and hyperparameters, and its lr as the
-    reference lr (what a flag or a caller gives wins)."""
-    out = {}
+def workload_defaults(workload: Workload) -> dict:
+    """StudyConfig fields the workload sets (what a flag or a caller gives wins): a built-in workload's documented
+    target and grid; a spec's optimizer() family and hyperparameters, and its lr as the reference lr."""
+    out = dict(workload.defaults)
     if workload.optimizer is not None:
         out["optimizer"] = workload.optimizer
     if workload.lr is not None:

@@ -48,6 +48,8 @@ class Workload:
     """Why the vectorized engine cannot train this workload as the spec does ('' when it can)."""
     step: Callable[[torch.nn.Module, Any, Callable], torch.Tensor] | None = None
     """The spec's own step(model, batch, loss_fn), which only the DDP engine runs."""
+    defaults: tuple[tuple[str, Any], ...] = ()
+    """StudyConfig fields a built-in workload documents as its own (target, grid, optimizer, lr)."""
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     """The spec's optimizer(params) when it is outside SGD, Adam and AdamW: the DDP engine builds it and scales
     its lrs by the grid's lr over ``lr``."""
@@ -60,7 +62,8 @@ class Workload:
 def load(source: Source) -> Workload:
     """The workload ``source`` describes."""
     kind, kwargs = source
-    return {"digits": digits, "regression": regression, "spec": from_spec}[kind](**dict(kwargs))
+    return {"digits": digits, "regression": regression, "spec": from_spec, "mnist1d": mnist1d,
+            "charlm": charlm}[kind](**dict(kwargs))
 
 
 def digits() -> Workload:
@@ -83,6 +86,110 @@ def digits() -> Workload:
 
 def _digits_mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def mnist1d() -> Workload:
+    """MNIST-1D (Greydanus 2020): 4000 training and 1000 test signals of length 40, 10 classes, built offline by
+    the ``mnist1d`` package's ``make_dataset`` from its templates (never its download); an MLP 40-100-100-10.
+
+    Its documented study: validation accuracy 0.6, SGD with momentum 0.9, lr 0.05 at global batch 32.
+    """
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        raise UsageError("the mnist1d workload needs the mnist1d package: pip install 'ddplab[study]'") from None
+    import random
+
+    import numpy
+
+    # make_dataset seeds the global random and NumPy generators: this process's are given back as they were.
+    states = random.getstate(), numpy.random.get_state()
+    try:
+        data = make_dataset(get_dataset_args())
+    finally:
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
+    tensor = functools.partial(torch.as_tensor)
+    train = (tensor(data["x"]).float(), tensor(data["y"]).long())
+    val = (tensor(data["x_test"]).float(), tensor(data["y_test"]).long())
+    from ddplab.study.config import Target
+
+    defaults = (("target", Target(kind="accuracy", value=0.6)), ("reference_lr", 0.05),
+                ("global_batch_sizes", (8, 16, 32, 64, 128, 256, 512, 1024)), ("max_steps", 3000))
+    return Workload(name="mnist1d-mlp", model=_mnist1d_mlp, loss=torch.nn.functional.cross_entropy, train=train,
+                    val=val, source=("mnist1d", ()), fingerprint="mnist1d-mlp-0.0.2", defaults=defaults)
+
+
+def _mnist1d_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(40, 100), torch.nn.ReLU(), torch.nn.Linear(100, 100), torch.nn.ReLU(),
+                               torch.nn.Linear(100, 10))
+
+
+CHARLM_CONTEXT = 16
+
+
+def charlm() -> Workload:
+    """A character-level transformer on public-domain text shipped with ddplab (the opening of the Declaration
+    of Independence, the Constitution's preamble, the Gettysburg Address): one pre-LayerNorm block with causal
+    self-attention, width 32, dropout 0.1, AdamW. Windows of 16 characters predict the next character at every
+    position; the last tenth of the text is the validation split.
+
+    Its documented study: validation loss 2.1 nats per character, AdamW (weight decay 0.1) at lr 3e-3, global batch 32.
+    """
+    from importlib import resources
+
+    text = resources.files("ddplab.study").joinpath("texts/american_founding.txt").read_text(encoding="utf-8")
+    vocab = sorted(set(text))
+    codes = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+    split = len(codes) * 9 // 10
+    # Validation windows overlap less (every 4th start): they only measure, and evaluation is a forward per run.
+    train, val = _windows(codes[:split]), _windows(codes[split:], stride=4)
+    from ddplab.study.config import OptimizerConfig, Target
+
+    defaults = (("target", Target(kind="loss", value=2.1)), ("reference_lr", 3e-3),
+                ("optimizer", OptimizerConfig(family="adamw", weight_decay=0.1)),
+                ("global_batch_sizes", (8, 16, 32, 64, 128, 256)), ("max_steps", 2000))
+    return Workload(name="charlm", model=functools.partial(CharTransformer, len(vocab)), loss=_next_char_loss,
+                    train=train, val=val, source=("charlm", ()), fingerprint=f"charlm-{len(text)}-{len(vocab)}",
+                    defaults=defaults)
+
+
+def _windows(codes: torch.Tensor, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text's windows: inputs are 16 characters, targets the same shifted by one."""
+    starts = torch.arange(0, len(codes) - CHARLM_CONTEXT, stride)
+    index = starts[:, None] + torch.arange(CHARLM_CONTEXT + 1)
+    windows = codes[index]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def _next_char_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+class CharTransformer(torch.nn.Module):
+    """One pre-LayerNorm transformer block, single-head causal attention, written out so it vectorizes."""
+
+    def __init__(self, vocab: int, width: int = 32, dropout: float = 0.1):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Parameter(torch.randn(CHARLM_CONTEXT, width) * 0.02)
+        self.norm1, self.norm2, self.norm_out = (torch.nn.LayerNorm(width) for _ in range(3))
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
+        self.drop = torch.nn.Dropout(dropout)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[-1]
+        hidden = self.embed(tokens) + self.position[:length]
+        q, k, v = self.qkv(self.norm1(hidden)).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+        attention = self.drop(scores.masked_fill(~causal, float("-inf")).softmax(-1))
+        hidden = hidden + self.drop(self.proj(attention @ v))
+        hidden = hidden + self.drop(self.mlp(self.norm2(hidden)))
+        return self.head(self.norm_out(hidden))
 
 
 def regression(*, dim: int = 16, n_train: int = 4096, n_val: int = 4096, seed: int = 0) -> Workload:
