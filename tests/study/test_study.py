@@ -214,7 +214,8 @@ def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
     for step in range(steps):
         index = order.indices(step)[0]
         x, y = inputs[index], targets[index]
-        g2, trace = estimators.unbiased_estimates(grad_sq(x[:half], y[:half]), grad_sq(x, y), half, batch)
+        g2, trace = estimators.unbiased_estimates(grad_sq(x[:half], y[:half]), grad_sq(x, y), half, batch,
+                                                  dataset_size=workload.train_size)
         measured.history.append(SimpleNamespace(g2=g2, trace_sigma=trace))
         optimizer.zero_grad()
         workload.loss(model(x), y).backward()
@@ -295,7 +296,8 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
     assert main(_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots")) == 0
     assert calls == [128] and json.loads(capsys.readouterr().out)["runs"] == report["runs"]
     assert main(_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots", "--fresh")) == 0
-    assert calls == [128, 32, 128]
+    # Everything retrains, smallest batch first (its sweep's extensions past the edge included).
+    assert calls[:2] == [128, 32] and set(calls[1:]) == {32, 128}
     capsys.readouterr()
     # Other settings in the same --out: refused, not mixed.
     assert main(_study(tmp_path, "--rules", "linear", "--no-plots", "--ref-lr", "0.2")) == 2
@@ -330,8 +332,7 @@ def test_the_adascale_rule_runs_beside_the_fixed_rules(tmp_path, capsys):
     with open(report["report"]) as fh:
         assert "AdaScale from the reference lr, untuned" in fh.read()
     # Its runs have a cache file of their own: a second study trains nothing.
-    assert sorted(os.listdir(tmp_path / "out" / "runs")) == [
-        "batch-128-adascale.json", "batch-128.json", "batch-16.json", "batch-32-adascale.json", "batch-32.json"]
+    assert {"batch-128-adascale.json", "batch-32-adascale.json"} <= set(os.listdir(tmp_path / "out" / "runs"))
     assert main([*argv, "--no-plots"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"] == report["runs"]
 

@@ -248,16 +248,35 @@ def _edge_warnings(tuned: list[dict]) -> list[str]:
 
 
 def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None:
-    g2s = [g for run in best_runs for g in run.noise_g2]
-    traces = [t for run in best_runs for t in run.noise_trace]
-    if not g2s:
+    """B_simple pooled along the best runs, and per batch size in three stretches of each run's way to the
+    target (B_simple grows as the loss falls: a pooled value mixes them, weighted to the slow small batches)."""
+    pooled = _summary(best_runs)
+    if pooled is None:
+        return None
+    # B_simple is undefined (inf) where |G|² came out at or below 0: no ratio then, rather than 0.
+    ratio = _ratio(tuned_fit["b_crit"], pooled["value"]) if tuned_fit and pooled["value"] > 0 else None
+    by_batch = []
+    for b in sorted({r.global_batch_size for r in best_runs}):
+        runs = [r for r in best_runs if r.global_batch_size == b]
+        stages = [_summary(runs, stage) for stage in range(3)]
+        by_batch.append({"global_batch_size": b, **(_summary(runs) or {"value": None}),
+                         "by_progress": [s["value"] if s else None for s in stages]})
+    return {**pooled, "b_crit_over_b_simple": ratio, "by_batch": by_batch}
+
+
+def _summary(runs: list[RunResult], stage: int | None = None) -> dict | None:
+    """B_simple of the runs' measurements (of the stage-th third of each run's, when given), with its interval."""
+    g2s, traces = [], []
+    for run in runs:
+        n = len(run.noise_g2)
+        part = slice(None) if stage is None else slice(stage * n // 3, (stage + 1) * n // 3)
+        g2s += run.noise_g2[part]
+        traces += run.noise_trace[part]
+    if len(g2s) < 2:
         return None
     summary = estimators.summarize(g2s, traces)
-    # B_simple is undefined (inf) where |G|² came out at or below 0: no ratio then, rather than 0.
-    ratio = _ratio(tuned_fit["b_crit"], summary.b_simple) if tuned_fit and summary.b_simple > 0 else None
     interval = list(summary.b_simple_ci95) if summary.b_simple_ci95 is not None else [None, None]
-    return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps,
-            "b_crit_over_b_simple": ratio}
+    return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps}
 
 
 def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list[dict]:

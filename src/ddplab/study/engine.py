@@ -186,7 +186,10 @@ class Group:
         small = self._grad(self.params, inputs[:, :half], targets[:, :half])
         big_sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values()).tolist()
         small_sq = sum(g.flatten(1).pow(2).sum(1) for g in small.values()).tolist()
-        return [estimators.unbiased_estimates(s, b, half, self.global_batch) for s, b in zip(small_sq, big_sq)]
+        # Both halves come from one pass without replacement over the training set: noise's finite-data correction.
+        size = self.workload.train_size
+        return [estimators.unbiased_estimates(s, b, half, self.global_batch, dataset_size=size)
+                for s, b in zip(small_sq, big_sq)]
 
     def _gains(self, estimates: list[tuple[float, float]], step: int, *, record: bool) -> torch.Tensor:
         """AdaScale's gain for this update, per active run: σ² of one reference-batch gradient and μ² = |G|²."""

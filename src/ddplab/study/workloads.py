@@ -134,7 +134,7 @@ def charlm() -> Workload:
     self-attention, width 32, dropout 0.1, AdamW. Windows of 16 characters predict the next character at every
     position; the last tenth of the text is the validation split.
 
-    Its documented study: validation loss 2.1 nats per character, AdamW (weight decay 0.1) at lr 3e-3, global batch 32.
+    Its documented study: validation loss 2.1 nats per character, AdamW (weight decay 0.1) at lr 1e-2, global batch 32.
     """
     from importlib import resources
 
@@ -146,7 +146,7 @@ def charlm() -> Workload:
     train, val = _windows(codes[:split]), _windows(codes[split:], stride=4)
     from ddplab.study.config import OptimizerConfig, Target
 
-    defaults = (("target", Target(kind="loss", value=2.1)), ("reference_lr", 3e-3),
+    defaults = (("target", Target(kind="loss", value=2.1)), ("reference_lr", 1e-2),
                 ("optimizer", OptimizerConfig(family="adamw", weight_decay=0.1)),
                 ("global_batch_sizes", (8, 16, 32, 64, 128, 256)), ("max_steps", 2000))
     return Workload(name="charlm", model=functools.partial(CharTransformer, len(vocab)), loss=_next_char_loss,
