@@ -633,3 +633,15 @@ def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
     assert any("sits at the edge of its sweep" in w and "--max-runs" in w for w in found.warnings)
     with pytest.raises(UsageError, match=f"the grid has {grid_runs} fixed-lr runs, more than max_runs"):
         grid.run_grid(workload, dataclasses.replace(config, max_runs=grid_runs - 1), None)
+
+
+def test_a_fit_that_misses_its_points_or_sits_on_its_interval_edge_is_said():
+    batches = [8, 32, 128, 512]
+    exact = {b: [100.0 * (1 + 64 / b)] * 3 for b in batches}
+    fitted = study_fit.fit_seeds(exact)
+    assert analysis._fit_warnings("tuned", fitted) == []
+    bent = {**exact, 128: [400.0] * 3}
+    assert any("misses the median at global batch" in w for w in analysis._fit_warnings("tuned",
+                                                                                          study_fit.fit_seeds(bent)))
+    on_edge = {**fitted, "b_crit_ci95": [fitted["b_crit"], fitted["b_crit"] * 2]}
+    assert any("sits on the edge of its 95% interval" in w for w in analysis._fit_warnings("tuned", on_edge))

@@ -202,7 +202,31 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
                       "batches_fitted": sorted(reached)}
         if not math.isfinite(fitted["b_crit"]):
             warnings.append(f"rule {rule}: steps fall as 1/B over the whole measured range; B_crit lies above it")
+            continue
+        warnings += _fit_warnings(rule, fitted)
     return fits, warnings
+
+
+MISSED_BY = 1.5
+"""A fit whose curve is off a fitted median by more than this factor is said to miss its points."""
+
+
+def _fit_warnings(rule: str, fitted: dict) -> list[str]:
+    """A fit that misses its points, and a B_crit on the edge of its own interval."""
+    out = []
+    s_min, b_crit = fitted["s_min"], fitted["b_crit"]
+    misses = {b: s_min * (1 + b_crit / b) / median for b, median in fitted["median_steps"].items() if median > 0}
+    worst = max(misses, key=lambda b: max(misses[b], 1 / misses[b]), default=None)
+    if worst is not None and max(misses[worst], 1 / misses[worst]) > MISSED_BY:
+        out.append(f"rule {rule}: the fit S_min(1 + B_crit/B) misses the median at global batch {worst} by "
+                   f"{max(misses[worst], 1 / misses[worst]):.2g}×: the curve's shape does not describe these runs; "
+                   "read B_crit as rough")
+    low, high = fitted["b_crit_ci95"]
+    if math.isfinite(low) and math.isfinite(high) and low < high and b_crit in (low, high):
+        out.append(f"rule {rule}: B_crit {b_crit:.4g} sits on the edge of its 95% interval [{low:.4g}, {high:.4g}]: "
+                   "resampling the seeds rarely moves it past its neighbours on the batch grid, so the interval "
+                   "understates the uncertainty; a finer grid of batch sizes around it would tell")
+    return out
 
 
 def _adam_sqrt_warnings(config: StudyConfig, scaled: dict) -> list[str]:

@@ -31,6 +31,9 @@ def plots(report: dict, results: dict, directory: str) -> list[str]:
     _lr_plot(report, paths[1])
     _curves_plot(report, results, paths[2])
     _pareto_plot(report, paths[3])
+    if (report.get("b_simple") or {}).get("by_batch"):
+        paths.append(os.path.join(directory, "b_simple.png"))
+        _b_simple_plot(report, paths[-1])
     if report.get("adascale"):
         paths.append(os.path.join(directory, "adascale.png"))
         _adascale_plot(report, paths[-1])
@@ -152,6 +155,39 @@ def _seed_bars(report: dict, rule: str, points: list[tuple[int, float]]) -> tupl
         lows.append(median - (low if low is not None else median))
         highs.append((high if high is not None else report["max_steps"]) - median)
     return lows, highs
+
+
+def _b_simple_plot(report: dict, path: str) -> None:
+    """B_simple per batch size along the best tuned runs (95% interval), its early, middle and late thirds, the
+    pooled value and B_crit: the noise scale grows as training goes, and B_crit is judged against it."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    b_simple = report["b_simple"]
+    # A log axis: a stretch whose |G|² was not resolved (no positive B_simple) is left out.
+    rows = [r for r in b_simple["by_batch"] if r.get("value") and r["value"] > 0]
+    for row in rows:
+        low, high = (row.get("ci95") or [None, None])
+        value = row["value"]
+        ax.errorbar([row["global_batch_size"]], [value],
+                    yerr=[[value - low if low else 0], [high - value if high is not None else 0]],
+                    fmt="o", color="tab:purple", capsize=3)
+    for stage, marker, name in ((0, "v", "first third"), (1, "s", "middle third"), (2, "^", "last third")):
+        points = [(r["global_batch_size"], r["by_progress"][stage]) for r in b_simple["by_batch"]
+                  if r["by_progress"][stage] and r["by_progress"][stage] > 0]
+        if points:
+            ax.plot(*zip(*points), marker, color="gray", alpha=0.6, label=f"{name} of each run")
+    ax.plot([], [], "o", color="tab:purple", label="whole runs (95% interval)")
+    if b_simple.get("value"):
+        ax.axhline(b_simple["value"], color="tab:purple", linestyle=":", label=f"pooled {b_simple['value']:.3g}")
+    tuned = report["fit"].get("tuned")
+    if tuned and tuned.get("b_crit"):
+        ax.axhline(tuned["b_crit"], color=COLORS["tuned"], linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("global batch size B (the best tuned runs at it)")
+    ax.set_ylabel("B_simple = tr Σ / |G|²")
+    ax.set_title("the gradient noise scale along the best runs")
+    _save(plt, fig, path, (ax,))
 
 
 def _pareto_plot(report: dict, path: str) -> None:
@@ -303,7 +339,8 @@ def write_html(report: dict, path: str) -> str:
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}img{{max-width:100%;display:block;margin:1em 0}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
 <h1>ddplab study: {html_escape(report['workload'])}</h1>
-<p>Steps until validation {target['kind']} first reaches {target['value']:g} \
+<p>{report.get('trained_runs', '')} runs trained ({html_escape(str(report.get('engine', 'vmap')))} engine). \
+Steps until validation {target['kind']} first reaches {target['value']:g} \
 (evaluated every {report['eval_every']} steps,
 budget {report['max_steps']}), median over {report['seeds']} seeds; \
 reference lr {report['reference']['lr']:g} at global batch
@@ -311,8 +348,14 @@ reference lr {report['reference']['lr']:g} at global batch
 Fit: S(B) = S_min(1 + B_crit/B).</p>
 <table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th>\
 <th>E_min (samples)</th></tr>{fits}</table>
-<p>B_simple along the best tuned runs: {_n(b_simple.get('value'))}; \
+<p>B_simple along the best tuned runs: {_n(b_simple.get('value'))} \
+(95% interval [{_n((b_simple.get('ci95') or [None, None])[0])}, {_n((b_simple.get('ci95') or [None, None])[1])}]); \
 B_crit / B_simple = {_n(b_simple.get('b_crit_over_b_simple'))}</p>
+<p>B_crit is where the fitted curve bends: below it, doubling the global batch halves the steps; above it, \
+steps barely fall while the samples (compute) grow. B_simple = tr Σ / |G|² is the gradient noise scale measured \
+along the best runs (McCandlish et al. 2018): the batch at which one step's noise equals its signal. The two are \
+predicted to agree within a small factor; B_simple grows as the loss falls, so its per-batch values \
+(b_simple.png) rise along each run.</p>
 {''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
 {adascale}
 {images}
