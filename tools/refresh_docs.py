@@ -42,8 +42,12 @@ def refresh(path: str) -> None:
         print(f"$ {match['cmd']}", file=sys.stderr, flush=True)
         return f"{match.group(1)}```text\n$ {match['cmd']}\n{run(match['cmd'])}\n```\n{match.group(3)}"
 
-    with open(path, "w") as fh:
-        fh.write(BLOCK.sub(replace, source))
+    # Every command runs before the file is touched, and the new text replaces it whole: a refresh that is
+    # stopped half-way leaves the file as it was.
+    refreshed = BLOCK.sub(replace, source)
+    with open(path + ".tmp", "w") as fh:
+        fh.write(refreshed)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 
 from ddplab.cli.main import main
 from ddplab.runtime.launch import LaunchConfig
-from ddplab.study import ddp, grid, workloads
+from ddplab.study import ddp, engine, grid, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
@@ -120,7 +120,7 @@ def test_the_study_runs_under_torchrun_on_two_local_agents(tmp_path):
     assert report["engine"] == "ddp" and "under torchrun" in report["engine_reason"]
     assert main(["study", str(spec), "--target-loss", "0.02", "--global-batch-sizes", "8,32", "--seeds", "2",
                  "--max-steps", "200", "--dtype", "float64", "--out", str(tmp_path / "vmap"), "--no-plots",
-                 "--sweep-margin", "2", "--ref-global-batch-size", "8", "--json"]) == 0
+                 "--sweep-margin", "2", "--ref-global-batch-size", "8", "--engine", "vmap", "--json"]) == 0
     vectorized = json.loads((tmp_path / "vmap" / "study.json").read_text())
     assert vectorized["engine"] == "vmap"
     assert [(r["rule"], r["lr"], r["seed"], r["steps_to_target"]) for r in report["runs"]] == \
@@ -162,3 +162,25 @@ def val_dataset():
 def loss(output, target):
     return torch.nn.functional.mse_loss(output, target)
 '''
+
+
+def test_auto_times_each_batch_both_ways_and_trains_where_it_was_faster(monkeypatch):
+    from ddplab.study import run as study_run
+
+    calls = []
+    trainer = study_run.TimedTrainer(lambda *a, **k: calls.append(("vmap", a[2])) or [],
+                                     lambda *a, **k: calls.append(("ddp", a[2])) or [], "cpu")
+    timings = {8: (0.001, 0.01), 1024: (0.2, 0.1)}
+    monkeypatch.setattr(study_run, "engine_seconds", lambda w, c, b, runs, device: timings[b])
+    runs = [(0.1, 0), (0.2, 0)]
+    for b in (8, 1024, 1024):
+        trainer(None, None, b, runs)
+    trainer(None, None, 1024, runs, adascale=True)  # AdaScale's groups stay vectorized
+    assert calls == [("vmap", 8), ("ddp", 1024), ("ddp", 1024), ("vmap", 1024)]
+    chosen, why = trainer.summary()
+    assert chosen == "vmap+ddp" and why.startswith("timed per global batch: 8: vmap (1 ms vectorized vs 10 ms")
+    # The timing itself: both ways measured on the real engine, positive and finite.
+    workload = workloads.regression(dim=8, n_train=256, n_val=64)
+    config = StudyConfig(target=Target(kind="loss", value=1e-3), global_batch_sizes=(16, 32))
+    group, loop = engine.seconds_per_step(workload, config, 32, runs, "cpu")
+    assert 0 < group < 1 and 0 < loop < 1

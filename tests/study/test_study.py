@@ -264,7 +264,7 @@ def test_verify_ddp_two_ranks_float64():
 
 def _study(tmp_path, *extra):
     return ["study", "--global-batch-sizes", "32,128", "--seeds", "2", "--max-steps", "200", "--target-accuracy", "0.9",
-            "--sweep-margin", "2", "--sweep-factor", "4",
+            "--sweep-margin", "2", "--sweep-factor", "4", "--engine", "vmap",
             "--out", str(tmp_path / "out"), *extra]
 
 
@@ -584,7 +584,7 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     plan's betas and eps, dropout and LayerNorm in the vectorized group, plots, and plan --from-study."""
     spec = os.path.join(SPECS, "study_adamw.py")
     argv = ["study", spec, "--target-accuracy", "0.9", "--global-batch-sizes", "16,64", "--seeds", "2",
-            "--max-steps", "300", "--out", str(tmp_path / "out"), "--json"]
+            "--max-steps", "300", "--out", str(tmp_path / "out"), "--engine", "vmap", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["optimizer"] == {"family": "adamw", "name": "AdamW", "betas": [0.9, 0.98], "eps": 1e-8,

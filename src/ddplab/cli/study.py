@@ -144,7 +144,9 @@ def add_parser(subparsers) -> None:
     eng.add_argument("--engine", choices=("auto", "vmap", "ddp"),
                      help="vmap: a batch size's runs train at once in one process; ddp: each run on --world-size "
                           "real DDP ranks, one launch per batch size (a spec's own step(), any optimizer, torchrun "
-                          "across nodes); auto (default): vmap where the spec allows, else ddp, saying why")
+                          "across nodes); auto (default): where the spec allows both, a step timed both ways at each "
+                          "batch size picks the faster (BatchNorm models stay vectorized), else ddp; the report "
+                          "says which and why")
     eng.add_argument("--world-size", type=integer,
                      help=f"ranks of the DDP engine (default {default(StudyOptions, 'world_size')}; under torchrun: "
                           "torchrun's)")

@@ -265,7 +265,8 @@ class StudyOptions:
     """torch intra-op threads while training (the runs are already batched; small models lose to hand-offs)."""
     engine: Engine = "auto"
     """vmap: every run of a batch size in one process, vectorized; ddp: each run on ``world_size`` real DDP ranks
-    (a spec's own step(), any optimizer, torchrun across nodes); auto: vmap where the spec allows, else ddp."""
+    (a spec's own step(), any optimizer, torchrun across nodes); auto: where the spec allows both, a step timed
+    both ways per batch size picks the faster (a model with buffers stays vectorized), else ddp."""
     world_size: int = 2
     """Ranks of the DDP engine (under torchrun: torchrun's)."""
     max_batch_size_per_device: int | None = None

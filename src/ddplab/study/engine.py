@@ -241,6 +241,34 @@ class Group:
         self.active = [self.active[r] for r in rows]
 
 
+def seconds_per_step(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
+                     device: torch.device | str = "cpu", *, steps: int = 3) -> tuple[float, float]:
+    """(vectorized, run by run): seconds for one optimizer step of every run in ``runs``, as one group and as one
+    torch.optim model after another (what the DDP engine's ranks do), each after a step of warm-up."""
+    import time
+
+    group = Group(workload, config, global_batch, runs, device=device)
+    group.step(0, measure=False)
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        group.step(step, measure=False)
+    vectorized = (time.perf_counter() - start) / steps
+    lr, seed = runs[0]
+    dtype = torch_dtype(config)
+    model = workload.model().to(dtype).to(device)
+    optimizer = optim.torch_optimizer(config.optimizer, model.parameters(), lr)
+    order = _Batches(workload.train_size, global_batch, [seed])
+    inputs, targets = group.inputs, group.targets
+    for step in range(steps + 1):
+        if step == 1:
+            start = time.perf_counter()
+        index = order.indices(step)[0].to(group.device)
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss(model(inputs[index]), targets[index]).backward()
+        optimizer.step()
+    return vectorized, (time.perf_counter() - start) / steps * len(runs)
+
+
 def evaluate_model(workload: Workload, config: StudyConfig, model: torch.nn.Module) -> float:
     """One model's evaluation, as a group evaluates each of its runs (eval mode, validation split or evaluate())."""
     with torch.no_grad(), _eval_mode(model):

@@ -19,6 +19,7 @@ from ddplab.runtime.launch_config import under_torchrun
 from ddplab.serialize import write_json_atomic
 from ddplab.study import analysis, ddp, grid, workloads
 from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.engine import seconds_per_step as engine_seconds
 from ddplab.study.engine import train_group
 from ddplab.study.report import StudyReport
 from ddplab.study.verify import verify_ddp
@@ -81,6 +82,8 @@ def _study(workload, config, options, engine, why, device, progress, launch_conf
     train = _trainer(engine, device, options, launch_config)
     with _threads(options.threads if engine == "vmap" else torch.get_num_threads()):
         results = grid.run_grid(workload, config, cache, _advance(progress, config), train)
+    if isinstance(train, TimedTrainer):
+        engine, why = train.summary()
     found = analysis.analyze(config, results)
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
                          out=options.out, engine=engine, engine_reason=why, device=str(device))
@@ -109,6 +112,8 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
                              f"{literal(workload.not_vectorized)}; use {{engine}} ddp (or auto)")
         if under_torchrun():
             raise UsageError("under torchrun the grid runs across the job's ranks: use {engine} ddp (or auto)")
+        if options.engine == "auto" and not _has_buffers(workload):
+            return "auto", "timed per batch size"
         return "vmap", ("asked for" if options.engine == "vmap" else
                         "the model and optimizer vectorize: every run of a batch size trains at once in one process")
     if adaptive:
@@ -121,6 +126,11 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
     return "ddp", f"the spec cannot be vectorized: {workload.not_vectorized}"
 
 
+def _has_buffers(workload: Workload) -> bool:
+    # BatchNorm normalizes over the global batch when vectorized, per rank on DDP: one engine for all batches.
+    return any(True for _ in workload.model().buffers())
+
+
 def resolve_device(device: str) -> torch.device:
     """The device runs train on: ``auto`` is CUDA where there is one."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -130,21 +140,48 @@ def resolve_device(device: str) -> torch.device:
 
 def _trainer(engine: str, device: torch.device, options: StudyOptions, launch_config: LaunchConfig | None):
     """The function that trains one group on the chosen engine and device."""
+    vectorized = functools.partial(train_group, device=device)
     if engine == "vmap":
-        return functools.partial(train_group, device=device)
+        return vectorized
     launch_config = dataclasses.replace(launch_config or LaunchConfig(),
                                         world_size=world_size_for(None, default=options.world_size),
                                         backend="nccl" if device.type == "cuda" else "gloo")
 
-    def train(workload, config, global_batch, runs, advance=None, *, sweep_only=(), adascale=False,
-              adam_sqrt=False):
+    def on_ranks(workload, config, global_batch, runs, advance=None, *, sweep_only=(), adascale=False,
+                 adam_sqrt=False):
         results = ddp.train_group_ddp(workload, config, global_batch, runs, launch_config, adam_sqrt=adam_sqrt,
                                       max_per_device=options.max_batch_size_per_device)
         if advance:
             advance(config.max_steps)
         return results
 
-    return train
+    return on_ranks if engine == "ddp" else TimedTrainer(vectorized, on_ranks, device)
+
+
+class TimedTrainer:
+    """``--engine auto``: before each group, a step timed both ways; the group trains where it was faster."""
+
+    def __init__(self, vectorized, on_ranks, device: torch.device):
+        self.vectorized, self.on_ranks, self.device = vectorized, on_ranks, device
+        self.chosen: dict[int, tuple[str, float, float]] = {}
+        """Per global batch: (engine, vectorized s/step, run-by-run s/step)."""
+
+    def __call__(self, workload, config, global_batch, runs, advance=None, *, adascale=False, **kwargs):
+        # AdaScale's runs measure at every step inside the group: vectorized only.
+        if adascale or len(runs) < 2:
+            return self.vectorized(workload, config, global_batch, runs, advance, adascale=adascale, **kwargs)
+        if global_batch not in self.chosen:
+            group, loop = engine_seconds(workload, config, global_batch, runs, self.device)
+            self.chosen[global_batch] = ("vmap" if group <= loop else "ddp", group, loop)
+        train = self.vectorized if self.chosen[global_batch][0] == "vmap" else self.on_ranks
+        return train(workload, config, global_batch, runs, advance, adascale=adascale, **kwargs)
+
+    def summary(self) -> tuple[str, str]:
+        """(engine, why) for the report: which engine each batch size took, with the timings."""
+        engines = sorted({choice for choice, _, _ in self.chosen.values()}, reverse=True)
+        parts = [f"{b}: {choice} ({group * 1e3:.3g} ms vectorized vs {loop * 1e3:.3g} ms run by run per step)"
+                 for b, (choice, group, loop) in sorted(self.chosen.items())]
+        return "+".join(engines) or "vmap", "timed per global batch: " + "; ".join(parts)
 
 
 def _save(report: StudyReport, options: StudyOptions, started: float) -> None:
