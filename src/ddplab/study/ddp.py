@@ -124,8 +124,8 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
 
 def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: RunResult, steps: int,
                loss: torch.Tensor, window: torch.Tensor) -> bool:
-    """Rank 0 evaluates; one all-reduce gives every rank the metric, the mean loss and the window's largest loss.
-    True when the run is finished (every rank decides alike)."""
+    """Rank 0 evaluates; one all-reduce gives every rank the metric, the mean loss and whether any rank's losses
+    since the last evaluation diverged. True when the run is finished (every rank decides alike)."""
     metric = evaluate_model(workload, config, model) if ctx.is_main else 0.0
     diverged = (window > DIVERGED_LOSS).to(torch.float64)
     shared = torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), loss.new_tensor(metric), diverged])
