@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from ddplab.cli.main import main
+from ddplab.noise import estimators as noise_estimators
 from ddplab.runtime.launch import LaunchConfig
 from ddplab.study import ddp, engine, grid, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
@@ -54,6 +55,14 @@ def test_the_ddp_engine_takes_the_vectorized_engines_steps():
                 assert [h[0] for h in mine.history[:shared]] == [h[0] for h in theirs.history]
                 assert [h[2] for h in mine.history[:shared]] == pytest.approx([h[2] for h in theirs.history],
                                                                                rel=1e-9)
+        # The DDP engine measures the noise scale as ddplab noise does, at every evaluation: on this problem
+        # B_simple = dim + 1 = 9 wherever the weights are (tr Σ and |G|² both scale with the error).
+        measured = [r for rs in on_ranks.values() for r in rs if r.steps_to_target]
+        assert all(len(r.noise_g2) == len(r.history) for r in measured)
+        summary = noise_estimators.summarize([g for r in measured for g in r.noise_g2],
+                                             [t for r in measured for t in r.noise_trace])
+        low, high = summary.b_simple_ci95
+        assert low <= 9 <= high and 6 < summary.b_simple < 13.5, summary
     assert any(r.steps_to_target for r in vectorized[32]) and any(r.adam_sqrt for r in vectorized[32])
     assert ddp.split(32, 2, 4) == ddp.DdpPlan(world_size=2, accumulation_steps=4, per_device_batch_size=4)
     assert ddp.split(24, 2, 5) == ddp.DdpPlan(world_size=2, accumulation_steps=3, per_device_batch_size=4)

@@ -100,6 +100,7 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
     # Dropout's masks differ per rank and per run, the same every time the grid runs.
     torch.manual_seed(1_000_003 * result.seed + ctx.rank)
     step_fn = workload.step or _default_step
+    noise = _noise_scale(ddp, ctx, plan, config, workload.train_size)
     window = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for step in range(config.max_steps):
         index = shards.batch(step).to(ctx.device)
@@ -110,6 +111,8 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
                 value = step_fn(ddp, (inputs[part], targets[part]), workload.loss)
                 (value / plan.accumulation_steps).backward()
             loss += value.detach().to(torch.float64) / plan.accumulation_steps
+        if noise is not None:
+            _record(noise.step(), result)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # A diverged step poisons every later one (its gradient is all-reduced), so checking the window's losses
@@ -147,6 +150,27 @@ def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: R
     else:
         return False
     return True
+
+
+def _noise_scale(ddp, ctx: RankContext, plan: DdpPlan, config: StudyConfig, dataset_size: int):
+    """ddplab noise's measurement on this run (each rank's gradient against the all-reduced one), at the steps
+    that end with an evaluation; None on one rank, which has no second batch size to compare."""
+    from ddplab.noise.scale import GradientNoiseScale
+
+    if ctx.world_size < 2:
+        return None
+    noise = GradientNoiseScale(ddp, per_device_batch_size=plan.per_device_batch_size,
+                               accumulation_steps=plan.accumulation_steps, every=config.eval_every,
+                               dataset_size=dataset_size)
+    # Its count starts one behind: it then measures the steps the vectorized engine measures (those evaluated).
+    noise.steps = 1
+    return noise
+
+
+def _record(estimate, result: RunResult) -> None:
+    if estimate is not None:
+        result.noise_g2.append(estimate.g2)
+        result.noise_trace.append(estimate.trace_sigma)
 
 
 def _default_step(model, batch, loss_fn):
