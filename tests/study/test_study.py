@@ -645,3 +645,26 @@ def test_a_fit_that_misses_its_points_or_sits_on_its_interval_edge_is_said():
                                                                                           study_fit.fit_seeds(bent)))
     on_edge = {**fitted, "b_crit_ci95": [fitted["b_crit"], fitted["b_crit"] * 2]}
     assert any("sits on the edge of its 95% interval" in w for w in analysis._fit_warnings("tuned", on_edge))
+
+
+def test_a_group_too_big_for_memory_splits_and_a_run_too_big_is_refused(monkeypatch):
+    """The footprint is measured (parameters, gradients, state, batch, saved activations); a group splits into parts
+    that fit, and trains as the whole group would (float64, no pruning); one run that cannot fit is refused."""
+    from ddplab.runtime import capacity
+
+    workload = workloads.regression(dim=8, n_train=256, n_val=64)
+    config = StudyConfig(target=Target(kind="loss", value=1e-4), global_batch_sizes=(16, 32), max_steps=60,
+                         dtype="float64")
+    per_run = engine.run_footprint(workload, config, 16)
+    # The linear model's weight (8 doubles), its gradient and momentum, 16 inputs and targets, and the saved input.
+    assert per_run >= 8 * 8 * 3 + 16 * 9 * 8 + 16 * 8 * 8
+    runs = [(lr, seed) for lr in (0.01, 0.03, 0.1) for seed in range(2)]
+    whole = engine.train_group(workload, config, 16, runs)
+    monkeypatch.setattr(capacity, "available_bytes", lambda: int(4 * per_run / capacity.SAFETY))
+    assert engine.runs_that_fit(workload, config, 16) == 2
+    parts = engine.train_group(workload, config, 16, runs)
+    assert [(r.lr, r.seed, r.steps_to_target, r.history) for r in parts] == \
+        [(r.lr, r.seed, r.steps_to_target, r.history) for r in whole]
+    monkeypatch.setattr(capacity, "available_bytes", lambda: per_run)
+    with pytest.raises(UsageError, match="one run at global batch 16 needs about"):
+        engine.train_group(workload, config, 16, runs)

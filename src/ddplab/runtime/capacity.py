@@ -43,21 +43,22 @@ def check_memory(needed: int, what: str, field: str) -> None:
     """UsageError when ``needed`` bytes exceed what this machine has free; ``what`` says what needs them."""
     available = available_bytes()
     if available is not None and needed > SAFETY * available:
-        raise UsageError(f"{what} needs about {_size(needed)}, more than this machine has free "
-                         f"({_size(available)}): lower {{{field}}}")
+        raise UsageError(f"{what} needs about {size(needed)}, more than this machine has free "
+                         f"({size(available)}): lower {{{field}}}")
 
 
 def check_ranks(world_size: int, per_rank_bytes: int, *, on_cpu: bool) -> None:
     """Refuse ranks whose memory cannot fit; warn when CPU ranks outnumber the cores (they time-share)."""
     check_memory(world_size * (per_rank_bytes + RANK_OVERHEAD_BYTES),
-                 f"{world_size} ranks of about {_size(per_rank_bytes + RANK_OVERHEAD_BYTES)} each", "world_size")
+                 f"{world_size} ranks of about {size(per_rank_bytes + RANK_OVERHEAD_BYTES)} each", "world_size")
     cores = os.cpu_count() or 1
     if on_cpu and world_size > cores:
         warnings.warn(f"{world_size} CPU ranks on {cores} cores time-share them: every step waits for the slowest, "
                       "so timings mean little (the results are still exact)", DdplabWarning, stacklevel=2)
 
 
-def _size(count: float) -> str:
+def size(count: float) -> str:
+    """Bytes as a person reads them: 12 KB, 1.5 GB."""
     for unit in ("B", "KB", "MB", "GB"):
         if count < 1024 or unit == "GB":
             return f"{count:.0f} {unit}" if unit in ("B", "KB") else f"{count:.1f} {unit}"

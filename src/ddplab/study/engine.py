@@ -21,6 +21,7 @@ from torch.func import functional_call, vmap
 from ddplab.adapt.gain import Smoothed, default_smoothing
 from ddplab.errors import UsageError
 from ddplab.noise import estimators
+from ddplab.runtime import capacity
 from ddplab.runtime.sharding import epoch_permutation
 from ddplab.study import fit, optim
 from ddplab.study.config import OptimizerConfig, StudyConfig
@@ -241,6 +242,49 @@ class Group:
         self.active = [self.active[r] for r in rows]
 
 
+def run_footprint(workload: Workload, config: StudyConfig, global_batch: int,
+                  device: torch.device | str = "cpu") -> int:
+    """Bytes one run of a group holds at its peak, measured on one forward of the model at ``global_batch``: its
+    parameters, gradients and optimizer state, its batch, and every tensor autograd saves for the backward."""
+    dtype = torch_dtype(config)
+    model = workload.model().to(dtype).to(device)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = params * (2 if config.optimizer.adam else 1 if config.optimizer.momentum else 0)
+    index = torch.arange(min(global_batch, workload.train_size))
+    inputs = cast(workload.train[0][index], dtype).to(device)
+    targets = cast(workload.train[1][index], dtype).to(device)
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        workload.loss(model(inputs), targets)
+    batch = sum(t.numel() * t.element_size() for t in (inputs, targets))
+    return 2 * params + state + batch + saved
+
+
+def runs_that_fit(workload: Workload, config: StudyConfig, global_batch: int, device: torch.device | str = "cpu"
+                  ) -> int:
+    """How many runs one group at ``global_batch`` can hold in the memory this machine has free (CPU; on a GPU,
+    what the device has free); UsageError when not even one fits."""
+    per_run = run_footprint(workload, config, global_batch, device)
+    if torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        free = capacity.available_bytes()
+    if free is None:
+        return 1 << 30
+    # Twice the measured footprint: vmap's batched intermediates and the allocator's slack come on top.
+    fit = int(capacity.SAFETY * free // (2 * per_run))
+    if fit < 1:
+        raise UsageError(f"one run at global batch {global_batch} needs about {capacity.size(2 * per_run)}, more "
+                         f"than this machine has free ({capacity.size(free)}): lower {{global_batch_sizes}}")
+    return fit
+
+
 def seconds_per_step(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
                      device: torch.device | str = "cpu", *, steps: int = 3) -> tuple[float, float]:
     """(vectorized, run by run): seconds for one optimizer step of every run in ``runs``, as one group and as one
@@ -308,6 +352,13 @@ def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs
     updates use lr × AdaScale's gain, measured at every step; with ``adam_sqrt`` the optimizer's betas and eps
     are the adam-sqrt rule's at this batch.
     """
+    size = runs_that_fit(workload, config, global_batch, device)
+    if len(runs) > size:
+        # Groups split to fit: each part trains as a group of its own (pruning sees its own part's runs).
+        return [result for start in range(0, len(runs), size)
+                for result in train_group(workload, config, global_batch, runs[start:start + size], progress,
+                                          sweep_only=sweep_only, adascale=adascale, adam_sqrt=adam_sqrt,
+                                          device=device)]
     optimizer = config.adam_sqrt_optimizer(global_batch)[0] if adam_sqrt else None
     group = Group(workload, config, global_batch, runs, adascale=adascale, optimizer=optimizer, adam_sqrt=adam_sqrt,
                   device=device)
