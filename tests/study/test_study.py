@@ -603,6 +603,16 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["optimizer"]["betas"] == [0.9, 0.95]
     assert main([*argv, "--momentum", "0.5"]) == 2
     assert "--momentum changes nothing for adamw" in capsys.readouterr().err
+    # Beside an SGD study: both best lrs per batch, each with its rule (the cache serves: nothing retrains).
+    sgd = tmp_path / "sgd.json"
+    sgd.write_text(json.dumps({"workload": "w", "optimizer": {"family": "sgd", "name": "SGD"},
+                               "reference": {"global_batch_size": 32, "lr": 0.1}, "global_batch_sizes": [16, 64],
+                               "tuned_lr": [{"global_batch_size": 16, "lr": 0.05}, {"global_batch_size": 64,
+                                                                                   "lr": 0.2}]}))
+    assert main([*argv, "--weight-decay", "0.01", "--betas", "0.9,0.95", "--compare", str(sgd)]) == 0
+    assert any(p.endswith("compare_lr.png") for p in json.loads(capsys.readouterr().out)["plots"])
+    assert main([*argv, "--compare", str(tmp_path / "missing.json")]) == 2
+    assert "--compare" in capsys.readouterr().err
     # plan --from-study takes an AdamW study for AdamW (and Adam), and refuses it for SGD.
     plan = ["plan", "--ref-batch-size", "16", "--ref-lr", "3e-3", "--devices", "4", "--batch-size", "16",
             "--from-study", str(tmp_path / "out" / "study.json")]

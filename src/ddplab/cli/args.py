@@ -52,7 +52,8 @@ FLAGS: dict[str, str] = {
     "sweep_factor": "--sweep-factor", "sweep_margin": "--sweep-margin", "dtype": "--dtype", "out": "--out",
     "fresh": "--fresh", "plots=False": "--no-plots", "verify_ddp": "--verify-ddp",
     "verify_world_size": "--verify-world-size", "verify_steps": "--verify-steps", "threads": "--threads",
-    "workload": "--workload", "max_runs": "--max-runs", "engine": "--engine", "device": "--device",
+    "workload": "--workload", "max_runs": "--max-runs", "compare": "--compare", "engine": "--engine",
+    "device": "--device",
     "max_batch_size_per_device": "--max-batch-size-per-device",
     # sandbox
     "mode": "MODE", "lr": "--lr", "n_experiments": "--n-experiments", "n_epochs": "--n-epochs",

@@ -155,6 +155,9 @@ def add_parser(subparsers) -> None:
                           "accumulates over micro-batches (default: no cap)")
     eng.add_argument("--device", choices=("auto", "cpu", "cuda"),
                      help="where runs train (default auto: CUDA when torch sees it; the DDP engine then uses NCCL)")
+    parser.add_argument("--compare", metavar="STUDY.json",
+                        help="another study's study.json (another optimizer, say): compare_lr.png draws both best lrs "
+                             "per batch, each beside its rule's prediction (linear for SGD, square root for Adam)")
     parser.add_argument("--no-plots", action="store_true", help="skip PNG plots and the HTML report")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
@@ -199,7 +202,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
     options = StudyOptions(fresh=args.fresh, plots=not args.no_plots, **given(
         args, out="out", verify_ddp="verify_ddp", verify_world_size="verify_world_size",
         verify_steps="verify_steps", threads="threads", engine="engine", world_size="world_size",
-        max_batch_size_per_device="max_batch_size_per_device", device="device"))
+        max_batch_size_per_device="max_batch_size_per_device", device="device", compare="compare"))
     return StudyConfig(target=target, **grid), options
 
 

@@ -273,6 +273,9 @@ class StudyOptions:
     """The DDP engine's largest loader batch per rank; larger shares accumulate (None: no cap)."""
     device: Device = "auto"
     """Where runs train: auto (CUDA when available), cpu or cuda."""
+    compare: str | None = None
+    """Another study's study.json (another optimizer, say): its best lr per batch is drawn beside this one's, each
+    with its own rule's prediction (compare_lr.png)."""
 
     def __post_init__(self):
         if self.engine not in get_args(Engine):

@@ -22,7 +22,7 @@ def _pyplot():
     return plt
 
 
-def plots(report: dict, results: dict, directory: str) -> list[str]:
+def plots(report: dict, results: dict, directory: str, compare: dict | None = None) -> list[str]:
     """Write the three plots under ``directory``; returns their paths."""
     os.makedirs(directory, exist_ok=True)
     names = ("steps_vs_batch.png", "tuned_lr.png", "loss_curves.png", "pareto.png")
@@ -31,6 +31,9 @@ def plots(report: dict, results: dict, directory: str) -> list[str]:
     _lr_plot(report, paths[1])
     _curves_plot(report, results, paths[2])
     _pareto_plot(report, paths[3])
+    if compare is not None:
+        paths.append(os.path.join(directory, "compare_lr.png"))
+        _compare_plot(report, compare, paths[-1])
     if (report.get("b_simple") or {}).get("by_batch"):
         paths.append(os.path.join(directory, "b_simple.png"))
         _b_simple_plot(report, paths[-1])
@@ -155,6 +158,31 @@ def _seed_bars(report: dict, rule: str, points: list[tuple[int, float]]) -> tupl
         lows.append(median - (low if low is not None else median))
         highs.append((high if high is not None else report["max_steps"]) - median)
     return lows, highs
+
+
+def _compare_plot(report: dict, other: dict, path: str) -> None:
+    """Two studies' best lr per batch side by side (say SGD and AdamW), each beside its own rule's prediction from
+    its reference: linear for SGD, square root for Adam (Malladi et al. 2022)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    for study, color in ((report, "tab:green"), (other, "tab:purple")):
+        name = f"{study['optimizer'].get('name', '?')} ({study.get('workload', '?')})"
+        points = [(p["global_batch_size"], p["lr"]) for p in study["tuned_lr"] if p.get("lr")]
+        if points:
+            ax.plot(*zip(*points), "o-", color=color, label=f"{name}: best tuned lr")
+        ref = study["reference"]
+        rule = "linear" if study["optimizer"].get("family", "sgd") == "sgd" else "sqrt"
+        power = 1.0 if rule == "linear" else 0.5
+        batches = sorted(study.get("global_batch_sizes") or [b for b, _ in points])
+        if batches:
+            ax.plot(batches, [ref["lr"] * (b / ref["global_batch_size"]) ** power for b in batches], "--",
+                    color=color, alpha=0.7, label=f"{name}: {rule} rule from its reference")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("global batch size B")
+    ax.set_ylabel("learning rate")
+    ax.set_title("best lr per batch: this study and the one compared")
+    _save(plt, fig, path, (ax,))
 
 
 def _b_simple_plot(report: dict, path: str) -> None:

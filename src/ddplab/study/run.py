@@ -72,6 +72,7 @@ def _study(workload, config, options, engine, why, device, progress, launch_conf
     main = rank in (None, 0)
     if options.plots and main:
         require_matplotlib()
+    other = load_compared(options.compare) if options.compare and main else None
     cache = None
     if main:
         check_out(options.out)
@@ -96,10 +97,25 @@ def _study(workload, config, options, engine, why, device, progress, launch_conf
     if options.plots and found.fit:  # a figure needs a curve: some rule fitted at two batch sizes
         from ddplab.study import plots
 
-        report.plots = plots.plots(report.to_json(), results, options.out)
+        report.plots = plots.plots(report.to_json(), results, options.out, compare=other)
         report.report = plots.write_html(report.to_json(), os.path.join(options.out, "report.html"))
         _save(report, options, started)
     return report
+
+
+def load_compared(path: str) -> dict:
+    """The study.json given to compare with, checked before anything trains."""
+    import json
+
+    try:
+        with open(path) as fh:
+            other = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{{compare}} {literal(path)} cannot be read as a study's JSON ({literal(exc)})") from None
+    if not isinstance(other, dict) or not all(key in other for key in ("tuned_lr", "reference", "optimizer")):
+        raise UsageError(f"{{compare}} {literal(path)} is no study.json of ddplab study (no tuned_lr, reference or "
+                         "optimizer)")
+    return other
 
 
 def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions) -> tuple[str, str]:
