@@ -61,6 +61,10 @@ def test_bootstrap_over_seeds_covers_the_truth():
     low, high = fit["b_crit_ci95"]
     assert low < truth < high and high / low < 2
     assert fit["regimes"]["perfect_scaling_below"] == pytest.approx(fit["b_crit"] / 4)
+    # The fitted curve's 95% band holds the true curve at (nearly) every batch, and is narrow where seeds agree.
+    inside = [fit["band"][b][0] <= s_min * (1 + truth / b) <= fit["band"][b][1] for b in batches]
+    assert sum(inside) >= len(batches) - 1
+    assert all(high / low < 1.3 for low, high in fit["band"].values())
 
 
 def test_median_counts_unreached_runs_as_infinite():

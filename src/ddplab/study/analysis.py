@@ -199,6 +199,7 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
         fitted = fit.fit_seeds(reached)
         fits[rule] = {**fitted, "median_steps": {str(b): v for b, v in fitted["median_steps"].items()},
                       "seed_range": {str(b): v for b, v in fitted["seed_range"].items()},
+                      "band": {str(b): v for b, v in fitted["band"].items()},
                       "batches_fitted": sorted(reached)}
         if not math.isfinite(fitted["b_crit"]):
             warnings.append(f"rule {rule}: steps fall as 1/B over the whole measured range; B_crit lies above it")

@@ -103,18 +103,23 @@ def fit_seeds(steps_by_batch: dict[int, list[float]], *, n_boot: int = 1000, see
     fit = fit_steps(batches, [medians[b] for b in batches])
     n_seeds = min(len(steps_by_batch[b]) for b in batches)
     rng = random.Random(seed)
-    draws = []
+    draws, fitted = [], []
     for _ in range(n_boot if n_seeds > 1 else 0):
         picks = [rng.randrange(n_seeds) for _ in range(n_seeds)]
         resampled = [median([steps_by_batch[b][i] for i in picks]) for b in batches]
         try:
-            draws.append(fit_steps(batches, resampled).b_crit)
+            fitted.append(fit_steps(batches, resampled))
         except ValueError:
             continue
+        draws.append(fitted[-1].b_crit)
     low, high = _percentiles(draws, 0.025, 0.975) if draws else (math.nan, math.nan)
+    # The curve's own 95% band: at each batch, the middle 95% of the resampled fits' steps.
+    band = {b: list(_percentiles([f.steps(b) for f in fitted], 0.025, 0.975)) if fitted else [math.nan, math.nan]
+            for b in batches}
     return {"s_min": fit.s_min, "b_crit": fit.b_crit, "b_crit_ci95": [low, high], "e_min": fit.e_min,
             "median_steps": {b: medians[b] for b in batches}, "regimes": regimes(fit.b_crit),
-            "seed_range": {b: [spread(steps_by_batch[b])[0], spread(steps_by_batch[b])[2]] for b in batches}}
+            "seed_range": {b: [spread(steps_by_batch[b])[0], spread(steps_by_batch[b])[2]] for b in batches},
+            "band": band}
 
 
 def _percentiles(values: list[float], *quantiles: float) -> tuple[float, ...]:

@@ -126,6 +126,10 @@ def _steps_plot(report: dict, path: str) -> None:
             grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 100) for i in range(101)]
             ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=COLORS[rule],
                     linewidth=1, label=f"{rule} fit: B_crit {fit['b_crit']:.3g}")
+            band = sorted((int(b), v) for b, v in (fit.get("band") or {}).items() if None not in v)
+            if band:
+                ax.fill_between([b for b, _ in band], [v[0] for _, v in band], [v[1] for _, v in band],
+                                color=COLORS[rule], alpha=0.12, linewidth=0)
     tuned = report["fit"].get("tuned")
     if tuned and tuned["b_crit"] is not None:
         _regimes(ax, tuned, batches)
