@@ -15,7 +15,7 @@ import pytest
 from ddplab.cli.main import main
 from ddplab.noise import estimators as noise_estimators
 from ddplab.runtime.launch import LaunchConfig
-from ddplab.study import ddp, engine, grid, workloads
+from ddplab.study import analysis, ddp, engine, grid, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
@@ -26,7 +26,7 @@ def _ddp_trainer(world_size: int, max_per_device: int | None):
 
     def train(workload, study, global_batch, runs, advance=None, *, sweep_only=(), adascale=False, adam_sqrt=False):
         return ddp.train_group_ddp(workload, study, global_batch, runs, config, adam_sqrt=adam_sqrt,
-                                   max_per_device=max_per_device)
+                                   max_per_device=max_per_device, sweep_only=set(sweep_only))
 
     return train
 
@@ -47,14 +47,17 @@ def test_the_ddp_engine_takes_the_vectorized_engines_steps():
             assert len(on_ranks[b]) == len(vectorized[b]) > 0
             for mine, theirs in zip(on_ranks[b], vectorized[b]):
                 assert (mine.lr, mine.seed, mine.adam_sqrt) == (theirs.lr, theirs.seed, theirs.adam_sqrt)
-                # The vectorized engine stops a sweep lr that can no longer win (the DDP engine trains it on).
-                shared = len(theirs.history)
-                if not theirs.pruned:
+                # Both engines stop a sweep lr that can no longer win, each when it knows: compare what both ran.
+                shared = min(len(mine.history), len(theirs.history))
+                if not (theirs.pruned or mine.pruned):
                     assert mine.steps_to_target == theirs.steps_to_target and mine.diverged == theirs.diverged
-                    assert len(mine.history) == shared
-                assert [h[0] for h in mine.history[:shared]] == [h[0] for h in theirs.history]
-                assert [h[2] for h in mine.history[:shared]] == pytest.approx([h[2] for h in theirs.history],
-                                                                               rel=1e-9)
+                    assert len(mine.history) == len(theirs.history)
+                assert [h[0] for h in mine.history[:shared]] == [h[0] for h in theirs.history[:shared]]
+                assert [h[2] for h in mine.history[:shared]] == pytest.approx(
+                    [h[2] for h in theirs.history[:shared]], rel=1e-9)
+        # The answer is the same: the best tuned lr and its median steps at every batch.
+        assert analysis.analyze(config, on_ranks).tuned_lr == analysis.analyze(config, vectorized).tuned_lr
+        assert any(r.pruned for rs in on_ranks.values() for r in rs)
         # The DDP engine measures the noise scale as ddplab noise does, at every evaluation: on this problem
         # B_simple = dim + 1 = 9 wherever the weights are (tr Σ and |G|² both scale with the error).
         measured = [r for rs in on_ranks.values() for r in rs if r.steps_to_target]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ddplab.errors import UsageError
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
-from ddplab.study import workloads
+from ddplab.study import fit, workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engine import DIVERGED_LOSS, RunResult, cast, evaluate_model, stalled, torch_dtype
 from ddplab.study.optim import torch_optimizer
@@ -54,28 +54,52 @@ def split(global_batch: int, world_size: int, max_per_device: int | None) -> Ddp
 
 def train_group_ddp(workload: workloads.Workload, config: StudyConfig, global_batch: int,
                     runs: list[tuple[float, int]], launch_config: LaunchConfig, *, adam_sqrt: bool = False,
-                    max_per_device: int | None = None) -> list[RunResult]:
-    """Train every (lr, seed) run at ``global_batch`` on ``launch_config.world_size`` DDP ranks, one after another."""
+                    max_per_device: int | None = None, sweep_only: set[float] = frozenset()) -> list[RunResult]:
+    """Train every (lr, seed) run at ``global_batch`` on ``launch_config.world_size`` DDP ranks, one after another.
+
+    As in the vectorized engine, a run of an lr in ``sweep_only`` stops once it can no longer have the fewest
+    median steps; the rules' lrs train first, so a best is settled early."""
     plan = split(global_batch, launch_config.world_size, max_per_device)
     if adam_sqrt:
         config = dataclasses.replace(config, optimizer=config.adam_sqrt_optimizer(global_batch)[0])
     # Every rank returns the same results (each stop is decided together): rank 0's serve.
-    return launch(_train_runs, launch_config, workload.source, config, global_batch, runs, plan, adam_sqrt)[0]
+    return launch(_train_runs, launch_config, workload.source, config, global_batch, runs, plan, adam_sqrt,
+                  set(sweep_only))[0]
 
 
 def _train_runs(ctx: RankContext, source, config: StudyConfig, global_batch: int, runs, plan: DdpPlan,
-                adam_sqrt: bool) -> list[RunResult]:
+                adam_sqrt: bool, sweep_only: set[float]) -> list[RunResult]:
     # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
     dtype = torch_dtype(config)
     inputs = cast(workload.train[0], dtype).to(ctx.device)
     targets = cast(workload.train[1], dtype).to(ctx.device)
-    out = []
-    for lr, seed in runs:
+    done: dict[tuple[float, int], RunResult] = {}
+    for lr, seed in sorted(runs, key=lambda run: run[0] in sweep_only):
         result = RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adam_sqrt=adam_sqrt)
-        _train_one(ctx, workload, config, plan, inputs, targets, result)
-        out.append(result)
-    return out
+        bound = _prune_bound(config, done.values(), lr) if lr in sweep_only else math.inf
+        _train_one(ctx, workload, config, plan, inputs, targets, result, bound)
+        done[(lr, seed)] = result
+    return [done[key] for key in runs]
+
+
+def _prune_bound(config: StudyConfig, finished, lr: float) -> float:
+    """Steps past which a run of ``lr`` can no longer be its batch's best (every rank computes the same)."""
+    by_lr: dict[float, list[RunResult]] = {}
+    for result in finished:
+        by_lr.setdefault(result.lr, []).append(result)
+    best_lr, best = None, math.inf
+    for other, results in by_lr.items():
+        reached = [r.steps_to_target for r in results if r.steps_to_target is not None]
+        # Settled: all of the lr's seeds finished (they train one after another) and its median arrived.
+        if len(results) == config.seeds:
+            median = fit.median([float(s) for s in reached] + [math.inf] * (len(results) - len(reached)))
+            if median < best:
+                best_lr, best = other, median
+    if best_lr is None or best_lr == lr:
+        return math.inf
+    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
+    return best * (2 if config.seeds % 2 == 0 else 1)
 
 
 def _optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
@@ -89,7 +113,7 @@ def _optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: fl
 
 
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
-               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult) -> None:
+               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult, bound: float = math.inf) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(result.seed)
@@ -120,6 +144,9 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
         window = torch.where(loss.isfinite(), torch.maximum(window, loss.abs()), math.inf)
         if (step + 1) % config.eval_every == 0 or step + 1 == config.max_steps:
             if _evaluated(ctx, workload, config, model, result, step + 1, loss, window):
+                break
+            if step + 1 > bound:
+                result.pruned = True
                 break
             window.zero_()
     del ddp, optimizer, model

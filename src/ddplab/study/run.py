@@ -166,7 +166,7 @@ def _trainer(engine: str, device: torch.device, options: StudyOptions, launch_co
     def on_ranks(workload, config, global_batch, runs, advance=None, *, sweep_only=(), adascale=False,
                  adam_sqrt=False):
         results = ddp.train_group_ddp(workload, config, global_batch, runs, launch_config, adam_sqrt=adam_sqrt,
-                                      max_per_device=options.max_batch_size_per_device)
+                                      max_per_device=options.max_batch_size_per_device, sweep_only=set(sweep_only))
         if advance:
             advance(config.max_steps)
         return results
