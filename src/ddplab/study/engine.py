@@ -286,7 +286,7 @@ def runs_that_fit(workload: Workload, config: StudyConfig, global_batch: int, de
 
 
 def seconds_per_step(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                     device: torch.device | str = "cpu", *, steps: int = 3) -> tuple[float, float]:
+                     device: torch.device | str = "cpu", *, steps: int = 5) -> tuple[float, float]:
     """(vectorized, run by run): seconds for one optimizer step of every run in ``runs``, as one group and as one
     torch.optim model after another (what the DDP engine's ranks do), each after a step of warm-up."""
     import time
