@@ -26,7 +26,7 @@ from ddplab.study import ddp, workloads
 from ddplab.study.config import StudyConfig, Target
 from ddplab.study.engine import RunResult, cast, evaluate_model
 from ddplab.study.optim import torch_optimizer
-from ddplab.study.verify import _Shards
+from ddplab.study.verify import RankShards
 
 
 def _plain(ctx, workload, config, plan, inputs, targets, result, evaluate=False):
@@ -35,7 +35,7 @@ def _plain(ctx, workload, config, plan, inputs, targets, result, evaluate=False)
     torch.manual_seed(result.seed)
     model = DistributedDataParallel(workload.model())
     optimizer = torch_optimizer(config.optimizer, model.parameters(), result.lr)
-    shards = _Shards(workload.train_size, result.global_batch_size, ctx, result.seed)
+    shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
     for step in range(config.max_steps):
         index = shards.batch(step)
         optimizer.zero_grad(set_to_none=True)

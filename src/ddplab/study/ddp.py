@@ -23,11 +23,20 @@ import torch.distributed as dist
 
 from ddplab.errors import UsageError
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
-from ddplab.study import fit, workloads
+from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
-from ddplab.study.engine import DIVERGED_LOSS, RunResult, cast, evaluate_model, stalled, torch_dtype
+from ddplab.study.engine import (
+    DIVERGED_LOSS,
+    RunResult,
+    cast,
+    evaluate_model,
+    loser_bound,
+    settled_best,
+    stalled,
+    torch_dtype,
+)
 from ddplab.study.optim import torch_optimizer
-from ddplab.study.verify import _Shards
+from ddplab.study.verify import RankShards
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,18 +97,10 @@ def _prune_bound(config: StudyConfig, finished, lr: float) -> float:
     by_lr: dict[float, list[RunResult]] = {}
     for result in finished:
         by_lr.setdefault(result.lr, []).append(result)
-    best_lr, best = None, math.inf
-    for other, results in by_lr.items():
-        reached = [r.steps_to_target for r in results if r.steps_to_target is not None]
-        # Settled: all of the lr's seeds finished (they train one after another) and its median arrived.
-        if len(results) == config.seeds:
-            median = fit.median([float(s) for s in reached] + [math.inf] * (len(results) - len(reached)))
-            if median < best:
-                best_lr, best = other, median
-    if best_lr is None or best_lr == lr:
-        return math.inf
-    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
-    return best * (2 if config.seeds % 2 == 0 else 1)
+    # Seeds train one after another here: only an lr whose seeds have all finished is settled.
+    complete = [r for runs in by_lr.values() if len(runs) == config.seeds for r in runs]
+    best_lr, best = settled_best(complete)
+    return math.inf if best_lr is None or best_lr == lr else loser_bound(best, config.seeds)
 
 
 def _optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
@@ -120,7 +121,7 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
     model = workload.model().to(torch_dtype(config)).to(ctx.device)
     ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
     optimizer = _optimizer(workload, config, ddp.parameters(), result.lr)
-    shards = _Shards(workload.train_size, result.global_batch_size, ctx, result.seed)
+    shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
     # Dropout's masks differ per rank and per run, the same every time the grid runs.
     torch.manual_seed(1_000_003 * result.seed + ctx.rank)
     step_fn = workload.step or _default_step

@@ -386,19 +386,8 @@ def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs
 def _prune(group: Group, sweep_only: set[float], steps: int, finished: set[int]) -> set[int]:
     if not sweep_only:
         return set()
-    by_lr: dict[float, list[RunResult]] = {}
-    for result in group.results:
-        by_lr.setdefault(result.lr, []).append(result)
-    best_lr, best = None, math.inf
-    for lr, results in by_lr.items():
-        reached = sorted(r.steps_to_target for r in results if r.steps_to_target is not None)
-        # The median over n seeds is settled once n//2 + 1 of them reached (the rest can only be slower).
-        if len(reached) >= len(results) // 2 + 1:
-            median = fit.median(reached + [math.inf] * (len(results) - len(reached)))
-            if median < best:
-                best_lr, best = lr, median
-    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
-    if steps <= best * (2 if group.config.seeds % 2 == 0 else 1):
+    best_lr, best = settled_best(group.results)
+    if steps <= loser_bound(best, group.config.seeds):
         return set()
     pruned = set()
     for run in group.active:
@@ -407,6 +396,29 @@ def _prune(group: Group, sweep_only: set[float], steps: int, finished: set[int])
             result.pruned = True
             pruned.add(run)
     return pruned
+
+
+def settled_best(results) -> tuple[float | None, float]:
+    """(lr, median steps) of the fewest median steps among the lrs whose median is settled: n//2 + 1 of its n
+    seeds reached the target, and the rest can only be slower (still running behind them, or never arriving).
+    (None, inf) when no lr's median is settled."""
+    by_lr: dict[float, list[RunResult]] = {}
+    for result in results:
+        by_lr.setdefault(result.lr, []).append(result)
+    best_lr, best = None, math.inf
+    for lr, runs in by_lr.items():
+        reached = sorted(r.steps_to_target for r in runs if r.steps_to_target is not None)
+        if len(reached) >= len(runs) // 2 + 1:
+            median = fit.median(reached + [math.inf] * (len(runs) - len(reached)))
+            if median < best:
+                best_lr, best = lr, median
+    return best_lr, best
+
+
+def loser_bound(best: float, seeds: int) -> float:
+    """Steps past which a run of another lr can no longer have the fewest median steps."""
+    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
+    return best * (2 if seeds % 2 == 0 else 1)
 
 
 def _finish_diverged(group: Group, losses: torch.Tensor) -> set[int]:

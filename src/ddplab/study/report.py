@@ -51,14 +51,17 @@ class StudyReport:
             "plots": self.plots, "report": self.report, "out": self.out,
         }
         if "adam-sqrt" in cfg.rules:
-            out["adam_sqrt"] = [{"global_batch_size": b, "lr": cfg.adam_sqrt_runs(b)[0][0],
-                                 "betas": list(cfg.adam_sqrt_optimizer(b)[0].betas),
-                                 "eps": cfg.adam_sqrt_optimizer(b)[0].eps, "clamped": cfg.adam_sqrt_optimizer(b)[1]}
-                                for b in sorted(cfg.global_batch_sizes)]
+            out["adam_sqrt"] = [_adam_sqrt_row(cfg, b) for b in sorted(cfg.global_batch_sizes)]
         if self.verify_ddp is not None:
             out["verify_ddp"] = self.verify_ddp.to_json()
         out["seconds"] = self.seconds
         return finite(out)
+
+
+def _adam_sqrt_row(cfg: StudyConfig, b: int) -> dict:
+    optimizer, clamped = cfg.adam_sqrt_optimizer(b)
+    return {"global_batch_size": b, "lr": cfg.adam_sqrt_runs(b)[0][0], "betas": list(optimizer.betas),
+            "eps": optimizer.eps, "clamped": clamped}
 
 
 def optimizer_text(optimizer: dict) -> str:

@@ -18,7 +18,7 @@ from ddplab.runtime.launch import LaunchConfig, RankContext, launch, world_size_
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.serialize import write_json_atomic
 from ddplab.study import analysis, ddp, grid, workloads
-from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.config import ADAPTIVE_RULES, StudyConfig, StudyOptions
 from ddplab.study.engine import seconds_per_step as engine_seconds
 from ddplab.study.engine import train_group
 from ddplab.study.report import StudyReport
@@ -120,7 +120,7 @@ def load_compared(path: str) -> dict:
 
 def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions) -> tuple[str, str]:
     """(engine, why): what trains the grid, and the reason in words."""
-    adaptive = [rule for rule in config.rules if rule in ("adascale", "ramp")]
+    adaptive = [rule for rule in config.rules if rule in ADAPTIVE_RULES]
     if options.engine == "vmap" or (options.engine == "auto" and not workload.not_vectorized
                                     and not under_torchrun()):
         if workload.not_vectorized:

@@ -99,7 +99,7 @@ def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig,
         model = workload.model().to(dtype).to(ctx.device)
         ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
         optimizer = torch_optimizer(config.optimizer, ddp.parameters(), lr)
-        shards = _Shards(workload.train_size, global_batch, ctx, seed)
+        shards = RankShards(workload.train_size, global_batch, ctx, seed)
         for step in range(steps):
             index = shards.batch(step).to(ctx.device)
             optimizer.zero_grad(set_to_none=True)
@@ -110,7 +110,7 @@ def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig,
     return out
 
 
-class _Shards:
+class RankShards:
     """This rank's part of global batch ``step``, in the engine's epochs (N // B full batches each)."""
 
     def __init__(self, dataset_size: int, global_batch: int, ctx: RankContext, seed: int):

@@ -109,9 +109,8 @@ def mnist1d() -> Workload:
     finally:
         random.setstate(states[0])
         numpy.random.set_state(states[1])
-    tensor = functools.partial(torch.as_tensor)
-    train = (tensor(data["x"]).float(), tensor(data["y"]).long())
-    val = (tensor(data["x_test"]).float(), tensor(data["y_test"]).long())
+    train = (torch.as_tensor(data["x"]).float(), torch.as_tensor(data["y"]).long())
+    val = (torch.as_tensor(data["x_test"]).float(), torch.as_tensor(data["y_test"]).long())
     from ddplab.study.config import Target
 
     defaults = (("target", Target(kind="accuracy", value=0.6)), ("reference_lr", 0.05),
