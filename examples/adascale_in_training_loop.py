@@ -52,6 +52,8 @@ def main() -> None:
               f"{adascale.steps} steps, final loss {_loss(spec, ddp_model.module, dataset):.4f}, "
               f"gain {gains[0]:.2f} at the start → {gains[-1]:.2f} at the end")
     del ddp_model, gns, optimizer
+    # Leave together: a rank that exits the instant its last collective returns can abort in gloo's teardown.
+    dist.barrier()
     dist.destroy_process_group()
 
 

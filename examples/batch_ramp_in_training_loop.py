@@ -67,6 +67,8 @@ def main() -> None:
         print(f"every sample drawn exactly once per epoch over the ranks: {'yes' if every_epoch_complete else 'NO'}")
         print(f"weights identical on every rank: {'yes' if same_weights else 'NO'}")
     del ddp_model, gns, optimizer
+    # Leave together: a rank that exits the instant its last collective returns can abort in gloo's teardown.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -46,6 +46,8 @@ def main() -> None:
         print(f"B_simple {summary.b_simple:.3g}, 95% interval [{low:.3g}, {high:.3g}] over {summary.steps} steps "
               f"(exact: {spec.TRUE_B_SIMPLE:g})")
     del ddp_model, gns, optimizer
+    # Leave together: a rank that exits the instant its last collective returns can abort in gloo's teardown.
+    dist.barrier()
     dist.destroy_process_group()
 
 

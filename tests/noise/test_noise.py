@@ -1,9 +1,12 @@
 """Gradient noise scale: training unchanged, estimates right against closed forms, the CLI."""
 
+import gc
 import importlib.util
 import json
 import math
 import os
+import sys
+import weakref
 
 import numpy
 import pytest
@@ -11,6 +14,8 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from ddplab.adapt.adascale import AdaScale
+from ddplab.adapt.ramp import BatchRamp
 from ddplab.cli.main import main
 from ddplab.noise import estimators as est
 from ddplab.noise.report import adascale_gain
@@ -69,8 +74,38 @@ def _train(ctx, variant: str, steps: int = 6):
 
 
 def _all_variants(ctx):
-    return {v: _train(ctx, v) for v in ("plain", "plain+gns", "plain+gns_comm", "allreduce", "allreduce+gns",
-                                        "fp16", "fp16+gns")}
+    out = {v: _train(ctx, v) for v in ("plain", "plain+gns", "plain+gns_comm", "allreduce", "allreduce+gns",
+                                       "fp16", "fp16+gns")}
+    out["let_go"] = {via: _let_go(via) for via in ("grad_hooks", "comm_hook")}
+    out["let_go"]["subgroup"] = _let_go("grad_hooks", torch.distributed.new_group([0, 1]))
+    return out
+
+
+def _let_go(via: str, group=None) -> tuple[bool, int]:
+    """(whether the DDP model is freed by reference counts alone once the loop lets it go, while the noise scale
+    and its adapter are still alive; the Python references to its process group then left beyond those before the
+    model was built)."""
+    group = group or torch.distributed.group.WORLD
+    before = sys.getrefcount(group)
+    gc.disable()  # a cycle through the model would only be broken by the collector, at some later time
+    try:
+        model = torch.nn.Linear(4, 1)
+        ddp = DistributedDataParallel(model, process_group=group)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gns = GradientNoiseScale(ddp, per_device_batch_size=4, every=1, via=via)
+        adapter = (BatchRamp(ddp, optimizer, gns, max_accumulation_steps=4) if via == "grad_hooks" else
+                   AdaScale(optimizer, gns, reference_batch_size=4))
+        for _ in range(2):
+            optimizer.zero_grad()
+            ddp(torch.randn(4, 4)).sum().backward()
+            gns.step()
+            optimizer.step()
+        freed = weakref.ref(ddp)
+        del ddp, model
+        return freed() is None, sys.getrefcount(group) - before
+    finally:
+        del adapter, gns, optimizer
+        gc.enable()
 
 
 def test_training_is_unchanged_by_the_measurement():
@@ -81,6 +116,9 @@ def test_training_is_unchanged_by_the_measurement():
     assert equal("allreduce", "allreduce+gns") and equal("fp16", "fp16+gns")
     assert not equal("plain", "fp16")  # the comparison can tell runs apart
     assert len(results["fp16+gns"][1]) == 6
+    # A loop that lets its model go frees it, and the group, as without the measurement: a process group kept past
+    # destroy_process_group() dies at interpreter exit, where gloo's threads can abort the process.
+    assert results["let_go"] == {"grad_hooks": (True, 0), "comm_hook": (True, 0), "subgroup": (True, 0)}
     # Both ways of seeing the local gradient measure the same numbers.
     for a, b in zip(results["plain+gns"][1], results["plain+gns_comm"][1]):
         assert (a.g_small_sq == pytest.approx(b.g_small_sq, rel=1e-5)

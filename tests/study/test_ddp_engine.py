@@ -26,7 +26,7 @@ def _ddp_trainer(world_size: int, max_per_device: int | None):
 
     def train(workload, study, global_batch, runs, advance=None, *, sweep_only=(), adascale=False, adam_sqrt=False):
         return ddp.train_group_ddp(workload, study, global_batch, runs, config, adam_sqrt=adam_sqrt,
-                                   max_per_device=max_per_device, sweep_only=set(sweep_only))
+                                   adascale=adascale, max_per_device=max_per_device, sweep_only=set(sweep_only))
 
     return train
 
@@ -71,14 +71,53 @@ def test_the_ddp_engine_takes_the_vectorized_engines_steps():
     assert ddp.split(24, 2, 5) == ddp.DdpPlan(world_size=2, accumulation_steps=3, per_device_batch_size=4)
 
 
+@pytest.mark.timeout(180)
+def test_adascale_on_the_ddp_engine_is_the_library_adapter_with_the_closed_form_gain():
+    """The adascale rule on 2 DDP ranks (ddplab.AdaScale on the noise scale measured across them): at the reference
+    batch its gain is 1 and each run is the constant rule's run exactly; at S = 4 its gain settles near the closed
+    form, and its steps overlap the vectorized engine's."""
+    workload = workloads.regression(dim=8, n_train=512, n_val=128)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.01), global_batch_sizes=(8, 32), seeds=3,
+                         optimizer=OptimizerConfig(family="sgd", momentum=0.0), reference_global_batch_size=8,
+                         reference_lr=0.02, rules=("constant", "adascale"), max_steps=400, eval_every=5,
+                         dtype="float64")
+    vectorized = grid.run_grid(workload, config, None)
+    on_ranks = grid.run_grid(workload, config, None, train=_ddp_trainer(2, None))
+    fixed = {b: [r for r in rs if not r.adascale] for b, rs in on_ranks.items()}
+    ada = {b: [r for r in rs if r.adascale] for b, rs in on_ranks.items()}
+    assert all(len(ada[b]) == config.seeds for b in (8, 32))
+    for run, same in zip(ada[8], fixed[8]):
+        assert [g[1] for g in run.gains] == [1.0] * len(run.history)
+        assert run.history == same.history and run.steps_to_target == same.steps_to_target
+    # Noiseless regression: tr Σ = (dim + 1)|G|² everywhere, so σ² = 9|G|²/8 per reference batch and the gain at
+    # S = 4 is (σ² + μ²)/(σ²/4 + μ²) = 68/41.
+    exact = (9 / 8 + 1) / (9 / 32 + 1)
+    final = sorted(run.gains[-1][1] for run in ada[32])
+    assert final[1] == pytest.approx(exact, rel=0.15) and all(1 < g < 4 for g in final), final
+    for run in ada[32]:
+        steps, taus = [g[0] for g in run.gains], [g[2] for g in run.gains]
+        assert taus == sorted(taus) and all(s < tau < 4 * s for s, tau in zip(steps, taus))
+    # Faster than the same lr untuned at S = 4, and within the vectorized engine's AdaScale runs' seed range.
+    mine = [r.steps_to_target for r in ada[32]]
+    theirs = [r.steps_to_target for r in vectorized[32] if r.adascale]
+    assert max(mine) < min(r.steps_to_target for r in fixed[32])
+    assert min(theirs) <= sorted(mine)[1] <= max(theirs), (mine, theirs)
+
+
 @pytest.mark.timeout(240)
 def test_a_spec_with_batchnorm_and_its_own_step_runs_on_the_ddp_engine(tmp_path, capsys):
     spec = os.path.join(SPECS, "study_bn_step.py")
     argv = ["study", spec, "--target-accuracy", "0.85", "--global-batch-sizes", "8,32,256", "--seeds", "2",
             "--max-steps", "300", "--sweep-factor", "4", "--out", str(tmp_path / "out")]
-    assert main([*argv, "--json"]) == 0
+    assert main([*argv, "--rules", "constant,linear,sqrt,tuned,adascale,ramp", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["engine"] == "ddp" and report["engine_reason"] == "the spec cannot be vectorized: it defines step()"
+    # The adaptive rules train too: AdaScale on the ranks (gain 1 at the reference batch, above it beyond), the
+    # ramp with the spec's step, growing its batch.
+    gains = {p["global_batch_size"]: p["mean_gain"] for p in report["adascale"]}
+    assert gains[32] == 1.0 and 1 < gains[256] <= 8, gains
+    assert report["ramp"]["median_steps"] and max(report["ramp"]["final_global_batch_sizes"]) > 8
     assert report["device"] == "cpu" and report["fit"] and any(p.endswith("report.html") for p in [report["report"]])
     assert report["optimizer"]["name"] == "SGD"
     # plan --from-study reads it as any study.
@@ -87,7 +126,8 @@ def test_a_spec_with_batchnorm_and_its_own_step_runs_on_the_ddp_engine(tmp_path,
     assert json.loads(capsys.readouterr().out)["rule"] == "measured"
     # What the DDP engine cannot do, or the vectorized engine for this spec, is one line and exit 2.
     cases = [(["--engine", "vmap"], "--engine vmap cannot train study_bn_step.py: it defines step(); use --engine ddp"),
-             (["--rules", "tuned,adascale"], "the rule adascale runs on the vectorized engine only"),
+             (["--rules", "tuned,adascale", "--world-size", "1"],
+              "the rule adascale on the DDP engine measures the noise scale across ranks"),
              (["--global-batch-sizes", "15,64"], "global batch 15 does not split evenly over 2 DDP ranks")]
     if not _cuda():
         cases.append((["--device", "cuda"], "--device cuda, but torch sees no CUDA device here"))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Literal
 
@@ -97,7 +98,10 @@ class BatchRamp:
                 raise UsageError(f"{{{name}}} must be an integer ≥ {low}, got {value}")
         if not 0 < target_ratio < math.inf:
             raise UsageError(f"{{target_ratio}} must be a positive number, got {target_ratio}")
-        self.ddp_model, self.optimizer, self.noise_scale = ddp_model, optimizer, noise_scale
+        # The model weakly: the optimizer's hooks hold this object, which must not keep the model (and its process
+        # group) alive past the user's loop.
+        self._ddp_model = weakref.ref(ddp_model)
+        self.optimizer, self.noise_scale = optimizer, noise_scale
         self.max_accumulation_steps, self.rule = max_accumulation_steps, rule
         self.warmup_steps, self.target_ratio, self.interval = warmup_steps, target_ratio, interval
         self.grow_after_step = grow_after_step
@@ -109,6 +113,11 @@ class BatchRamp:
         self._from_factor = self._to_factor = 1.0
         self._changed_at = 0
         self._during_step = LrDuringStep(optimizer, self.lr_factor, self._after)
+
+    @property
+    def ddp_model(self):
+        """The model whose batch this ramp grows (None once the training loop has let it go)."""
+        return self._ddp_model()
 
     @property
     def global_batch_size(self) -> int:

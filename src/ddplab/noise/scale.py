@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Literal
 
 import torch
@@ -85,16 +86,20 @@ class GradientNoiseScale:
                  state=None, every: int = 4, ema_decay: float = 0.95, process_group=None, via: Via = "auto",
                  dataset_size: int | None = None):
         # A DDP model over a subgroup reduces over that group, not WORLD; a plain module is one process.
-        self.group = process_group or getattr(ddp_model, "process_group", None)
-        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
-        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        group = process_group or getattr(ddp_model, "process_group", None)
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        # Held weakly (the default group as None): holding it would keep it (and its gloo threads) alive past the
+        # user's destroy_process_group(), to die at interpreter exit, where they can abort the process.
+        self._group = None if group is None or group is dist.group.WORLD else weakref.ref(group)
         _validate(self.world_size, per_device_batch_size, accumulation_steps, every)
         self.per_device_batch_size, self.dataset_size = per_device_batch_size, dataset_size
         self.set_accumulation_steps(accumulation_steps)
         self.every, self.comm_hook, self.user_state = every, comm_hook, state
         self.steps, self.skipped_steps, self.history = 0, 0, []
         self._ema_g2, self._ema_trace = est.Ema(ema_decay), est.Ema(ema_decay)
-        self._ddp = ddp_model
+        # Weak: the model must be freed when the user's loop lets it go, whatever still holds this object.
+        self._ddp = weakref.ref(ddp_model)
         self._params = [p for p in ddp_model.parameters() if p.requires_grad]
         self._sums = torch.zeros(2, dtype=torch.float64, device=self._params[0].device)  # |g_small|², |G_big|² share
         self._previous: dict[int, torch.Tensor] = {}
@@ -102,8 +107,20 @@ class GradientNoiseScale:
         if self.via == "comm_hook":
             ddp_model.register_comm_hook(self, GradientNoiseScale._hook)
         else:
-            ready = self._local_grad_ready if self.via == "grad_hooks" else self._micro_grad_ready
+            # The parameters hold their hooks: a weak reference keeps them from holding this object (and a cycle).
+            ready = _WeakHook(self, GradientNoiseScale._local_grad_ready if self.via == "grad_hooks"
+                              else GradientNoiseScale._micro_grad_ready)
             self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self._params]
+
+    @property
+    def group(self):
+        """The process group the measurement reduces over; None for the default group (and on one process)."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise UsageError("the noise scale's process group was destroyed: measure with a live group")
+        return group
 
     def set_accumulation_steps(self, accumulation_steps: int) -> None:
         """The micro-steps of the next optimizer steps (a batch ramp changes them between steps)."""
@@ -122,7 +139,7 @@ class GradientNoiseScale:
 
     def _local_grad_ready(self, param) -> None:
         # Under no_sync the grad only accumulates; the synchronising micro-step holds all A·b samples.
-        if self.measuring and self._ddp.require_backward_grad_sync:
+        if self.measuring and getattr(self._ddp(), "require_backward_grad_sync", True):
             self._sums[0] += _squared_norm(param.grad)
 
     def _micro_grad_ready(self, param) -> None:
@@ -164,28 +181,49 @@ class GradientNoiseScale:
         On measured steps this reads the averaged gradient and makes one small all-reduce.
         Returns the step's estimate; None on unmeasured and skipped (non-finite) steps.
         """
+        if self.via == "micro_steps":
+            measured = self.measuring
+            self.steps += 1
+            return self._record(*self._micro_step_norms(), self.b_small, self.b_big) if measured else None
+        sums = self.local_sums()
+        if sums is None:
+            return None
+        dist.all_reduce(sums, group=self.group)
+        return self.close(sums)
+
+    def local_sums(self) -> torch.Tensor | None:
+        """:meth:`step` in two halves, for a caller that all-reduces these sums in a collective of its own.
+
+        Call where :meth:`step` goes; on measured steps it returns this rank's two sums (float64), which every
+        rank must all-reduce (sum) and pass to :meth:`close` before the next step; None on the others.
+        """
+        if self.via == "micro_steps":
+            raise UsageError("one process makes no all-reduce: call step()")
         measured = self.measuring
         self.steps += 1
         if not measured:
             return None
-        g_small_sq, g_big_sq = self._micro_step_norms() if self.via == "micro_steps" else self._rank_norms()
+        self._sums[1] = self._global_share()
+        sums = self._sums.clone()
+        self._sums.zero_()
+        # The step's batch sizes: a ramp may change them before close().
+        self._measured_sizes = self.b_small, self.b_big
+        return sums
+
+    def close(self, reduced: torch.Tensor) -> StepEstimate | None:
+        """The estimate of the step whose :meth:`local_sums` were all-reduced into ``reduced``."""
+        return self._record(reduced[0].item() / self.world_size, reduced[1].item(), *self._measured_sizes)
+
+    def _record(self, g_small_sq: float, g_big_sq: float, b_small: int, b_big: int) -> StepEstimate | None:
         # One overflowed step would make every later average inf or NaN: leave it out, count it.
         if not (math.isfinite(g_small_sq) and math.isfinite(g_big_sq)):
             self.skipped_steps += 1
             return None
-        g2, trace = est.unbiased_estimates(g_small_sq, g_big_sq, self.b_small, self.b_big, self.dataset_size)
+        g2, trace = est.unbiased_estimates(g_small_sq, g_big_sq, b_small, b_big, self.dataset_size)
         ema = _ratio(self._ema_trace.update(trace), self._ema_g2.update(g2))
         record = StepEstimate(self.steps - 1, g_small_sq, g_big_sq, g2, trace, ema)
         self.history.append(record)
         return record
-
-    def _rank_norms(self) -> tuple[float, float]:
-        """Mean local |g|² over ranks and |averaged g|², in one small all-reduce."""
-        self._sums[1] = self._global_share()
-        sums = self._sums.clone()
-        self._sums.zero_()
-        dist.all_reduce(sums, group=self.group)
-        return sums[0].item() / self.world_size, sums[1].item()
 
     def _micro_step_norms(self) -> tuple[float, float]:
         """|g|² of one micro-batch (mean over them) and of all of them, from the contributions c_i.
@@ -244,6 +282,20 @@ def _choose_path(via: str, comm_hook, ddp_model, world_size: int) -> str:
 def _ratio(trace: float, g2: float) -> float:
     # |G|² ≤ 0 is "not resolved yet", not a negative noise scale.
     return max(trace, 0.0) / g2 if g2 > 0 else (math.nan if math.isnan(g2) else math.inf)
+
+
+class _WeakHook:
+    """A parameter hook calling ``function(owner, param)`` while ``owner`` lives, without holding it."""
+
+    __slots__ = ("owner", "function")
+
+    def __init__(self, owner, function):
+        self.owner, self.function = weakref.ref(owner), function
+
+    def __call__(self, param) -> None:
+        owner = self.owner()
+        if owner is not None:
+            self.function(owner, param)
 
 
 def _first_tensor(future):

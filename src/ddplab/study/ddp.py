@@ -8,7 +8,9 @@ batch's runs in turn. Each rank takes its DistributedSampler share of the engine
 (the order :mod:`ddplab.study.engine` uses, so both engines see the same samples at each step),
 in ``accumulation`` micro-batches under ``no_sync`` when the per-rank batch is capped.
 
-Every decision to stop is one all ranks take together, from one all-reduce per evaluation: rank 0's
+The ``adascale`` rule's runs are driven by ``ddplab.AdaScale`` itself, on the noise scale measured
+across the ranks at every step: what a user's DDP loop would run. Every decision to stop is one all
+ranks take together, from one all-reduce per evaluation: rank 0's
 metric, the mean training loss, and the largest loss since the last evaluation (divergence).
 """
 
@@ -63,21 +65,26 @@ def split(global_batch: int, world_size: int, max_per_device: int | None) -> Ddp
 
 def train_group_ddp(workload: workloads.Workload, config: StudyConfig, global_batch: int,
                     runs: list[tuple[float, int]], launch_config: LaunchConfig, *, adam_sqrt: bool = False,
-                    max_per_device: int | None = None, sweep_only: set[float] = frozenset()) -> list[RunResult]:
+                    adascale: bool = False, max_per_device: int | None = None,
+                    sweep_only: set[float] = frozenset()) -> list[RunResult]:
     """Train every (lr, seed) run at ``global_batch`` on ``launch_config.world_size`` DDP ranks, one after another.
 
     As in the vectorized engine, a run of an lr in ``sweep_only`` stops once it can no longer have the fewest
-    median steps; the rules' lrs train first, so a best is settled early."""
+    median steps; the rules' lrs train first, so a best is settled early. With ``adascale`` each run is driven by
+    ``ddplab.AdaScale`` itself, fed by the noise scale measured across the ranks at every step."""
     plan = split(global_batch, launch_config.world_size, max_per_device)
+    if adascale and launch_config.world_size < 2:
+        raise UsageError("the adascale rule on the DDP engine measures the noise scale across ranks: it needs "
+                         "{world_size} 2 or more")
     if adam_sqrt:
         config = dataclasses.replace(config, optimizer=config.adam_sqrt_optimizer(global_batch)[0])
     # Every rank returns the same results (each stop is decided together): rank 0's serve.
     return launch(_train_runs, launch_config, workload.source, config, global_batch, runs, plan, adam_sqrt,
-                  set(sweep_only))[0]
+                  set(sweep_only), adascale)[0]
 
 
 def _train_runs(ctx: RankContext, source, config: StudyConfig, global_batch: int, runs, plan: DdpPlan,
-                adam_sqrt: bool, sweep_only: set[float]) -> list[RunResult]:
+                adam_sqrt: bool, sweep_only: set[float], adascale: bool = False) -> list[RunResult]:
     # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
     dtype = torch_dtype(config)
@@ -85,7 +92,7 @@ def _train_runs(ctx: RankContext, source, config: StudyConfig, global_batch: int
     targets = cast(workload.train[1], dtype).to(ctx.device)
     done: dict[tuple[float, int], RunResult] = {}
     for lr, seed in sorted(runs, key=lambda run: run[0] in sweep_only):
-        result = RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adam_sqrt=adam_sqrt)
+        result = RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adam_sqrt=adam_sqrt, adascale=adascale)
         bound = _prune_bound(config, done.values(), lr) if lr in sweep_only else math.inf
         _train_one(ctx, workload, config, plan, inputs, targets, result, bound)
         done[(lr, seed)] = result
@@ -103,7 +110,8 @@ def _prune_bound(config: StudyConfig, finished, lr: float) -> float:
     return math.inf if best_lr is None or best_lr == lr else loser_bound(best, config.seeds)
 
 
-def _optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
+def run_optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
+    """One run's torch optimizer at ``lr``: the spec's own where it has one, else the study's."""
     if workload.make_optimizer is None:
         return torch_optimizer(config.optimizer, params, lr)
     # The spec's own optimizer, every group's lr scaled as the rule scales the reference lr.
@@ -120,48 +128,77 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
     torch.manual_seed(result.seed)
     model = workload.model().to(torch_dtype(config)).to(ctx.device)
     ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
-    optimizer = _optimizer(workload, config, ddp.parameters(), result.lr)
+    optimizer = run_optimizer(workload, config, ddp.parameters(), result.lr)
     shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
     # Dropout's masks differ per rank and per run, the same every time the grid runs.
     torch.manual_seed(1_000_003 * result.seed + ctx.rank)
-    step_fn = workload.step or _default_step
-    noise = _noise_scale(ddp, ctx, plan, config, workload.train_size)
-    window = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    step_fn = workload.step or default_step
+    noise = _noise_scale(ddp, ctx, plan, config, workload.train_size, every_step=result.adascale)
+    adascale = _adascale(optimizer, noise, config) if result.adascale else None
+    # The step losses since the last evaluation, kept as tensors: read once per evaluation, never per step.
+    losses: list[torch.Tensor] = []
     for step in range(config.max_steps):
         index = shards.batch(step).to(ctx.device)
-        loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        parts = []
         for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
             last = micro == plan.accumulation_steps - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 value = step_fn(ddp, (inputs[part], targets[part]), workload.loss)
-                (value / plan.accumulation_steps).backward()
-            loss += value.detach().to(torch.float64) / plan.accumulation_steps
-        if noise is not None:
-            _record(noise.step(), result)
+                (value if plan.accumulation_steps == 1 else value / plan.accumulation_steps).backward()
+            parts.append(value.detach())
+        losses.append(parts[0] if len(parts) == 1 else torch.stack(parts).to(torch.float64).mean())
+        evaluation = (step + 1) % config.eval_every == 0
+        sums = None
+        if adascale is not None:
+            # AdaScale's gain for this update needs the step's measurement now.
+            estimate = noise.step()
+            if evaluation:
+                _record(estimate, result)
+        elif noise is not None:
+            # Measured at evaluations only; its sums travel in the evaluation's all-reduce.
+            sums = noise.local_sums()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if adascale is not None and evaluation:
+            applied = adascale.history[-1]
+            result.gains.append([step + 1, applied.gain, applied.tau])
         # A diverged step poisons every later one (its gradient is all-reduced), so checking the window's losses
         # at each evaluation stops the same runs; one collective per evaluation instead of one per step.
-        window = torch.where(loss.isfinite(), torch.maximum(window, loss.abs()), math.inf)
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.max_steps:
-            if _evaluated(ctx, workload, config, model, result, step + 1, loss, window):
+        if evaluation or step + 1 == config.max_steps:
+            if _evaluated(ctx, workload, config, model, result, step + 1, losses, noise, sums):
                 break
             if step + 1 > bound:
                 result.pruned = True
                 break
-            window.zero_()
-    del ddp, optimizer, model
+            losses.clear()
+    if adascale is not None:
+        adascale.remove()
+    del ddp, optimizer, model, adascale
+
+
+def _adascale(optimizer, noise, config: StudyConfig):
+    """ddplab's AdaScale over this run's optimizer: its lr (the reference lr) times the measured gain."""
+    from ddplab.adapt.adascale import AdaScale
+
+    return AdaScale(optimizer, noise, reference_batch_size=config.reference_global_batch_size)
 
 
 def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: RunResult, steps: int,
-               loss: torch.Tensor, window: torch.Tensor) -> bool:
-    """Rank 0 evaluates; one all-reduce gives every rank the metric, the mean loss and whether any rank's losses
-    since the last evaluation diverged. True when the run is finished (every rank decides alike)."""
+               losses: list[torch.Tensor], noise=None, sums: torch.Tensor | None = None) -> bool:
+    """Rank 0 evaluates; one all-reduce gives every rank the metric, the mean of the last step's loss, whether
+    any rank's losses since the last evaluation diverged, and the noise scale's sums of the step. True when the run
+    is finished (every rank decides alike)."""
     metric = evaluate_model(workload, config, model) if ctx.is_main else 0.0
-    diverged = (window > DIVERGED_LOSS).to(torch.float64)
-    shared = torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), loss.new_tensor(metric), diverged])
+    window = torch.stack(losses).to(torch.float64)
+    diverged = ((~window.isfinite()) | (window.abs() > DIVERGED_LOSS)).any().to(torch.float64)
+    loss = window[-1]
+    measured = sums if sums is not None else loss.new_zeros(2)
+    shared = torch.cat([torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0),
+                                     loss.new_tensor(metric), diverged]), measured.to(loss)])
     # Sums: the loss over ranks; the metric is rank 0's alone; a count of the ranks whose window diverged.
     dist.all_reduce(shared)
+    if sums is not None:
+        _record(noise.close(shared[3:]), result)
     loss, metric, diverged = float(shared[0]) / ctx.world_size, float(shared[1]), float(shared[2])
     if diverged:
         result.diverged = True
@@ -180,18 +217,21 @@ def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: R
     return True
 
 
-def _noise_scale(ddp, ctx: RankContext, plan: DdpPlan, config: StudyConfig, dataset_size: int):
+def _noise_scale(ddp, ctx: RankContext, plan: DdpPlan, config: StudyConfig, dataset_size: int, *,
+                 every_step: bool = False):
     """ddplab noise's measurement on this run (each rank's gradient against the all-reduced one), at the steps
-    that end with an evaluation; None on one rank, which has no second batch size to compare."""
+    that end with an evaluation (at every step for AdaScale); None on one rank, which has no second batch size to
+    compare."""
     from ddplab.noise.scale import GradientNoiseScale
 
     if ctx.world_size < 2:
         return None
     noise = GradientNoiseScale(ddp, per_device_batch_size=plan.per_device_batch_size,
-                               accumulation_steps=plan.accumulation_steps, every=config.eval_every,
+                               accumulation_steps=plan.accumulation_steps, every=1 if every_step else config.eval_every,
                                dataset_size=dataset_size)
-    # Its count starts one behind: it then measures the steps the vectorized engine measures (those evaluated).
-    noise.steps = 1
+    if not every_step:
+        # Its count starts one behind: it then measures the steps the vectorized engine measures (those evaluated).
+        noise.steps = 1
     return noise
 
 
@@ -201,6 +241,6 @@ def _record(estimate, result: RunResult) -> None:
         result.noise_trace.append(estimate.trace_sigma)
 
 
-def _default_step(model, batch, loss_fn):
+def default_step(model, batch, loss_fn):
     inputs, targets = batch
     return loss_fn(model(inputs), targets)

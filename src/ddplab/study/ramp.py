@@ -1,7 +1,8 @@
 """The study's ``ramp`` rule: ``ddplab.BatchRamp`` itself, one run per seed, from the grid's smallest batch.
 
 A ramp run's global batch changes as it trains, so it cannot share a vectorized group: it trains
-one model with the grid's torch optimizer, the one-process noise scale (micro-batches of
+one model in this process, on either engine, with the run's optimizer and step (the spec's own where
+it has them, as on the DDP engine), the one-process noise scale (micro-batches of
 half the starting batch, measured at every step) and the library's BatchRamp, growing up to the
 grid's largest batch with the linear rule and a warmup of ``WARMUP_STEPS`` after each jump. Its
 micro-batches follow DistributedSampler's order for the run's seed (full micro-batches only), it
@@ -16,6 +17,7 @@ import math
 from ddplab.adapt.ramp import BatchRamp
 from ddplab.noise.scale import GradientNoiseScale
 from ddplab.study.config import StudyConfig
+from ddplab.study.ddp import default_step, run_optimizer
 from ddplab.study.engine import (
     DIVERGED_LOSS,
     RunResult,
@@ -26,7 +28,6 @@ from ddplab.study.engine import (
     stalled,
     torch_dtype,
 )
-from ddplab.study.optim import torch_optimizer
 from ddplab.study.workloads import Workload
 
 WARMUP_STEPS = 10
@@ -47,7 +48,8 @@ def train_ramp(workload: Workload, config: StudyConfig, lr: float, seed: int) ->
     model = workload.model().to(dtype)
     params, buffers = seeded_state(workload, seed, dtype)
     model.load_state_dict({**params, **buffers}, strict=False)
-    optimizer = torch_optimizer(config.optimizer, model.parameters(), lr)
+    optimizer = run_optimizer(workload, config, model.parameters(), lr)
+    step_fn = workload.step or default_step
     noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
                                dataset_size=workload.train_size)
     largest = min(max(config.global_batch_sizes), workload.train_size)
@@ -62,7 +64,7 @@ def train_ramp(workload: Workload, config: StudyConfig, lr: float, seed: int) ->
         for _ in range(window):
             index = batches.indices(drawn)[0]
             drawn, samples = drawn + 1, samples + micro
-            loss = workload.loss(model(inputs[index]), targets[index])
+            loss = step_fn(model, (inputs[index], targets[index]), workload.loss)
             (loss / window).backward()
             loss_sum += float(loss.detach())
         loss = loss_sum / window

@@ -132,9 +132,11 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
             return "auto", "timed per batch size"
         return "vmap", ("asked for" if options.engine == "vmap" else
                         "the model and optimizer vectorize: every run of a batch size trains at once in one process")
-    if adaptive:
-        raise UsageError(f"the rule {adaptive[0]} runs on the vectorized engine only: drop it from {{rules}} for "
-                         "the DDP engine")
+    if "adascale" in adaptive and world_size_for(None, default=options.world_size) < 2:
+        raise UsageError("the rule adascale on the DDP engine measures the noise scale across ranks: give "
+                         "{world_size} 2 or more, or drop it from {rules}")
+    if "ramp" in adaptive and under_torchrun():
+        raise UsageError("the rule ramp trains in one process: drop it from {rules} under torchrun")
     if options.engine == "ddp":
         return "ddp", "asked for"
     if under_torchrun():
@@ -166,7 +168,8 @@ def _trainer(engine: str, device: torch.device, options: StudyOptions, launch_co
     def on_ranks(workload, config, global_batch, runs, advance=None, *, sweep_only=(), adascale=False,
                  adam_sqrt=False):
         results = ddp.train_group_ddp(workload, config, global_batch, runs, launch_config, adam_sqrt=adam_sqrt,
-                                      max_per_device=options.max_batch_size_per_device, sweep_only=set(sweep_only))
+                                      adascale=adascale, max_per_device=options.max_batch_size_per_device,
+                                      sweep_only=set(sweep_only))
         if advance:
             advance(config.max_steps)
         return results
