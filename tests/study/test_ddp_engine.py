@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddplab.cli.main import main
 from ddplab.noise import estimators as noise_estimators
@@ -137,9 +138,33 @@ def test_a_spec_with_batchnorm_and_its_own_step_runs_on_the_ddp_engine(tmp_path,
         assert message in err and err.count("\n") == 1, err
 
 
-def _cuda() -> bool:
-    import torch
+@pytest.mark.timeout(180)
+def test_a_spec_optimizer_outside_the_families_trains_on_the_ddp_engine(tmp_path, capsys):
+    """RMSprop: one line says why the DDP engine, the runs train with the spec's own optimizer (its lr scaled by the
+    grid's), the JSON names it, and plan --from-study refuses it for SGD rather than apply SGD's rule."""
+    spec = os.path.join(SPECS, "study_rmsprop.py")
+    out = tmp_path / "out"
+    assert main(["study", spec, "--target-accuracy", "0.85", "--global-batch-sizes", "16,64", "--seeds", "1",
+                 "--rules", "constant,tuned", "--max-steps", "400", "--out", str(out), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert "engine: ddp (the spec cannot be vectorized: its optimizer() (RMSprop is not among SGD, Adam and AdamW))" \
+        in " ".join(printed.split())
+    report = json.loads((out / "study.json").read_text())
+    assert report["optimizer"] == {"family": "other", "name": "RMSprop", "momentum": 0, "alpha": 0.9, "eps": 1e-08,
+                                   "centered": False, "weight_decay": 0, "parameter_groups": 1}
+    assert report["reference"]["lr"] == 0.02 and any(r["steps_to_target"] for r in report["runs"])
+    # The grid's lr scales the spec's: a run at the reference lr is the spec's optimizer exactly.
+    workload = workloads.from_spec(spec)
+    built = ddp.run_optimizer(workload, StudyConfig(target=Target(kind="accuracy", value=0.85)),
+                              workload.model().parameters(), 0.08)
+    assert isinstance(built, torch.optim.RMSprop) and built.param_groups[0]["lr"] == pytest.approx(0.08)
+    assert built.param_groups[0]["alpha"] == 0.9
+    assert main(["plan", "--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "2", "--batch-size", "32",
+                 "--from-study", str(out / "study.json")]) == 2
+    assert "the study measured the best lr of RMSprop" in capsys.readouterr().err
 
+
+def _cuda() -> bool:
     return torch.cuda.is_available()
 
 

@@ -115,6 +115,10 @@ def test_an_optimizer_read_from_torch_round_trips_and_others_are_named():
         assert optim.from_torch(built) == (opt, 0.01, "")
     config, lr, why = optim.from_torch(torch.optim.RMSprop(params, lr=0.02))
     assert config is None and lr == 0.02 and why == "RMSprop is not among SGD, Adam and AdamW"
+    # How a study's JSON names it (plan --from-study then refuses it for SGD and Adam alike: family "other").
+    assert optim.describe(torch.optim.RMSprop(params, lr=0.02, alpha=0.9, centered=True)) == {
+        "family": "other", "name": "RMSprop", "momentum": 0, "alpha": 0.9, "eps": 1e-08, "centered": True,
+        "weight_decay": 0, "parameter_groups": 1}
     assert optim.from_torch(torch.optim.Adam(params, amsgrad=True))[2] == "Adam has amsgrad=True"
     two_groups = torch.optim.SGD([{"params": params}, {"params": [torch.nn.Parameter(torch.ones(1))]}], lr=0.1)
     assert "2 parameter groups" in optim.from_torch(two_groups)[2]
@@ -160,3 +164,25 @@ def test_dropout_draws_independent_masks_per_run_reproducibly():
     assert torch.equal(losses, losses_again) and torch.equal(group.params["head.weight"], again.params["head.weight"])
     # The masks are dropout's: in eval mode the run sees no dropout, and its loss fell while training.
     assert float(losses[-5:].mean()) < float(losses[:5].mean())
+
+
+@pytest.mark.parametrize("family", ["sgd", "adamw"])
+def test_a_group_keeps_every_tensor_on_its_device(family):
+    """The device path without a GPU: on the meta device (shapes, no data) every tensor a group makes or updates
+    stays there through training steps, dropout, BatchNorm, LayerNorm, Embedding and the optimizer's state
+    included, since any tensor left on the CPU would raise at the first op that mixes them. Reading a value is
+    the one thing meta cannot do, and the one place a GPU run copies to the host."""
+    workload = _token_workload(dropout=0.1)
+    config = StudyConfig(target=Target(kind="accuracy", value=0.9), global_batch_sizes=(16, 32),
+                         optimizer=OptimizerConfig(family=family, momentum=0.9 if family == "sgd" else 0.0))
+    group = engine.Group(workload, config, 16, [(1e-2, 0), (3e-2, 1), (1e-2, 2)], device="meta")
+    for step in range(2):
+        losses = group.step(step, measure=False)
+    group.keep([0, 2])
+    losses = group.step(2, measure=False)
+    state = [t for tensors in group.optimizer.state.values() for t in tensors.values()]
+    tensors = [losses, group.lr, group.inputs, group.targets, *group.params.values(), *group.buffers.values(), *state]
+    assert state and {t.device.type for t in tensors} == {"meta"} and losses.shape == (2,)
+    for read in (lambda: group.step(3, measure=True), group.metrics):
+        with pytest.raises(NotImplementedError, match="meta tensor"):
+            read()

@@ -234,11 +234,13 @@ class Group:
 
     def keep(self, rows: list[int]) -> None:
         """Drop finished runs: only the rows in ``rows`` go on training."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        # The seed rows stay on the host: their index is made there, not copied back from the device.
+        host = torch.tensor(rows, dtype=torch.long)
+        index = host.to(self.device)
         self.params = {n: p[index] for n, p in self.params.items()}
         self.buffers = {n: b[index] for n, b in self.buffers.items()}
         self.optimizer.keep(index)
-        self.lr, self.seed_row = self.lr[index], self.seed_row[index.cpu()]
+        self.lr, self.seed_row = self.lr[index], self.seed_row[host]
         self.active = [self.active[r] for r in rows]
 
 

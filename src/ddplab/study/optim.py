@@ -131,3 +131,16 @@ def from_torch(optimizer: torch.optim.Optimizer) -> tuple[OptimizerConfig | None
                                weight_decay=group["weight_decay"]), lr, ""
     except UsageError as exc:
         return None, lr, str(exc)
+
+
+def describe(optimizer: torch.optim.Optimizer) -> dict:
+    """A spec's own optimizer for the study's JSON, as ``OptimizerConfig.to_json`` gives the stacked ones: its
+    class and first parameter group's hyperparameters (the lr is the grid's), ``family`` "other"."""
+    group = optimizer.param_groups[0]
+    # torch's implementation switches say nothing of the update unless set.
+    switches = ("foreach", "fused", "capturable", "differentiable", "maximize")
+    settings = {key: list(value) if isinstance(value, tuple) else value for key, value in group.items()
+                if key not in ("params", "lr") and isinstance(value, (bool, int, float, str, tuple))
+                and not (key in switches and not value)}
+    return {"family": "other", "name": type(optimizer).__name__, **settings,
+            "parameter_groups": len(optimizer.param_groups)}

@@ -23,6 +23,8 @@ class StudyReport:
     engine_reason: str = ""
     """Why that engine."""
     device: str = "cpu"
+    own_optimizer: dict | None = None
+    """The spec's own optimizer, where the runs trained with it instead of the config's (optim.describe)."""
     verify_ddp: VerifyResult | None = None
     plots: list[str] = dataclasses.field(default_factory=list)
     report: str | None = None
@@ -43,7 +45,8 @@ class StudyReport:
             "global_batch_sizes": sorted(cfg.global_batch_sizes),
             "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr},
             "seeds": cfg.seeds, "max_steps": cfg.max_steps, "eval_every": cfg.eval_every, "patience": cfg.patience,
-            "dtype": cfg.dtype, "train_size": self.train_size, "optimizer": cfg.optimizer.to_json(),
+            "dtype": cfg.dtype, "train_size": self.train_size,
+            "optimizer": self.own_optimizer or cfg.optimizer.to_json(),
             "engine": self.engine, "engine_reason": self.engine_reason, "device": self.device,
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,

@@ -87,6 +87,7 @@ def _study(workload, config, options, engine, why, device, progress, launch_conf
         engine, why = train.summary()
     found = analysis.analyze(config, results)
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
+                         own_optimizer=workload.own_optimizer,
                          out=options.out, engine=engine, engine_reason=why, device=str(device))
     if options.verify_ddp and engine == "vmap":
         report.verify_ddp = verify_ddp(workload, config, options.verify_ddp, world_size=options.verify_world_size,

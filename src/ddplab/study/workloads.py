@@ -53,6 +53,8 @@ class Workload:
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     """The spec's optimizer(params) when it is outside SGD, Adam and AdamW: the DDP engine builds it and scales
     its lrs by the grid's lr over ``lr``."""
+    own_optimizer: dict | None = None
+    """How the JSON names ``make_optimizer``'s optimizer (optim.describe), where the runs train with it."""
 
     @property
     def train_size(self) -> int:
@@ -235,7 +237,7 @@ def from_spec(path: str) -> Workload:
     if not callable(evaluate) and not callable(val_dataset):
         raise spec.error("defines neither evaluate(model, dataset) nor val_dataset(): the study needs one to know "
                          "when a run reaches the target")
-    optimizer, lr, why = _spec_optimizer(spec, module)
+    optimizer, lr, why, own = _spec_optimizer(spec, module)
     # What only the DDP engine can train: the spec's own step(), an optimizer the stacked engine lacks.
     why = "; ".join(filter(None, ["it defines step()" if spec.custom_step else "", why]))
     train = _as_tensors(spec, spec.dataset(), "dataset()")
@@ -244,24 +246,25 @@ def from_spec(path: str) -> Workload:
     common = dict(name=os.path.basename(path), model=spec.model, loss=spec.loss, train=train,
                   source=("spec", (("path", spec.path),)), fingerprint=_file_fingerprint(spec.path),
                   optimizer=optimizer, lr=lr, not_vectorized=why, step=spec.step if spec.custom_step else None,
-                  make_optimizer=spec.optimizer if optimizer is None and lr is not None else None)
+                  make_optimizer=spec.optimizer if optimizer is None and lr is not None else None, own_optimizer=own)
     if callable(evaluate):
         return Workload(evaluate=_guarded_evaluate(spec, evaluate), eval_dataset=eval_dataset, **common)
     return Workload(val=_as_tensors(spec, eval_dataset, "val_dataset()"), **common)
 
 
-def _spec_optimizer(spec, module) -> tuple[Any, float | None, str]:
-    """(OptimizerConfig or None, its lr, why it cannot be vectorized) of the spec's own optimizer(), if any."""
+def _spec_optimizer(spec, module) -> tuple[Any, float | None, str, dict | None]:
+    """(OptimizerConfig or None, its lr, why it cannot be vectorized, how the JSON names it when only the DDP
+    engine can train it) of the spec's own optimizer(), if any."""
     if not callable(getattr(module, "optimizer", None)):
-        return None, None, ""
-    from ddplab.study.optim import from_torch
+        return None, None, "", None
+    from ddplab.study.optim import describe, from_torch
 
     with spec.guard("optimizer(params)"):
         built = spec.optimizer(spec.model().parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise spec.error(f"optimizer(params) must return a torch.optim.Optimizer, got {literal(type(built).__name__)}")
     config, lr, why = from_torch(built)
-    return config, lr, (f"its optimizer() ({why})" if why else "")
+    return config, lr, (f"its optimizer() ({why})" if why else ""), (None if config else describe(built))
 
 
 def _guarded_evaluate(spec, evaluate):
