@@ -44,6 +44,9 @@ def test_fit_within_ten_percent_of_steps_counted_every_k():
 def test_fit_edges_no_bend_and_no_gain():
     batches = [8, 16, 32, 64]
     assert study_fit.fit_steps(batches, [6400 / b for b in batches]).b_crit == math.inf
+    # Perfect scaling whose least squares leave an S_min of rounding size (2e-16) is still no bend.
+    for steps, sizes in ((640, (8, 32, 128)), (1000, (16, 64, 256, 1024)), (37, (32, 64, 128))):
+        assert study_fit.fit_steps(sizes, [steps / b for b in sizes]).b_crit == math.inf
     flat = study_fit.fit_steps(batches, [50.0] * 4)
     assert flat.b_crit == 0 and flat.s_min == pytest.approx(50.0)
     with pytest.raises(ValueError, match="two or more"):

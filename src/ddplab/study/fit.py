@@ -61,7 +61,8 @@ def fit_steps(global_batches: Sequence[float], steps: Sequence[float], *, iterat
             b, a = (sum(w * s * x for w, (x, s) in zip(weights, points))
                     / sum(w * x * x for w, (x, _) in zip(weights, points))), 0.0
         fitted = [a + b * x for x, _ in points]
-    if a <= 0:
+    # An S_min of rounding size (perfect scaling fitted in floating point) is no bend either, not a B_crit of 1e17.
+    if a <= 1e-9 * max(s for _, s in points):
         return Fit(s_min=0.0, b_crit=math.inf)
     return Fit(s_min=a, b_crit=b / a)
 
