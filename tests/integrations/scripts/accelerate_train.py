@@ -70,6 +70,9 @@ def main():
     if accelerator.is_main_process:
         print(f"accelerate-done steps={steps} processes={accelerator.num_processes}", flush=True)
     _data.write_result(accelerator.process_index, steps=steps, num_processes=accelerator.num_processes)
+    # As Accelerate's examples end: every process here before the group goes (a process that exits the instant its
+    # last gather returns can abort in gloo's teardown).
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     sys.exit(0)
 
