@@ -154,7 +154,7 @@ def main() -> None:
         floor_s = flops / peak[threads]
         torch.set_num_threads(threads)
         group_s, loop_step_s = engine.seconds_per_step(workload, config, global_batch, runs)
-        picks = "vmap" if group_s < loop_step_s * run.CLEAR_GAIN else "ddp"
+        picks = run.auto_engine(group_s, loop_step_s)
         rows.append({"global_batch_size": global_batch, "runs": len(runs), "steps": args.steps,
                      "loop_s_by_threads": loop_s, "vectorized_s_by_threads": vmap_s,
                      "speedup_best_vs_best": best_loop / best_vmap,

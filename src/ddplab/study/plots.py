@@ -89,12 +89,18 @@ def _adascale_plot(report: dict, path: str) -> None:
     tuned = [p for p in report["tuned_lr"] if p["median_steps"] is not None]
     ax_steps.plot([p["global_batch_size"] for p in tuned], [p["median_steps"] for p in tuned], "o-",
                   color=COLORS["tuned"], label="best tuned fixed lr")
-    ax_steps.set_xscale("log", base=2)
-    ax_steps.set_yscale("log")
-    ax_steps.set_xlabel("global batch size B")
-    ax_steps.set_ylabel("optimizer steps to target (median over seeds)")
-    ax_steps.set_title("AdaScale, untuned, vs the best tuned lr")
+    _batch_axes(ax_steps, "optimizer steps to target (median over seeds)", "AdaScale, untuned, vs the best tuned lr")
     _save(plt, fig, path, (ax_gain, ax_steps))
+
+
+def _batch_axes(axis, ylabel: str, title: str | None = None, xlabel: str = "global batch size B") -> None:
+    """Log₂ global batch across, a log y up: the axes of every per-batch plot."""
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    if title is not None:
+        axis.set_title(title)
 
 
 def _save(plt, fig, path: str, axes) -> None:
@@ -137,10 +143,7 @@ def _steps_plot(report: dict, path: str) -> None:
         ax.axvline(report["b_simple"]["value"], color="tab:purple", linestyle=":",
                    label=f"B_simple {report['b_simple']['value']:.3g}")
     for axis, label in ((ax, "optimizer steps to target (median over seeds)"), (ax_e, "samples to target S·B")):
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("global batch size B")
-        axis.set_ylabel(label)
+        _batch_axes(axis, label)
         axis.grid(True, which="both", alpha=0.3)
     target = report["target"]
     ax.set_title(f"{report['workload']}: steps to {target['kind']} {target['value']:g}")
@@ -181,11 +184,7 @@ def _compare_plot(report: dict, other: dict, path: str) -> None:
         if batches:
             ax.plot(batches, [ref["lr"] * (b / ref["global_batch_size"]) ** power for b in batches], "--",
                     color=color, alpha=0.7, label=f"{name}: {rule} rule from its reference")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("global batch size B")
-    ax.set_ylabel("learning rate")
-    ax.set_title("best lr per batch: this study and the one compared")
+    _batch_axes(ax, "learning rate", "best lr per batch: this study and the one compared")
     _save(plt, fig, path, (ax,))
 
 
@@ -214,11 +213,8 @@ def _b_simple_plot(report: dict, path: str) -> None:
     tuned = report["fit"].get("tuned")
     if tuned and tuned.get("b_crit"):
         ax.axhline(tuned["b_crit"], color=COLORS["tuned"], linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("global batch size B (the best tuned runs at it)")
-    ax.set_ylabel("B_simple = tr Σ / |G|²")
-    ax.set_title("the gradient noise scale along the best runs")
+    _batch_axes(ax, "B_simple = tr Σ / |G|²", "the gradient noise scale along the best runs",
+                xlabel="global batch size B (the best tuned runs at it)")
     _save(plt, fig, path, (ax,))
 
 
@@ -294,11 +290,7 @@ def _lr_plot(report: dict, path: str) -> None:
     ax.plot(batches, [ref["lr"] * math.sqrt(b / ref["global_batch_size"]) for b in batches], "--",
             color=COLORS["sqrt"], label="sqrt rule")
     ax.scatter([ref["global_batch_size"]], [ref["lr"]], marker="*", s=120, color="black", label="reference", zorder=3)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("global batch size B")
-    ax.set_ylabel("learning rate")
-    ax.set_title("best lr per batch (gray: the sweep)")
+    _batch_axes(ax, "learning rate", "best lr per batch (gray: the sweep)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -183,6 +183,13 @@ CLEAR_GAIN = 1.5
 in-process timing leaves out the DDP engine's launch, collectives and rank 0's evaluations."""
 
 
+def auto_engine(vectorized_s: float, run_by_run_s: float) -> str:
+    """The engine ``--engine auto`` takes for a group from its two timed steps."""
+    # A few timed steps are noisy: the group leaves the vectorized engine (which also measures B_simple from halves
+    # and prunes in step) only for a clear gain.
+    return "vmap" if vectorized_s < run_by_run_s * CLEAR_GAIN else "ddp"
+
+
 class TimedTrainer:
     """``--engine auto``: before each group, a step timed both ways; the group trains where it was faster."""
 
@@ -192,14 +199,12 @@ class TimedTrainer:
         """Per global batch: (engine, vectorized s/step, run-by-run s/step)."""
 
     def __call__(self, workload, config, global_batch, runs, advance=None, *, adascale=False, **kwargs):
-        # AdaScale's runs measure at every step inside the group: vectorized only.
+        # AdaScale's runs measure at every step, cheapest inside the group: they stay vectorized.
         if adascale or len(runs) < 2:
             return self.vectorized(workload, config, global_batch, runs, advance, adascale=adascale, **kwargs)
         if global_batch not in self.chosen:
             group, loop = engine_seconds(workload, config, global_batch, runs, self.device)
-            # A few timed steps are noisy: the group leaves the vectorized engine (which also measures B_simple
-            # from halves and prunes in step) only for a clear gain.
-            self.chosen[global_batch] = ("vmap" if group < loop * CLEAR_GAIN else "ddp", group, loop)
+            self.chosen[global_batch] = (auto_engine(group, loop), group, loop)
         train = self.vectorized if self.chosen[global_batch][0] == "vmap" else self.on_ranks
         return train(workload, config, global_batch, runs, advance, adascale=adascale, **kwargs)
 
