@@ -552,6 +552,11 @@ def test_evaluate_that_raises_is_one_line_and_a_failed_start_leaves_no_fingerpri
                  "--no-plots", "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "broken_eval.py: evaluate(model, dataset) raised KeyError: 'label'" in err
+    # The same on the DDP engine, where rank 0 evaluates: the rank's error comes back as that line.
+    assert main(["study", str(broken), "--target-accuracy", "0.9", "--global-batch-sizes", "16,32", "--seeds", "1",
+                 "--no-plots", "--engine", "ddp", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "evaluate(model, dataset) raised KeyError: 'label' (on rank 0)" in err
     # Nothing was trained there, so another study may use the same --out.
     assert main(["study", str(broken.with_name("fixed.py")), "--target-accuracy", "0.9"]) == 2
     capsys.readouterr()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ddplab.errors import UsageError
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
+from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engine import (
@@ -78,9 +79,11 @@ def train_group_ddp(workload: workloads.Workload, config: StudyConfig, global_ba
                          "{world_size} 2 or more")
     if adam_sqrt:
         config = dataclasses.replace(config, optimizer=config.adam_sqrt_optimizer(global_batch)[0])
-    # Every rank returns the same results (each stop is decided together): rank 0's serve.
-    return launch(_train_runs, launch_config, workload.source, config, global_batch, runs, plan, adam_sqrt,
-                  set(sweep_only), adascale)[0]
+    # Every rank returns the same results (each stop is decided together): rank 0's serve. A spec's error in a
+    # rank (its evaluate() raising, say) comes back as the one line it is in one process.
+    with rank_errors():
+        return launch(_train_runs, launch_config, workload.source, config, global_batch, runs, plan, adam_sqrt,
+                      set(sweep_only), adascale)[0]
 
 
 def _train_runs(ctx: RankContext, source, config: StudyConfig, global_batch: int, runs, plan: DdpPlan,
