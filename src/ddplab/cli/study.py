@@ -16,12 +16,12 @@ from ddplab.study.config import (
     DEFAULT_BATCHES,
     FAMILIES,
     FIXED_RULES,
-    RULES,
     WORKLOADS,
     OptimizerConfig,
     StudyConfig,
     StudyOptions,
 )
+from ddplab.study.rules import REGISTRY as RULES
 
 DESCRIPTION = f"""\
 Train a grid of runs — global batch sizes × lr rules × seeds — each until it first reaches a

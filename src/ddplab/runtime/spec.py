@@ -110,7 +110,8 @@ def _default_optimizer(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _default_step(model, batch, loss_fn):
+def default_step(model, batch, loss_fn):
+    """The step of a spec without step(): the loss of the model on an (input, target) batch."""
     if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
         raise _Contract("dataset() items must be (input, target) pairs when the spec defines no step(model, batch, "
                         f"loss_fn); got a batch of type {type(batch).__name__}")
@@ -180,7 +181,7 @@ def load_spec(path: str) -> Spec:
                 dataset=_guarded(path, "dataset()", _checked_dataset(path, module.dataset)),
                 loss=_guarded(path, "loss()", module.loss),
                 optimizer=_guarded(path, "optimizer()", getattr(module, "optimizer", _default_optimizer)),
-                step=_guarded(path, "step()" if user_step else "the forward pass", user_step or _default_step),
+                step=_guarded(path, "step()" if user_step else "the forward pass", user_step or default_step),
                 custom_step=callable(user_step))
 
 
