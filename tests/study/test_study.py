@@ -310,7 +310,7 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     # Other settings in the same --out: refused, not mixed.
     assert main(_study(tmp_path, "--rules", "linear", "--no-plots", "--ref-lr", "0.2")) == 2
-    assert "--fresh" in capsys.readouterr().err
+    assert "other settings or another spec (--ref-lr changed); pass --fresh" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
@@ -574,7 +574,7 @@ def test_evaluate_that_raises_is_one_line_and_a_failed_start_leaves_no_fingerpri
         "torch.nn.Linear(16, 2)", "torch.nn.Linear(32, 2)"))
     assert main(["study", str(fixed), "--target-accuracy", "0.8", "--global-batch-sizes", "16,32", "--seeds", "1",
                  "--max-steps", "40", "--no-plots", "--out", out]) == 2
-    assert "other settings or another spec; pass --fresh" in capsys.readouterr().err
+    assert "other settings or another spec (the spec file or workload changed); pass --fresh" in capsys.readouterr().err
 
 
 def test_output_folders_are_checked_before_any_run(tmp_path, capsys):
@@ -693,3 +693,24 @@ def test_a_group_too_big_for_memory_splits_and_a_run_too_big_is_refused(monkeypa
     monkeypatch.setattr(capacity, "available_bytes", lambda: per_run)
     with pytest.raises(UsageError, match="one run at global batch 16 needs about"):
         engine.train_group(workload, config, grid_group(config, 16, runs))
+
+
+def test_a_flat_fit_is_undefined_and_a_b_simple_that_zero_or_infinity_fits_gives_no_ratio():
+    from ddplab.study.runs import RunResult
+
+    fits, warnings = analysis._fits({"adascale": {16: [40.0, 40.0, 40.0], 64: [40.0, 41.0, 40.0]},
+                                     "tuned": {16: [80.0, 80.0, 80.0], 64: [35.0, 35.0, 35.0]}})
+    assert fits["adascale"]["b_crit"] == 0 and fits["adascale"]["undefined"] == "steps do not fall as the batch grows"
+    assert any("rule adascale: its median steps do not fall" in w and "undefined" in w for w in warnings)
+    assert fits["tuned"]["b_crit"] == pytest.approx(48) and "undefined" not in fits["tuned"]
+
+    def runs(g2s, traces):
+        return [RunResult(global_batch_size=16, lr=0.1, seed=0, noise_g2=g2s, noise_trace=traces)]
+
+    # |G|² measured at 2 or -1.5 alternately: B_simple's interval reaches infinity, so no ratio.
+    noisy = analysis._b_simple(runs([2, -1.5] * 4, [10] * 8), {"b_crit": 100.0})
+    assert noisy["value"] == pytest.approx(40) and noisy["ci95"][1] == math.inf
+    assert noisy["b_crit_over_b_simple"] is None
+    firm = analysis._b_simple(runs([1, 1.1, 0.9, 1, 1.05, 0.95, 1, 1], [10, 11, 9, 10, 10, 10, 10, 10]),
+                              {"b_crit": 100.0})
+    assert firm["b_crit_over_b_simple"] == pytest.approx(10)

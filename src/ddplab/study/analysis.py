@@ -112,6 +112,13 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
         if not math.isfinite(fitted["b_crit"]):
             warnings.append(f"rule {rule}: steps fall as 1/B over the whole measured range; B_crit lies above it")
             continue
+        if fitted["b_crit"] == 0:
+            # A flat curve has no bend to place: B_crit and E_min = S_min·B_crit are not measured, not zero.
+            fits[rule]["undefined"] = "steps do not fall as the batch grows"
+            warnings.append(f"rule {rule}: its median steps do not fall as the batch grows over the measured range, so "
+                            "the fit S_min(1 + B_crit/B) is flat: B_crit and E_min are undefined (every batch here is "
+                            "past the critical batch, or the rule does not scale its lr with the batch)")
+            continue
         warnings += _fit_warnings(rule, fitted)
     return fits, warnings
 
@@ -179,8 +186,11 @@ def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None
     pooled = _summary(best_runs)
     if pooled is None:
         return None
-    # B_simple is undefined (inf) where |G|² came out at or below 0: no ratio then, rather than 0.
-    ratio = fit.ratio(tuned_fit["b_crit"], pooled["value"]) if tuned_fit and pooled["value"] > 0 else None
+    # No ratio where B_simple's interval cannot tell it from zero, or reaches infinity (|G|² indistinguishable from
+    # 0): it would only measure the estimator's noise.
+    low, high = pooled["ci95"]
+    bounded = low is not None and high is not None and 0 < low and math.isfinite(high)
+    ratio = fit.ratio(tuned_fit["b_crit"], pooled["value"]) if tuned_fit and pooled["value"] > 0 and bounded else None
     by_batch = []
     for b in sorted({r.global_batch_size for r in best_runs}):
         runs = [r for r in best_runs if r.global_batch_size == b]

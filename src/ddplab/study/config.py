@@ -156,12 +156,17 @@ class StudyConfig:
         if self.dtype not in get_args(Dtype):
             raise UsageError(f"{{dtype}} must be float32 or float64, got {self.dtype!r}")
 
-    def fingerprint(self, workload_fingerprint: str) -> str:
-        """What a cached run depends on: the workload (its content) and every training setting."""
+    def settings(self, workload_fingerprint: str) -> dict:
+        """What a cached run depends on, by field: the workload (its content) and every training setting."""
         fields = {k: v for k, v in dataclasses.asdict(self).items()
                   if k not in ("global_batch_sizes", "rules", "max_runs")}
-        return hashlib.sha256(
-            json.dumps([workload_fingerprint, fields], sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return json.loads(json.dumps({"workload": workload_fingerprint, **fields}, sort_keys=True, default=str))
+
+    def fingerprint(self, workload_fingerprint: str) -> str:
+        """A short hash of :meth:`settings`."""
+        settings = self.settings(workload_fingerprint)
+        workload = settings.pop("workload")
+        return hashlib.sha256(json.dumps([workload, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _check_rules(config: StudyConfig) -> None:

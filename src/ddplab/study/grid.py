@@ -59,8 +59,8 @@ class RankZeroCache:
 class Cache:
     """Finished groups under ``DIR/runs/``, one JSON per batch size, written atomically."""
 
-    def __init__(self, directory: str, fingerprint: str, *, fresh: bool):
-        self.directory, self.fingerprint = directory, fingerprint
+    def __init__(self, directory: str, fingerprint: str, *, fresh: bool, settings: dict | None = None):
+        self.directory, self.fingerprint, self.settings = directory, fingerprint, settings
         self.runs_dir = os.path.join(directory, "runs")
         self.stamp = os.path.join(directory, "config.json")
         if fresh and os.path.isdir(self.runs_dir):
@@ -68,7 +68,7 @@ class Cache:
         # Only runs count: a study that failed before its first group left nothing to protect.
         if self._holds_runs() and self._stamped() not in (None, fingerprint):
             raise UsageError(f"{{out}} {literal(repr(directory))} holds runs of a study with other settings or another "
-                             "spec; pass {fresh} to start over or choose another {out}")
+                             f"spec{self._differences()}; pass {{fresh}} to start over or choose another {{out}}")
         os.makedirs(self.runs_dir, exist_ok=True)
 
     def _holds_runs(self) -> bool:
@@ -78,6 +78,16 @@ class Cache:
         if not os.path.exists(self.stamp):
             return None
         return self._read(self.stamp).get("fingerprint")
+
+    def _differences(self) -> str:
+        """' (FIELD, ...)': the settings that differ from the cached study's, each as its field (the CLI shows
+        flags); '' where the cache does not say."""
+        old = self._read(self.stamp).get("settings")
+        if not isinstance(old, dict) or self.settings is None:
+            return ""
+        changed = [name for key in sorted(set(old) | set(self.settings))
+                   for name in _changed(key, old.get(key), self.settings.get(key))]
+        return f" ({', '.join(changed)} changed)" if changed else ""
 
     def _read(self, path: str):
         try:
@@ -110,8 +120,21 @@ class Cache:
                              "start over") from None
 
     def save(self, global_batch: int, results: list[RunResult], kind: str) -> None:
-        write_json_atomic(self.stamp, {"fingerprint": self.fingerprint})
+        write_json_atomic(self.stamp, {"fingerprint": self.fingerprint, "settings": self.settings})
         write_json_atomic(self._path(global_batch, kind), [r.to_json() for r in results], standard=False)
+
+
+def _changed(key: str, old, new) -> list[str]:
+    """The fields under ``key`` whose values differ, as error templates."""
+    if old == new:
+        return []
+    if key == "workload":
+        return ["the spec file or workload"]
+    if key == "target" and isinstance(new, dict):
+        return [f"{{target.{new.get('kind')}}}"]
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [f"{{{key}.{sub}}}" for sub in sorted(set(old) | set(new)) if old.get(sub) != new.get(sub)]
+    return [f"{{{key}}}"]
 
 
 def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine,

@@ -90,7 +90,8 @@ def _study(setup: _Setup, progress, launch_config, *, rank) -> StudyReport:
     if main:
         check_out(options.out)
         grid.check_grid(workload, config)
-        cache = grid.Cache(options.out, config.fingerprint(workload.fingerprint), fresh=options.fresh)
+        cache = grid.Cache(options.out, config.fingerprint(workload.fingerprint), fresh=options.fresh,
+                           settings=config.settings(workload.fingerprint))
     if rank is not None:
         cache = grid.RankZeroCache(cache, rank)
     engine = build_engine(setup.engine, setup.device, options, launch_config)
