@@ -19,7 +19,7 @@ def site(tmp_path_factory):
     # The theme's notice about its own future is no warning about this site.
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110, check=False)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     assert "WARNING" not in log, log
