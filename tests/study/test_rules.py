@@ -132,3 +132,21 @@ class _NoTraining:
 
     def seconds_per_step(self, *args):
         raise AssertionError("nothing to time")
+
+
+@pytest.mark.timeout(120)
+def test_the_spec_template_checks_and_studies_as_written(tmp_path, capsys):
+    import json
+
+    from ddplab.cli.main import main
+
+    template = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "examples", "spec_template.py")
+    assert main(["check", template, "--world-size", "2", "--batch-size", "8", "--steps", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "EQUIVALENT"
+    assert main(["study", template, "--target-accuracy", "0.85", "--global-batch-sizes", "16,64", "--seeds", "1",
+                 "--max-steps", "150", "--no-plots", "--json", "--out", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # The template's AdamW is the study's optimizer, its lr the reference lr.
+    assert report["optimizer"]["name"] == "AdamW" and report["reference"]["lr"] == 3e-3
+    assert any(r["steps_to_target"] for r in report["runs"])
