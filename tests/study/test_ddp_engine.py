@@ -266,8 +266,10 @@ def test_auto_times_each_batch_on_every_engine_and_trains_where_it_was_faster():
                                       rule="adascale", lr_scaling="gain"))
     assert calls == [("vmap", 8), ("vmap", 256), ("ddp", 1024), ("ddp", 1024), ("vmap", 1024)]
     chosen, why = auto.summary()
-    assert chosen == "vmap+ddp" and why.startswith("seconds per step timed per global batch: 8: vmap (vmap 1.0 ms, "
-                                                    "ddp 10.0 ms)")
+    assert chosen == "vmap+ddp" and why.startswith("timed per global batch, each engine in this process: 8: vmap (one "
+                                                    "step of its 2 runs: vmap 1 ms, ddp 10 ms)")
+    assert [engines.duration(s) for s in (0.4382, 4.0912, 0.0000512, 1234.5)] == ["438 ms", "4.09 s", "0.0512 ms",
+                                                                                  "1234 s"]
     assert engines.Auto([Timed("vmap", 1.0, {})]).summary()[1].startswith("no group was timed")
     # The timing itself: each engine measured for real, positive and finite.
     workload = workloads.regression(dim=8, n_train=256, n_val=64)

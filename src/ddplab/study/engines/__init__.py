@@ -34,8 +34,8 @@ class Auto:
 
     def __init__(self, engines: list[Engine]):
         self.engines = engines
-        self.chosen: dict[int, tuple[Engine, dict[str, float]]] = {}
-        """Per global batch: the engine taken and every engine's seconds per step."""
+        self.chosen: dict[int, tuple[Engine, dict[str, float], int]] = {}
+        """Per global batch: the engine taken, every engine's seconds per step of the group, and its runs."""
 
     def train(self, workload: Workload, config: StudyConfig, group: RunGroup,
               progress: Progress | None = None) -> list[RunResult]:
@@ -44,21 +44,23 @@ class Auto:
             return self.engines[0].train(workload, config, group, progress)
         b = group.global_batch_size
         if b not in self.chosen:
-            self.chosen[b] = fastest(self.engines, workload, config, group)
+            self.chosen[b] = (*fastest(self.engines, workload, config, group), len(group.runs))
         return self.chosen[b][0].train(workload, config, group, progress)
 
     def summary(self) -> tuple[str, str]:
         """(engine, why) for the report: which engine each batch size took, with the timings."""
         if not self.chosen:
             return self.engines[0].name, "no group was timed (each came from the cache or had one run)"
-        taken = sorted({engine.name for engine, _ in self.chosen.values()}, key=NAMES.index)
-        parts = [f"{b}: {engine.name} (" + ", ".join(f"{name} {_ms(s)}" for name, s in seconds.items()) + ")"
-                 for b, (engine, seconds) in sorted(self.chosen.items())]
-        return "+".join(taken), "seconds per step timed per global batch: " + "; ".join(parts)
+        taken = sorted({engine.name for engine, _, _ in self.chosen.values()}, key=NAMES.index)
+        parts = [f"{b}: {engine.name} (one step of its {runs} runs: "
+                 + ", ".join(f"{name} {duration(s)}" for name, s in seconds.items()) + ")"
+                 for b, (engine, seconds, runs) in sorted(self.chosen.items())]
+        return "+".join(taken), "timed per global batch, each engine in this process: " + "; ".join(parts)
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+def duration(seconds: float) -> str:
+    """Seconds as a person reads them: '438 ms', '4.09 s' (never an exponent)."""
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s" if seconds < 1000 else f"{seconds:.0f} s"
 
 
 __all__ = ["NAMES", "Auto", "Engine", "Progress", "fastest"]
