@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any
 
 from ddplab.errors import UsageError
 
@@ -64,11 +63,6 @@ def mark(action: argparse.Action, field: str, flag: str | None = None) -> argpar
 def flag_error(error: UsageError) -> str:
     """A library error as the command line says it: each field as its flag."""
     return error.render(flags())
-
-
-def given(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
-    """{field: args.<dest>} for the flags the user gave (None means not given: the config's default applies)."""
-    return {field: getattr(args, dest) for field, dest in fields.items() if getattr(args, dest, None) is not None}
 
 
 def parse_bool(text: str) -> bool:

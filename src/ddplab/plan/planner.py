@@ -185,7 +185,7 @@ class Data:
     warmup_steps: int | None = None
     """Warmup length in optimizer steps (overrides ``warmup_epochs``, and needs no dataset size)."""
     warmup_threshold: float = 4.0
-    """Recommend warmup when the lr grows at least this much (the lr multiplier reaches it)."""
+    """Recommend warmup when the lr grows at least this much: the lr multiplier reaches it."""
     critical_batch_size: float | None = None
     """Measured critical batch size (ddplab noise): warn when the plan is well past it (diminishing returns)."""
 
