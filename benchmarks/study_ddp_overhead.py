@@ -1,7 +1,7 @@
 """The study's DDP engine against a plain DDP training loop of the same steps, per grid point.
 
 Both run inside one launch of ``--world-size`` gloo ranks on the built-in digits MLP: for each
-(lr, seed) point, the engine's own per-point code (``ddplab.study.ddp._train_one``: the loss
+(lr, seed) point, the engine's own per-point code (``ddplab.study.engines.ddp._train_one``: the loss
 all-reduced at every step, rank 0 evaluating every ``eval_every`` steps and broadcasting) and a
 plain loop (model, DDP, torch.optim, the same shards), once without evaluation and once with rank 0
 evaluating as often as the engine does. The target is out of reach
@@ -22,10 +22,12 @@ import time
 import torch
 
 from ddplab.runtime.launch import LaunchConfig, launch
-from ddplab.study import ddp, workloads
+from ddplab.study import workloads
 from ddplab.study.config import StudyConfig, Target
-from ddplab.study.engine import RunResult, cast, evaluate_model
+from ddplab.study.engines import ddp
+from ddplab.study.engines.vmap import cast, evaluate_model
 from ddplab.study.optim import torch_optimizer
+from ddplab.study.runs import RunResult
 from ddplab.study.verify import RankShards
 
 

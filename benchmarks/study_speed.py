@@ -24,14 +24,18 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddplab.study import engine, optim, run, workloads
+from ddplab.runtime.launch import LaunchConfig
+from ddplab.study import engines, optim, rules, run, workloads
 from ddplab.study.config import StudyConfig, Target
+from ddplab.study.engines import ddp
+from ddplab.study.engines import vmap as engine
+from ddplab.study.runs import grid_group
 
 
 def loop_over_runs(workload, config, global_batch: int, runs, steps: int):
     """The baseline: each run its own model and optimizer, trained to the end before the next."""
     out = []
-    batches = engine._Batches(workload.train_size, global_batch, sorted({seed for _, seed in runs}))
+    batches = engine.Batches(workload.train_size, global_batch, sorted({seed for _, seed in runs}))
     inputs, targets = workload.train
     for lr, seed in runs:
         model = workload.model()
@@ -48,7 +52,7 @@ def loop_over_runs(workload, config, global_batch: int, runs, steps: int):
 
 
 def vectorized(workload, config, global_batch: int, runs, steps: int):
-    group = engine.Group(workload, config, global_batch, runs)
+    group = engine.Group(workload, config, grid_group(config, global_batch, runs))
     for step in range(steps):
         group.step(step, measure=False)
     return [{n: p[row].clone() for n, p in group.params.items()} for row in range(len(runs))]
@@ -60,7 +64,7 @@ def random_layers(workload) -> bool:
 
 def group_flops_per_step(workload, config, global_batch: int, runs) -> int:
     """FLOPs of one vectorized step of every run (matrix products and convolutions, forward and backward)."""
-    group = engine.Group(workload, config, global_batch, runs)
+    group = engine.Group(workload, config, grid_group(config, global_batch, runs))
     group.step(0, measure=False)
     with FlopCounterMode(display=False) as counter:
         group.step(1, measure=False)
@@ -136,7 +140,7 @@ def main() -> None:
     print(json.dumps({"matmul_gflop_per_s_by_threads": {t: round(f / 1e9, 1) for t, f in peak.items()}}), flush=True)
     rows = []
     for global_batch in args.batch_sizes or config.global_batch_sizes:
-        runs = config.grid_runs(global_batch)
+        runs = rules.grid_runs(config, global_batch)
         # Same answer both ways first: the speed-up compares equal work. Dropout draws other masks in the group
         # than in the loop, so with dropout the two cannot be compared number for number.
         diff = None if random_layers(workload) else max(
@@ -153,8 +157,9 @@ def main() -> None:
         threads = min(vmap_s, key=vmap_s.get)
         floor_s = flops / peak[threads]
         torch.set_num_threads(threads)
-        group_s, loop_step_s = engine.seconds_per_step(workload, config, global_batch, runs)
-        picks = run.auto_engine(group_s, loop_step_s)
+        on_engines = [engine.VmapEngine(), ddp.DdpEngine(LaunchConfig())]
+        picked, seconds = engines.fastest(on_engines, workload, config, grid_group(config, global_batch, runs))
+        picks = picked.name
         rows.append({"global_batch_size": global_batch, "runs": len(runs), "steps": args.steps,
                      "loop_s_by_threads": loop_s, "vectorized_s_by_threads": vmap_s,
                      "speedup_best_vs_best": best_loop / best_vmap,
@@ -163,7 +168,7 @@ def main() -> None:
                      "vectorized_s_per_step": best_vmap / args.steps,
                      "ratio_to_floor": best_vmap / args.steps / floor_s,
                      "auto_picks": picks,
-                     "auto_timing_s_per_step": {"vectorized": group_s, "run_by_run": loop_step_s},
+                     "auto_timing_s_per_step": {"vectorized": seconds["vmap"], "run_by_run": seconds["ddp"]},
                      "max_abs_param_diff_after_10_steps": diff})
         print(json.dumps(rows[-1]), flush=True)
     default_study = whole_default_study() if args.default_study else None

@@ -148,3 +148,29 @@ def test_launch_state_lives_in_objects_not_module_globals():
         mutable = [name for name, value in vars(module).items() if not name.startswith("__")
                    and isinstance(value, (dict, list, set, threading.Event))]
         assert mutable == [], module.__name__
+
+
+def _rule_name_branches(tree, names: set[str]) -> list[int]:
+    """Lines that compare something with a study rule's name (==, !=, in, not in, a literal collection of names)."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        for operand in [node.left, *node.comparators]:
+            items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            if any(isinstance(item, ast.Constant) and item.value in names for item in items):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_rules_branch_on_a_rules_name():
+    from ddplab.study import rules
+
+    names = set(rules.REGISTRY)
+    offenders = [f"{path}:{line}" for path, _, tree in _modules()
+                 if path.startswith(("study" + os.sep, os.path.join("cli", "study.py")))
+                 and not path.startswith(os.path.join("study", "rules") + os.sep)
+                 for line in _rule_name_branches(tree, names)]
+    assert offenders == []
+    # The scan sees a branch where there is one.
+    assert _rule_name_branches(ast.parse('if rule == "tuned" or "ramp" in rules: pass'), names) == [1, 1]

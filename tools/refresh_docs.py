@@ -1,24 +1,33 @@
 """Re-run every command quoted in the docs and paste its real output under it.
 
-    python tools/refresh_docs.py [README.md docs/*.md]
+    python tools/refresh_docs.py [README.md docs/commands/plan.md ...]
 
-A block looks like this in Markdown (the command runs from the repository root, with this
-interpreter's environment first on PATH):
+With no argument it refreshes README.md and every page under docs/. A block looks like this in
+Markdown (the command runs from the repository root, with this interpreter's environment first on PATH):
 
     <!-- output: ddplab plan --ref-batch-size 32 --ref-lr 0.1 --devices 8 -->
     ```text
     ...replaced...
     ```
     <!-- /output -->
+
+A trimmed block (the README's short examples) leaves out the first `skip` lines of the output, then keeps
+its first `head` and last `tail` lines, and says how many it left out at each cut:
+`<!-- output skip=2 head=4 tail=1: ddplab plan ... -->`. A command quoted more than once is run once per
+refresh, so every page shows the same run.
 """
 
+import glob
 import os
 import re
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"(<!-- output: (?P<cmd>.+?) -->\n)```text\n.*?```\n(<!-- /output -->)", re.S)
+# The opening marker alone: tests/test_readme.py reads the quoted commands with it.
+MARKER = re.compile(r"<!-- output(?: skip=(?P<skip>\d+))?(?: head=(?P<head>\d+))?(?: tail=(?P<tail>\d+))?: "
+                    r"(?P<cmd>.+?) -->")
+BLOCK = re.compile(MARKER.pattern + r"\n```text\n.*?```\n<!-- /output -->", re.S)
 # torchrun's own start-up chatter is not ddplab output.
 NOISE = re.compile(r"^(W\d{4} .*|\*{10,}|Setting OMP_NUM_THREADS.*|.*OMP_NUM_THREADS.*)$")
 
@@ -34,13 +43,38 @@ def run(command: str) -> str:
     return text + (f"\n(exit code {done.returncode})" if done.returncode else "")
 
 
-def refresh(path: str) -> None:
+def trim(output: str, skip: int | None = None, head: int | None = None, tail: int | None = None) -> str:
+    """``output`` less its first ``skip`` lines, then its first ``head`` and last ``tail`` lines; a line at each cut
+    says how many lines it left out."""
+    lines = output.split("\n")
+    skip = min(skip or 0, len(lines))
+    kept = [_cut(skip)] if skip else []
+    rest = lines[skip:]
+    if (head is None and tail is None) or (head or 0) + (tail or 0) >= len(rest):
+        return "\n".join(kept + rest)
+    head, tail = head or 0, tail or 0
+    return "\n".join(kept + rest[:head] + [_cut(len(rest) - head - tail)] + rest[len(rest) - tail:])
+
+
+def _cut(count: int) -> str:
+    return f"… ({count} lines trimmed)"
+
+
+def render(match: re.Match, output: str) -> str:
+    skip, head, tail = (int(match[name]) if match[name] else None for name in ("skip", "head", "tail"))
+    opening = match.group(0).split("\n", 1)[0]
+    return f"{opening}\n```text\n$ {match['cmd']}\n{trim(output, skip, head, tail)}\n```\n<!-- /output -->"
+
+
+def refresh(path: str, outputs: dict[str, str]) -> None:
     with open(path) as fh:
         source = fh.read()
 
     def replace(match):
-        print(f"$ {match['cmd']}", file=sys.stderr, flush=True)
-        return f"{match.group(1)}```text\n$ {match['cmd']}\n{run(match['cmd'])}\n```\n{match.group(3)}"
+        if match["cmd"] not in outputs:
+            print(f"$ {match['cmd']}", file=sys.stderr, flush=True)
+            outputs[match["cmd"]] = run(match["cmd"])
+        return render(match, outputs[match["cmd"]])
 
     # Every command runs before the file is touched, and the new text replaces it whole: a refresh that is
     # stopped half-way leaves the file as it was.
@@ -50,6 +84,13 @@ def refresh(path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def pages() -> list[str]:
+    """README.md, then every Markdown page of the docs site."""
+    docs = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    return [os.path.join(ROOT, "README.md"), *docs]
+
+
 if __name__ == "__main__":
-    for target in sys.argv[1:] or [os.path.join(ROOT, "README.md")]:
-        refresh(target)
+    outputs: dict[str, str] = {}
+    for target in sys.argv[1:] or pages():
+        refresh(target, outputs)

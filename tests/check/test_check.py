@@ -213,6 +213,7 @@ USER_ERRORS = {
     "empty_dataset": (SPEC_HEAD.replace("64", "0") + LINEAR, ": dataset() is empty"),
     "exits": (SPEC_HEAD + "import sys\ndef model():\n    sys.exit(7)\n", ": model() called sys.exit(7)"),
     "exits_at_import": ("import sys\nsys.exit(7)\n", "does not load: line 2 calls sys.exit(7)"),
+    "hard_exit_at_import": ("import os\nos._exit(3)\n", "does not load: line 2 calls os._exit(3) at import"),
     "float_loss": (SPEC_HEAD + LINEAR + "def step(model, batch, loss_fn):\n"
                    "    return loss_fn(model(batch[0]), batch[1]).item()\n",
                    "the loss must be a single-number tensor, got float"),

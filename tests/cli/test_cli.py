@@ -295,11 +295,13 @@ def test_help_quotes_the_defaults_the_configs_hold():
     assert f"(default {Reference.devices})" in helps[("plan",)]["--ref-devices"]
     assert f"(default {Data.warmup_threshold:g})" in helps[("plan",)]["--warmup-threshold"]
     assert f"(default {StudyOptions.out})" in helps[("study",)]["--out"]
-    assert f"(default {','.join(map(str, StudyConfig.global_batch_sizes))})" in helps[("study",)]["--global-batch-sizes"]
+    batches = ",".join(map(str, StudyConfig.global_batch_sizes))
+    assert f"(default {batches})" in helps[("study",)]["--global-batch-sizes"]
 
 
 def test_the_rules_help_names_every_rule_and_both_defaults():
-    from ddplab.study.config import ADAM_RULES, FIXED_RULES, RULES
+    from ddplab.study.config import ADAM_RULES, FIXED_RULES
+    from ddplab.study.rules import REGISTRY as RULES
 
     rules = next(a.help for a in dict(_leaves(build_parser()))[("study",)]._actions if "--rules" in a.option_strings)
     assert all(rule in rules for rule in RULES)

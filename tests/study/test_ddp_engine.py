@@ -16,20 +16,16 @@ import torch
 from ddplab.cli.main import main
 from ddplab.noise import estimators as noise_estimators
 from ddplab.runtime.launch import LaunchConfig
-from ddplab.study import analysis, ddp, engine, grid, workloads
+from ddplab.study import analysis, grid, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+from ddplab.study.engines import ddp
+from ddplab.study.engines import vmap as engine
 
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
 
 
-def _ddp_trainer(world_size: int, max_per_device: int | None):
-    config = LaunchConfig(world_size=world_size, backend="gloo")
-
-    def train(workload, study, global_batch, runs, advance=None, *, sweep_only=(), adascale=False, adam_sqrt=False):
-        return ddp.train_group_ddp(workload, study, global_batch, runs, config, adam_sqrt=adam_sqrt,
-                                   adascale=adascale, max_per_device=max_per_device, sweep_only=set(sweep_only))
-
-    return train
+def _ddp_engine(world_size: int, max_per_device: int | None) -> ddp.DdpEngine:
+    return ddp.DdpEngine(LaunchConfig(world_size=world_size, backend="gloo"), max_per_device=max_per_device)
 
 
 @pytest.mark.timeout(180)
@@ -41,13 +37,13 @@ def test_the_ddp_engine_takes_the_vectorized_engines_steps():
     config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(8, 32), seeds=2,
                          optimizer=OptimizerConfig(family="adam"), reference_global_batch_size=8,
                          reference_lr=0.02, sweep_margin=2, max_steps=150, eval_every=5, dtype="float64")
-    vectorized = grid.run_grid(workload, config, None)
+    vectorized = grid.run_grid(workload, config, None, engine.VmapEngine())
     for world_size, cap in ((2, None), (2, 4)):
-        on_ranks = grid.run_grid(workload, config, None, train=_ddp_trainer(world_size, cap))
+        on_ranks = grid.run_grid(workload, config, None, _ddp_engine(world_size, cap))
         for b in config.global_batch_sizes:
             assert len(on_ranks[b]) == len(vectorized[b]) > 0
             for mine, theirs in zip(on_ranks[b], vectorized[b]):
-                assert (mine.lr, mine.seed, mine.adam_sqrt) == (theirs.lr, theirs.seed, theirs.adam_sqrt)
+                assert (mine.lr, mine.seed, mine.rule) == (theirs.lr, theirs.seed, theirs.rule)
                 # Both engines stop a sweep lr that can no longer win, each when it knows: compare what both ran.
                 shared = min(len(mine.history), len(theirs.history))
                 if not (theirs.pruned or mine.pruned):
@@ -67,7 +63,7 @@ def test_the_ddp_engine_takes_the_vectorized_engines_steps():
                                              [t for r in measured for t in r.noise_trace])
         low, high = summary.b_simple_ci95
         assert low <= 9 <= high and 6 < summary.b_simple < 13.5, summary
-    assert any(r.steps_to_target for r in vectorized[32]) and any(r.adam_sqrt for r in vectorized[32])
+    assert any(r.steps_to_target for r in vectorized[32]) and any(r.rule == "adam-sqrt" for r in vectorized[32])
     assert ddp.split(32, 2, 4) == ddp.DdpPlan(world_size=2, accumulation_steps=4, per_device_batch_size=4)
     assert ddp.split(24, 2, 5) == ddp.DdpPlan(world_size=2, accumulation_steps=3, per_device_batch_size=4)
 
@@ -83,10 +79,10 @@ def test_adascale_on_the_ddp_engine_is_the_library_adapter_with_the_closed_form_
                          optimizer=OptimizerConfig(family="sgd", momentum=0.0), reference_global_batch_size=8,
                          reference_lr=0.02, rules=("constant", "adascale"), max_steps=400, eval_every=5,
                          dtype="float64")
-    vectorized = grid.run_grid(workload, config, None)
-    on_ranks = grid.run_grid(workload, config, None, train=_ddp_trainer(2, None))
-    fixed = {b: [r for r in rs if not r.adascale] for b, rs in on_ranks.items()}
-    ada = {b: [r for r in rs if r.adascale] for b, rs in on_ranks.items()}
+    vectorized = grid.run_grid(workload, config, None, engine.VmapEngine())
+    on_ranks = grid.run_grid(workload, config, None, _ddp_engine(2, None))
+    fixed = {b: [r for r in rs if r.rule != "adascale"] for b, rs in on_ranks.items()}
+    ada = {b: [r for r in rs if r.rule == "adascale"] for b, rs in on_ranks.items()}
     assert all(len(ada[b]) == config.seeds for b in (8, 32))
     for run, same in zip(ada[8], fixed[8]):
         assert [g[1] for g in run.gains] == [1.0] * len(run.history)
@@ -101,7 +97,7 @@ def test_adascale_on_the_ddp_engine_is_the_library_adapter_with_the_closed_form_
         assert taus == sorted(taus) and all(s < tau < 4 * s for s, tau in zip(steps, taus))
     # Faster than the same lr untuned at S = 4, and within the vectorized engine's AdaScale runs' seed range.
     mine = [r.steps_to_target for r in ada[32]]
-    theirs = [r.steps_to_target for r in vectorized[32] if r.adascale]
+    theirs = [r.steps_to_target for r in vectorized[32] if r.rule == "adascale"]
     assert max(mine) < min(r.steps_to_target for r in fixed[32])
     assert min(theirs) <= sorted(mine)[1] <= max(theirs), (mine, theirs)
 
@@ -241,24 +237,41 @@ def loss(output, target):
 '''
 
 
-def test_auto_times_each_batch_both_ways_and_trains_where_it_was_faster(monkeypatch):
-    from ddplab.study import run as study_run
+def test_auto_times_each_batch_on_every_engine_and_trains_where_it_was_faster():
+    from ddplab.study import engines
+    from ddplab.study.runs import RunGroup, grid_group
 
     calls = []
-    trainer = study_run.TimedTrainer(lambda *a, **k: calls.append(("vmap", a[2])) or [],
-                                     lambda *a, **k: calls.append(("ddp", a[2])) or [], "cpu")
+
+    class Timed:
+        def __init__(self, name, overhead, timings):
+            self.name, self.overhead, self.timings = name, overhead, timings
+
+        def train(self, workload, config, group, progress=None):
+            calls.append((self.name, group.global_batch_size))
+            return []
+
+        def seconds_per_step(self, workload, config, group):
+            return self.timings[group.global_batch_size]
+
     # 8: vectorized far faster; 256: run by run a little faster, within the timing's noise; 1024: clearly faster.
-    timings = {8: (0.001, 0.01), 256: (0.12, 0.1), 1024: (0.2, 0.1)}
-    monkeypatch.setattr(study_run, "engine_seconds", lambda w, c, b, runs, device: timings[b])
+    auto = engines.Auto([Timed("vmap", 1.0, {8: 0.001, 256: 0.12, 1024: 0.2}),
+                         Timed("ddp", 1.5, {8: 0.01, 256: 0.1, 1024: 0.1})])
+    config = StudyConfig(target=Target(kind="loss", value=1e-3), global_batch_sizes=(16, 32))
     runs = [(0.1, 0), (0.2, 0)]
     for b in (8, 256, 1024, 1024):
-        trainer(None, None, b, runs)
-    trainer(None, None, 1024, runs, adascale=True)  # AdaScale's groups stay vectorized
+        auto.train(None, config, grid_group(config, b, runs))
+    # AdaScale's groups stay on the first engine: they measure at every step, cheapest inside the group.
+    auto.train(None, config, RunGroup(global_batch_size=1024, runs=tuple(runs), optimizer=config.optimizer,
+                                      rule="adascale", lr_scaling="gain"))
     assert calls == [("vmap", 8), ("vmap", 256), ("ddp", 1024), ("ddp", 1024), ("vmap", 1024)]
-    chosen, why = trainer.summary()
-    assert chosen == "vmap+ddp" and why.startswith("timed per global batch: 8: vmap (1 ms vectorized vs 10 ms")
-    # The timing itself: both ways measured on the real engine, positive and finite.
+    chosen, why = auto.summary()
+    assert chosen == "vmap+ddp" and why.startswith("seconds per step timed per global batch: 8: vmap (vmap 1.0 ms, "
+                                                    "ddp 10.0 ms)")
+    assert engines.Auto([Timed("vmap", 1.0, {})]).summary()[1].startswith("no group was timed")
+    # The timing itself: each engine measured for real, positive and finite.
     workload = workloads.regression(dim=8, n_train=256, n_val=64)
-    config = StudyConfig(target=Target(kind="loss", value=1e-3), global_batch_sizes=(16, 32))
-    group, loop = engine.seconds_per_step(workload, config, 32, runs, "cpu")
-    assert 0 < group < 1 and 0 < loop < 1
+    group = grid_group(config, 32, runs)
+    seconds = [e.seconds_per_step(workload, config, group)
+               for e in (engine.VmapEngine(), ddp.DdpEngine(LaunchConfig(world_size=2)))]
+    assert all(0 < s < 1 for s in seconds), seconds

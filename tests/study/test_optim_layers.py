@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddplab.study import engine, optim
+from ddplab.study import optim
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+from ddplab.study.engines import vmap as engine
+from ddplab.study.runs import grid_group
 from ddplab.study.workloads import Workload
 
 STEPS = 50
@@ -58,7 +60,7 @@ def _alone(workload: Workload, config: StudyConfig, global_batch: int, lr: float
     model = workload.model().to(dtype)
     model.load_state_dict({**params, **buffers})
     optimizer = optim.torch_optimizer(config.optimizer, model.parameters(), lr)
-    order = engine._Batches(workload.train_size, global_batch, [seed])
+    order = engine.Batches(workload.train_size, global_batch, [seed])
     inputs, targets = engine.cast(workload.train[0], dtype), workload.train[1]
     for step in range(steps):
         index = order.indices(step)[0]
@@ -97,7 +99,7 @@ def test_each_stacked_run_follows_torch_optim(dtype, tolerance):
         config = StudyConfig(target=Target(kind="loss", value=1e-9), global_batch_sizes=(16, 32), optimizer=opt,
                              dtype=dtype)
         runs = [(lrs[0], 0), (lrs[1], 1), (lrs[1], 0)]
-        group = engine.Group(workload, config, 32, runs)
+        group = engine.Group(workload, config, grid_group(config, 32, runs))
         for step in range(STEPS):
             group.step(step, measure=False)
         for row, (lr, seed) in enumerate(runs):
@@ -131,7 +133,7 @@ def test_batchnorm_layernorm_embedding_runs_keep_their_own_running_statistics():
     config = StudyConfig(target=Target(kind="accuracy", value=0.99), global_batch_sizes=(16, 32),
                          optimizer=OptimizerConfig(family="adamw", weight_decay=0.01), dtype="float64")
     runs = [(3e-3, 0), (1e-2, 1)]
-    group = engine.Group(workload, config, 16, runs)
+    group = engine.Group(workload, config, grid_group(config, 16, runs))
     for step in range(30):
         group.step(step, measure=step % 10 == 9)
     inputs, targets = workload.val
@@ -153,7 +155,7 @@ def test_dropout_draws_independent_masks_per_run_reproducibly():
     runs = [(1e-2, 0), (1e-2, 0)]
 
     def trained():
-        group = engine.Group(workload, config, 32, runs)
+        group = engine.Group(workload, config, grid_group(config, 32, runs))
         losses = [group.step(step, measure=False) for step in range(20)]
         return group, torch.stack(losses)
 
@@ -175,7 +177,7 @@ def test_a_group_keeps_every_tensor_on_its_device(family):
     workload = _token_workload(dropout=0.1)
     config = StudyConfig(target=Target(kind="accuracy", value=0.9), global_batch_sizes=(16, 32),
                          optimizer=OptimizerConfig(family=family, momentum=0.9 if family == "sgd" else 0.0))
-    group = engine.Group(workload, config, 16, [(1e-2, 0), (3e-2, 1), (1e-2, 2)], device="meta")
+    group = engine.Group(workload, config, grid_group(config, 16, [(1e-2, 0), (3e-2, 1), (1e-2, 2)]), device="meta")
     for step in range(2):
         losses = group.step(step, measure=False)
     group.keep([0, 2])

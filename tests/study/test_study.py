@@ -14,9 +14,11 @@ import torch
 from ddplab.cli.main import main
 from ddplab.errors import UsageError
 from ddplab.plan import from_study
-from ddplab.study import analysis, engine, grid, verify, workloads
+from ddplab.study import analysis, grid, rules, verify, workloads
 from ddplab.study import fit as study_fit
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+from ddplab.study.engines import vmap as engine
+from ddplab.study.runs import grid_group
 
 PLAIN_SGD = OptimizerConfig(momentum=0.0)
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
@@ -98,8 +100,8 @@ def test_the_measured_lr_is_interpolated_log_log():
 def test_sweep_spans_both_rules_and_rules_share_runs():
     config = StudyConfig(target=Target(kind="accuracy", value=0.9), reference_global_batch_size=32, reference_lr=0.05,
                                sweep_margin=2.0)
-    assert config.sweep(128) == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4])
-    lrs = config.lrs(32)
+    assert rules.get("tuned").grid_lrs(config, 128) == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4])
+    lrs = rules.lrs(config, 32)
     # At the reference batch constant, linear and sqrt are one run, also a sweep point.
     assert lrs[0.05] == ["constant", "linear", "sqrt", "tuned"]
 
@@ -108,7 +110,7 @@ def test_global_batch_is_the_union_of_ddp_rank_batches():
     from ddplab.runtime.sharding import rank_indices
 
     size, world, global_batch = 103, 4, 16
-    batches = engine._Batches(size, global_batch, [5])
+    batches = engine.Batches(size, global_batch, [5])
     for step in (0, 3, 6, 9):
         per_epoch = size // global_batch
         epoch, within = divmod(step, per_epoch)
@@ -131,7 +133,7 @@ def test_regression_steps_match_exact_recursion():
                                global_batch_sizes=(8, 64), reference_global_batch_size=8, reference_lr=0.05, seeds=4,
                                max_steps=400, eval_every=1, dtype="float64")
     for b, lr in ((8, 0.05), (64, 0.2)):
-        runs = engine.train_group(workload, config, b, [(lr, s) for s in range(config.seeds)])
+        runs = engine.train_group(workload, config, grid_group(config, b, [(lr, s) for s in range(config.seeds)]))
         exact = workloads.regression_expected_steps(dim=dim, global_batch=b, lr=lr, start=start,
                                                 target=start * target_ratio)
         measured = study_fit.median([r.steps_to_target for r in runs])
@@ -148,8 +150,8 @@ def test_study_fit_matches_fit_of_exact_regression_curve():
                          reference_lr=0.1, sweep_factor=2 ** 0.5, sweep_margin=4, seeds=7, max_steps=600, eval_every=1,
                          dtype="float64")
     # 7 seeds: with 3, the median run is up to 19% ahead of the expected error's steps (Jensen) at some batch.
-    found = analysis.analyze(config, grid.run_grid(workload, config, None))
-    exact = {b: min(s for lr in config.sweep(b) if (s := workloads.regression_expected_steps(
+    found = analysis.analyze(config, grid.run_grid(workload, config, None, engine.VmapEngine()))
+    exact = {b: min(s for lr in rules.get("tuned").grid_lrs(config, b) if (s := workloads.regression_expected_steps(
         dim=dim, global_batch=b, lr=lr, start=start, target=start * ratio)) is not None)
         for b in config.global_batch_sizes}
     measured = found.fit["tuned"]["median_steps"]
@@ -170,7 +172,7 @@ def test_b_simple_along_runs_matches_gaussian_theory():
     start = float(workload.val[1].pow(2).mean())
     config = StudyConfig(target=Target(kind="loss", value=start * 0.01), optimizer=PLAIN_SGD,
                                global_batch_sizes=(8, 64), seeds=32, max_steps=400, eval_every=1, dtype="float64")
-    runs = engine.train_group(workload, config, 64, [(0.1, s) for s in range(config.seeds)])
+    runs = engine.train_group(workload, config, grid_group(config, 64, [(0.1, s) for s in range(config.seeds)]))
     g2s = [g for r in runs for g in r.noise_g2]
     traces = [t for r in runs for t in r.noise_trace]
     # tr Σ / |G|² = dim + 1 exactly for Gaussian inputs, at every step; |G|² shrinks along the runs, so the
@@ -203,7 +205,7 @@ def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
     config = StudyConfig(target=Target(kind="loss", value=1e-12), global_batch_sizes=(16, 64), rules=("adascale",),
                          reference_global_batch_size=16, reference_lr=0.02, dtype="float64")
     batch, half, steps = 64, 32, 40
-    group = engine.Group(workload, config, batch, [(0.02, 0)], adascale=True)
+    group = engine.Group(workload, config, rules.get("adascale").group(config, batch, []))
     for step in range(steps):
         group.step(step, measure=True)
 
@@ -211,7 +213,7 @@ def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=config.optimizer.momentum)
     measured = SimpleNamespace(b_big=batch, history=[])
     adascale = AdaScale(optimizer, measured, reference_batch_size=16)
-    order = engine._Batches(workload.train_size, batch, [0])
+    order = engine.Batches(workload.train_size, batch, [0])
     inputs, targets = workload.train[0].to(torch.float64), workload.train[1].to(torch.float64)
 
     def grad_sq(x, y):
@@ -240,9 +242,9 @@ def test_a_ramp_that_cannot_grow_is_the_fixed_run_at_its_batch():
     workload = workloads.regression(dim=8, n_train=512, n_val=64)
     config = StudyConfig(target=Target(kind="loss", value=1e-12), global_batch_sizes=(16,), rules=("constant", "ramp"),
                          reference_global_batch_size=16, reference_lr=0.05, seeds=2, max_steps=40, dtype="float64")
-    runs = grid.run_grid(workload, config, None)[16]
-    fixed = {r.seed: r for r in runs if not r.ramp}
-    ramped = {r.seed: r for r in runs if r.ramp}
+    runs = grid.run_grid(workload, config, None, engine.VmapEngine())[16]
+    fixed = {r.seed: r for r in runs if r.rule != "ramp"}
+    ramped = {r.seed: r for r in runs if r.rule == "ramp"}
     assert sorted(ramped) == [0, 1] and all(r.lr == 0.05 for r in ramped.values())
     for seed, run in ramped.items():
         assert [h[0] for h in run.history] == [h[0] for h in fixed[seed].history] == list(range(5, 41, 5))
@@ -291,10 +293,10 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
         assert "data:image/png;base64," in fh.read()
     # Run again: nothing retrains, the same answer comes back from the cache.
     calls = []
-    from ddplab.study import run as study_run
 
-    real = study_run.train_group
-    monkeypatch.setattr(study_run, "train_group", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    real = engine.VmapEngine.train
+    monkeypatch.setattr(engine.VmapEngine, "train",
+                        lambda self, w, c, g, *a: calls.append(g.global_batch_size) or real(self, w, c, g, *a))
     assert main(_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots")) == 0
     again = json.loads(capsys.readouterr().out)
     assert calls == [] and again["runs"] == report["runs"]
@@ -308,7 +310,7 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     # Other settings in the same --out: refused, not mixed.
     assert main(_study(tmp_path, "--rules", "linear", "--no-plots", "--ref-lr", "0.2")) == 2
-    assert "--fresh" in capsys.readouterr().err
+    assert "other settings or another spec (--ref-lr changed); pass --fresh" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)
@@ -464,8 +466,8 @@ def test_spec_evaluate_agrees_with_vectorized_validation():
     vectorized = dataclasses.replace(with_evaluate, evaluate=None, val=with_evaluate.eval_dataset.tensors)
     config = StudyConfig(target=Target(kind="accuracy", value=0.9), global_batch_sizes=(32, 64))
     runs = [(0.05, 0), (0.2, 1)]
-    a = engine.train_group(with_evaluate, config, 32, runs)
-    b = engine.train_group(vectorized, config, 32, runs)
+    a = engine.train_group(with_evaluate, config, grid_group(config, 32, runs))
+    b = engine.train_group(vectorized, config, grid_group(config, 32, runs))
     assert [r.steps_to_target for r in a] == [r.steps_to_target for r in b]
     assert all(r.steps_to_target is not None for r in a)
     assert [h[2] for h in a[0].history] == pytest.approx([h[2] for h in b[0].history], abs=1e-6)
@@ -478,8 +480,9 @@ def test_pruning_slow_sweep_lrs_keeps_the_best(seeds):
     config = StudyConfig(target=Target(kind="loss", value=start * 0.05), optimizer=PLAIN_SGD, seeds=seeds,
                                global_batch_sizes=(16, 32), max_steps=120, eval_every=2, dtype="float64")
     runs = [(lr, s) for lr in (0.01, 0.04, 0.16) for s in range(seeds)]
-    full = engine.train_group(workload, config, 16, runs)
-    pruned = engine.train_group(workload, config, 16, runs, sweep_only={0.01, 0.04, 0.16})
+    full = engine.train_group(workload, config, grid_group(config, 16, runs))
+    sweep_only = frozenset({0.01, 0.04, 0.16})
+    pruned = engine.train_group(workload, config, grid_group(config, 16, runs, sweep_only=sweep_only))
 
     def best(results):
         return study_fit.best_lr({lr: [r.steps_to_target or math.inf for r in results if r.lr == lr]
@@ -571,7 +574,7 @@ def test_evaluate_that_raises_is_one_line_and_a_failed_start_leaves_no_fingerpri
         "torch.nn.Linear(16, 2)", "torch.nn.Linear(32, 2)"))
     assert main(["study", str(fixed), "--target-accuracy", "0.8", "--global-batch-sizes", "16,32", "--seeds", "1",
                  "--max-steps", "40", "--no-plots", "--out", out]) == 2
-    assert "other settings or another spec; pass --fresh" in capsys.readouterr().err
+    assert "other settings or another spec (the spec file or workload changed); pass --fresh" in capsys.readouterr().err
 
 
 def test_output_folders_are_checked_before_any_run(tmp_path, capsys):
@@ -642,19 +645,19 @@ def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
     config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(16, 64),
                          rules=("tuned",), reference_global_batch_size=16, reference_lr=0.01, sweep_margin=1,
                          optimizer=PLAIN_SGD, seeds=2, max_steps=400, eval_every=2, dtype="float64")
-    found = analysis.analyze(config, grid.run_grid(workload, config, None))
+    found = analysis.analyze(config, grid.run_grid(workload, config, None, engine.VmapEngine()))
     for point in found.tuned_lr:
         assert point["sweep"][0] < point["lr"] < point["sweep"][-1], point
         # The exact recursion's best lr (1 / (2(1 + (dim + 1)/B))) lies within a sweep factor of the one found.
         exact = 1 / (2 * (1 + 9 / point["global_batch_size"]))
         assert exact / 2 <= point["lr"] <= exact * 2, (point, exact)
     assert any(r["extension"] for r in found.runs) and not any("sits at the edge" in w for w in found.warnings)
-    grid_runs = sum(len(config.grid_runs(b)) for b in config.global_batch_sizes)
+    grid_runs = sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes)
     tight = dataclasses.replace(config, max_runs=grid_runs + 2)
-    found = analysis.analyze(tight, grid.run_grid(workload, tight, None))
+    found = analysis.analyze(tight, grid.run_grid(workload, tight, None, engine.VmapEngine()))
     assert any("sits at the edge of its sweep" in w and "--max-runs" in w for w in found.warnings)
     with pytest.raises(UsageError, match=f"the grid has {grid_runs} fixed-lr runs, more than max_runs"):
-        grid.run_grid(workload, dataclasses.replace(config, max_runs=grid_runs - 1), None)
+        grid.run_grid(workload, dataclasses.replace(config, max_runs=grid_runs - 1), None, engine.VmapEngine())
 
 
 def test_a_fit_that_misses_its_points_or_sits_on_its_interval_edge_is_said():
@@ -681,12 +684,33 @@ def test_a_group_too_big_for_memory_splits_and_a_run_too_big_is_refused(monkeypa
     # The linear model's weight (8 doubles), its gradient and momentum, 16 inputs and targets, and the saved input.
     assert per_run >= 8 * 8 * 3 + 16 * 9 * 8 + 16 * 8 * 8
     runs = [(lr, seed) for lr in (0.01, 0.03, 0.1) for seed in range(2)]
-    whole = engine.train_group(workload, config, 16, runs)
+    whole = engine.train_group(workload, config, grid_group(config, 16, runs))
     monkeypatch.setattr(capacity, "available_bytes", lambda: int(4 * per_run / capacity.SAFETY))
     assert engine.runs_that_fit(workload, config, 16) == 2
-    parts = engine.train_group(workload, config, 16, runs)
+    parts = engine.train_group(workload, config, grid_group(config, 16, runs))
     assert [(r.lr, r.seed, r.steps_to_target, r.history) for r in parts] == \
         [(r.lr, r.seed, r.steps_to_target, r.history) for r in whole]
     monkeypatch.setattr(capacity, "available_bytes", lambda: per_run)
     with pytest.raises(UsageError, match="one run at global batch 16 needs about"):
-        engine.train_group(workload, config, 16, runs)
+        engine.train_group(workload, config, grid_group(config, 16, runs))
+
+
+def test_a_flat_fit_is_undefined_and_a_b_simple_that_zero_or_infinity_fits_gives_no_ratio():
+    from ddplab.study.runs import RunResult
+
+    fits, warnings = analysis._fits({"adascale": {16: [40.0, 40.0, 40.0], 64: [40.0, 41.0, 40.0]},
+                                     "tuned": {16: [80.0, 80.0, 80.0], 64: [35.0, 35.0, 35.0]}})
+    assert fits["adascale"]["b_crit"] == 0 and fits["adascale"]["undefined"] == "steps do not fall as the batch grows"
+    assert any("rule adascale: its median steps do not fall" in w and "undefined" in w for w in warnings)
+    assert fits["tuned"]["b_crit"] == pytest.approx(48) and "undefined" not in fits["tuned"]
+
+    def runs(g2s, traces):
+        return [RunResult(global_batch_size=16, lr=0.1, seed=0, noise_g2=g2s, noise_trace=traces)]
+
+    # |G|² measured at 2 or -1.5 alternately: B_simple's interval reaches infinity, so no ratio.
+    noisy = analysis._b_simple(runs([2, -1.5] * 4, [10] * 8), {"b_crit": 100.0})
+    assert noisy["value"] == pytest.approx(40) and noisy["ci95"][1] == math.inf
+    assert noisy["b_crit_over_b_simple"] is None
+    firm = analysis._b_simple(runs([1, 1.1, 0.9, 1, 1.05, 0.95, 1, 1], [10, 11, 9, 10, 10, 10, 10, 10]),
+                              {"b_crit": 100.0})
+    assert firm["b_crit_over_b_simple"] == pytest.approx(10)

@@ -9,16 +9,16 @@ import sys
 
 from ddplab.cli import render
 from ddplab.cli.args import mark, number
-from ddplab.cli.options import add_fields, fields_given
+from ddplab.cli.options import add_fields, fields_given, help_text
 from ddplab.errors import SpecError, UsageError, literal
 from ddplab.study.config import (
     DEFAULT_ACCURACY,
-    RULES,
     WORKLOADS,
     OptimizerConfig,
     StudyConfig,
     StudyOptions,
 )
+from ddplab.study.rules import REGISTRY as RULES
 
 DESCRIPTION = f"""\
 Train a grid of runs — global batch sizes × lr rules × seeds — each until it first reaches a
@@ -68,7 +68,8 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_workload_flags(parser)
     add_fields(parser, StudyConfig, ("global_batch_sizes", "rules", "reference_global_batch_size", "reference_lr",
-                                     "seeds"), rules={"type": _rule_list, "metavar": "RULES"})
+                                     "seeds"), rules={"type": _rule_list, "metavar": "RULES",
+                                                "help": f"{help_text(StudyConfig, 'rules')}; among {', '.join(RULES)}"})
     opt = parser.add_argument_group("optimizer (default: the spec's optimizer(), else SGD with momentum 0.9; "
                                     "flags override single settings)")
     add_fields(opt, OptimizerConfig, ("family", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"),

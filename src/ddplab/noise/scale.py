@@ -66,8 +66,8 @@ class GradientNoiseScale:
         ddp_model: the ``DistributedDataParallel`` model.
         per_device_batch_size: samples per rank per micro-step.
         accumulation_steps: micro-steps per optimizer step (the others run under ``no_sync``).
-        comm_hook, state: your own DDP comm hook and its state, which this wraps (e.g. fp16/bf16
-            compression).
+        comm_hook: your own DDP comm hook, which this wraps (e.g. fp16/bf16 compression).
+        state: your comm hook's state.
         every: measure every K-th optimizer step (default 4: ≤ 1% of a step on the 10M-parameter
             CPU benchmark, ~5% when measuring every step); the others cost nothing but the hook calls.
         ema_decay: decay of the running averages behind ``b_simple``.

@@ -110,7 +110,8 @@ def _default_optimizer(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _default_step(model, batch, loss_fn):
+def default_step(model, batch, loss_fn):
+    """The step of a spec without step(): the loss of the model on an (input, target) batch."""
     if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
         raise _Contract("dataset() items must be (input, target) pairs when the spec defines no step(model, batch, "
                         f"loss_fn); got a batch of type {type(batch).__name__}")
@@ -180,7 +181,7 @@ def load_spec(path: str) -> Spec:
                 dataset=_guarded(path, "dataset()", _checked_dataset(path, module.dataset)),
                 loss=_guarded(path, "loss()", module.loss),
                 optimizer=_guarded(path, "optimizer()", getattr(module, "optimizer", _default_optimizer)),
-                step=_guarded(path, "step()" if user_step else "the forward pass", user_step or _default_step),
+                step=_guarded(path, "step()" if user_step else "the forward pass", user_step or default_step),
                 custom_step=callable(user_step))
 
 
@@ -212,13 +213,33 @@ def _import(path: str):
     # Registered so forked and spawned ranks can unpickle what the spec defines.
     sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
+        with _no_hard_exit():
+            module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         # A half-run module must not be found by the next load.
         del sys.modules[name]
         raise SpecError(f"spec file {literal(shown_path(path))} does not load: "
                         f"{literal(_load_failure(exc, path))}") from None
     return module
+
+
+class _HardExit(SystemExit):
+    """os._exit called by a spec: it would end the whole command at once, without a word."""
+
+
+@contextlib.contextmanager
+def _no_hard_exit() -> Iterator[None]:
+    # os._exit skips every handler; while a spec loads it raises instead, so the command can say what happened.
+    real = os._exit
+
+    def refuse(code: int = 0):
+        raise _HardExit(code)
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def _load_failure(exc: BaseException, path: str) -> str:
@@ -228,5 +249,6 @@ def _load_failure(exc: BaseException, path: str) -> str:
     lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == path]
     where = f"line {lines[-1]} " if lines else ""
     if isinstance(exc, SystemExit):
-        return f"{where}calls sys.exit({exc.code!r}) at import; a spec must define functions, not exit"
+        call = "os._exit" if isinstance(exc, _HardExit) else "sys.exit"
+        return f"{where}calls {call}({exc.code!r}) at import; a spec must define functions, not exit"
     return f"{where}{describe(exc)}"

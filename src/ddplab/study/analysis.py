@@ -11,9 +11,10 @@ import math
 
 from ddplab.errors import UsageError
 from ddplab.noise import estimators
-from ddplab.study import fit
-from ddplab.study.config import Rule, StudyConfig, round_lr
-from ddplab.study.engine import RunResult
+from ddplab.study import fit, rules
+from ddplab.study.config import StudyConfig
+from ddplab.study.rules.base import BatchRuns, row
+from ddplab.study.runs import RunResult, steps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,11 +30,9 @@ class StudyAnalysis:
     warnings: list[str]
     unreached: list[dict]
     """Per (rule, global batch) whose median run never reached the target: the best metric any of its runs got."""
-    steps_by_rule: dict[Rule, dict[int, list[float]]]
-    adascale: list[dict] = dataclasses.field(default_factory=list)
-    """Per global batch AdaScale ran at: its median steps beside the best-tuned fixed lr's, and its mean gain."""
-    ramp: dict | None = None
-    """The ramp runs against the best-tuned fixed lr at their starting batch: steps and samples to target."""
+    steps_by_rule: dict[str, dict[int, list[float]]]
+    sections: dict = dataclasses.field(default_factory=dict)
+    """The rules' sections of their own in the JSON (AdaScale's per batch, the ramp's against the tuned runs, …)."""
 
     @property
     def reached(self) -> bool:
@@ -43,150 +42,59 @@ class StudyAnalysis:
 
 def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAnalysis:
     """The study's answer from its runs; UsageError when every lr of a batch size diverged."""
-    # AdaScale's runs share the reference lr with the constant rule's: they are told apart by their flag.
-    by_key = {(b, r.lr, r.seed): r for b, rs in results.items() for r in rs if r.fixed}
-    adaptive = {(b, r.seed): r for b, rs in results.items() for r in rs if r.adascale}
-    scaled = {(b, r.seed): r for b, rs in results.items() for r in rs if r.adam_sqrt}
-    ramps = {r.seed: r for rs in results.values() for r in rs if r.ramp}
     _check_divergence(config, results)
-    # The ramp has no one batch size to fit at: it is judged against the tuned runs at its start instead.
-    runs, steps_by_rule, tuned = [], {rule: {} for rule in config.rules if rule != "ramp"}, []
-    for b in sorted(results):
-        lrs = sweep_lrs(config, b, results[b])
-        best = tuned_best(config, b, lrs, by_key) if "tuned" in config.rules else None
-        if best is not None:
-            tuned.append({"global_batch_size": b, "lr": best[0], "median_steps": best[1],
-                          "sweep": sorted(lr for lr, rules in lrs.items() if "tuned" in rules)})
-        runs += _rows(config, b, lrs, by_key, best) + _adascale_rows(config, b, adaptive)
-        runs += [_row("adam-sqrt", b, scaled[(b, s)]) for s in range(config.seeds) if (b, s) in scaled]
-        runs += [_ramp_row(ramps[s]) for s in sorted(ramps) if ramps[s].global_batch_size == b]
-        for rule in config.rules:
-            if rule == "ramp":
-                continue
-            if rule in ("adascale", "adam-sqrt"):
-                own = adaptive if rule == "adascale" else scaled
-                if (b, 0) in own:
-                    steps_by_rule[rule][b] = [_steps(own[(b, s)]) for s in range(config.seeds)]
-                continue
-            if rule == "tuned" and best is None:
-                continue
-            lr = best[0] if rule == "tuned" else round_lr(config.rule_lr(rule, b))
-            steps_by_rule[rule][b] = [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)]
+    batches = {b: rules.view(config, b, results[b]) for b in sorted(results)}
+    asked = rules.of(config)
+    runs, tuned = [], []
+    steps_by_rule: dict[str, dict[int, list[float]]] = {rule.name: {} for rule in asked if rule.fitted}
+    sweep = rules.sweeping(config)
+    for b, view in batches.items():
+        if view.best is not None:
+            tuned.append({"global_batch_size": b, "lr": view.best[0], "median_steps": view.best[1],
+                          "sweep": sorted(lr for lr, names in view.lrs.items() if sweep.name in names)})
+        runs += _grid_rows(view, sweep)
+        for rule in asked:
+            runs += rule.rows(view)
+            seeds = rule.seeds_at(view) if rule.fitted else None
+            if seeds is not None:
+                steps_by_rule[rule.name][b] = [steps(run) for run in seeds]
     fits, warnings = _fits(steps_by_rule)
-    warnings += _edge_warnings(tuned) + _adam_sqrt_warnings(config, scaled)
-    best_runs = [by_key[(p["global_batch_size"], p["lr"], s)] for p in tuned for s in range(config.seeds)]
-    warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get("tuned", {}))
+    warnings += _edge_warnings(tuned)
+    for rule in asked:
+        warnings += rule.warnings(config, batches)
+    best_runs = [batches[p["global_batch_size"]].fixed[(p["lr"], s)] for p in tuned for s in range(config.seeds)]
+    warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get(sweep.name, {})
+                                                                         if sweep else {})
     # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
     best_runs = [r for r in best_runs if r.steps_to_target is not None]
-    return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=_b_simple(best_runs, fits.get("tuned")),
-                         warnings=warnings, unreached=_unreached(config, results), steps_by_rule=steps_by_rule,
-                         adascale=_adascale_summary(config, adaptive, tuned), ramp=_ramp_summary(ramps, tuned))
+    sections = {key: value for rule in rules.REGISTRY.values() for key, value in
+                rule.report(config, batches, tuned).items()}
+    return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits,
+                         b_simple=_b_simple(best_runs, fits.get(sweep.name) if sweep else None),
+                         warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
+                         sections=sections)
 
 
-def _row(rule: str, b: int, run: RunResult, *, best: bool = False, **extra) -> dict:
-    """One run as the runs table lists it (a run serving several rules is listed once per rule)."""
-    return {"rule": rule, "global_batch_size": b, "lr": run.lr, "seed": run.seed,
-            "steps_to_target": run.steps_to_target, "samples_to_target": _samples(run, b), "diverged": run.diverged,
-            "stalled": run.stalled, "pruned": run.pruned, "extension": run.extension, "best": best, **extra}
-
-
-def _ramp_row(run: RunResult) -> dict:
-    return _row("ramp", run.global_batch_size, run, trajectory=run.trajectory)
-
-
-def _ratio(value: float, reference: float | None) -> float | None:
-    """value / reference where both are finite numbers, else None (JSON null)."""
-    ok = reference and math.isfinite(value) and math.isfinite(reference)
-    return value / reference if ok else None
-
-
-def _ramp_summary(ramps: dict[int, RunResult], tuned: list[dict]) -> dict | None:
-    """Median steps and samples of the ramp runs over those of the best-tuned fixed lr at their starting batch."""
-    if not ramps:
-        return None
-    start = next(iter(ramps.values())).global_batch_size
-    runs = [ramps[s] for s in sorted(ramps)]
-    steps = fit.median([_steps(r) for r in runs])
-    samples = fit.median([float(r.samples_to_target) if r.samples_to_target is not None else math.inf
-                          for r in runs])
-    fixed = next((p["median_steps"] for p in tuned if p["global_batch_size"] == start), None)
-    fixed_samples = fixed * start if fixed is not None else None
-    return {"start_global_batch_size": start, "lr": runs[0].lr, "median_steps": steps, "median_samples": samples,
-            "tuned_median_steps": fixed, "tuned_median_samples": fixed_samples,
-            "steps_over_tuned": _ratio(steps, fixed), "samples_over_tuned": _ratio(samples, fixed_samples),
-            "final_global_batch_sizes": [r.trajectory[-1][1] if r.trajectory else start for r in runs]}
-
-
-def _adascale_rows(config: StudyConfig, b: int, adaptive: dict) -> list[dict]:
-    rows = []
-    for seed in range(config.seeds):
-        run = adaptive.get((b, seed))
-        if run is not None:
-            rows.append(_row("adascale", b, run, gains=run.gains))
-    return rows
-
-
-def _adascale_summary(config: StudyConfig, adaptive: dict, tuned: list[dict]) -> list[dict]:
-    """AdaScale against the best-tuned fixed lr at the same batch: the issue's measure of 'no tuning needed'."""
-    best = {p["global_batch_size"]: p["median_steps"] for p in tuned}
+def _grid_rows(view: BatchRuns, sweep: rules.Rule | None) -> list[dict]:
+    """The shared grid's runs, lr by lr, once for every rule each lr serves; the sweep's best starred."""
     out = []
-    for b in sorted({b for b, _ in adaptive}):
-        seeds = [adaptive[(b, s)] for s in range(config.seeds)]
-        median = fit.median([_steps(r) for r in seeds])
-        gains = [g[1] for r in seeds for g in r.gains]
-        tuned_steps = best.get(b)
-        out.append({"global_batch_size": b, "scale": b / config.reference_global_batch_size, "median_steps": median,
-                    "tuned_median_steps": tuned_steps, "steps_over_tuned": _ratio(median, tuned_steps),
-                    "mean_gain": sum(gains) / len(gains) if gains else None})
+    for lr, names in view.lrs.items():
+        for name in names:
+            best = sweep is not None and name == sweep.name and view.best is not None and lr == view.best[0]
+            out += [row(name, view.global_batch_size, run, best=best) for run in view.seeds_at(lr)]
     return out
 
 
-def _rows(config: StudyConfig, b: int, lrs: dict, by_key: dict, best) -> list[dict]:
-    rows = []
-    for lr, rules in lrs.items():
-        for rule in rules:
-            for seed in range(config.seeds):
-                rows.append(_row(rule, b, by_key[(b, lr, seed)],
-                                 best=rule == "tuned" and best is not None and lr == best[0]))
-    return rows
-
-
 def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) -> None:
+    sweeping = rules.sweeping(config)
     for b, runs in sorted(results.items()):
         fixed = [r for r in runs if r.fixed]
-        sweep = [r for r in fixed if "tuned" in sweep_lrs(config, b, runs).get(r.lr, [])] or fixed
+        lrs = rules.sweep_lrs(config, b, runs)
+        sweep = [r for r in fixed if sweeping and sweeping.name in lrs.get(r.lr, [])] or fixed
         if sweep and all(r.diverged for r in sweep):
             lrs = [r.lr for r in sweep]
-            raise UsageError(f"every lr {'of the tuned sweep ' if 'tuned' in config.rules else ''}diverged at global "
+            raise UsageError(f"every lr {'of the tuned sweep ' if sweeping else ''}diverged at global "
                              f"batch {b} ({min(lrs):g} to {max(lrs):g}): lower {{reference_lr}} (runs are cached)")
-
-
-def _samples(run: RunResult, global_batch: int) -> int | None:
-    """Samples to the target: what the run counted (a ramp's batch changes), else steps × its fixed batch."""
-    if run.samples_to_target is not None or run.steps_to_target is None:
-        return run.samples_to_target
-    return run.steps_to_target * global_batch
-
-
-def _steps(run: RunResult) -> float:
-    return float(run.steps_to_target) if run.steps_to_target is not None else math.inf
-
-
-def sweep_lrs(config: StudyConfig, b: int, runs: list[RunResult]) -> dict[float, list[Rule]]:
-    """Every fixed lr trained at global batch ``b`` and the rules it serves: the grid's, and the tuned sweep's
-    extensions past its edge."""
-    lrs = {lr: list(rules) for lr, rules in config.lrs(b).items()}
-    for run in runs:
-        if run.extension:
-            lrs.setdefault(run.lr, ["tuned"])
-    return lrs
-
-
-def tuned_best(config: StudyConfig, b: int, lrs: dict, by_key: dict) -> tuple[float, float] | None:
-    """(lr, median steps) of the tuned sweep's best lr at global batch ``b``; None when no lr's median arrived."""
-    sweep = {lr: [_steps(by_key[(b, lr, s)]) for s in range(config.seeds)]
-             for lr, rules in lrs.items() if "tuned" in rules}
-    return fit.best_lr(sweep)
 
 
 def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
@@ -203,6 +111,13 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
                       "batches_fitted": sorted(reached)}
         if not math.isfinite(fitted["b_crit"]):
             warnings.append(f"rule {rule}: steps fall as 1/B over the whole measured range; B_crit lies above it")
+            continue
+        if fitted["b_crit"] == 0:
+            # A flat curve has no bend to place: B_crit and E_min = S_min·B_crit are not measured, not zero.
+            fits[rule]["undefined"] = "steps do not fall as the batch grows"
+            warnings.append(f"rule {rule}: its median steps do not fall as the batch grows over the measured range, so "
+                            "the fit S_min(1 + B_crit/B) is flat: B_crit and E_min are undefined (every batch here is "
+                            "past the critical batch, or the rule does not scale its lr with the batch)")
             continue
         warnings += _fit_warnings(rule, fitted)
     return fits, warnings
@@ -230,15 +145,6 @@ def _fit_warnings(rule: str, fitted: dict) -> list[str]:
                    "resampling the seeds rarely moves it past its neighbours on the batch grid, so the interval "
                    "understates the uncertainty; a finer grid of batch sizes around it would tell")
     return out
-
-
-def _adam_sqrt_warnings(config: StudyConfig, scaled: dict) -> list[str]:
-    clamped = {b: config.adam_sqrt_optimizer(b)[1] for b, _ in scaled}
-    at = sorted(b for b, names in clamped.items() if names)
-    if not at:
-        return []
-    return [f"the adam-sqrt rule's 1 − k(1 − β) falls below 0 at global batch {', '.join(map(str, at))}: clamped "
-            "to 0 (as ddplab plan does); the rule was derived for batches that grow less than 1/(1 − β₁)"]
 
 
 def _collapsed_warnings(best_runs: list[RunResult]) -> list[str]:
@@ -280,8 +186,11 @@ def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None
     pooled = _summary(best_runs)
     if pooled is None:
         return None
-    # B_simple is undefined (inf) where |G|² came out at or below 0: no ratio then, rather than 0.
-    ratio = _ratio(tuned_fit["b_crit"], pooled["value"]) if tuned_fit and pooled["value"] > 0 else None
+    # No ratio where B_simple's interval cannot tell it from zero, or reaches infinity (|G|² indistinguishable from
+    # 0): it would only measure the estimator's noise.
+    low, high = pooled["ci95"]
+    bounded = low is not None and high is not None and 0 < low and math.isfinite(high)
+    ratio = fit.ratio(tuned_fit["b_crit"], pooled["value"]) if tuned_fit and pooled["value"] > 0 and bounded else None
     by_batch = []
     for b in sorted({r.global_batch_size for r in best_runs}):
         runs = [r for r in best_runs if r.global_batch_size == b]
@@ -306,17 +215,15 @@ def _summary(runs: list[RunResult], stage: int | None = None) -> dict | None:
     return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps}
 
 
-def _unreached(config: StudyConfig, results: dict[int, list[RunResult]]) -> list[dict]:
+def _unreached(config: StudyConfig, batches: dict[int, BatchRuns]) -> list[dict]:
     """Per (rule, batch) whose median run missed the target: how close its runs got."""
     out = []
-    for b, runs in sorted(results.items()):
-        lrs = sweep_lrs(config, b, runs)
-        for rule in config.rules:
-            own = {"adascale": "adascale", "ramp": "ramp", "adam-sqrt": "adam_sqrt"}
-            served = [r for r in runs if all(getattr(r, flag) == (rule == name) for name, flag in own.items())
-                      and (rule in own or rule in lrs.get(r.lr, []))]
+    for b, view in batches.items():
+        runs = list(view.fixed.values()) + [run for own in view.own.values() for run in own.values()]
+        for rule in rules.of(config):
+            served = [run for run in runs if rule.serves(run, view.lrs)]
             if served and math.isinf(_median_steps(served)):
-                out.append({"rule": rule, "global_batch_size": b, "best_metric": _best_metric(config, served)})
+                out.append({"rule": rule.name, "global_batch_size": b, "best_metric": _best_metric(config, served)})
     return out
 
 
@@ -324,7 +231,7 @@ def _median_steps(runs: list[RunResult]) -> float:
     """The fewest median steps over the runs' lrs (inf when no lr's median run reached the target)."""
     by_lr: dict[float, list[float]] = {}
     for run in runs:
-        by_lr.setdefault(run.lr, []).append(_steps(run))
+        by_lr.setdefault(run.lr, []).append(steps(run))
     best = fit.best_lr(by_lr)
     return best[1] if best else math.inf
 

@@ -5,21 +5,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from typing import Literal, get_args
 
 from ddplab.errors import UsageError
 from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
-Rule = Literal["constant", "linear", "sqrt", "adam-sqrt", "tuned", "adascale", "ramp"]
-RULES: tuple[Rule, ...] = get_args(Rule)
-FIXED_RULES: tuple[Rule, ...] = ("constant", "linear", "sqrt", "tuned")
-"""The rules that train at a fixed lr and batch, and SGD's default: ``adascale`` adapts its lr as it trains,
-``ramp`` its global batch."""
-ADAM_RULES: tuple[Rule, ...] = ("constant", "linear", "sqrt", "adam-sqrt", "tuned")
-"""Adam's and AdamW's default: ``adam-sqrt`` is Malladi et al.'s (2022) square-root rule, lr × √k with
-1 − β' = k(1 − β) and ε' = ε/√k, as ``ddplab plan`` prints it."""
-ADAPTIVE_RULES: tuple[Rule, ...] = ("adascale", "ramp")
+FIXED_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "tuned")
+"""SGD's default rules: those that train at a fixed lr and batch."""
+ADAM_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "adam-sqrt", "tuned")
+"""Adam's and AdamW's default: ``adam-sqrt`` scales the betas and eps with the batch, as ``ddplab plan`` does."""
 Family = Literal["sgd", "adam", "adamw"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 TargetKind = Literal["accuracy", "loss"]
@@ -110,12 +104,11 @@ class StudyConfig:
     """When a run has reached the result."""
     global_batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
     """Global batch sizes to measure, comma-separated."""
-    rules: tuple[Rule, ...] | None = None
-    """lr rules, comma-separated among constant, linear, sqrt, adam-sqrt, tuned, adascale, ramp (default
-    constant,linear,sqrt,tuned for SGD, constant,linear,sqrt,adam-sqrt,tuned for Adam/AdamW); adam-sqrt is Malladi et
-    al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adascale adds AdaScale runs from ``reference_lr``, untuned,
-    at every batch from the reference up; ramp adds one BatchRamp run per seed from the smallest batch, growing with
-    the measured noise scale."""
+    rules: tuple[str, ...] | None = None
+    """lr rules, comma-separated (default constant,linear,sqrt,tuned for SGD, constant,linear,sqrt,adam-sqrt,tuned
+    for Adam/AdamW); adam-sqrt is Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adascale adds
+    AdaScale runs from ``reference_lr``, untuned, at every batch from the reference up; ramp adds one BatchRamp run
+    per seed from the smallest batch, growing with the measured noise scale."""
     reference_global_batch_size: int = 32
     """The reference's global batch, which the rules scale from."""
     reference_lr: float = 0.1
@@ -146,17 +139,7 @@ class StudyConfig:
             object.__setattr__(self, "rules", ADAM_RULES if self.optimizer.adam else FIXED_RULES)
         if not self.global_batch_sizes or any(b < 1 for b in self.global_batch_sizes):
             raise UsageError("{global_batch_sizes} must be positive integers")
-        if len(set(self.global_batch_sizes)) < 2 and "tuned" in self.rules:
-            raise UsageError("{global_batch_sizes} needs at least two sizes for a fit")
-        if not self.rules or any(r not in RULES for r in self.rules):
-            raise UsageError(f"{{rules}} must be among {', '.join(RULES)}")
-        if "adam-sqrt" in self.rules and not self.optimizer.adam:
-            raise UsageError("the adam-sqrt rule scales Adam's betas and eps: it needs {optimizer.family} adam or "
-                             "adamw")
-        start = min(self.global_batch_sizes)
-        if "ramp" in self.rules and start % 2:
-            raise UsageError(f"the ramp starts from the smallest of {{global_batch_sizes}}, {start}: it must be even "
-                             "(two micro-batches of half of it)")
+        _check_rules(self)
         for field in ("reference_global_batch_size", "max_runs", "seeds", "max_steps", "eval_every"):
             at_least(field, getattr(self, field))
         zero_or_more("patience", self.patience)
@@ -166,62 +149,27 @@ class StudyConfig:
         if self.dtype not in get_args(Dtype):
             raise UsageError(f"{{dtype}} must be float32 or float64, got {self.dtype!r}")
 
-    def rule_lr(self, rule: Rule, global_batch: int) -> float:
-        """The lr a fixed rule gives at ``global_batch`` from the reference (batch, lr)."""
-        k = global_batch / self.reference_global_batch_size
-        return self.reference_lr * {"constant": 1.0, "linear": k, "sqrt": math.sqrt(k), "adam-sqrt": math.sqrt(k)}[rule]
-
-    def adam_sqrt_optimizer(self, global_batch: int) -> tuple[OptimizerConfig, list[str]]:
-        """The adam-sqrt rule's optimizer at ``global_batch``: 1 − β' = k(1 − β) (clamped at 0, as plan does) and
-        ε' = ε/√k; with what was clamped."""
-        k = global_batch / self.reference_global_batch_size
-        opt = self.optimizer
-        betas = tuple(1.0 - k * (1.0 - b) for b in opt.betas)
-        clamped = [f"β{i + 1}" for i, b in enumerate(betas) if b < 0]
-        return dataclasses.replace(opt, betas=tuple(max(b, 0.0) for b in betas), eps=opt.eps / math.sqrt(k)), clamped
-
-    def sweep(self, global_batch: int) -> list[float]:
-        """The tuned rule's lrs at ``global_batch``: a log grid through the reference lr, spanning both rules."""
-        k = global_batch / self.reference_global_batch_size
-        low, high = min(1.0, k) / self.sweep_margin, max(1.0, k) * self.sweep_margin
-        step = math.log(self.sweep_factor)
-        first, last = math.ceil(math.log(low) / step - 1e-9), math.floor(math.log(high) / step + 1e-9)
-        return [round_lr(self.reference_lr * self.sweep_factor ** i) for i in range(first, last + 1)]
-
-    def lrs(self, global_batch: int) -> dict[float, list[Rule]]:
-        """Every lr trained at ``global_batch`` and the rules it serves (one run serves several)."""
-        out: dict[float, list[Rule]] = {}
-        for rule in self.rules:
-            if rule in ADAPTIVE_RULES or rule == "adam-sqrt":
-                continue
-            for lr in self.sweep(global_batch) if rule == "tuned" else [round_lr(self.rule_lr(rule, global_batch))]:
-                out.setdefault(lr, []).append(rule)
-        return out
-
-    def adascale_runs(self, global_batch: int) -> list[tuple[float, int]]:
-        """The ``adascale`` rule's (lr, seed) runs at ``global_batch``: the reference lr, untuned, at every batch
-        from the reference up (AdaScale only scales up); none without the rule."""
-        if "adascale" not in self.rules or global_batch < max(self.reference_global_batch_size, 2):
-            return []
-        return [(self.reference_lr, seed) for seed in range(self.seeds)]
-
-    def adam_sqrt_runs(self, global_batch: int) -> list[tuple[float, int]]:
-        """The ``adam-sqrt`` rule's (lr, seed) runs at ``global_batch`` (their betas and eps differ from the grid's,
-        so they train as a group of their own); none without the rule."""
-        if "adam-sqrt" not in self.rules:
-            return []
-        return [(round_lr(self.rule_lr("adam-sqrt", global_batch)), seed) for seed in range(self.seeds)]
-
-    def grid_runs(self, global_batch: int) -> list[tuple[float, int]]:
-        """Every (lr, seed) trained at ``global_batch``."""
-        return [(lr, seed) for lr in self.lrs(global_batch) for seed in range(self.seeds)]
-
-    def fingerprint(self, workload_fingerprint: str) -> str:
-        """What a cached run depends on: the workload (its content) and every training setting."""
+    def settings(self, workload_fingerprint: str) -> dict:
+        """What a cached run depends on, by field: the workload (its content) and every training setting."""
         fields = {k: v for k, v in dataclasses.asdict(self).items()
                   if k not in ("global_batch_sizes", "rules", "max_runs")}
-        return hashlib.sha256(
-            json.dumps([workload_fingerprint, fields], sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return json.loads(json.dumps({"workload": workload_fingerprint, **fields}, sort_keys=True, default=str))
+
+    def fingerprint(self, workload_fingerprint: str) -> str:
+        """A short hash of :meth:`settings`."""
+        settings = self.settings(workload_fingerprint)
+        workload = settings.pop("workload")
+        return hashlib.sha256(json.dumps([workload, settings], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_rules(config: StudyConfig) -> None:
+    # The registry imports this module: it is read when a config is made, not when this module loads.
+    from ddplab.study import rules
+
+    if not config.rules or any(name not in rules.REGISTRY for name in config.rules):
+        raise UsageError(f"{{rules}} must be among {', '.join(rules.REGISTRY)}")
+    for rule in rules.of(config):
+        rule.check(config)
 
 
 def round_lr(lr: float) -> float:

@@ -78,6 +78,12 @@ def _weighted_line(points: list[tuple[float, float]], weights: list[float]) -> t
     return my - slope * mx, slope
 
 
+def ratio(value: float, reference: float | None) -> float | None:
+    """value / reference where both are finite numbers, else None (JSON null)."""
+    ok = reference and math.isfinite(value) and math.isfinite(reference)
+    return value / reference if ok else None
+
+
 def median(values: Sequence[float]) -> float:
     """Median where a run that never reached the target counts as inf (so it can be the median)."""
     ordered = sorted(values)

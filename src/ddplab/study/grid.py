@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
 
 from ddplab.errors import UsageError, literal
 from ddplab.serialize import write_json_atomic
-from ddplab.study import analysis, ramp
+from ddplab.study import rules
 from ddplab.study.config import StudyConfig, round_lr
-from ddplab.study.engine import RunResult, train_group
+from ddplab.study.engines import Engine, Progress
+from ddplab.study.runs import RunGroup, RunResult, grid_group
 from ddplab.study.workloads import Workload
 
 
@@ -37,10 +37,10 @@ class RankZeroCache:
     def __init__(self, cache: Cache | None, rank: int):
         self.cache, self.rank = cache, rank
 
-    def load(self, global_batch: int, runs: list[tuple[float, int]], kind: str = "") -> list[RunResult] | None:
+    def load(self, group: RunGroup) -> list[RunResult] | None:
         import torch.distributed as dist
 
-        found = [self.cache.load(global_batch, runs, kind) if self.rank == 0 else None]
+        found = [self.cache.load(group) if self.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
         return found[0]
 
@@ -51,7 +51,7 @@ class RankZeroCache:
         dist.broadcast_object_list(found, src=0)
         return found[0]
 
-    def save(self, global_batch: int, results: list[RunResult], kind: str = "") -> None:
+    def save(self, global_batch: int, results: list[RunResult], kind: str) -> None:
         if self.rank == 0:
             self.cache.save(global_batch, results, kind)
 
@@ -59,8 +59,8 @@ class RankZeroCache:
 class Cache:
     """Finished groups under ``DIR/runs/``, one JSON per batch size, written atomically."""
 
-    def __init__(self, directory: str, fingerprint: str, *, fresh: bool):
-        self.directory, self.fingerprint = directory, fingerprint
+    def __init__(self, directory: str, fingerprint: str, *, fresh: bool, settings: dict | None = None):
+        self.directory, self.fingerprint, self.settings = directory, fingerprint, settings
         self.runs_dir = os.path.join(directory, "runs")
         self.stamp = os.path.join(directory, "config.json")
         if fresh and os.path.isdir(self.runs_dir):
@@ -68,7 +68,7 @@ class Cache:
         # Only runs count: a study that failed before its first group left nothing to protect.
         if self._holds_runs() and self._stamped() not in (None, fingerprint):
             raise UsageError(f"{{out}} {literal(repr(directory))} holds runs of a study with other settings or another "
-                             "spec; pass {fresh} to start over or choose another {out}")
+                             f"spec{self._differences()}; pass {{fresh}} to start over or choose another {{out}}")
         os.makedirs(self.runs_dir, exist_ok=True)
 
     def _holds_runs(self) -> bool:
@@ -78,6 +78,16 @@ class Cache:
         if not os.path.exists(self.stamp):
             return None
         return self._read(self.stamp).get("fingerprint")
+
+    def _differences(self) -> str:
+        """' (FIELD, ...)': the settings that differ from the cached study's, each as its field (the CLI shows
+        flags); '' where the cache does not say."""
+        old = self._read(self.stamp).get("settings")
+        if not isinstance(old, dict) or self.settings is None:
+            return ""
+        changed = [name for key in sorted(set(old) | set(self.settings))
+                   for name in _changed(key, old.get(key), self.settings.get(key))]
+        return f" ({', '.join(changed)} changed)" if changed else ""
 
     def _read(self, path: str):
         try:
@@ -90,13 +100,13 @@ class Cache:
     def _path(self, global_batch: int, kind: str) -> str:
         return os.path.join(self.runs_dir, f"batch-{global_batch}{kind}.json")
 
-    def load(self, global_batch: int, runs: list[tuple[float, int]], kind: str = "") -> list[RunResult] | None:
-        """The cached runs of one group (``kind`` "-adascale" for the AdaScale runs), or None."""
-        cached = self.load_any(global_batch, kind)
+    def load(self, group: RunGroup) -> list[RunResult] | None:
+        """The cached runs of one group, or None."""
+        cached = self.load_any(group.global_batch_size, group.cache_key)
         # A cached group serves when it holds every run asked for (a grid may shrink, not grow).
-        if not cached or not all(key in cached for key in runs):
+        if not cached or not all(key in cached for key in group.runs):
             return None
-        return [cached[key] for key in runs]
+        return [cached[key] for key in group.runs]
 
     def load_any(self, global_batch: int, kind: str) -> dict[tuple[float, int], RunResult]:
         """Every cached run of one file, by (lr, seed)."""
@@ -104,82 +114,94 @@ class Cache:
         if not os.path.exists(path):
             return {}
         try:
-            return {(r["lr"], r["seed"]): RunResult(**r) for r in self._read(path)}
+            return {(r["lr"], r["seed"]): RunResult.from_json(r) for r in self._read(path)}
         except (TypeError, KeyError):
             raise UsageError(f"the study cache file {literal(path)} holds no runs ddplab wrote: pass {{fresh}} to "
                              "start over") from None
 
-    def save(self, global_batch: int, results: list[RunResult], kind: str = "") -> None:
-        write_json_atomic(self.stamp, {"fingerprint": self.fingerprint})
+    def save(self, global_batch: int, results: list[RunResult], kind: str) -> None:
+        write_json_atomic(self.stamp, {"fingerprint": self.fingerprint, "settings": self.settings})
         write_json_atomic(self._path(global_batch, kind), [r.to_json() for r in results], standard=False)
 
 
-Trainer = Callable[..., list[RunResult]]
-"""train(workload, config, global_batch, runs, advance, *, sweep_only, adascale, adam_sqrt) → the group's results."""
+def _changed(key: str, old, new) -> list[str]:
+    """The fields under ``key`` whose values differ, as error templates."""
+    if old == new:
+        return []
+    if key == "workload":
+        return ["the spec file or workload"]
+    if key == "target" and isinstance(new, dict):
+        return [f"{{target.{new.get('kind')}}}"]
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [f"{{{key}.{sub}}}" for sub in sorted(set(old) | set(new)) if old.get(sub) != new.get(sub)]
+    return [f"{{{key}}}"]
 
 
-def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None,
-             advance: Callable[[int], None] | None = None, train: Trainer = train_group) -> dict[int, list[RunResult]]:
-    """Every batch size's group, from the cache when it is there, else trained by ``train`` and cached at once.
+def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine,
+             advance: Progress | None = None) -> dict[int, list[RunResult]]:
+    """Every batch size's groups, from the cache when they are there, else trained and cached at once: the shared
+    grid of fixed lrs, the sweep's extensions past its edge, then each rule's group of its own.
 
     ``advance(steps)`` is told each stretch of the step budget as it is used (or skipped).
     """
     results = {}
     budget = _Budget(config)
     for global_batch in sorted(config.global_batch_sizes):
-        results[global_batch] = []
-        # The fixed-lr runs, then AdaScale's and adam-sqrt's (an lr another rule may share, but another update):
-        # each a group and a cache file of their own.
-        for runs, kind in ((config.grid_runs(global_batch), ""), (config.adascale_runs(global_batch), "-adascale"),
-                           (config.adam_sqrt_runs(global_batch), "-adam-sqrt")):
-            if not runs:
-                continue
-            cached = cache.load(global_batch, runs, kind) if cache else None
-            if cached is None:
-                sweep_only = {lr for lr, rules in config.lrs(global_batch).items() if rules == ["tuned"]} \
-                    if not kind else set()
-                cached = train(workload, config, global_batch, runs, advance, sweep_only=sweep_only,
-                               adascale=kind == "-adascale", adam_sqrt=kind == "-adam-sqrt")
-                if cache:
-                    cache.save(global_batch, cached, kind)
-            elif advance:
-                advance(config.max_steps)
-            results[global_batch] += cached
-        results[global_batch] += _extend_sweep(workload, config, cache, global_batch, results[global_batch], train,
+        runs = rules.grid_runs(config, global_batch)
+        grid = grid_group(config, global_batch, runs, sweep_only=rules.sweep_only(config, global_batch))
+        results[global_batch] = _trained(workload, config, cache, engine, grid, advance) if runs else []
+        results[global_batch] += _extend_sweep(workload, config, cache, engine, global_batch, results[global_batch],
                                                budget)
-    start = ramp.start_batch(config)
-    if start is not None:
-        results[start] += _ramp_runs(workload, config, cache, results[start], advance)
+        # Then the groups of rules with runs of their own (another update, an lr another rule may share).
+        for rule in rules.of(config):
+            group = rule.group(config, global_batch, results[global_batch])
+            if group is not None:
+                results[global_batch] += _trained(workload, config, cache, engine, group, advance, rule)
     return results
+
+
+def _trained(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine, group: RunGroup,
+             advance: Progress | None, rule: rules.Rule | None = None) -> list[RunResult]:
+    """One group's runs: cached, or trained (by its rule where the rule trains its own, else by the engine)."""
+    cached = cache.load(group) if cache else None
+    if cached is not None:
+        if advance:
+            advance(config.max_steps * (len(group.runs) if rule is not None and rule.trains_itself else 1))
+        return cached
+    train = rule.train if rule is not None and rule.trains_itself else engine.train
+    trained = train(workload, config, group, advance)
+    if cache:
+        cache.save(group.global_batch_size, trained, group.cache_key)
+    return trained
 
 
 class _Budget:
     """Fixed-lr runs the study may still add to extend its sweeps (``max_runs`` less the grid's own)."""
 
     def __init__(self, config: StudyConfig):
-        self.left = config.max_runs - sum(len(config.grid_runs(b)) for b in config.global_batch_sizes)
+        self.left = config.max_runs - sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes)
         if self.left < 0:
             raise UsageError(f"the grid has {config.max_runs - self.left} fixed-lr runs, more than {{max_runs}} "
                              f"{config.max_runs}: raise it, or give fewer {{global_batch_sizes}}, seeds or a coarser "
                              "{sweep_factor}")
 
 
-def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, global_batch: int,
-                  runs: list[RunResult], train, budget: _Budget) -> list[RunResult]:
-    """Runs past the tuned sweep's edge, a factor at a time, until its best lr is interior (or the next lr
-    diverged, or the budget is spent): the sweep's best is only a best when something on each side lost to it."""
-    if "tuned" not in config.rules:
+def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine, global_batch: int,
+                  runs: list[RunResult], budget: _Budget) -> list[RunResult]:
+    """Runs past the sweep's edge, a factor at a time, until its best lr is interior (or the next lr diverged, or
+    the budget is spent): the sweep's best is only a best when something on each side lost to it."""
+    sweep = rules.sweeping(config)
+    if sweep is None:
         return []
     cached = cache.load_any(global_batch, "-extension") if cache else {}
     added: list[RunResult] = []
     while True:
-        fixed = {(global_batch, r.lr, r.seed): r for r in runs + added if r.fixed}
-        lrs = analysis.sweep_lrs(config, global_batch, runs + added)
-        best = analysis.tuned_best(config, global_batch, lrs, fixed)
-        sweep = sorted(lr for lr, rules in lrs.items() if "tuned" in rules)
-        if best is None or best[0] not in (sweep[0], sweep[-1]):
+        best = rules.tuned_best(config, global_batch, runs + added)
+        lrs = sorted(lr for lr, names in rules.sweep_lrs(config, global_batch, runs + added).items()
+                     if sweep.name in names)
+        if best is None or best[0] not in (lrs[0], lrs[-1]):
             return added
-        lr = round_lr(best[0] * config.sweep_factor if best[0] == sweep[-1] else best[0] / config.sweep_factor)
+        lr = round_lr(best[0] * config.sweep_factor if best[0] == lrs[-1] else best[0] / config.sweep_factor)
         new = [(lr, seed) for seed in range(config.seeds)]
         if all(key in cached for key in new):
             trained = [cached[key] for key in new]
@@ -187,9 +209,7 @@ def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, 
             return added
         else:
             budget.left -= len(new)
-            trained = train(workload, config, global_batch, new, None)
-            for run in trained:
-                run.extension = True
+            trained = engine.train(workload, config, grid_group(config, global_batch, new, extension=True))
         added += trained
         if cache:
             cache.save(global_batch, added, "-extension")
@@ -197,37 +217,7 @@ def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, 
             return added
 
 
-def _ramp_runs(workload: Workload, config: StudyConfig, cache: Cache | None, at_start: list[RunResult],
-               advance: Callable[[int], None] | None) -> list[RunResult]:
-    """One ramp run per seed, from the best tuned lr at the starting batch (else the linear rule's lr there)."""
-    lr = ramp_lr(config, at_start)
-    runs = [(lr, seed) for seed in range(config.seeds)]
-    cached = cache.load(ramp.start_batch(config), runs, "-ramp") if cache else None
-    if cached is None:
-        cached = []
-        for _, seed in runs:
-            cached.append(ramp.train_ramp(workload, config, lr, seed))
-            if advance:
-                advance(config.max_steps)
-        if cache:
-            cache.save(ramp.start_batch(config), cached, "-ramp")
-    elif advance:
-        advance(config.max_steps * config.seeds)
-    return cached
-
-
-def ramp_lr(config: StudyConfig, at_start: list[RunResult]) -> float:
-    """The lr ramp runs start at: what a user would have tuned at the starting batch."""
-    start = ramp.start_batch(config)
-    fixed = {(start, r.lr, r.seed): r for r in at_start if r.fixed}
-    lrs = analysis.sweep_lrs(config, start, at_start)
-    best = analysis.tuned_best(config, start, lrs, fixed) if "tuned" in config.rules else None
-    return best[0] if best else round_lr(config.rule_lr("linear", start))
-
-
 def groups(config: StudyConfig) -> int:
-    """Stretches of ``max_steps`` the grid trains: a group per batch size, one more per batch size AdaScale runs
-    at, and one per ramp run."""
-    ramps = config.seeds if ramp.start_batch(config) is not None else 0
-    return sum(bool(config.grid_runs(b)) + bool(config.adascale_runs(b)) + bool(config.adam_sqrt_runs(b))
-               for b in config.global_batch_sizes) + ramps
+    """Stretches of ``max_steps`` the grid trains: a group per batch size, and those of the rules' own groups."""
+    return sum(bool(rules.grid_runs(config, b)) for b in config.global_batch_sizes) + \
+        sum(rule.stretches(config) for rule in rules.of(config))

@@ -7,10 +7,19 @@ import html
 import math
 import os
 
+from ddplab.study import rules
 from ddplab.study.report import optimizer_text
 
 COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "adam-sqrt": "tab:brown",
           "tuned": "tab:green", "adascale": "tab:red", "ramp": "tab:purple"}
+SPARE = ("tab:pink", "tab:olive", "tab:cyan", "black")
+
+
+def color(rule: str) -> str:
+    """A rule's colour in every plot (a rule registered later takes a spare one, the same in every figure)."""
+    if rule in COLORS:
+        return COLORS[rule]
+    return SPARE[list(rules.REGISTRY).index(rule) % len(SPARE)] if rule in rules.REGISTRY else SPARE[-1]
 
 
 def _pyplot():
@@ -50,12 +59,13 @@ def _ramp_plot(report: dict, path: str) -> None:
     """Each ramp run's global batch and lr along its steps, the tuned fixed run's batch beside them."""
     plt = _pyplot()
     fig, (ax_batch, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for row in (r for r in report["runs"] if r["rule"] == "ramp" and r.get("trajectory")):
+    # Only runs whose batch changed carry a trajectory.
+    for row in (r for r in report["runs"] if r.get("trajectory")):
         steps, batches, lrs = zip(*row["trajectory"])
         ax_batch.step(steps, batches, where="post", label=f"seed {row['seed']}")
         ax_lr.step(steps, lrs, where="post", label=f"seed {row['seed']}")
     ramp = report["ramp"]
-    ax_batch.axhline(ramp["start_global_batch_size"], color=COLORS["tuned"], linestyle=":",
+    ax_batch.axhline(ramp["start_global_batch_size"], color=color("tuned"), linestyle=":",
                      label="fixed runs at the start")
     if report.get("b_simple") and report["b_simple"]["value"]:
         ax_batch.axhline(report["b_simple"]["value"], color="tab:purple", linestyle=":", label="B_simple (tuned runs)")
@@ -74,7 +84,8 @@ def _adascale_plot(report: dict, path: str) -> None:
     plt = _pyplot()
     fig, (ax_gain, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.5))
     cmap = plt.get_cmap("plasma")
-    rows = [r for r in report["runs"] if r["rule"] == "adascale" and r["seed"] == 0 and r.get("gains")]
+    # Only AdaScale's runs carry gains.
+    rows = [r for r in report["runs"] if r["seed"] == 0 and r.get("gains")]
     for i, row in enumerate(rows):
         steps, gains, _ = zip(*row["gains"])
         scale = row["global_batch_size"] / report["reference"]["global_batch_size"]
@@ -85,10 +96,10 @@ def _adascale_plot(report: dict, path: str) -> None:
     ax_gain.set_title("AdaScale's gain along its runs (seed 0)")
     points = [p for p in report["adascale"] if p["median_steps"] is not None]
     ax_steps.plot([p["global_batch_size"] for p in points], [p["median_steps"] for p in points], "o-",
-                  color=COLORS["adascale"], label="AdaScale from the reference lr")
+                  color=color("adascale"), label="AdaScale from the reference lr")
     tuned = [p for p in report["tuned_lr"] if p["median_steps"] is not None]
     ax_steps.plot([p["global_batch_size"] for p in tuned], [p["median_steps"] for p in tuned], "o-",
-                  color=COLORS["tuned"], label="best tuned fixed lr")
+                  color=color("tuned"), label="best tuned fixed lr")
     _batch_axes(ax_steps, "optimizer steps to target (median over seeds)", "AdaScale, untuned, vs the best tuned lr")
     _save(plt, fig, path, (ax_gain, ax_steps))
 
@@ -108,6 +119,11 @@ def _save(plt, fig, path: str, axes) -> None:
     for axis in axes:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
+    _write(plt, fig, path)
+
+
+def _write(plt, fig, path: str) -> None:
+    """The PNG, laid out, and the figure freed."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -121,21 +137,21 @@ def _steps_plot(report: dict, path: str) -> None:
         points = _median_points(report, rule)
         if not points:
             # A rule that diverged or never arrived still has its line in the legend, saying so.
-            ax.plot([], [], "o-", color=COLORS[rule], label=f"{rule}: median never reached at two batches")
+            ax.plot([], [], "o-", color=color(rule), label=f"{rule}: median never reached at two batches")
             continue
         lows, highs = _seed_bars(report, rule, points)
-        ax.errorbar(*zip(*points), yerr=(lows, highs), fmt="o-", color=COLORS[rule], capsize=3,
+        ax.errorbar(*zip(*points), yerr=(lows, highs), fmt="o-", color=color(rule), capsize=3,
                     label=f"{rule} (bars: fastest to slowest seed)")
-        ax_e.plot([b for b, _ in points], [b * s for b, s in points], "o-", color=COLORS[rule], label=rule)
+        ax_e.plot([b for b, _ in points], [b * s for b, s in points], "o-", color=color(rule), label=rule)
         fit = report["fit"].get(rule)
         if fit and fit["b_crit"] is not None and fit["s_min"]:
             grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 100) for i in range(101)]
-            ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=COLORS[rule],
+            ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=color(rule),
                     linewidth=1, label=f"{rule} fit: B_crit {fit['b_crit']:.3g}")
             band = sorted((int(b), v) for b, v in (fit.get("band") or {}).items() if None not in v)
             if band:
                 ax.fill_between([b for b, _ in band], [v[0] for _, v in band], [v[1] for _, v in band],
-                                color=COLORS[rule], alpha=0.12, linewidth=0)
+                                color=color(rule), alpha=0.12, linewidth=0)
     tuned = report["fit"].get("tuned")
     if tuned and tuned["b_crit"] is not None:
         _regimes(ax, tuned, batches)
@@ -150,9 +166,7 @@ def _steps_plot(report: dict, path: str) -> None:
     ax_e.set_title("compute side: E = S·B")
     ax.legend(fontsize=7, loc="lower left")
     ax_e.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _write(plt, fig, path)
 
 
 def _seed_bars(report: dict, rule: str, points: list[tuple[int, float]]) -> tuple[list[float], list[float]]:
@@ -178,12 +192,11 @@ def _compare_plot(report: dict, other: dict, path: str) -> None:
         if points:
             ax.plot(*zip(*points), "o-", color=color, label=f"{name}: best tuned lr")
         ref = study["reference"]
-        rule = "linear" if study["optimizer"].get("family", "sgd") == "sgd" else "sqrt"
-        power = 1.0 if rule == "linear" else 0.5
+        rule = rules.get("linear" if study["optimizer"].get("family", "sgd") == "sgd" else "sqrt")
         batches = sorted(study.get("global_batch_sizes") or [b for b, _ in points])
         if batches:
-            ax.plot(batches, [ref["lr"] * (b / ref["global_batch_size"]) ** power for b in batches], "--",
-                    color=color, alpha=0.7, label=f"{name}: {rule} rule from its reference")
+            ax.plot(batches, [ref["lr"] * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
+                    color=color, alpha=0.7, label=f"{name}: {rule.name} rule from its reference")
     _batch_axes(ax, "learning rate", "best lr per batch: this study and the one compared")
     _save(plt, fig, path, (ax,))
 
@@ -212,7 +225,7 @@ def _b_simple_plot(report: dict, path: str) -> None:
         ax.axhline(b_simple["value"], color="tab:purple", linestyle=":", label=f"pooled {b_simple['value']:.3g}")
     tuned = report["fit"].get("tuned")
     if tuned and tuned.get("b_crit"):
-        ax.axhline(tuned["b_crit"], color=COLORS["tuned"], linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
+        ax.axhline(tuned["b_crit"], color=color("tuned"), linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
     _batch_axes(ax, "B_simple = tr Σ / |G|²", "the gradient noise scale along the best runs",
                 xlabel="global batch size B (the best tuned runs at it)")
     _save(plt, fig, path, (ax,))
@@ -226,13 +239,12 @@ def _pareto_plot(report: dict, path: str) -> None:
     if not any(_median_points(report, rule) for rule in report["rules"]):
         ax.text(0.5, 0.5, "no rule's median run reached the target at two batch sizes", ha="center",
                 transform=ax.transAxes)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        _write(plt, fig, path)
         return
     for rule in report["rules"]:
         points = _median_points(report, rule)
         if points:
-            ax.plot([b * s for b, s in points], [s for _, s in points], "o", color=COLORS[rule], label=rule)
+            ax.plot([b * s for b, s in points], [s for _, s in points], "o", color=color(rule), label=rule)
             for b, s in points:
                 ax.annotate(str(b), (b * s, s), fontsize=7, xytext=(3, 3), textcoords="offset points")
     fit = report["fit"].get("tuned")
@@ -240,7 +252,7 @@ def _pareto_plot(report: dict, path: str) -> None:
         s_min, e_min = fit["s_min"], fit["e_min"]
         # x = E/E_min − 1 over three decades: S = S_min(1 + 1/x), E = E_min(1 + x).
         xs = [10 ** (-2 + 4 * i / 200) for i in range(201)]
-        ax.plot([e_min * (1 + x) for x in xs], [s_min * (1 + 1 / x) for x in xs], "--", color=COLORS["tuned"],
+        ax.plot([e_min * (1 + x) for x in xs], [s_min * (1 + 1 / x) for x in xs], "--", color=color("tuned"),
                 label="tuned fit: (S/S_min − 1)(E/E_min − 1) = 1")
         ax.axhline(s_min, color="gray", linestyle=":", label=f"S_min {s_min:.3g}")
         ax.axvline(e_min, color="gray", linestyle="-.", label=f"E_min {e_min:.3g}")
@@ -281,21 +293,17 @@ def _lr_plot(report: dict, path: str) -> None:
     if tuned:
         for point in tuned:
             ax.scatter([point["global_batch_size"]] * len(point["sweep"]), point["sweep"], color="lightgray", s=12)
-        ax.plot([p["global_batch_size"] for p in tuned], [p["lr"] for p in tuned], "o-", color=COLORS["tuned"],
+        ax.plot([p["global_batch_size"] for p in tuned], [p["lr"] for p in tuned], "o-", color=color("tuned"),
                 label="best tuned lr")
     ref = report["reference"]
     batches = report["global_batch_sizes"]
-    ax.plot(batches, [ref["lr"] * b / ref["global_batch_size"] for b in batches], "--", color=COLORS["linear"],
+    ax.plot(batches, [ref["lr"] * b / ref["global_batch_size"] for b in batches], "--", color=color("linear"),
             label="linear rule")
     ax.plot(batches, [ref["lr"] * math.sqrt(b / ref["global_batch_size"]) for b in batches], "--",
-            color=COLORS["sqrt"], label="sqrt rule")
+            color=color("sqrt"), label="sqrt rule")
     ax.scatter([ref["global_batch_size"]], [ref["lr"]], marker="*", s=120, color="black", label="reference", zorder=3)
     _batch_axes(ax, "learning rate", "best lr per batch (gray: the sweep)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, [ax])
 
 
 def _curves_plot(report: dict, results: dict, path: str) -> None:
@@ -323,9 +331,7 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _write(plt, fig, path)
 
 
 def write_html(report: dict, path: str) -> str:

@@ -34,8 +34,9 @@ class StudyReport:
     @property
     def trained_runs(self) -> int:
         """Runs trained (or read from the cache): one per (batch, lr, seed), whichever rules it serves."""
-        kinds = ("adascale", "ramp", "adam-sqrt")
-        return len({(r["global_batch_size"], r["lr"], r["seed"], r["rule"] if r["rule"] in kinds else "")
+        from ddplab.study import rules
+
+        return len({(r["global_batch_size"], r["lr"], r["seed"], "" if rules.get(r["rule"]).shares_grid else r["rule"])
                     for r in self.analysis.runs})
 
     def to_json(self) -> dict[str, Any]:
@@ -50,21 +51,13 @@ class StudyReport:
             "engine": self.engine, "engine_reason": self.engine_reason, "device": self.device,
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
-            "unreached": analysis.unreached, "adascale": analysis.adascale, "ramp": analysis.ramp,
+            "unreached": analysis.unreached, **analysis.sections,
             "plots": self.plots, "report": self.report, "out": self.out,
         }
-        if "adam-sqrt" in cfg.rules:
-            out["adam_sqrt"] = [_adam_sqrt_row(cfg, b) for b in sorted(cfg.global_batch_sizes)]
         if self.verify_ddp is not None:
             out["verify_ddp"] = self.verify_ddp.to_json()
         out["seconds"] = self.seconds
         return finite(out)
-
-
-def _adam_sqrt_row(cfg: StudyConfig, b: int) -> dict:
-    optimizer, clamped = cfg.adam_sqrt_optimizer(b)
-    return {"global_batch_size": b, "lr": cfg.adam_sqrt_runs(b)[0][0], "betas": list(optimizer.betas),
-            "eps": optimizer.eps, "clamped": clamped}
 
 
 def optimizer_text(optimizer: dict) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import tempfile
 import time
@@ -17,10 +16,11 @@ from ddplab.progress import Progress, silent
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch, world_size_for
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.serialize import write_json_atomic
-from ddplab.study import analysis, ddp, grid, workloads
-from ddplab.study.config import ADAPTIVE_RULES, StudyConfig, StudyOptions
-from ddplab.study.engine import seconds_per_step as engine_seconds
-from ddplab.study.engine import train_group
+from ddplab.study import analysis, engines, grid, rules, workloads
+from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.engines.base import Engine
+from ddplab.study.engines.ddp import DdpEngine
+from ddplab.study.engines.vmap import VmapEngine
 from ddplab.study.report import StudyReport
 from ddplab.study.verify import verify_ddp
 from ddplab.study.workloads import Workload
@@ -44,6 +44,19 @@ def workload_defaults(workload: Workload) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Setup:
+    """What a study runs on, decided before anything trains."""
+
+    workload: Workload
+    config: StudyConfig
+    options: StudyOptions
+    engine: str
+    """The engine asked for or chosen: vmap, ddp or auto."""
+    why: str
+    device: torch.device
+
+
 def run_study(workload: Workload, config: StudyConfig, options: StudyOptions | None = None, *,
               progress: Progress = silent, launch_config: LaunchConfig | None = None) -> StudyReport:
     """Train (or read from the cache) every run of the grid, fit, and write study.json, plots and report.html.
@@ -54,21 +67,21 @@ def run_study(workload: Workload, config: StudyConfig, options: StudyOptions | N
     """
     options = options or StudyOptions()
     engine, why = choose_engine(workload, config, options)
-    device = resolve_device(options.device)
+    setup = _Setup(workload=workload, config=config, options=options, engine=engine, why=why,
+                   device=resolve_device(options.device))
     if under_torchrun():
-        return launch(_study_in_group, launch_config or LaunchConfig(), workload, config, options, engine, why,
-                      device, progress)[0]
-    return _study(workload, config, options, engine, why, device, progress, launch_config, rank=None)
+        return launch(_study_in_group, launch_config or LaunchConfig(), setup, progress)[0]
+    return _study(setup, progress, launch_config, rank=None)
 
 
-def _study_in_group(ctx: RankContext, workload, config, options, engine, why, device, progress) -> StudyReport:
+def _study_in_group(ctx: RankContext, setup: _Setup, progress) -> StudyReport:
     # The group stays up for the whole study: each batch's launch joins it, and the cache's answers are broadcast.
-    return _study(workload, config, options, engine, why, device, progress if ctx.is_main else silent,
-                  LaunchConfig(), rank=ctx.rank)
+    return _study(setup, progress if ctx.is_main else silent, LaunchConfig(), rank=ctx.rank)
 
 
-def _study(workload, config, options, engine, why, device, progress, launch_config, *, rank) -> StudyReport:
+def _study(setup: _Setup, progress, launch_config, *, rank) -> StudyReport:
     started = time.monotonic()
+    workload, config, options = setup.workload, setup.config, setup.options
     main = rank in (None, 0)
     if options.plots and main:
         require_matplotlib()
@@ -77,19 +90,19 @@ def _study(workload, config, options, engine, why, device, progress, launch_conf
     if main:
         check_out(options.out)
         grid.check_grid(workload, config)
-        cache = grid.Cache(options.out, config.fingerprint(workload.fingerprint), fresh=options.fresh)
+        cache = grid.Cache(options.out, config.fingerprint(workload.fingerprint), fresh=options.fresh,
+                           settings=config.settings(workload.fingerprint))
     if rank is not None:
         cache = grid.RankZeroCache(cache, rank)
-    train = _trainer(engine, device, options, launch_config)
-    with _threads(options.threads if engine == "vmap" else torch.get_num_threads()):
-        results = grid.run_grid(workload, config, cache, _advance(progress, config), train)
-    if isinstance(train, TimedTrainer):
-        engine, why = train.summary()
+    engine = build_engine(setup.engine, setup.device, options, launch_config)
+    with _threads(options.threads if setup.engine == "vmap" else torch.get_num_threads()):
+        results = grid.run_grid(workload, config, cache, engine, _advance(progress, config))
+    name, why = engine.summary() if isinstance(engine, engines.Auto) else (setup.engine, setup.why)
     found = analysis.analyze(config, results)
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
                          own_optimizer=workload.own_optimizer,
-                         out=options.out, engine=engine, engine_reason=why, device=str(device))
-    if options.verify_ddp and engine == "vmap":
+                         out=options.out, engine=name, engine_reason=why, device=str(setup.device))
+    if options.verify_ddp and name == "vmap":
         report.verify_ddp = verify_ddp(workload, config, options.verify_ddp, world_size=options.verify_world_size,
                                        steps=options.verify_steps, tuned=found.tuned_lr, launch_config=launch_config)
     if not main:
@@ -121,7 +134,6 @@ def load_compared(path: str) -> dict:
 
 def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions) -> tuple[str, str]:
     """(engine, why): what trains the grid, and the reason in words."""
-    adaptive = [rule for rule in config.rules if rule in ADAPTIVE_RULES]
     if options.engine == "vmap" or (options.engine == "auto" and not workload.not_vectorized
                                     and not under_torchrun()):
         if workload.not_vectorized:
@@ -133,11 +145,12 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
             return "auto", "timed per batch size"
         return "vmap", ("asked for" if options.engine == "vmap" else
                         "the model and optimizer vectorize: every run of a batch size trains at once in one process")
-    if "adascale" in adaptive and world_size_for(None, default=options.world_size) < 2:
-        raise UsageError("the rule adascale on the DDP engine measures the noise scale across ranks: give "
-                         "{world_size} 2 or more, or drop it from {rules}")
-    if "ramp" in adaptive and under_torchrun():
-        raise UsageError("the rule ramp trains in one process: drop it from {rules} under torchrun")
+    for rule in rules.of(config):
+        if rule.multi_rank and world_size_for(None, default=options.world_size) < 2:
+            raise UsageError(f"the rule {rule.name} on the DDP engine measures the noise scale across ranks: give "
+                             "{world_size} 2 or more, or drop it from {rules}")
+        if rule.single_process and under_torchrun():
+            raise UsageError(f"the rule {rule.name} trains in one process: drop it from {{rules}} under torchrun")
     if options.engine == "ddp":
         return "ddp", "asked for"
     if under_torchrun():
@@ -157,63 +170,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
 
 
-def _trainer(engine: str, device: torch.device, options: StudyOptions, launch_config: LaunchConfig | None):
-    """The function that trains one group on the chosen engine and device."""
-    vectorized = functools.partial(train_group, device=device)
-    if engine == "vmap":
+def build_engine(name: str, device: torch.device, options: StudyOptions, launch_config: LaunchConfig | None):
+    """The engine ``name`` (vmap, ddp, or auto over both) on ``device``."""
+    vectorized = VmapEngine(device)
+    if name == "vmap":
         return vectorized
     launch_config = dataclasses.replace(launch_config or LaunchConfig(),
                                         world_size=world_size_for(None, default=options.world_size),
                                         backend="nccl" if device.type == "cuda" else "gloo")
-
-    def on_ranks(workload, config, global_batch, runs, advance=None, *, sweep_only=(), adascale=False,
-                 adam_sqrt=False):
-        results = ddp.train_group_ddp(workload, config, global_batch, runs, launch_config, adam_sqrt=adam_sqrt,
-                                      adascale=adascale, max_per_device=options.max_batch_size_per_device,
-                                      sweep_only=set(sweep_only))
-        if advance:
-            advance(config.max_steps)
-        return results
-
-    return on_ranks if engine == "ddp" else TimedTrainer(vectorized, on_ranks, device)
-
-
-CLEAR_GAIN = 1.5
-"""Run by run must be this much faster per step than the vectorized group for ``--engine auto`` to take it: the
-in-process timing leaves out the DDP engine's launch, collectives and rank 0's evaluations."""
-
-
-def auto_engine(vectorized_s: float, run_by_run_s: float) -> str:
-    """The engine ``--engine auto`` takes for a group from its two timed steps."""
-    # A few timed steps are noisy: the group leaves the vectorized engine (which also measures B_simple from halves
-    # and prunes in step) only for a clear gain.
-    return "vmap" if vectorized_s < run_by_run_s * CLEAR_GAIN else "ddp"
-
-
-class TimedTrainer:
-    """``--engine auto``: before each group, a step timed both ways; the group trains where it was faster."""
-
-    def __init__(self, vectorized, on_ranks, device: torch.device):
-        self.vectorized, self.on_ranks, self.device = vectorized, on_ranks, device
-        self.chosen: dict[int, tuple[str, float, float]] = {}
-        """Per global batch: (engine, vectorized s/step, run-by-run s/step)."""
-
-    def __call__(self, workload, config, global_batch, runs, advance=None, *, adascale=False, **kwargs):
-        # AdaScale's runs measure at every step, cheapest inside the group: they stay vectorized.
-        if adascale or len(runs) < 2:
-            return self.vectorized(workload, config, global_batch, runs, advance, adascale=adascale, **kwargs)
-        if global_batch not in self.chosen:
-            group, loop = engine_seconds(workload, config, global_batch, runs, self.device)
-            self.chosen[global_batch] = (auto_engine(group, loop), group, loop)
-        train = self.vectorized if self.chosen[global_batch][0] == "vmap" else self.on_ranks
-        return train(workload, config, global_batch, runs, advance, adascale=adascale, **kwargs)
-
-    def summary(self) -> tuple[str, str]:
-        """(engine, why) for the report: which engine each batch size took, with the timings."""
-        engines = sorted({choice for choice, _, _ in self.chosen.values()}, reverse=True)
-        parts = [f"{b}: {choice} ({group * 1e3:.3g} ms vectorized vs {loop * 1e3:.3g} ms run by run per step)"
-                 for b, (choice, group, loop) in sorted(self.chosen.items())]
-        return "+".join(engines) or "vmap", "timed per global batch: " + "; ".join(parts)
+    on_ranks: Engine = DdpEngine(launch_config, max_per_device=options.max_batch_size_per_device, device=device)
+    return on_ranks if name == "ddp" else engines.Auto([vectorized, on_ranks])
 
 
 def _save(report: StudyReport, options: StudyOptions, started: float) -> None:

@@ -10,10 +10,11 @@ from ddplab.errors import UsageError
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.runtime.sharding import rank_indices
 from ddplab.serialize import finite
-from ddplab.study import workloads
+from ddplab.study import rules, workloads
 from ddplab.study.config import StudyConfig
-from ddplab.study.engine import Group, cast, torch_dtype
+from ddplab.study.engines.vmap import Group, cast, torch_dtype
 from ddplab.study.optim import torch_optimizer
+from ddplab.study.runs import grid_group
 from ddplab.study.workloads import Workload
 
 Point = tuple[int, float, int]
@@ -47,7 +48,7 @@ def verify_points(config: StudyConfig, count: int, world_size: int, tuned: list[
                   for seed in range(config.seeds)]
     else:
         points = [(b, lr, seed) for b in sorted(config.global_batch_sizes) if b % world_size == 0
-                  for lr in config.lrs(b) for seed in range(config.seeds)]
+                  for lr in rules.lrs(config, b) for seed in range(config.seeds)]
     if not points:
         raise UsageError(f"no global batch in {{global_batch_sizes}} divides evenly over {world_size} ranks "
                          "({verify_world_size})")
@@ -61,7 +62,7 @@ def simulated_params(workload: Workload, config: StudyConfig, points: list[Point
     out = {}
     for b in sorted({p[0] for p in points}):
         runs = [(lr, seed) for pb, lr, seed in points if pb == b]
-        group = Group(workload, config, b, runs)
+        group = Group(workload, config, grid_group(config, b, runs))
         for step in range(steps):
             group.step(step, measure=False)
         for row, key in enumerate(runs):

@@ -60,6 +60,13 @@ class Workload:
     def train_size(self) -> int:
         return int(self.train[0].shape[0])
 
+    @property
+    def step_fn(self) -> Callable[[torch.nn.Module, Any, Callable], torch.Tensor]:
+        """The spec's own step, else the loss of the model on an (input, target) batch."""
+        from ddplab.runtime.spec import default_step
+
+        return self.step or default_step
+
 
 def load(source: Source) -> Workload:
     """The workload ``source`` describes."""

@@ -11,9 +11,7 @@ point on real DDP ranks and compare.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from collections.abc import Callable
 
 import torch
 from torch.func import functional_call, vmap
@@ -23,19 +21,18 @@ from ddplab.errors import UsageError
 from ddplab.noise import estimators
 from ddplab.runtime import capacity
 from ddplab.runtime.sharding import epoch_permutation
-from ddplab.study import fit, optim
-from ddplab.study.config import OptimizerConfig, StudyConfig
+from ddplab.study import optim
+from ddplab.study.config import StudyConfig
+from ddplab.study.engines.base import Progress
+from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
 from ddplab.study.workloads import Workload
-
-# A run whose training loss is not finite (or explodes past this) has diverged.
-DIVERGED_LOSS = 1e6
 
 
 def torch_dtype(config: StudyConfig) -> torch.dtype:
     return torch.float64 if config.dtype == "float64" else torch.float32
 
 
-class _Batches:
+class Batches:
     """Global batch ``step`` of each seed: positions step·B … step·B+B−1 of the epoch's permutation.
 
     DistributedSampler gives rank r the positions r, r+W, r+2W, …; rank r's j-th loader batch of
@@ -56,48 +53,6 @@ class _Batches:
         return self._perms[:, within * self.global_batch:(within + 1) * self.global_batch]
 
 
-@dataclasses.dataclass
-class RunResult:
-    """One (batch, lr, seed) run."""
-
-    global_batch_size: int
-    lr: float
-    seed: int
-    steps_to_target: int | None = None
-    diverged: bool = False
-    pruned: bool = False
-    """Stopped early: a tuned-sweep lr that can no longer be the best at its batch size."""
-    history: list = dataclasses.field(default_factory=list)
-    """[step, training loss, metric] at each evaluation."""
-    noise_g2: list = dataclasses.field(default_factory=list)
-    noise_trace: list = dataclasses.field(default_factory=list)
-    """Per-evaluation |G|² and tr Σ (estimators.unbiased_estimates) up to the target."""
-    adascale: bool = False
-    """Trained by AdaScale from the reference lr (the ``adascale`` rule) rather than at a fixed lr."""
-    gains: list = dataclasses.field(default_factory=list)
-    """AdaScale runs: [step, gain, τ] at each evaluation (the gain of that step's update)."""
-    ramp: bool = False
-    """Trained by ddplab.BatchRamp from the smallest batch (the ``ramp`` rule): its global batch grows."""
-    trajectory: list = dataclasses.field(default_factory=list)
-    """Ramp runs: [step, global batch, lr] at each evaluation (the batch and lr of the next update)."""
-    samples_to_target: int | None = None
-    """Training samples consumed until the target was reached."""
-    adam_sqrt: bool = False
-    """Trained by the adam-sqrt rule: its betas and eps are scaled with the batch, not the grid's."""
-    stalled: bool = False
-    """Stopped early: no better metric for ``StudyConfig.patience`` evaluations."""
-    extension: bool = False
-    """A tuned-sweep lr past the configured sweep's edge, added because the best lr sat on it."""
-
-    @property
-    def fixed(self) -> bool:
-        """Trained at a fixed lr and batch with the grid's optimizer (the constant, linear, sqrt and tuned rules)."""
-        return not (self.adascale or self.ramp or self.adam_sqrt)
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
 def seeded_params(workload: Workload, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's parameters as built under ``seed`` (as every DDP rank builds them)."""
     return seeded_state(workload, seed, dtype)[0]
@@ -114,9 +69,8 @@ def seeded_state(workload: Workload, seed: int, dtype: torch.dtype) -> tuple[dic
 class Group:
     """All runs of one global batch size, as stacked parameters trained together."""
 
-    def __init__(self, workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                 *, adascale: bool = False, optimizer: OptimizerConfig | None = None, adam_sqrt: bool = False,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, workload: Workload, config: StudyConfig, group: RunGroup, *, device: torch.device | str = "cpu"):
+        global_batch, runs = group.global_batch_size, list(group.runs)
         self.workload, self.config, self.global_batch = workload, config, global_batch
         self.device = torch.device(device)
         dtype = torch_dtype(config)
@@ -128,14 +82,14 @@ class Group:
         # Buffers (BatchNorm's running statistics) are per run too: each run's forward updates its own slice.
         self.buffers = {name: torch.stack([init[seed][1][name] for _, seed in runs]).to(self.device)
                         for name in init[seeds[0]][1]}
-        self.optimizer = optim.stacked(optimizer or config.optimizer, self.params)
+        self.optimizer = optim.stacked(group.optimizer, self.params)
         # Dropout draws a different mask for every run (vmap's randomness="different"), the same for the same grid.
         torch.manual_seed(global_batch)
         self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype, device=self.device)
         self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
         self.active = list(range(len(runs)))
-        self.results = [RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adascale=adascale,
-                                  adam_sqrt=adam_sqrt) for lr, seed in runs]
+        self.results = group.results()
+        adascale = group.lr_scaling == "gain"
         # AdaScale (ddplab.adapt's gain and smoothing, per run): the lr of each update is lr × r_t.
         self.scale = global_batch / config.reference_global_batch_size if adascale else None
         if self.scale is not None and (self.scale < 1 or global_batch < 2):
@@ -143,7 +97,7 @@ class Group:
                              f" and measures with two halves of the batch: global batch {global_batch} cannot")
         self.smoothed = [Smoothed(default_smoothing(self.scale)) for _ in runs] if adascale else []
         self.tau = [0.0] * len(runs)
-        self.batches = _Batches(workload.train_size, global_batch, seeds)
+        self.batches = Batches(workload.train_size, global_batch, seeds)
         self.inputs = cast(workload.train[0], dtype).to(self.device)
         self.targets = cast(workload.train[1], dtype).to(self.device)
         self._forward = vmap(lambda params, buffers, inputs: functional_call(self.model, (params, buffers), (inputs,)),
@@ -287,32 +241,18 @@ def runs_that_fit(workload: Workload, config: StudyConfig, global_batch: int, de
     return fit
 
 
-def seconds_per_step(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                     device: torch.device | str = "cpu", *, steps: int = 5) -> tuple[float, float]:
-    """(vectorized, run by run): seconds for one optimizer step of every run in ``runs``, as one group and as one
-    torch.optim model after another (what the DDP engine's ranks do), each after a step of warm-up."""
+def seconds_per_step(workload: Workload, config: StudyConfig, group: RunGroup, device: torch.device | str = "cpu",
+                     *, steps: int = 5) -> float:
+    """Seconds for one optimizer step of every run in ``group`` trained as one vectorized group, after a step of
+    warm-up."""
     import time
 
-    group = Group(workload, config, global_batch, runs, device=device)
-    group.step(0, measure=False)
+    trained = Group(workload, config, group, device=device)
+    trained.step(0, measure=False)
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        group.step(step, measure=False)
-    vectorized = (time.perf_counter() - start) / steps
-    lr, seed = runs[0]
-    dtype = torch_dtype(config)
-    model = workload.model().to(dtype).to(device)
-    optimizer = optim.torch_optimizer(config.optimizer, model.parameters(), lr)
-    order = _Batches(workload.train_size, global_batch, [seed])
-    inputs, targets = group.inputs, group.targets
-    for step in range(steps + 1):
-        if step == 1:
-            start = time.perf_counter()
-        index = order.indices(step)[0].to(group.device)
-        optimizer.zero_grad(set_to_none=True)
-        workload.loss(model(inputs[index]), targets[index]).backward()
-        optimizer.step()
-    return vectorized, (time.perf_counter() - start) / steps * len(runs)
+        trained.step(step, measure=False)
+    return (time.perf_counter() - start) / steps
 
 
 def evaluate_model(workload: Workload, config: StudyConfig, model: torch.nn.Module) -> float:
@@ -343,46 +283,39 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def train_group(workload: Workload, config: StudyConfig, global_batch: int, runs: list[tuple[float, int]],
-                progress: Callable[[int], None] | None = None, *,
-                sweep_only: set[float] = frozenset(), adascale: bool = False,
-                adam_sqrt: bool = False, device: torch.device | str = "cpu") -> list[RunResult]:
-    """Train every (lr, seed) run at ``global_batch`` until it reaches the target, diverges or runs out of steps.
+def train_group(workload: Workload, config: StudyConfig, group: RunGroup, progress: Progress | None = None, *,
+                device: torch.device | str = "cpu") -> list[RunResult]:
+    """Train every run of ``group`` until it reaches the target, diverges or runs out of steps.
 
-    Runs of an lr in ``sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
-    have the fewest median steps: they only had to lose to the best. With ``adascale`` each run's
-    updates use lr × AdaScale's gain, measured at every step; with ``adam_sqrt`` the optimizer's betas and eps
-    are the adam-sqrt rule's at this batch.
+    Runs of an lr in ``group.sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
+    have the fewest median steps: they only had to lose to the best. With AdaScale's lr scaling each run's
+    updates use lr × the gain measured at every step.
     """
-    size = runs_that_fit(workload, config, global_batch, device)
-    if len(runs) > size:
+    size = runs_that_fit(workload, config, group.global_batch_size, device)
+    if len(group.runs) > size:
         # Groups split to fit: each part trains as a group of its own (pruning sees its own part's runs).
-        return [result for start in range(0, len(runs), size)
-                for result in train_group(workload, config, global_batch, runs[start:start + size], progress,
-                                          sweep_only=sweep_only, adascale=adascale, adam_sqrt=adam_sqrt,
-                                          device=device)]
-    optimizer = config.adam_sqrt_optimizer(global_batch)[0] if adam_sqrt else None
-    group = Group(workload, config, global_batch, runs, adascale=adascale, optimizer=optimizer, adam_sqrt=adam_sqrt,
-                  device=device)
+        return [result for start in range(0, len(group.runs), size)
+                for result in train_group(workload, config, group.part(start, start + size), progress, device=device)]
+    trained = Group(workload, config, group, device=device)
     reported = 0
     for step in range(config.max_steps):
         evaluate = (step + 1) % config.eval_every == 0
-        losses = group.step(step, measure=evaluate)
-        finished = _finish_diverged(group, losses)
+        losses = trained.step(step, measure=evaluate)
+        finished = _finish_diverged(trained, losses)
         if evaluate:
-            finished |= _finish_reached(group, losses, step + 1)
-            finished |= _prune(group, sweep_only, step + 1, finished)
+            finished |= _finish_reached(trained, losses, step + 1)
+            finished |= _prune(trained, group.sweep_only, step + 1, finished)
             if progress:
                 progress(step + 1 - reported)
                 reported = step + 1
-        rows = [row for row, run in enumerate(group.active) if run not in finished]
+        rows = [row for row, run in enumerate(trained.active) if run not in finished]
         if not rows:
             break
         if finished:
-            group.keep(rows)
+            trained.keep(rows)
     if progress:
         progress(config.max_steps - reported)
-    return group.results
+    return trained.results
 
 
 def _prune(group: Group, sweep_only: set[float], steps: int, finished: set[int]) -> set[int]:
@@ -400,29 +333,6 @@ def _prune(group: Group, sweep_only: set[float], steps: int, finished: set[int])
     return pruned
 
 
-def settled_best(results) -> tuple[float | None, float]:
-    """(lr, median steps) of the fewest median steps among the lrs whose median is settled: n//2 + 1 of its n
-    seeds reached the target, and the rest can only be slower (still running behind them, or never arriving).
-    (None, inf) when no lr's median is settled."""
-    by_lr: dict[float, list[RunResult]] = {}
-    for result in results:
-        by_lr.setdefault(result.lr, []).append(result)
-    best_lr, best = None, math.inf
-    for lr, runs in by_lr.items():
-        reached = sorted(r.steps_to_target for r in runs if r.steps_to_target is not None)
-        if len(reached) >= len(runs) // 2 + 1:
-            median = fit.median(reached + [math.inf] * (len(runs) - len(reached)))
-            if median < best:
-                best_lr, best = lr, median
-    return best_lr, best
-
-
-def loser_bound(best: float, seeds: int) -> float:
-    """Steps past which a run of another lr can no longer have the fewest median steps."""
-    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
-    return best * (2 if seeds % 2 == 0 else 1)
-
-
 def _finish_diverged(group: Group, losses: torch.Tensor) -> set[int]:
     bad = ~torch.isfinite(losses) | (losses.abs() > DIVERGED_LOSS)
     finished = set()
@@ -438,26 +348,26 @@ def _finish_reached(group: Group, losses: torch.Tensor, steps: int) -> set[int]:
     for row, metric in enumerate(group.metrics()):
         run = group.active[row]
         result = group.results[run]
-        if run in finished or result.diverged:
+        if result.diverged:
             continue
         result.history.append([steps, float(losses[row]), metric])
-        if not math.isfinite(metric):
-            result.diverged = True
-            finished.add(run)
-        elif group.config.target.reached(metric):
-            result.steps_to_target = steps
-            finished.add(run)
-        elif stalled(group.config, result.history):
-            result.stalled = True
+        if settle(group.config, result, steps, metric):
             finished.add(run)
     return finished
 
 
-def stalled(config: StudyConfig, history: list) -> bool:
-    """No evaluation among the last ``patience`` improved on the best before them."""
-    patience = config.patience
-    if not patience or len(history) <= patience:
-        return False
-    sign = 1.0 if config.target.kind == "accuracy" else -1.0
-    before = max(sign * h[2] for h in history[:-patience])
-    return max(sign * h[2] for h in history[-patience:]) <= before
+class VmapEngine:
+    """Every run of a group in one process, vectorized over stacked parameters."""
+
+    name = "vmap"
+    overhead = 1.0
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    def train(self, workload: Workload, config: StudyConfig, group: RunGroup,
+              progress: Progress | None = None) -> list[RunResult]:
+        return train_group(workload, config, group, progress, device=self.device)
+
+    def seconds_per_step(self, workload: Workload, config: StudyConfig, group: RunGroup) -> float:
+        return seconds_per_step(workload, config, group, self.device)

@@ -8,10 +8,9 @@ batch's runs in turn. Each rank takes its DistributedSampler share of the engine
 (the order :mod:`ddplab.study.engine` uses, so both engines see the same samples at each step),
 in ``accumulation`` micro-batches under ``no_sync`` when the per-rank batch is capped.
 
-The ``adascale`` rule's runs are driven by ``ddplab.AdaScale`` itself, on the noise scale measured
-across the ranks at every step: what a user's DDP loop would run. Every decision to stop is one all
-ranks take together, from one all-reduce per evaluation: rank 0's
-metric, the mean training loss, and the largest loss since the last evaluation (divergence).
+A group whose lr scales with AdaScale's gain is driven by ``ddplab.AdaScale`` itself, on the noise
+scale measured across the ranks at every step: what a user's DDP loop would run. Every decision to
+stop is one all ranks take together, from one all-reduce per evaluation (:class:`Evaluation`).
 """
 
 from __future__ import annotations
@@ -28,17 +27,10 @@ from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
-from ddplab.study.engine import (
-    DIVERGED_LOSS,
-    RunResult,
-    cast,
-    evaluate_model,
-    loser_bound,
-    settled_best,
-    stalled,
-    torch_dtype,
-)
+from ddplab.study.engines.base import Progress
+from ddplab.study.engines.vmap import Batches, cast, evaluate_model, torch_dtype
 from ddplab.study.optim import torch_optimizer
+from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
 from ddplab.study.verify import RankShards
 
 
@@ -64,42 +56,39 @@ def split(global_batch: int, world_size: int, max_per_device: int | None) -> Ddp
                    per_device_batch_size=per_rank // accumulation)
 
 
-def train_group_ddp(workload: workloads.Workload, config: StudyConfig, global_batch: int,
-                    runs: list[tuple[float, int]], launch_config: LaunchConfig, *, adam_sqrt: bool = False,
-                    adascale: bool = False, max_per_device: int | None = None,
-                    sweep_only: set[float] = frozenset()) -> list[RunResult]:
-    """Train every (lr, seed) run at ``global_batch`` on ``launch_config.world_size`` DDP ranks, one after another.
+def train_group_ddp(workload: workloads.Workload, config: StudyConfig, group: RunGroup,
+                    launch_config: LaunchConfig, *, max_per_device: int | None = None) -> list[RunResult]:
+    """Train every run of ``group`` on ``launch_config.world_size`` DDP ranks, one after another.
 
-    As in the vectorized engine, a run of an lr in ``sweep_only`` stops once it can no longer have the fewest
-    median steps; the rules' lrs train first, so a best is settled early. With ``adascale`` each run is driven by
-    ``ddplab.AdaScale`` itself, fed by the noise scale measured across the ranks at every step."""
-    plan = split(global_batch, launch_config.world_size, max_per_device)
-    if adascale and launch_config.world_size < 2:
-        raise UsageError("the adascale rule on the DDP engine measures the noise scale across ranks: it needs "
-                         "{world_size} 2 or more")
-    if adam_sqrt:
-        config = dataclasses.replace(config, optimizer=config.adam_sqrt_optimizer(global_batch)[0])
+    As in the vectorized engine, a run of an lr in ``group.sweep_only`` stops once it can no longer have the
+    fewest median steps; the rules' lrs train first, so a best is settled early. Under AdaScale's lr scaling each
+    run is driven by ``ddplab.AdaScale`` itself, fed by the noise scale measured across the ranks at every step."""
+    plan = split(group.global_batch_size, launch_config.world_size, max_per_device)
+    if group.lr_scaling == "gain" and launch_config.world_size < 2:
+        raise UsageError("AdaScale on the DDP engine measures the noise scale across ranks: it needs {world_size} 2 "
+                         "or more")
+    config = dataclasses.replace(config, optimizer=group.optimizer)
     # Every rank returns the same results (each stop is decided together): rank 0's serve. A spec's error in a
     # rank (its evaluate() raising, say) comes back as the one line it is in one process.
     with rank_errors():
-        return launch(_train_runs, launch_config, workload.source, config, global_batch, runs, plan, adam_sqrt,
-                      set(sweep_only), adascale)[0]
+        return launch(_train_runs, launch_config, workload.source, config, group, plan)[0]
 
 
-def _train_runs(ctx: RankContext, source, config: StudyConfig, global_batch: int, runs, plan: DdpPlan,
-                adam_sqrt: bool, sweep_only: set[float], adascale: bool = False) -> list[RunResult]:
+def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, plan: DdpPlan) -> list[RunResult]:
     # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
     dtype = torch_dtype(config)
     inputs = cast(workload.train[0], dtype).to(ctx.device)
     targets = cast(workload.train[1], dtype).to(ctx.device)
-    done: dict[tuple[float, int], RunResult] = {}
-    for lr, seed in sorted(runs, key=lambda run: run[0] in sweep_only):
-        result = RunResult(global_batch_size=global_batch, lr=lr, seed=seed, adam_sqrt=adam_sqrt, adascale=adascale)
-        bound = _prune_bound(config, done.values(), lr) if lr in sweep_only else math.inf
-        _train_one(ctx, workload, config, plan, inputs, targets, result, bound)
-        done[(lr, seed)] = result
-    return [done[key] for key in runs]
+    results = dict(zip(group.runs, group.results()))
+    done: list[RunResult] = []
+    for key in sorted(group.runs, key=lambda run: run[0] in group.sweep_only):
+        result = results[key]
+        bound = _prune_bound(config, done, result.lr) if result.lr in group.sweep_only else math.inf
+        _train_one(ctx, workload, config, plan, inputs, targets, result, bound,
+                   adascale=group.lr_scaling == "gain")
+        done.append(result)
+    return [results[key] for key in group.runs]
 
 
 def _prune_bound(config: StudyConfig, finished, lr: float) -> float:
@@ -125,7 +114,8 @@ def run_optimizer(workload: workloads.Workload, config: StudyConfig, params, lr:
 
 
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
-               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult, bound: float = math.inf) -> None:
+               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult, bound: float = math.inf, *,
+               adascale: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(result.seed)
@@ -135,9 +125,8 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
     shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
     # Dropout's masks differ per rank and per run, the same every time the grid runs.
     torch.manual_seed(1_000_003 * result.seed + ctx.rank)
-    step_fn = workload.step or default_step
-    noise = _noise_scale(ddp, ctx, plan, config, workload.train_size, every_step=result.adascale)
-    adascale = _adascale(optimizer, noise, config) if result.adascale else None
+    noise = _noise_scale(ddp, ctx, plan, config, workload.train_size, every_step=adascale)
+    adascale = _adascale(optimizer, noise, config) if adascale else None
     # The step losses since the last evaluation, kept as tensors: read once per evaluation, never per step.
     losses: list[torch.Tensor] = []
     for step in range(config.max_steps):
@@ -146,7 +135,7 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
         for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
             last = micro == plan.accumulation_steps - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
-                value = step_fn(ddp, (inputs[part], targets[part]), workload.loss)
+                value = workload.step_fn(ddp, (inputs[part], targets[part]), workload.loss)
                 (value if plan.accumulation_steps == 1 else value / plan.accumulation_steps).backward()
             parts.append(value.detach())
         losses.append(parts[0] if len(parts) == 1 else torch.stack(parts).to(torch.float64).mean())
@@ -186,38 +175,54 @@ def _adascale(optimizer, noise, config: StudyConfig):
     return AdaScale(optimizer, noise, reference_batch_size=config.reference_global_batch_size)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """What every rank learns at an evaluation, from one all-reduce: each field is summed over the ranks."""
+
+    loss: float
+    """The last step's training loss (its mean is this over the world size)."""
+    metric: float
+    """Rank 0's evaluation (the other ranks add 0)."""
+    diverged: float
+    """Ranks whose losses since the last evaluation diverged."""
+    noise_sums: tuple[float, float] = (0.0, 0.0)
+    """The noise scale's two sums of the step (GradientNoiseScale.local_sums)."""
+
+    def pack(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_tensor([self.loss, self.metric, self.diverged, *self.noise_sums])
+
+    @classmethod
+    def unpack(cls, tensor: torch.Tensor) -> Evaluation:
+        loss, metric, diverged, *sums = tensor.tolist()
+        return cls(loss=loss, metric=metric, diverged=diverged, noise_sums=tuple(sums))
+
+    def all_reduced(self, like: torch.Tensor) -> Evaluation:
+        shared = self.pack(like)
+        dist.all_reduce(shared)
+        return Evaluation.unpack(shared)
+
+
 def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: RunResult, steps: int,
                losses: list[torch.Tensor], noise=None, sums: torch.Tensor | None = None) -> bool:
-    """Rank 0 evaluates; one all-reduce gives every rank the metric, the mean of the last step's loss, whether
-    any rank's losses since the last evaluation diverged, and the noise scale's sums of the step. True when the run
-    is finished (every rank decides alike)."""
+    """Rank 0 evaluates; one all-reduce (:class:`Evaluation`) tells every rank the metric, the mean of the last
+    step's loss, whether any rank's losses since the last evaluation diverged, and the noise scale's sums of the
+    step. True when the run is finished (every rank decides alike)."""
     metric = evaluate_model(workload, config, model) if ctx.is_main else 0.0
     window = torch.stack(losses).to(torch.float64)
-    diverged = ((~window.isfinite()) | (window.abs() > DIVERGED_LOSS)).any().to(torch.float64)
-    loss = window[-1]
-    measured = sums if sums is not None else loss.new_zeros(2)
-    shared = torch.cat([torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0),
-                                     loss.new_tensor(metric), diverged]), measured.to(loss)])
-    # Sums: the loss over ranks; the metric is rank 0's alone; a count of the ranks whose window diverged.
-    dist.all_reduce(shared)
+    last = torch.nan_to_num(window[-1], nan=0.0, posinf=0.0, neginf=0.0)
+    mine = Evaluation(loss=float(last), metric=metric,
+                      diverged=float(((~window.isfinite()) | (window.abs() > DIVERGED_LOSS)).any()),
+                      noise_sums=tuple(sums.tolist()) if sums is not None else (0.0, 0.0))
+    shared = mine.all_reduced(window)
     if sums is not None:
-        _record(noise.close(shared[3:]), result)
-    loss, metric, diverged = float(shared[0]) / ctx.world_size, float(shared[1]), float(shared[2])
-    if diverged:
+        _record(noise.close(sums.new_tensor(shared.noise_sums)), result)
+    if shared.diverged:
         result.diverged = True
         return True
     if (steps % config.eval_every) != 0:
         return False
-    result.history.append([steps, loss, metric])
-    if not math.isfinite(metric):
-        result.diverged = True
-    elif config.target.reached(metric):
-        result.steps_to_target = steps
-    elif stalled(config, result.history):
-        result.stalled = True
-    else:
-        return False
-    return True
+    result.history.append([steps, shared.loss / ctx.world_size, shared.metric])
+    return settle(config, result, steps, shared.metric)
 
 
 def _noise_scale(ddp, ctx: RankContext, plan: DdpPlan, config: StudyConfig, dataset_size: int, *,
@@ -244,6 +249,46 @@ def _record(estimate, result: RunResult) -> None:
         result.noise_trace.append(estimate.trace_sigma)
 
 
-def default_step(model, batch, loss_fn):
-    inputs, targets = batch
-    return loss_fn(model(inputs), targets)
+def seconds_per_step(workload: workloads.Workload, config: StudyConfig, group: RunGroup,
+                     device: torch.device | str = "cpu", *, steps: int = 5) -> float:
+    """Seconds for one optimizer step of every run in ``group`` as one torch.optim model after another (what the
+    ranks do, without their collectives), after a step of warm-up."""
+    import time
+
+    lr, seed = group.runs[0]
+    dtype = torch_dtype(config)
+    model = workload.model().to(dtype).to(device)
+    optimizer = torch_optimizer(group.optimizer, model.parameters(), lr)
+    order = Batches(workload.train_size, group.global_batch_size, [seed])
+    inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
+    for step in range(steps + 1):
+        if step == 1:
+            start = time.perf_counter()
+        index = order.indices(step)[0].to(device)
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss(model(inputs[index]), targets[index]).backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / steps * len(group.runs)
+
+
+class DdpEngine:
+    """Each run of a group on ``world_size`` real DDP ranks, one launch per group."""
+
+    name = "ddp"
+    # The timed step leaves out the launch, the collectives and rank 0's evaluations: the DDP engine must be
+    # clearly faster for auto to leave the vectorized one (which also measures B_simple from halves and prunes).
+    overhead = 1.5
+
+    def __init__(self, launch_config: LaunchConfig, *, max_per_device: int | None = None,
+                 device: torch.device | str = "cpu"):
+        self.launch_config, self.max_per_device, self.device = launch_config, max_per_device, torch.device(device)
+
+    def train(self, workload: workloads.Workload, config: StudyConfig, group: RunGroup,
+              progress: Progress | None = None) -> list[RunResult]:
+        results = train_group_ddp(workload, config, group, self.launch_config, max_per_device=self.max_per_device)
+        if progress:
+            progress(config.max_steps)
+        return results
+
+    def seconds_per_step(self, workload: workloads.Workload, config: StudyConfig, group: RunGroup) -> float:
+        return seconds_per_step(workload, config, group, self.device)

@@ -1,0 +1,55 @@
+"""``adam-sqrt``: Malladi et al.'s (2022) square-root rule for Adam, lr × √k with 1 − β' = k(1 − β) and
+ε' = ε/√k, as ``ddplab plan`` prints it. Its betas and eps differ from the grid's: a group of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ddplab.errors import UsageError
+from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
+from ddplab.study.rules.base import BatchRuns, OwnGroupRule
+
+
+class AdamSqrt(OwnGroupRule):
+    name = "adam-sqrt"
+    summary = "lr × √k, 1 − β' = k(1 − β), ε' = ε/√k (Malladi et al. 2022)"
+    adam_only = True
+
+    def check(self, config: StudyConfig) -> None:
+        if not config.optimizer.adam:
+            raise UsageError("the adam-sqrt rule scales Adam's betas and eps: it needs {optimizer.family} adam or "
+                             "adamw")
+
+    def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
+        k = global_batch / config.reference_global_batch_size
+        return [(round_lr(config.reference_lr * math.sqrt(k)), seed) for seed in range(config.seeds)]
+
+    def scaled(self, config: StudyConfig, global_batch: int) -> tuple[OptimizerConfig, list[str]]:
+        """The optimizer at ``global_batch``: 1 − β' = k(1 − β) (clamped at 0, as plan does) and ε' = ε/√k; with
+        what was clamped."""
+        k = global_batch / config.reference_global_batch_size
+        opt = config.optimizer
+        betas = tuple(1.0 - k * (1.0 - b) for b in opt.betas)
+        clamped = [f"β{i + 1}" for i, b in enumerate(betas) if b < 0]
+        return dataclasses.replace(opt, betas=tuple(max(b, 0.0) for b in betas), eps=opt.eps / math.sqrt(k)), clamped
+
+    def optimizer(self, config: StudyConfig, global_batch: int) -> OptimizerConfig:
+        return self.scaled(config, global_batch)[0]
+
+    def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
+        if self.name not in config.rules:
+            return {}
+        rows = []
+        for b in sorted(config.global_batch_sizes):
+            optimizer, clamped = self.scaled(config, b)
+            rows.append({"global_batch_size": b, "lr": self.runs(config, b)[0][0], "betas": list(optimizer.betas),
+                         "eps": optimizer.eps, "clamped": clamped})
+        return {"adam_sqrt": rows}
+
+    def warnings(self, config: StudyConfig, batches: dict[int, BatchRuns]) -> list[str]:
+        at = sorted(b for b, view in batches.items() if self.name in view.own and self.scaled(config, b)[1])
+        if not at:
+            return []
+        return [f"the adam-sqrt rule's 1 − k(1 − β) falls below 0 at global batch {', '.join(map(str, at))}: clamped "
+                "to 0 (as ddplab plan does); the rule was derived for batches that grow less than 1/(1 − β₁)"]

@@ -1,0 +1,168 @@
+"""What a study rule is: how it sets a run's lr, optimizer and batch, which runs it trains, and how it is read.
+
+A rule is one object (one module under ``ddplab.study.rules``); the grid, the engines and the analysis ask it,
+and nothing else looks at its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
+
+from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
+from ddplab.study.runs import LrScaling, RunGroup, RunResult
+
+if TYPE_CHECKING:
+    from ddplab.study.workloads import Workload
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchRuns:
+    """Every run trained at one global batch, as the analysis reads them."""
+
+    config: StudyConfig
+    global_batch_size: int
+    lrs: dict[float, list[str]]
+    """Each fixed lr trained here and the rules it serves."""
+    fixed: dict[tuple[float, int], RunResult]
+    """The shared grid's runs by (lr, seed)."""
+    own: dict[str, dict[int, RunResult]]
+    """The runs of each rule with a group of its own, by seed."""
+    best: tuple[float, float] | None
+    """(lr, median steps) of the tuned sweep's best lr; None without a sweep or when no median arrived."""
+
+    def seeds_at(self, lr: float) -> list[RunResult]:
+        return [self.fixed[(lr, seed)] for seed in range(self.config.seeds)]
+
+
+class Rule:
+    """A way to train at a global batch from the reference (batch, lr). Subclasses set the class attributes and
+    override what differs."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    """One line for --help and the docs."""
+    shares_grid: ClassVar[bool] = False
+    """Its runs are fixed lrs of the grid the fixed-lr rules share (one run may serve several rules)."""
+    sweeps: ClassVar[bool] = False
+    """Its lrs are a sweep whose best run is the ground truth the others are judged against (tuned)."""
+    lr_scaling: ClassVar[LrScaling] = "fixed"
+    fitted: ClassVar[bool] = True
+    """Steps-to-target is fitted against the batch for it; a rule whose batch changes is judged otherwise."""
+    adam_only: ClassVar[bool] = False
+    """It sets Adam's betas or eps, so it needs an Adam-family optimizer."""
+    multi_rank: ClassVar[bool] = False
+    """On the DDP engine it measures across ranks, so it needs two or more."""
+    single_process: ClassVar[bool] = False
+    """It trains one model in this process (not under torchrun)."""
+
+    def check(self, config: StudyConfig) -> None:
+        """Raise UsageError when the study's settings cannot run this rule."""
+
+    # The grid.
+    def grid_lrs(self, config: StudyConfig, global_batch: int) -> list[float]:
+        """The lrs this rule trains at ``global_batch`` in the grid the fixed-lr rules share."""
+        return []
+
+    def optimizer(self, config: StudyConfig, global_batch: int) -> OptimizerConfig:
+        """The optimizer its runs step with at ``global_batch``."""
+        return config.optimizer
+
+    def group(self, config: StudyConfig, global_batch: int, trained: list[RunResult]) -> RunGroup | None:
+        """Its group of its own at ``global_batch`` (after the grid's runs there, ``trained``), or None."""
+        return None
+
+    def train(self, workload: Workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
+        """Train its group itself; rules whose groups an engine trains never get here."""
+        raise NotImplementedError(f"the {self.name} rule's groups train on an engine")
+
+    trains_itself: ClassVar[bool] = False
+    """Its groups train in its own loop (:meth:`train`) rather than on an engine."""
+
+    def stretches(self, config: StudyConfig) -> int:
+        """Stretches of ``max_steps`` its own groups train (for progress)."""
+        return 0
+
+    # The analysis.
+    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
+        """The runs, one per seed, this rule is judged by at the view's batch; None where it has none."""
+        return None
+
+    def rows(self, view: BatchRuns) -> list[dict]:
+        """Its runs at the view's batch in its own groups, as the runs table lists them."""
+        return [row(self.name, view.global_batch_size, run) for run in self.seeds_at(view) or []]
+
+    def serves(self, run: RunResult, lrs: dict[float, list[str]]) -> bool:
+        """Whether ``run`` is one of this rule's."""
+        return run.rule == self.name
+
+    def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
+        """Sections of its own in the study's JSON ({key: value})."""
+        return {}
+
+    def warnings(self, config: StudyConfig, batches: dict[int, BatchRuns]) -> list[str]:
+        return []
+
+
+class GridRule(Rule):
+    """A fixed lr at each batch (the reference lr × a factor of k = B/B_ref), in the shared grid."""
+
+    shares_grid = True
+
+    def factor(self, k: float) -> float:
+        raise NotImplementedError
+
+    def lr(self, config: StudyConfig, global_batch: int) -> float:
+        return round_lr(config.reference_lr * self.factor(global_batch / config.reference_global_batch_size))
+
+    def grid_lrs(self, config: StudyConfig, global_batch: int) -> list[float]:
+        return [self.lr(config, global_batch)]
+
+    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
+        return view.seeds_at(self.lr(view.config, view.global_batch_size))
+
+    def rows(self, view: BatchRuns) -> list[dict]:
+        # The shared grid's rows are listed lr by lr (analysis.grid_rows), every rule an lr serves beside it.
+        return []
+
+    def serves(self, run: RunResult, lrs: dict[float, list[str]]) -> bool:
+        return not run.rule and self.name in lrs.get(run.lr, [])
+
+
+class OwnGroupRule(Rule):
+    """Runs of its own at every batch it trains at, one per seed, cached apart from the grid."""
+
+    def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
+        raise NotImplementedError
+
+    def group(self, config: StudyConfig, global_batch: int, trained: list[RunResult]) -> RunGroup | None:
+        runs = self.runs(config, global_batch)
+        if not runs:
+            return None
+        return RunGroup(global_batch_size=global_batch, runs=tuple(runs), rule=self.name,
+                        optimizer=self.optimizer(config, global_batch), lr_scaling=self.lr_scaling)
+
+    def stretches(self, config: StudyConfig) -> int:
+        return sum(bool(self.runs(config, b)) for b in config.global_batch_sizes)
+
+    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
+        own = view.own.get(self.name, {})
+        if 0 not in own:
+            return None
+        return [own[seed] for seed in range(view.config.seeds)]
+
+
+
+def row(rule: str, global_batch: int, run: RunResult, *, best: bool = False, **extra) -> dict:
+    """One run as the runs table lists it (a run serving several rules is listed once per rule)."""
+    return {"rule": rule, "global_batch_size": global_batch, "lr": run.lr, "seed": run.seed,
+            "steps_to_target": run.steps_to_target, "samples_to_target": samples(run, global_batch),
+            "diverged": run.diverged, "stalled": run.stalled, "pruned": run.pruned, "extension": run.extension,
+            "best": best, **extra}
+
+
+def samples(run: RunResult, global_batch: int) -> int | None:
+    """Samples to the target: what the run counted (a ramp's batch changes), else steps × its fixed batch."""
+    if run.samples_to_target is not None or run.steps_to_target is None:
+        return run.samples_to_target
+    return run.steps_to_target * global_batch

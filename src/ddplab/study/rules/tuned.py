@@ -1,0 +1,31 @@
+"""``tuned``: a sweep of lrs at every batch, the best kept: the ground truth the other rules are judged against."""
+
+from __future__ import annotations
+
+import math
+
+from ddplab.errors import UsageError
+from ddplab.study.config import StudyConfig, round_lr
+from ddplab.study.rules.base import BatchRuns, GridRule
+from ddplab.study.runs import RunResult
+
+
+class Tuned(GridRule):
+    name = "tuned"
+    summary = "a sweep of lrs at every batch, the best kept"
+    sweeps = True
+
+    def check(self, config: StudyConfig) -> None:
+        if len(set(config.global_batch_sizes)) < 2:
+            raise UsageError("{global_batch_sizes} needs at least two sizes for a fit")
+
+    def grid_lrs(self, config: StudyConfig, global_batch: int) -> list[float]:
+        """A log grid through the reference lr, spanning the constant and linear rules' lrs widened by the margin."""
+        k = global_batch / config.reference_global_batch_size
+        low, high = min(1.0, k) / config.sweep_margin, max(1.0, k) * config.sweep_margin
+        step = math.log(config.sweep_factor)
+        first, last = math.ceil(math.log(low) / step - 1e-9), math.floor(math.log(high) / step + 1e-9)
+        return [round_lr(config.reference_lr * config.sweep_factor ** i) for i in range(first, last + 1)]
+
+    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
+        return view.seeds_at(view.best[0]) if view.best is not None else None

@@ -1,0 +1,155 @@
+"""What a study trains and what each run found: run groups, run results, and when a run is finished.
+
+Torch-free: the engines fill these in, the rules and the analysis read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from ddplab.study import fit
+from ddplab.study.config import OptimizerConfig, StudyConfig
+
+DIVERGED_LOSS = 1e6
+"""A run whose training loss is not finite, or explodes past this, has diverged."""
+
+LrScaling = Literal["fixed", "gain"]
+"""How a group's runs set each update's lr: their own lr throughout, or that lr times AdaScale's measured gain."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunGroup:
+    """Runs trained together: one global batch, one way of setting the lr, one optimizer."""
+
+    global_batch_size: int
+    runs: tuple[tuple[float, int], ...]
+    """(lr, seed) of each run."""
+    optimizer: OptimizerConfig
+    """The optimizer every run of the group steps with (its lr is the run's)."""
+    rule: str = ""
+    """The rule whose group of its own this is; "" for the grid of fixed lrs that several rules share."""
+    lr_scaling: LrScaling = "fixed"
+    sweep_only: frozenset[float] = frozenset()
+    """lrs that serve the tuned sweep alone: their runs stop once they can no longer be the best."""
+    extension: bool = False
+    """Sweep lrs past the configured sweep's edge, added because the best lr sat on it."""
+
+    @property
+    def cache_key(self) -> str:
+        """The suffix of the group's cache file beside its batch size."""
+        return f"-{self.rule}" if self.rule else "-extension" if self.extension else ""
+
+    def results(self) -> list[RunResult]:
+        """A fresh result per run, for an engine to fill in."""
+        return [RunResult(global_batch_size=self.global_batch_size, lr=lr, seed=seed, rule=self.rule,
+                          extension=self.extension) for lr, seed in self.runs]
+
+    def part(self, start: int, stop: int) -> RunGroup:
+        """The runs ``start`` to ``stop`` as a group of their own (a group split to fit in memory)."""
+        return dataclasses.replace(self, runs=self.runs[start:stop])
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One (batch, lr, seed) run."""
+
+    global_batch_size: int
+    lr: float
+    seed: int
+    rule: str = ""
+    """The rule that trained it in a group of its own (adascale, adam-sqrt, ramp); "" for the shared fixed grid."""
+    steps_to_target: int | None = None
+    diverged: bool = False
+    pruned: bool = False
+    """Stopped early: a tuned-sweep lr that can no longer be the best at its batch size."""
+    history: list = dataclasses.field(default_factory=list)
+    """[step, training loss, metric] at each evaluation."""
+    noise_g2: list = dataclasses.field(default_factory=list)
+    noise_trace: list = dataclasses.field(default_factory=list)
+    """Per-evaluation |G|² and tr Σ (estimators.unbiased_estimates) up to the target."""
+    gains: list = dataclasses.field(default_factory=list)
+    """AdaScale runs: [step, gain, τ] at each evaluation (the gain of that step's update)."""
+    trajectory: list = dataclasses.field(default_factory=list)
+    """Runs whose batch changes (the ramp): [step, global batch, lr] at each evaluation."""
+    samples_to_target: int | None = None
+    """Training samples consumed until the target was reached."""
+    stalled: bool = False
+    """Stopped early: no better metric for ``StudyConfig.patience`` evaluations."""
+    extension: bool = False
+    """A tuned-sweep lr past the configured sweep's edge, added because the best lr sat on it."""
+
+    @property
+    def fixed(self) -> bool:
+        """Trained at a fixed lr and batch with the study's optimizer, in the grid the fixed-lr rules share."""
+        return not self.rule
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, row: dict) -> RunResult:
+        """A run as the cache holds it (a cache written before groups named their rule flags it instead)."""
+        row = dict(row)
+        for flag, rule in (("adascale", "adascale"), ("ramp", "ramp"), ("adam_sqrt", "adam-sqrt")):
+            if row.pop(flag, False):
+                row["rule"] = rule
+        return cls(**row)
+
+
+def settle(config: StudyConfig, result: RunResult, steps: int, metric: float) -> bool:
+    """Record an evaluation's ``metric`` after ``steps``; True when it finishes the run: diverged, reached the target
+    or stalled (the one decision both engines and the ramp take)."""
+    if not math.isfinite(metric):
+        result.diverged = True
+    elif config.target.reached(metric):
+        result.steps_to_target = steps
+    elif stalled(config, result.history):
+        result.stalled = True
+    else:
+        return False
+    return True
+
+
+def stalled(config: StudyConfig, history: list) -> bool:
+    """No evaluation among the last ``patience`` improved on the best before them."""
+    patience = config.patience
+    if not patience or len(history) <= patience:
+        return False
+    sign = 1.0 if config.target.kind == "accuracy" else -1.0
+    before = max(sign * h[2] for h in history[:-patience])
+    return max(sign * h[2] for h in history[-patience:]) <= before
+
+
+def settled_best(results) -> tuple[float | None, float]:
+    """(lr, median steps) of the fewest median steps among the lrs whose median is settled: n//2 + 1 of its n
+    seeds reached the target, and the rest can only be slower (still running behind them, or never arriving).
+    (None, inf) when no lr's median is settled."""
+    by_lr: dict[float, list[RunResult]] = {}
+    for result in results:
+        by_lr.setdefault(result.lr, []).append(result)
+    best_lr, best = None, math.inf
+    for lr, runs in by_lr.items():
+        reached = sorted(r.steps_to_target for r in runs if r.steps_to_target is not None)
+        if len(reached) >= len(runs) // 2 + 1:
+            median = fit.median(reached + [math.inf] * (len(runs) - len(reached)))
+            if median < best:
+                best_lr, best = lr, median
+    return best_lr, best
+
+
+def loser_bound(best: float, seeds: int) -> float:
+    """Steps past which a run of another lr can no longer have the fewest median steps."""
+    # With an even seed count the median averages two runs: a loser is certain only past twice the best.
+    return best * (2 if seeds % 2 == 0 else 1)
+
+
+def steps(run: RunResult) -> float:
+    """Steps to the target, inf for a run that never arrived."""
+    return float(run.steps_to_target) if run.steps_to_target is not None else math.inf
+
+
+def grid_group(config: StudyConfig, global_batch: int, runs, **fields) -> RunGroup:
+    """A group of the shared grid: ``runs`` (lr, seed) at ``global_batch`` with the study's optimizer."""
+    return RunGroup(global_batch_size=global_batch, runs=tuple(runs), optimizer=config.optimizer, **fields)
