@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import textwrap
 
 from ddplab.errors import UsageError
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; help texts wrapped at spaces only, so a flag such as --world-size stays whole."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class EndedBySignal(Exception):

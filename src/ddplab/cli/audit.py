@@ -6,7 +6,7 @@ import argparse
 
 from ddplab.auditor.runner import AuditConfig
 from ddplab.cli import render
-from ddplab.cli.args import EndedBySignal, mark
+from ddplab.cli.args import EndedBySignal, HelpFormatter, mark
 from ddplab.cli.options import add_field, fields_given
 
 DESCRIPTION = """\
@@ -53,7 +53,7 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("audit", help="find silent DDP mistakes in your own training command",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
     add_field(parser, AuditConfig, "steps")
     parser.add_argument("--json", action="store_true",
                         help="print the merged report as one JSON object on stdout, after the command's output")

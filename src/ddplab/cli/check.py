@@ -6,7 +6,7 @@ import argparse
 
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, launch_config
+from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config
 from ddplab.cli.options import add_fields, fields_given
 from ddplab.text import count
 
@@ -38,7 +38,7 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("check", help="prove a model trains the same on N ranks as on one",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser, CheckConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed", "tolerance"))
     parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, launch_config
+from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config
 from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError, literal
 from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
@@ -39,7 +39,7 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser, NoiseConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed",
                                      "accumulation_steps", "every"))
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddplab.cli import render
-from ddplab.cli.args import flags, mark
+from ddplab.cli.args import HelpFormatter, flags, mark
 from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError
 from ddplab.plan.planner import Data, Reference, Target
@@ -32,7 +32,7 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="translate batch size, lr, warmup and steps to new hardware",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser.add_argument_group("reference (the run you trust)"), Reference,
                ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "wrapper", "optimizer",
                 "betas", "eps", "reduction"), prefix="reference", per_device_batch_size={"required": True})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, launch_config, mark
+from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config, mark
 from ddplab.cli.options import add_field, add_fields, fields_given
 from ddplab.sandbox.config import SandboxConfig
 
@@ -27,17 +27,17 @@ EXAMPLES = {
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "sandbox", help="compare single-process and multi-rank DDP training on a one-neuron toy",
-        description=EXPLAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=EXPLAIN, formatter_class=HelpFormatter)
     modes = mark(parser.add_subparsers(dest="mode", metavar="MODE", parser_class=type(parser)), "mode")
     modes.required = True
     single = modes.add_parser("single", help="one process, batch B", description=EXPLAIN + (
         "\nOne process, loader batch B → 256/B steps per epoch.\n" + EXAMPLES["single"]),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     _add_run_flags(single)
     multi = modes.add_parser("multi", help="W DDP ranks of batch b each", description=EXPLAIN + (
         "\nW ranks with per-rank batch b; DistributedSampler shards the 256 samples, so an epoch is\n"
         "256/(b·W) steps and DDP averages the W gradients. Under torchrun it joins torchrun's group.\n"
-        + EXAMPLES["multi"]), formatter_class=argparse.RawDescriptionHelpFormatter)
+        + EXAMPLES["multi"]), formatter_class=HelpFormatter)
     _add_run_flags(multi)
     add_fields(multi, SandboxConfig, ("world_size", "bypass_ddp"))
     add_launch_flags(multi)
@@ -46,7 +46,7 @@ def add_parser(subparsers) -> None:
         description="Runs the classic study: single vs 8 DDP ranks of 16, deterministic and noisy, with the\n"
                     "linear and square-root LR rules. All multi runs share one launch of the ranks.\n\n"
                     "examples:\n  ddplab sandbox table\n  ddplab sandbox table --json --seed 1\n",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     add_field(table, SandboxConfig, "seed")
     table.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_launch_flags(table)

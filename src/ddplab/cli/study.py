@@ -8,7 +8,7 @@ import os
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import mark, number
+from ddplab.cli.args import HelpFormatter, mark, number
 from ddplab.cli.options import add_fields, fields_given, help_text
 from ddplab.errors import SpecError, UsageError, literal
 from ddplab.study.config import (
@@ -65,11 +65,10 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("study", help="measure steps-to-target vs global batch per lr rule; fit B_crit",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
     _add_workload_flags(parser)
     add_fields(parser, StudyConfig, ("global_batch_sizes", "rules", "reference_global_batch_size", "reference_lr",
-                                     "seeds"), rules={"type": _rule_list, "metavar": "RULES",
-                                                "help": f"{help_text(StudyConfig, 'rules')}; among {', '.join(RULES)}"})
+                                     "seeds"), rules={"type": _rule_list, "metavar": "RULES", "help": _rules_help()})
     opt = parser.add_argument_group("optimizer (default: the spec's optimizer(), else SGD with momentum 0.9; "
                                     "flags override single settings)")
     add_fields(opt, OptimizerConfig, ("family", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"),
@@ -102,6 +101,11 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     mark(target.add_argument("--target-loss", type=number, dest="target.loss", metavar="TARGET_LOSS",
                              help="validation loss to reach"),
          "target.loss")
+
+
+def _rules_help() -> str:
+    # The rules are a registry, not a Literal: its names are the choices.
+    return help_text(StudyConfig, "rules").replace("comma-separated", f"comma-separated among {','.join(RULES)}", 1)
 
 
 def _rule_list(text: str) -> tuple[str, ...]:

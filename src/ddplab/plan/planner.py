@@ -8,7 +8,9 @@
 4
 
 Errors are :class:`~ddplab.errors.UsageError` sentences naming the field to change as the
-argument holds it (``reference.lr``, ``target.devices``, ``data.dataset_size``).
+argument holds it (``reference.lr``, ``target.devices``, ``data.dataset_size``), and so is the
+plan's prose (its reasons, warnings and other mode): templates a Python caller reads with field
+names and the command line with its flags (``plan(..., names=...)``).
 """
 
 from __future__ import annotations
@@ -206,8 +208,9 @@ class MeasuredLr:
 
     lr: float
     reason: str
-    """Where the number comes from, for the table's "why" column."""
+    """Where the number comes from, for the table's "why" column (a template: ``{field}`` names a field)."""
     warnings: tuple[str, ...] = ()
+    """Templates too."""
 
 
 LrSource = Callable[[int], MeasuredLr]
