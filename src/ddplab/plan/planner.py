@@ -208,7 +208,7 @@ class MeasuredLr:
 
     lr: float
     reason: str
-    """Where the number comes from, for the table's "why" column (a template: ``{field}`` names a field)."""
+    """Where the number comes from, for the table's "why" column (a template, as a UsageError's)."""
     warnings: tuple[str, ...] = ()
     """Templates too."""
 
