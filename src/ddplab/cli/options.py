@@ -76,19 +76,19 @@ def _add_switch(parser, config: type, name: str, path: str, flag: str, text: str
     action = None
     if optional_value:
         action = mark(group.add_argument(flag, dest=path, nargs="?", const=True, type=parse_bool, default=None,
-                                          metavar=flag[2:].replace("-", "_").upper(), help=_with_default(text, True)
-                                          if default is True else text, **custom), path, flag)
+                                         metavar=flag[2:].replace("-", "_").upper(),
+                                         help=_with_default(text, default), **custom), path, flag)
     elif default is not True:
         action = mark(group.add_argument(flag, dest=path, action="store_const", const=True, default=None,
-                                          help=text, **custom), path, flag)
-    if default is True:
-        negation = [f"--no-{flag[2:]}"]
-        alias = RENAMES.get(f"{path}=False")
-        negation += [alias] if alias else []
-        said = f"the same as {flag} False" if action is not None else "do not " + text
-        action = mark(group.add_argument(*negation, dest=path, action="store_const", const=False, default=None,
-                                          help=said), f"{path}=False", negation[-1])
-    return action
+                                         help=text, **custom), path, flag)
+    if default is not True:
+        return action
+    negation = [f"--no-{flag[2:]}", *filter(None, [RENAMES.get(f"{path}=False")])]
+    # "x = 1, y = 0; False: noisy data, ..." says what the negation does after "False: ".
+    when_false = text.partition("False: ")[2]
+    said = f"the same as {flag} False" + (f": {when_false}" if when_false else "") if action else "do not " + text
+    return mark(group.add_argument(*negation, dest=path, action="store_const", const=False, default=None, help=said),
+                f"{path}=False", negation[-1])
 
 
 def fields_given(args: argparse.Namespace, config: type, *, prefix: str = "",
@@ -118,7 +118,8 @@ def help_text(config: type, name: str, *, prefix: str = "") -> str:
 
 
 def _with_default(text: str, default: Any) -> str:
-    if default in (None, dataclasses.MISSING) or "(default" in text:
+    # By identity: a default of 0 is quoted, a switch's False is not.
+    if default is None or default is False or default is dataclasses.MISSING or "(default" in text:
         return text
     # A closing remark in parentheses takes the default in: "(the process-group timeout; default 60)".
     remark = text[text.rfind("(") + 1:-1] if text.endswith(")") else ""
