@@ -82,16 +82,23 @@ def test_nothing_outside_the_command_line_prints():
     assert offenders == []
 
 
+# ddplab.validation's checks: their first argument is the field their sentence names.
+RANGE_CHECKS = {"at_least", "positive", "zero_or_more", "within", "one_of"}
+
+
 def _templates(tree):
-    """The first argument of every UsageError(...), SpecError(...) and spec.error(...): its literal text."""
+    """The first argument of every UsageError(...), SpecError(...) and spec.error(...): its literal text; a range
+    check's field as ``{field}``."""
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not node.args:
             continue
         func = node.func
         name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        first = node.args[0]
+        if name in RANGE_CHECKS and isinstance(first, ast.Constant) and isinstance(first.value, str):
+            yield node.lineno, "{" + first.value + "}"
         if name not in ("UsageError", "SpecError", "error"):
             continue
-        first = node.args[0]
         parts = first.values if isinstance(first, ast.JoinedStr) else [first]
         yield node.lineno, "".join(p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str))
 
@@ -108,10 +115,28 @@ def test_every_field_an_error_names_has_a_flag_or_is_python_only():
     assert all(flag.startswith("--") or flag.isupper() or flag.endswith(".py") for flag in FLAGS.values())
 
 
-def test_the_plans_prose_speaks_the_flags_of_the_table():
-    from ddplab.plan.planner import PROSE_NAMES
+def _strings(tree):
+    """Every string literal's text (an f-string's literal parts joined), with its line."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            yield node.lineno, "".join(p.value for p in node.values if isinstance(p, ast.Constant))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
 
-    assert PROSE_NAMES.items() <= FLAGS.items()
+
+def test_the_plans_prose_names_fields_that_have_flags_and_no_flag_itself():
+    # The prose is a template: a Python caller reads the fields, the command line their flags (one table).
+    named, flags = {}, []
+    for path, _, tree in _modules():
+        if not path.startswith("plan" + os.sep):
+            continue
+        for line, text in _strings(tree):
+            for field in FIELD.findall(text):
+                named.setdefault(field, f"{path}:{line}")
+            flags += [f"{path}:{line}: {text}" for _ in re.findall(r"(?<![\w-])--[a-z]", text)]
+    assert len(named) > 15  # the scan sees the prose
+    assert flags == []
+    assert {field: where for field, where in named.items() if field not in FLAGS and field not in PYTHON_ONLY} == {}
 
 
 def test_launch_state_lives_in_objects_not_module_globals():

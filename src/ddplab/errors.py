@@ -29,6 +29,22 @@ def literal(text: str) -> str:
     return str(text).replace("{", "{{").replace("}", "}}")
 
 
+def render(template: str, names: Mapping[str, str] | None = None) -> str:
+    """``template`` with each ``{field}`` shown as ``names[field]`` (by default its own name), ``{{``/``}}`` as braces.
+
+    Library prose that names fields (an error, a plan's reasons) is such a template: a Python
+    caller reads field names, the command line reads its flags.
+    """
+    names = names or {}
+
+    def show(match: re.Match) -> str:
+        if match[1] is None:
+            return match[0][0]
+        return names.get(match[1], match[1])
+
+    return _TOKEN.sub(show, template)
+
+
 class UsageError(ValueError):
     """Bad input, in one sentence that says what to change (exit code 2 on the command line)."""
 
@@ -43,14 +59,7 @@ class UsageError(ValueError):
 
     def render(self, names: Mapping[str, str] | None = None) -> str:
         """The sentence, each field shown as ``names[field]`` (by default its own name)."""
-        names = names or {}
-
-        def show(match: re.Match) -> str:
-            if match[1] is None:
-                return match[0][0]
-            return names.get(match[1], match[1])
-
-        return _TOKEN.sub(show, self.template)
+        return render(self.template, names)
 
     def __reduce__(self):
         # Pickled (a spawned rank's record, a result file) as its template, not its rendered text.

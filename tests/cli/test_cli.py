@@ -212,3 +212,115 @@ def test_every_help_teaches_with_examples_and_states_its_defaults(path, capsys):
     if path == ("study",):
         flat = " ".join(text.split())
         assert "(default study-out)" in flat and "--global-batch-sizes" in flat and "--ref-global-batch-size" in flat
+
+
+# Flags generated from the configs: a field's type, default, choices and docstring are its flag.
+
+def _toy_parser():
+    import dataclasses
+    from typing import Literal
+
+    from ddplab.cli.main import Parser
+    from ddplab.cli.options import add_fields
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Toy:
+        per_device_batch_size: int
+        """Per-device batch."""
+        lr: float = 0.5
+        """Learning rate (no momentum)."""
+        mode: Literal["fast", "slow"] = "fast"
+        """How to run."""
+        sizes: tuple[int, ...] = (8, 16)
+        """Batch sizes, comma-separated."""
+        plots: bool = True
+        """Write the plots."""
+        fresh: bool = False
+        """Start over, discarding ``sizes``."""
+        cap: int | None = None
+        """Largest batch (default: no cap)."""
+
+    parser = Parser(prog="toy")
+    add_fields(parser, Toy, ("per_device_batch_size", "lr", "mode", "sizes", "plots", "fresh", "cap"))
+    return Toy, parser
+
+
+def test_a_field_is_its_flag():
+    from ddplab.cli.options import fields_given
+
+    toy, parser = _toy_parser()
+    actions = {action.option_strings[0]: action for action in parser._actions if action.option_strings}
+    assert set(actions) == {"-h", "--batch-size", "--lr", "--mode", "--sizes", "--no-plots", "--fresh", "--cap"}
+    helps = {flag: action.help for flag, action in actions.items()}
+    assert helps["--batch-size"] == "per-device batch" and actions["--batch-size"].required
+    assert helps["--lr"] == "learning rate (no momentum; default 0.5)"
+    assert helps["--mode"] == "how to run (default fast)" and actions["--mode"].choices == ("fast", "slow")
+    assert helps["--sizes"] == "batch sizes, comma-separated (default 8,16)"
+    assert helps["--no-plots"] == "do not write the plots" and helps["--fresh"] == "start over, discarding --sizes"
+    assert helps["--cap"] == "largest batch (default: no cap)"
+    # Nothing given: only the required field, and every other default is the config's.
+    args = parser.parse_args(["--batch_size", "4"])
+    assert toy(**fields_given(args, toy)) == toy(per_device_batch_size=4)
+    args = parser.parse_args(["--batch-size", "4", "--lr", "0.1", "--mode", "slow", "--sizes", "1,2", "--no-plots",
+                              "--fresh", "--cap", "3"])
+    assert fields_given(args, toy) == {"per_device_batch_size": 4, "lr": 0.1, "mode": "slow", "sizes": (1, 2),
+                                       "plots": False, "fresh": True, "cap": 3}
+
+
+def test_a_field_without_a_docstring_has_no_flag():
+    import dataclasses
+
+    from ddplab.cli.main import Parser
+    from ddplab.cli.options import add_field
+
+    @dataclasses.dataclass
+    class Bare:
+        steps: int = 1
+
+    with pytest.raises(TypeError, match="Bare.steps has no docstring"):
+        add_field(Parser(prog="bare"), Bare, "steps")
+
+
+def test_help_quotes_the_defaults_the_configs_hold():
+    from ddplab.check.config import CheckConfig
+    from ddplab.noise.config import NoiseConfig
+    from ddplab.plan.planner import Data, Reference
+    from ddplab.study.config import StudyConfig, StudyOptions
+
+    helps = {path: {option: action.help for action in parser._actions for option in action.option_strings}
+             for path, parser in _leaves(build_parser())}
+    assert f"(default {CheckConfig.steps})" in helps[("check",)]["--steps"]
+    assert f"(default {NoiseConfig.steps})" in helps[("noise",)]["--steps"]
+    assert f"default {CheckConfig.tolerance:g}" in helps[("check",)]["--tolerance"]
+    assert f"(default {Reference.devices})" in helps[("plan",)]["--ref-devices"]
+    assert f"(default {Data.warmup_threshold:g})" in helps[("plan",)]["--warmup-threshold"]
+    assert f"(default {StudyOptions.out})" in helps[("study",)]["--out"]
+    batches = ",".join(map(str, StudyConfig.global_batch_sizes))
+    assert f"(default {batches})" in helps[("study",)]["--global-batch-sizes"]
+
+
+def test_the_rules_help_names_every_rule_and_both_defaults():
+    from ddplab.study.config import ADAM_RULES, FIXED_RULES
+    from ddplab.study.rules import REGISTRY as RULES
+
+    rules = next(a.help for a in dict(_leaves(build_parser()))[("study",)]._actions if "--rules" in a.option_strings)
+    assert all(rule in rules for rule in RULES)
+    assert f"default {','.join(FIXED_RULES)} for SGD, {','.join(ADAM_RULES)} for Adam/AdamW" in rules
+
+
+def test_the_flag_table_is_read_off_the_parsers():
+    from ddplab.cli.args import FLAGS, flags
+    from ddplab.cli.options import RENAMES
+
+    assert FLAGS == flags()
+    assert {FLAGS[field] for field in ("per_device_batch_size", "target.per_device_batch_size")} == {"--batch-size"}
+    assert (FLAGS["reference.per_device_batch_size"], FLAGS["plots=False"], FLAGS["deterministic=False"],
+            FLAGS["spec_path"], FLAGS["mode"], FLAGS["command"]) == ("--ref-batch-size", "--no-plots", "--noisy",
+                                                                       "SPEC.py", "MODE", "COMMAND")
+    # Every rename names a field some command sets: no stale entry.
+    assert set(RENAMES) - set(FLAGS) == set()
+    # Every flag a parser has is in the table, unless it sets no config field.
+    options = {option for _, parser in _leaves(build_parser()) for action in parser._actions
+               for option in action.option_strings}
+    unmapped = options - set(FLAGS.values()) - {"-h", "--help", "--json", "--strict", "--plot", "--no-deterministic"}
+    assert unmapped == set()

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddplab.cli.args import flags
 from ddplab.cli.main import main
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
@@ -66,8 +67,14 @@ def test_step_accounting_follows_distributed_sampler():
     # 1000 samples over 8 ranks is 125 each, less than one step's 256: the "global batch 2048" never happens.
     short = plan(Reference(per_device_batch_size=256, lr=0.1), Target(devices=8), Data(dataset_size=1000))
     assert short.global_batch_size == 2048 and short.steps_per_epoch == 1
+    # A Python caller reads the field to change; the command line its flag.
+    assert any("each rank holds 125 samples per epoch, fewer than one optimizer step's share "
+               "(target.per_device_batch_size 256 × 1 accumulation step): every step sees at most 1000 samples" in w
+               for w in short.warnings)
+    flagged = plan(Reference(per_device_batch_size=256, lr=0.1), Target(devices=8), Data(dataset_size=1000),
+                   names=flags())
     assert any("each rank holds 125 samples per epoch, fewer than one optimizer step's share (--batch-size 256 × 1 "
-               "accumulation step): every step sees at most 1000 samples" in w for w in short.warnings)
+               "accumulation step): every step sees at most 1000 samples" in w for w in flagged.warnings)
 
 
 def test_warmup_and_critical_batch():
@@ -314,10 +321,16 @@ def test_memory_limit_applies_in_per_device_mode():
     assert (one.global_batch_size, one.lr) == (free.global_batch_size, free.lr) == (256, 0.8)
     five = plan(ref, Target(devices=8, max_batch_size_per_device=5))
     assert (five.per_device_batch_size, five.accumulation_steps) == (4, 8)
-    assert "--max-batch-size-per-device 5" in five.reasons["per_device_batch_size"]
+    assert "target.max_batch_size_per_device 5" in five.reasons["per_device_batch_size"]
+    assert "--max-batch-size-per-device 5" in plan(ref, Target(devices=8, max_batch_size_per_device=5),
+                                                   names=flags()).reasons["per_device_batch_size"]
     given = plan(ref, Target(devices=8, global_batch_size=512, max_batch_size_per_device=16))
     assert (given.per_device_batch_size, given.accumulation_steps) == (16, 4)
-    assert given.reasons["per_device_batch_size"] == "--global-batch-size 512 over 8 ranks with at most 16 per device"
+    assert (given.reasons["per_device_batch_size"]
+            == "target.global_batch_size 512 over 8 ranks with at most 16 per device")
+    assert (plan(ref, Target(devices=8, global_batch_size=512, max_batch_size_per_device=16),
+                 names=flags()).reasons["per_device_batch_size"]
+            == "--global-batch-size 512 over 8 ranks with at most 16 per device")
     with pytest.raises(UsageError, match="drop target.accumulation_steps"):
         plan(ref, Target(devices=8, max_batch_size_per_device=5, accumulation_steps=2))
     # The other mode's summary respects the limit too.

@@ -30,6 +30,7 @@ import dataclasses
 from ddplab.adapt.during_step import LrDuringStep, require_optimizer
 from ddplab.adapt.gain import Smoothed, default_smoothing
 from ddplab.errors import UsageError
+from ddplab.validation import at_least, positive, within
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,19 +62,16 @@ class AdaScale:
     def __init__(self, optimizer, noise_scale, *, reference_batch_size: int, scheduler=None,
                  reference_steps: int | None = None, smoothing: float | None = None):
         _require_drivable(optimizer, noise_scale, scheduler)
-        if not (isinstance(reference_batch_size, int) and reference_batch_size >= 1):
-            raise UsageError(f"{{reference_batch_size}} must be a positive integer, got {reference_batch_size}")
+        positive("reference_batch_size", reference_batch_size, integer=True)
         self.scale = noise_scale.b_big / reference_batch_size
         if self.scale < 1:
             raise UsageError(f"the global batch {noise_scale.b_big} is smaller than {{reference_batch_size}} "
                              f"{reference_batch_size}: AdaScale scales up from the reference, never down")
-        if reference_steps is not None and not reference_steps >= 1:
-            raise UsageError(f"{{reference_steps}} must be at least 1, got {reference_steps}")
+        at_least("reference_steps", reference_steps)
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise UsageError("{scheduler} must schedule the {optimizer} AdaScale drives")
         smoothing = default_smoothing(self.scale) if smoothing is None else smoothing
-        if not 0 <= smoothing < 1:
-            raise UsageError(f"{{smoothing}} must be in [0, 1), got {smoothing}")
+        within("smoothing", smoothing, "[0, 1)")
         self.optimizer, self.noise_scale, self.scheduler = optimizer, noise_scale, scheduler
         self.reference_batch_size, self.reference_steps = reference_batch_size, reference_steps
         self.estimates = Smoothed(smoothing)

@@ -39,6 +39,7 @@ from typing import Literal
 
 from ddplab.adapt.during_step import LrDuringStep, require_optimizer
 from ddplab.errors import UsageError
+from ddplab.validation import positive
 
 RampRule = Literal["linear", "sqrt", "none"]
 
@@ -96,8 +97,7 @@ class BatchRamp:
         for name, value, low in (("warmup_steps", warmup_steps, 0), ("interval", interval, 1)):
             if not (isinstance(value, int) and value >= low):
                 raise UsageError(f"{{{name}}} must be an integer ≥ {low}, got {value}")
-        if not 0 < target_ratio < math.inf:
-            raise UsageError(f"{{target_ratio}} must be a positive number, got {target_ratio}")
+        positive("target_ratio", target_ratio)
         # The model weakly: the optimizer's hooks hold this object, which must not keep the model (and its process
         # group) alive past the user's loop.
         self._ddp_model = weakref.ref(ddp_model)

@@ -2,17 +2,24 @@
 
 Values are validated once, by the library's configs, in their own words: ``{per_device_batch_size}``
 in a library error is a field, and :data:`FLAGS` says which flag sets it, so the command line
-reads ``--batch-size`` where a Python user reads ``per_device_batch_size``. Defaults live in the
-configs; ``--help`` quotes them from there (:func:`default`).
+reads ``--batch-size`` where a Python user reads ``per_device_batch_size``. The flags themselves are
+generated from the configs' fields (:mod:`ddplab.cli.options`), and FLAGS is read off the parsers.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from typing import Any
+import functools
+import textwrap
 
 from ddplab.errors import UsageError
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; help texts wrapped at spaces only, so a flag such as --world-size stays whole."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class EndedBySignal(Exception):
@@ -23,60 +30,47 @@ class EndedBySignal(Exception):
         self.signum = signum
 
 
-FLAGS: dict[str, str] = {
-    # check, noise and the launch layer
-    "spec_path": "SPEC.py", "per_device_batch_size": "--batch-size", "world_size": "--world-size",
-    "steps": "--steps", "seed": "--seed", "tolerance": "--tolerance", "every": "--every",
-    "accumulation_steps": "--accumulation", "pg_timeout_s": "--timeout", "deadline_s": "--deadline",
-    "backend": "--backend", "start_method": "--start-method",
-    # plan
-    "reference.per_device_batch_size": "--ref-batch-size", "reference.global_batch_size": "--ref-batch-size",
-    "reference.lr": "--ref-lr", "reference.devices": "--ref-devices", "reference.nodes": "--ref-nodes",
-    "reference.accumulation_steps": "--ref-accumulation", "reference.wrapper": "--ref-wrapper",
-    "reference.optimizer": "--optimizer", "reference.betas": "--betas", "reference.eps": "--eps",
-    "reference.reduction": "--reduction", "target.devices": "--devices", "target.nodes": "--nodes",
-    "target.per_device_batch_size": "--batch-size", "target.global_batch_size": "--global-batch-size",
-    "target.accumulation_steps": "--accumulation", "target.max_batch_size_per_device": "--max-batch-size-per-device",
-    "target.keep": "--keep", "target.rule": "--rule", "data.dataset_size": "--dataset-size", "data.epochs": "--epochs",
-    "data.drop_last": "--drop-last", "data.sampler_drop_last": "--sampler-drop-last",
-    "data.warmup_epochs": "--warmup-epochs", "data.warmup_steps": "--warmup-steps",
-    "data.warmup_threshold": "--warmup-threshold", "data.critical_batch_size": "--critical-batch-size",
-    "from_study": "--from-study",
-    # study
-    "target.accuracy": "--target-accuracy", "target.loss": "--target-loss",
-    "global_batch_sizes": "--global-batch-sizes", "rules": "--rules",
-    "reference_global_batch_size": "--ref-global-batch-size", "reference_lr": "--ref-lr", "seeds": "--seeds",
-    "optimizer.family": "--optimizer", "optimizer.momentum": "--momentum", "optimizer.dampening": "--dampening",
-    "optimizer.nesterov": "--nesterov", "optimizer.weight_decay": "--weight-decay", "optimizer.betas": "--betas",
-    "optimizer.eps": "--eps", "patience": "--patience", "max_steps": "--max-steps", "eval_every": "--eval-every",
-    "sweep_factor": "--sweep-factor", "sweep_margin": "--sweep-margin", "dtype": "--dtype", "out": "--out",
-    "fresh": "--fresh", "plots=False": "--no-plots", "verify_ddp": "--verify-ddp",
-    "verify_world_size": "--verify-world-size", "verify_steps": "--verify-steps", "threads": "--threads",
-    "workload": "--workload", "max_runs": "--max-runs", "compare": "--compare", "engine": "--engine",
-    "device": "--device",
-    "max_batch_size_per_device": "--max-batch-size-per-device",
-    # sandbox
-    "mode": "MODE", "lr": "--lr", "n_experiments": "--n-experiments", "n_epochs": "--n-epochs",
-    "bypass_ddp": "--bypass-ddp", "deterministic=False": "--noisy",
-    # audit
-    "command": "COMMAND", "json_file": "--json-file",
-}
+def __getattr__(name: str):
+    # FLAGS is read off the parsers, which import this module: built on first use.
+    if name == "FLAGS":
+        return flags()
+    raise AttributeError(name)
+
+
+@functools.cache
+def flags() -> dict[str, str]:
+    """{field: flag} over every subcommand's parser: the name each field an error names has on the command line."""
+    from ddplab.cli.main import build_parser
+
+    found: dict[str, str] = {}
+    for parser in _parsers(build_parser()):
+        for action in parser._actions:
+            field, flag = getattr(action, "field", None), getattr(action, "flag", None)
+            if field is None:
+                continue
+            if found.setdefault(field, flag) != flag:
+                raise TypeError(f"{field} is {found[field]} on one command and {flag} on another")
+    return found
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def mark(action: argparse.Action, field: str, flag: str | None = None) -> argparse.Action:
+    """Record that ``action`` sets ``field`` (shown as ``flag``, by default its first option or its metavar)."""
+    action.field = field
+    action.flag = flag or (action.option_strings[0] if action.option_strings else action.metavar)
+    return action
 
 
 def flag_error(error: UsageError) -> str:
     """A library error as the command line says it: each field as its flag."""
-    return error.render(FLAGS)
-
-
-def default(config: type, field: str) -> Any:
-    """A config field's default, for --help (the config holds it, not the parser)."""
-    found = {f.name: f for f in dataclasses.fields(config)}[field]
-    return found.default
-
-
-def given(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
-    """{field: args.<dest>} for the flags the user gave (None means not given: the config's default applies)."""
-    return {field: getattr(args, dest) for field, dest in fields.items() if getattr(args, dest, None) is not None}
+    return error.render(flags())
 
 
 def parse_bool(text: str) -> bool:
@@ -123,36 +117,19 @@ def _parse(kind: type, text: str, expected: str):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
 
 
-def add_spec_run_flags(parser: argparse.ArgumentParser, config: type, *, world_size: int, steps: str,
-                       world_size_note: str = "") -> None:
-    """SPEC.py, --world-size, --batch-size, --steps and --seed: what every command that trains a spec takes."""
-    parser.add_argument("spec", metavar="SPEC.py", help="the training spec file")
-    parser.add_argument("--world-size", type=integer,
-                        help=f"DDP ranks (default {world_size}; under torchrun its WORLD_SIZE){world_size_note}")
-    parser.add_argument("--batch-size", type=integer, required=True, help="per-device (per-rank) batch")
-    parser.add_argument("--steps", type=integer,
-                        help=f"optimizer steps to {steps} (default {default(config, 'steps')})")
-    parser.add_argument("--seed", type=integer,
-                        help=f"model init and data order seed (default {default(config, 'seed')})")
-
-
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """--timeout and --deadline, for every command that starts ranks."""
+    from ddplab.cli.options import add_fields
     from ddplab.runtime.launch_config import LaunchConfig
 
-    timeout = default(LaunchConfig, "pg_timeout_s")
     group = parser.add_argument_group("launch")
-    group.add_argument("--timeout", type=number, default=None, metavar="SECONDS",
-                       help="how long a collective waits for the other ranks before the run fails, naming the rank "
-                            f"that stopped answering (the process-group timeout; default {timeout:g})")
-    group.add_argument("--deadline", type=number, default=None, metavar="SECONDS",
-                       help="wall-clock limit for the whole run; ranks still running are stopped and what they "
-                            "measured so far is reported where the command can (default: none; SIGTERM/Ctrl-C "
-                            "cancel cleanly). Not applied under torchrun")
+    seconds = {"metavar": "SECONDS"}
+    add_fields(group, LaunchConfig, ("pg_timeout_s", "deadline_s"), pg_timeout_s=seconds, deadline_s=seconds)
 
 
 def launch_config(args: argparse.Namespace):
     """The LaunchConfig the launch flags ask for (the world size is the command's to choose)."""
+    from ddplab.cli.options import fields_given
     from ddplab.runtime.launch_config import LaunchConfig
 
-    return LaunchConfig(**given(args, pg_timeout_s="timeout", deadline_s="deadline"))
+    return LaunchConfig(**fields_given(args, LaunchConfig, only=("pg_timeout_s", "deadline_s")))

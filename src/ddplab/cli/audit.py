@@ -6,7 +6,8 @@ import argparse
 
 from ddplab.auditor.runner import AuditConfig
 from ddplab.cli import render
-from ddplab.cli.args import EndedBySignal, default, given, integer
+from ddplab.cli.args import EndedBySignal, HelpFormatter, mark
+from ddplab.cli.options import add_field, fields_given
 
 DESCRIPTION = """\
 Run your own training command unchanged, with ddplab's auditor injected into every Python
@@ -52,22 +53,22 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("audit", help="find silent DDP mistakes in your own training command",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=integer,
-                        help=f"optimizer steps to audit (default {default(AuditConfig, 'steps')})")
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_field(parser, AuditConfig, "steps")
     parser.add_argument("--json", action="store_true",
                         help="print the merged report as one JSON object on stdout, after the command's output")
-    parser.add_argument("--json-file", metavar="PATH", help="also write the merged report as JSON to PATH")
+    mark(parser.add_argument("--json-file", metavar="PATH", help="also write the merged report as JSON to PATH"),
+         "json_file")
     parser.add_argument("--strict", action="store_true",
                         help="exit 3 when an error-level finding was made and the command itself succeeded")
-    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS...",
-                        help="the training command, after --")
+    mark(parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS...",
+                             help="the training command, after --"), "command", "COMMAND")
     parser.set_defaults(run=run)
 
 
 def config_from_args(args: argparse.Namespace) -> AuditConfig:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return AuditConfig(command=tuple(command), **given(args, steps="steps"))
+    return AuditConfig(command=tuple(command), **fields_given(args, AuditConfig, only=("steps",)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,9 @@ import argparse
 
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, add_spec_run_flags, default, given, launch_config, number
+from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config
+from ddplab.cli.options import add_fields, fields_given
+from ddplab.text import count
 
 DESCRIPTION = f"""\
 Train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
@@ -36,11 +38,8 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("check", help="prove a model trains the same on N ranks as on one",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_spec_run_flags(parser, CheckConfig, world_size=DEFAULT_WORLD_SIZE, steps="compare")
-    parser.add_argument("--tolerance", type=number,
-                        help="largest relative parameter difference called equal "
-                             f"(default {default(CheckConfig, 'tolerance'):g}, float64)")
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_fields(parser, CheckConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed", "tolerance"))
     parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_launch_flags(parser)
@@ -48,8 +47,7 @@ def add_parser(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> CheckConfig:
-    return CheckConfig(spec_path=args.spec, **given(args, world_size="world_size", per_device_batch_size="batch_size",
-                                                    steps="steps", seed="seed", tolerance="tolerance"))
+    return CheckConfig(**fields_given(args, CheckConfig))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +67,7 @@ def _print(result) -> None:
     cfg = result.config
     rows = [[str(i), f"{d['max_abs_diff']:.2e}", f"{d['max_rel_diff']:.2e}",
              "✓" if d["max_rel_diff"] <= cfg.tolerance else "✗"] for i, d in enumerate(result.per_step)]
-    title = (f"ddplab check: {render.count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size} vs one process × "
+    title = (f"ddplab check: {count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size} vs one process × "
              f"{cfg.global_batch_size}, float64, tolerance {cfg.tolerance:g}")
     out = render.console()
     out.print(render.table(title, ["step", "max |Δparam|", "relative", ""], rows))

@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
+from ddplab.cli.args import HelpFormatter
 from ddplab.errors import DdplabWarning, LaunchError, UsageError
 
 COMMANDS = ("sandbox", "plan", "check", "audit", "noise", "study")
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(effective) batch is per-device batch × devices × nodes × accumulation steps, and flags\n"
             "that set it say so (--global-batch-size, --global-batch-sizes, --ref-global-batch-size).\n"
             "Every flag may be spelled with underscores too: --world_size is --world-size."),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=Parser)

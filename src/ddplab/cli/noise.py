@@ -8,9 +8,11 @@ import os
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, add_spec_run_flags, default, given, integer, launch_config
+from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config
+from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError, literal
 from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
+from ddplab.text import count
 
 DESCRIPTION = f"""\
 Train SPEC.py on W DDP ranks and measure the gradient noise scale B_simple = tr(Σ)/|G|²
@@ -37,15 +39,9 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_spec_run_flags(parser, NoiseConfig, world_size=DEFAULT_WORLD_SIZE, steps="train",
-                       world_size_note="; 1 works with --accumulation 2 or more")
-    parser.add_argument("--accumulation", type=integer,
-                        help="micro-batches of --batch-size per optimizer step, under no_sync "
-                             f"(default {default(NoiseConfig, 'accumulation_steps')})")
-    parser.add_argument("--every", type=integer,
-                        help=f"measure every K-th step (default {default(NoiseConfig, 'every')} here; the library "
-                             "defaults to 4 inside training)")
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_fields(parser, NoiseConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed",
+                                     "accumulation_steps", "every"))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
     add_launch_flags(parser)
@@ -53,9 +49,7 @@ def add_parser(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> NoiseConfig:
-    return NoiseConfig(spec_path=args.spec, **given(
-        args, world_size="world_size", per_device_batch_size="batch_size", steps="steps", seed="seed",
-        every="every", accumulation_steps="accumulation"))
+    return NoiseConfig(**fields_given(args, NoiseConfig))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,7 +133,7 @@ def _title(values: dict) -> str:
     motion = "weights move: B_simple averages over the trajectory" if values["weights_moved"] else "weights fixed"
     size = values["dataset_size"]
     samples = f"; {size} samples, corrected for drawing without replacement" if size else ""
-    ranks = render.count(values["world_size"], "rank")
+    ranks = count(values["world_size"], "rank")
     return (f"ddplab noise: {ranks} × {values['per_device_batch_size']} per device "
             f"(global {values['global_batch_size']}), {values['steps']} steps\nlr {lr}, {motion}{samples}")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 from ddplab.cli import render
-from ddplab.cli.args import betas, default, given, integer, number, parse_bool
+from ddplab.cli.args import HelpFormatter, flags, mark
+from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError
-from ddplab.plan.planner import Data, Reference
+from ddplab.plan.planner import Data, Reference, Target
 
 DESCRIPTION = """\
 Translate a reference setup to new hardware (DDP, one process per device).
@@ -31,55 +32,20 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="translate batch size, lr, warmup and steps to new hardware",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ref = parser.add_argument_group("reference (the run you trust)")
-    ref.add_argument("--ref-batch-size", type=integer, required=True,
-                     help="per-device loader batch (DataParallel: the loader batch DP splits)")
-    ref.add_argument("--ref-lr", type=number, required=True, help="its learning rate")
-    ref.add_argument("--ref-devices", type=integer, help=f"devices per node (default {default(Reference, 'devices')})")
-    ref.add_argument("--ref-nodes", type=integer, help=f"nodes (default {default(Reference, 'nodes')})")
-    ref.add_argument("--ref-accumulation", type=integer,
-                     help=f"gradient accumulation steps (default {default(Reference, 'accumulation_steps')})")
-    ref.add_argument("--ref-wrapper", choices=("single", "dp", "ddp"),
-                     help="single device, DataParallel or DDP (default: single for one device, else ddp)")
-    ref.add_argument("--optimizer", choices=("sgd", "adam", "adamw"),
-                     help=f"(default {default(Reference, 'optimizer')})")
-    ref.add_argument("--betas", type=betas,
-                     help="Adam betas as B1,B2 (default {},{})".format(*default(Reference, "betas")))
-    ref.add_argument("--eps", type=number, help=f"Adam epsilon (default {default(Reference, 'eps'):g})")
-    ref.add_argument("--reduction", choices=("mean", "sum"),
-                     help=f"loss reduction (default {default(Reference, 'reduction')})")
-    tgt = parser.add_argument_group("target (the new hardware)")
-    tgt.add_argument("--devices", type=integer, required=True, help="devices (GPUs) per node")
-    tgt.add_argument("--nodes", type=integer, help="nodes (default 1)")
-    tgt.add_argument("--batch-size", type=integer, help="per-device loader batch")
-    tgt.add_argument("--global-batch-size", type=integer, help="global (effective) batch")
-    tgt.add_argument("--accumulation", type=integer, help="gradient accumulation steps")
-    tgt.add_argument("--max-batch-size-per-device", type=integer,
-                     help="most samples a device fits per micro-step (a larger batch becomes accumulation steps)")
-    tgt.add_argument("--keep", choices=("trajectory", "per-device"), help="what to hold fixed")
-    tgt.add_argument("--rule", choices=("auto", "none", "linear", "sqrt"),
-                     help="lr rule (default auto: linear for SGD, square root for Adam/AdamW)")
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_fields(parser.add_argument_group("reference (the run you trust)"), Reference,
+               ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "wrapper", "optimizer",
+                "betas", "eps", "reduction"), prefix="reference", per_device_batch_size={"required": True})
+    add_fields(parser.add_argument_group("target (the new hardware)"), Target,
+               ("devices", "nodes", "per_device_batch_size", "global_batch_size", "accumulation_steps",
+                "max_batch_size_per_device", "keep", "rule"), prefix="target")
     data = parser.add_argument_group("data and schedule (for step counts)")
-    data.add_argument("--dataset-size", type=integer, help="samples in the training set")
-    data.add_argument("--epochs", type=number,
-                      help=f"epochs in the run (default {default(Data, 'epochs'):g}); the warmup is clamped to fit in "
-                           "it")
-    data.add_argument("--drop-last", nargs="?", const=True, type=parse_bool, help="the DataLoader's drop_last")
-    data.add_argument("--sampler-drop-last", nargs="?", const=True, type=parse_bool,
-                      help="DistributedSampler's drop_last")
-    data.add_argument("--warmup-epochs", type=number,
-                      help=f"warmup length when warmup is recommended (default {default(Data, 'warmup_epochs'):g}; "
-                           "needs --dataset-size for steps)")
-    data.add_argument("--warmup-steps", type=integer, help="warmup length in optimizer steps (overrides the epochs)")
-    data.add_argument("--warmup-threshold", type=number,
-                      help="recommend warmup when the lr grows at least this much "
-                           f"(default {default(Data, 'warmup_threshold'):g})")
-    data.add_argument("--critical-batch-size", type=number,
-                      help="measured critical batch size (ddplab noise): warn when the plan is well past it")
-    data.add_argument("--from-study", metavar="STUDY.json",
-                      help="a ddplab study's study.json: its measured B_crit, and its best lr at the planned global "
-                           "batch in place of --rule (not with --critical-batch-size)")
+    add_fields(data, Data, ("dataset_size", "epochs", "drop_last", "sampler_drop_last", "warmup_epochs",
+                            "warmup_steps", "warmup_threshold", "critical_batch_size"), prefix="data",
+               drop_last={"optional_value": True}, sampler_drop_last={"optional_value": True})
+    mark(data.add_argument("--from-study", metavar="STUDY.json",
+                           help="a ddplab study's study.json: its measured B_crit, and its best lr at the planned "
+                                "global batch in place of --rule (not with --critical-batch-size)"), "from_study")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -90,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     reference, target, data = config_from_args(args)
     if args.from_study:
-        result = plan_from_study(reference, target, data, args.from_study)
+        result = plan_from_study(reference, target, data, args.from_study, names=flags())
     else:
-        result = planner.plan(reference, target, data)
+        result = planner.plan(reference, target, data, names=flags())
     if args.json:
         render.print_json(result)
     else:
@@ -102,26 +68,14 @@ def run(args: argparse.Namespace) -> int:
 
 def config_from_args(args: argparse.Namespace):
     """(Reference, Target, Data) from the flags; each validates itself, naming its fields."""
-    from ddplab.plan import planner
-
-    if args.optimizer in (None, "sgd"):
-        adam_only = [flag for flag, value in (("--betas", args.betas), ("--eps", args.eps)) if value is not None]
+    reference = fields_given(args, Reference, prefix="reference")
+    if reference.get("optimizer", "sgd") == "sgd":
+        adam_only = [f"{{reference.{name}}}" for name in ("betas", "eps") if name in reference]
         if adam_only:
             raise UsageError(f"{' and '.join(adam_only)} set Adam's moments and the plan's optimizer is SGD, where "
-                             "they would change nothing: pass --optimizer adam or adamw")
-    reference = planner.Reference(**given(
-        args, per_device_batch_size="ref_batch_size", lr="ref_lr", devices="ref_devices", nodes="ref_nodes",
-        accumulation_steps="ref_accumulation", wrapper="ref_wrapper", optimizer="optimizer", betas="betas",
-        eps="eps", reduction="reduction"))
-    target = planner.Target(**given(
-        args, devices="devices", nodes="nodes", per_device_batch_size="batch_size",
-        global_batch_size="global_batch_size", accumulation_steps="accumulation",
-        max_batch_size_per_device="max_batch_size_per_device", keep="keep", rule="rule"))
-    data = planner.Data(**given(
-        args, dataset_size="dataset_size", epochs="epochs", drop_last="drop_last",
-        sampler_drop_last="sampler_drop_last", warmup_epochs="warmup_epochs", warmup_steps="warmup_steps",
-        warmup_threshold="warmup_threshold", critical_batch_size="critical_batch_size"))
-    return reference, target, data
+                             "they would change nothing: pass {reference.optimizer} adam or adamw")
+    return (Reference(**reference), Target(**fields_given(args, Target, prefix="target")),
+            Data(**fields_given(args, Data, prefix="data")))
 
 
 ROWS = (

@@ -67,11 +67,6 @@ class ProgressBar:
         return {"label": self.label, "status": self.status, "_bar": None, "_task": None}
 
 
-def count(n: int, noun: str, plural: str | None = None) -> str:
-    """'1 rank', '2 ranks'."""
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
-
-
 def num(value: float, digits: int = 4) -> str:
     """A number for a table: fixed point when readable, scientific when tiny or huge."""
     if value == 0 or not math.isfinite(value):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from ddplab.cli import render
-from ddplab.cli.args import add_launch_flags, default, given, integer, launch_config, number, parse_bool
-from ddplab.sandbox.config import DEFAULT_BATCH, NOISY_EXPERIMENTS, SandboxConfig
+from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config, mark
+from ddplab.cli.options import add_field, add_fields, fields_given
+from ddplab.sandbox.config import SandboxConfig
 
 EXPLAIN = """\
 A one-parameter model w·x (w starts at 1.0) trained with plain SGD on an L1 loss over 256
@@ -26,59 +27,40 @@ EXAMPLES = {
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "sandbox", help="compare single-process and multi-rank DDP training on a one-neuron toy",
-        description=EXPLAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = parser.add_subparsers(dest="mode", metavar="MODE", parser_class=type(parser))
+        description=EXPLAIN, formatter_class=HelpFormatter)
+    modes = mark(parser.add_subparsers(dest="mode", metavar="MODE", parser_class=type(parser)), "mode")
     modes.required = True
     single = modes.add_parser("single", help="one process, batch B", description=EXPLAIN + (
         "\nOne process, loader batch B → 256/B steps per epoch.\n" + EXAMPLES["single"]),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_run_flags(single, "single")
+        formatter_class=HelpFormatter)
+    _add_run_flags(single)
     multi = modes.add_parser("multi", help="W DDP ranks of batch b each", description=EXPLAIN + (
         "\nW ranks with per-rank batch b; DistributedSampler shards the 256 samples, so an epoch is\n"
         "256/(b·W) steps and DDP averages the W gradients. Under torchrun it joins torchrun's group.\n"
-        + EXAMPLES["multi"]), formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_run_flags(multi, "multi")
-    multi.add_argument("--world-size", type=integer,
-                       help="ranks to start (default: the visible GPUs when ≥ 2, else 8 CPU ranks; "
-                            "under torchrun its WORLD_SIZE)")
-    multi.add_argument("--bypass-ddp", action="store_true",
-                       help="reproduce the classic bug: forward through the inner module, "
-                            "so DDP never all-reduces (noisy data)")
+        + EXAMPLES["multi"]), formatter_class=HelpFormatter)
+    _add_run_flags(multi)
+    add_fields(multi, SandboxConfig, ("world_size", "bypass_ddp"))
     add_launch_flags(multi)
     table = modes.add_parser(
         "table", help="the classic nine-run study in one go, measurement beside theory",
         description="Runs the classic study: single vs 8 DDP ranks of 16, deterministic and noisy, with the\n"
                     "linear and square-root LR rules. All multi runs share one launch of the ranks.\n\n"
                     "examples:\n  ddplab sandbox table\n  ddplab sandbox table --json --seed 1\n",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    table.add_argument("--seed", type=integer, help="data and sampler seed (default 0)")
+        formatter_class=HelpFormatter)
+    add_field(table, SandboxConfig, "seed")
     table.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     add_launch_flags(table)
     parser.set_defaults(run=run)
 
 
-def _add_run_flags(parser: argparse.ArgumentParser, mode: str) -> None:
-    parser.add_argument("--lr", type=number, help=f"SGD learning rate (default {default(SandboxConfig, 'lr'):g})")
-    parser.add_argument("--batch-size", type=integer,
-                        help=f"per-device (per-rank) loader batch (default {DEFAULT_BATCH[mode]})")
-    data = parser.add_mutually_exclusive_group()
-    data.add_argument("--deterministic", nargs="?", const=True, type=parse_bool,
-                      help="x = 1, y = 0 (default True); '--deterministic False' for noisy data")
-    data.add_argument("--no-deterministic", "--noisy", dest="deterministic", action="store_false",
-                      help="noisy data: x = 1 + N(0,1), y = N(0,1)")
-    parser.add_argument("--n-experiments", type=integer,
-                        help=f"independent experiments, vectorized (default 1 deterministic, {NOISY_EXPERIMENTS:,} "
-                             "noisy)")
-    parser.add_argument("--n-epochs", type=integer, help=f"epochs (default {default(SandboxConfig, 'n_epochs')})")
-    parser.add_argument("--seed", type=integer,
-                        help=f"data and sampler seed (default {default(SandboxConfig, 'seed')})")
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    add_fields(parser, SandboxConfig, ("lr", "per_device_batch_size", "deterministic", "n_experiments", "n_epochs",
+                                       "seed"), deterministic={"optional_value": True})
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def config_from_args(args: argparse.Namespace) -> SandboxConfig:
-    return SandboxConfig(mode=args.mode, **given(
-        args, lr="lr", per_device_batch_size="batch_size", world_size="world_size", deterministic="deterministic",
-        n_experiments="n_experiments", n_epochs="n_epochs", seed="seed", bypass_ddp="bypass_ddp"))
+    return SandboxConfig(**fields_given(args, SandboxConfig))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +115,7 @@ def _pm(value: float, stderr: float) -> str:
 def _run_table(args: argparse.Namespace) -> int:
     from ddplab.sandbox.table import WORLD_SIZE, run_table
 
-    table = run_table(**given(args, seed="seed"), launch_config=launch_config(args))
+    table = run_table(**fields_given(args, SandboxConfig, only=("seed",)), launch_config=launch_config(args))
     if args.json:
         render.print_json(table)
         return 0

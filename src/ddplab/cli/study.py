@@ -8,14 +8,11 @@ import os
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import betas, default, given, integer, integers, number
+from ddplab.cli.args import HelpFormatter, mark, number
+from ddplab.cli.options import add_fields, fields_given, help_text
 from ddplab.errors import SpecError, UsageError, literal
 from ddplab.study.config import (
-    ADAM_RULES,
     DEFAULT_ACCURACY,
-    DEFAULT_BATCHES,
-    FAMILIES,
-    FIXED_RULES,
     WORKLOADS,
     OptimizerConfig,
     StudyConfig,
@@ -49,7 +46,7 @@ target), as for ddplab check, plus val_dataset() (evaluated as accuracy or loss,
 flag) or evaluate(model, dataset) -> float (compared with the target; called on val_dataset() if
 defined).
 
-Results are cached under --out (default {default(StudyOptions, 'out')}) per batch size: running
+Results are cached under --out (default {StudyOptions.out}) per batch size: running
 again continues, --fresh starts over. A changed setting or spec file is refused there rather than
 mixed. study.json is written before the plots, so a failing plot never loses a study. The exit
 code is 1 when no run reached the target (the JSON then says how close each batch size came).
@@ -68,99 +65,47 @@ examples:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("study", help="measure steps-to-target vs global batch per lr rule; fit B_crit",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", metavar="SPEC.py", nargs="?", default=None,
-                        help="training spec file (default: the built-in digits workload)")
-    parser.add_argument("--workload", choices=WORKLOADS,
-                        help="a built-in workload instead of a spec, each with its documented target and grid: "
-                             "digits (scikit-learn's digits, an MLP, accuracy 0.95), mnist1d (MNIST-1D built "
-                             "offline, an MLP, accuracy 0.6), charlm (a character-level transformer with LayerNorm, "
-                             "dropout and AdamW on public-domain text, validation loss 2.1)")
-    target = parser.add_mutually_exclusive_group()
-    target.add_argument("--target-accuracy", type=number,
-                        help=f"validation accuracy to reach (default {DEFAULT_ACCURACY} for the built-in workload)")
-    target.add_argument("--target-loss", type=number, help="validation loss to reach")
-    parser.add_argument("--global-batch-sizes", type=integers,
-                        help="global batch sizes, comma-separated (default {})".format(
-                            ",".join(map(str, DEFAULT_BATCHES))))
-    parser.add_argument("--rules", type=_rule_list,
-                        help=f"lr rules, comma-separated among {','.join(RULES)} (default "
-                             f"{','.join(FIXED_RULES)} for SGD, {','.join(ADAM_RULES)} for Adam/AdamW); adam-sqrt is "
-                             "Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adascale adds AdaScale "
-                             "runs from --ref-lr, "
-                             "untuned, at every batch from the reference up; ramp adds one BatchRamp run per seed "
-                             "from the smallest batch, growing with the measured noise scale")
-    parser.add_argument("--ref-global-batch-size", type=integer,
-                        help="the reference's global batch, which the rules scale from "
-                             f"(default {default(StudyConfig, 'reference_global_batch_size')})")
-    parser.add_argument("--ref-lr", type=number,
-                        help=f"lr at the reference global batch (default {default(StudyConfig, 'reference_lr'):g})")
-    parser.add_argument("--seeds", type=integer, help=f"seeds per grid point (default {default(StudyConfig, 'seeds')})")
+                                   description=DESCRIPTION, formatter_class=HelpFormatter)
+    _add_workload_flags(parser)
+    add_fields(parser, StudyConfig, ("global_batch_sizes", "rules", "reference_global_batch_size", "reference_lr",
+                                     "seeds"), rules={"type": _rule_list, "metavar": "RULES", "help": _rules_help()})
     opt = parser.add_argument_group("optimizer (default: the spec's optimizer(), else SGD with momentum 0.9; "
                                     "flags override single settings)")
-    opt.add_argument("--optimizer", choices=FAMILIES, help="the optimizer family every run trains with")
-    opt.add_argument("--momentum", type=number,
-                     help=f"SGD momentum (default {default(OptimizerConfig, 'momentum')})")
-    opt.add_argument("--dampening", type=number, help="SGD dampening (default 0)")
-    opt.add_argument("--nesterov", action="store_const", const=True, help="SGD with Nesterov momentum")
-    opt.add_argument("--weight-decay", type=number,
-                     help="weight decay as torch.optim applies it: added to the gradient (SGD, Adam) or decoupled "
-                          "(AdamW) (default 0)")
-    opt.add_argument("--betas", type=betas,
-                     help="Adam/AdamW betas as B1,B2 (default {},{})".format(*default(OptimizerConfig, "betas")))
-    opt.add_argument("--eps", type=number, help=f"Adam/AdamW epsilon (default {default(OptimizerConfig, 'eps'):g})")
-    parser.add_argument("--patience", type=integer,
-                        help="stop a run whose metric has not improved for this many evaluations, counted as not "
-                             f"reached and flagged stalled (default {default(StudyConfig, 'patience')}; 0: never)")
-    parser.add_argument("--max-steps", type=integer,
-                        help=f"step budget per run (default {default(StudyConfig, 'max_steps')})")
-    parser.add_argument("--eval-every", type=integer,
-                        help=f"evaluate every K steps (default {default(StudyConfig, 'eval_every')})")
-    parser.add_argument("--sweep-factor", type=number,
-                        help="spacing of the tuned lr sweep "
-                             f"(default {default(StudyConfig, 'sweep_factor'):g}: factors of 2)")
-    parser.add_argument("--sweep-margin", type=number,
-                        help="the sweep spans the constant and linear lrs widened by this factor "
-                             f"(default {default(StudyConfig, 'sweep_margin'):g})")
-    parser.add_argument("--max-runs", type=integer,
-                        help="at most this many fixed-lr runs: the grid must fit in it, and a tuned sweep whose best "
-                             "lr sits on its edge extends past it (a --sweep-factor at a time, until the best is "
-                             f"interior) while runs remain (default {default(StudyConfig, 'max_runs')})")
-    parser.add_argument("--dtype", choices=("float32", "float64"), help="(default float32)")
-    parser.add_argument("--out", help="directory for the cache, plots, study.json and report "
-                                      f"(default {default(StudyOptions, 'out')})")
-    parser.add_argument("--fresh", action="store_true", help="discard cached runs in --out and start over")
-    parser.add_argument("--verify-ddp", type=integer, metavar="K",
-                        help="re-run K grid points through real DDP ranks and report the largest difference")
-    parser.add_argument("--verify-world-size", type=integer,
-                        help=f"ranks for --verify-ddp (default {default(StudyOptions, 'verify_world_size')})")
-    parser.add_argument("--verify-steps", type=integer,
-                        help=f"steps per --verify-ddp point (default {default(StudyOptions, 'verify_steps')})")
-    parser.add_argument("--threads", type=integer,
-                        help=f"torch intra-op threads while training (default {default(StudyOptions, 'threads')}: "
-                             "the runs are already batched, and small models lose more to thread hand-offs than "
-                             "they gain)")
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--engine", choices=("auto", "vmap", "ddp"),
-                     help="vmap: a batch size's runs train at once in one process; ddp: each run on --world-size "
-                          "real DDP ranks, one launch per batch size (a spec's own step(), any optimizer, torchrun "
-                          "across nodes); auto (default): where the spec allows both, a step timed both ways at each "
-                          "batch size picks the faster (BatchNorm models stay vectorized), else ddp; the report "
-                          "says which and why")
-    eng.add_argument("--world-size", type=integer,
-                     help=f"ranks of the DDP engine (default {default(StudyOptions, 'world_size')}; under torchrun: "
-                          "torchrun's)")
-    eng.add_argument("--max-batch-size-per-device", type=integer,
-                     help="the DDP engine's largest loader batch per rank: a larger share of a global batch "
-                          "accumulates over micro-batches (default: no cap)")
-    eng.add_argument("--device", choices=("auto", "cpu", "cuda"),
-                     help="where runs train (default auto: CUDA when torch sees it; the DDP engine then uses NCCL)")
-    parser.add_argument("--compare", metavar="STUDY.json",
-                        help="another study's study.json (another optimizer, say): compare_lr.png draws both best lrs "
-                             "per batch, each beside its rule's prediction (linear for SGD, square root for Adam)")
-    parser.add_argument("--no-plots", action="store_true", help="skip PNG plots and the HTML report")
+    add_fields(opt, OptimizerConfig, ("family", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"),
+               prefix="optimizer")
+    add_fields(parser, StudyConfig, ("patience", "max_steps", "eval_every", "sweep_factor", "sweep_margin",
+                                     "max_runs", "dtype"))
+    add_fields(parser, StudyOptions, ("out", "fresh", "verify_ddp", "verify_world_size", "verify_steps", "threads"),
+               verify_ddp={"metavar": "K"})
+    add_fields(parser.add_argument_group("engine"), StudyOptions,
+               ("engine", "world_size", "max_batch_size_per_device", "device"))
+    add_fields(parser, StudyOptions, ("compare", "plots"), compare={"metavar": "STUDY.json"})
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
+
+
+def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """SPEC.py or --workload, and the target a run must reach (the workload's own when not given)."""
+    mark(parser.add_argument("spec", metavar="SPEC.py", nargs="?", default=None,
+                             help="training spec file (default: the built-in digits workload)"), "spec_path")
+    mark(parser.add_argument("--workload", choices=WORKLOADS,
+                             help="a built-in workload instead of a spec, each with its documented target and grid: "
+                                  "digits (scikit-learn's digits, an MLP, accuracy 0.95), mnist1d (MNIST-1D built "
+                                  "offline, an MLP, accuracy 0.6), charlm (a character-level transformer with "
+                                  "LayerNorm, dropout and AdamW on public-domain text, validation loss 2.1)"),
+         "workload")
+    target = parser.add_mutually_exclusive_group()
+    mark(target.add_argument("--target-accuracy", type=number, dest="target.accuracy", metavar="TARGET_ACCURACY",
+                             help=f"validation accuracy to reach (default {DEFAULT_ACCURACY} for the built-in "
+                                  "workload)"), "target.accuracy")
+    mark(target.add_argument("--target-loss", type=number, dest="target.loss", metavar="TARGET_LOSS",
+                             help="validation loss to reach"),
+         "target.loss")
+
+
+def _rules_help() -> str:
+    # The rules are a registry, not a Literal: its names are the choices.
+    return help_text(StudyConfig, "rules").replace("comma-separated", f"comma-separated among {','.join(RULES)}", 1)
 
 
 def _rule_list(text: str) -> tuple[str, ...]:
@@ -181,37 +126,31 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
         raise SpecError(f"spec file {literal(args.spec)} does not exist")
     if args.spec and args.workload:
         raise UsageError("give a spec file or {workload}, not both")
-    target = target_for(spec=args.spec, accuracy=args.target_accuracy, loss=args.target_loss)
-    if defaults and "target" in defaults and args.target_accuracy is None and args.target_loss is None:
+    accuracy, loss = getattr(args, "target.accuracy"), getattr(args, "target.loss")
+    target = target_for(spec=args.spec, accuracy=accuracy, loss=loss)
+    if defaults and "target" in defaults and accuracy is None and loss is None:
         target = defaults["target"]
-    grid = given(args, global_batch_sizes="global_batch_sizes", rules="rules",
-                 reference_global_batch_size="ref_global_batch_size", reference_lr="ref_lr", seeds="seeds",
-                 max_steps="max_steps", eval_every="eval_every", sweep_factor="sweep_factor",
-                 sweep_margin="sweep_margin", dtype="dtype", patience="patience", max_runs="max_runs")
-    if defaults is None and (args.spec or args.workload not in (None, "digits")) and not args.optimizer:
+    grid = fields_given(args, StudyConfig)
+    optimizer = fields_given(args, OptimizerConfig, prefix="optimizer")
+    if defaults is None and (args.spec or args.workload not in (None, "digits")) and "family" not in optimizer:
         # The workload's optimizer is not known yet: the family its flags name stands in for it.
-        family = "adam" if args.betas is not None or args.eps is not None else "sgd"
+        family = "adam" if {"betas", "eps"} & optimizer.keys() else "sgd"
         defaults = {"optimizer": OptimizerConfig(family=family)}
     defaults = defaults or {}
     for field in ("reference_lr", "global_batch_sizes", "max_steps"):
         if field not in grid and field in defaults:
             grid[field] = defaults[field]
-    grid["optimizer"] = _optimizer(args, defaults.get("optimizer"))
+    grid["optimizer"] = _optimizer(optimizer, defaults.get("optimizer"))
     if "global_batch_sizes" in grid:
         grid["global_batch_sizes"] = tuple(sorted(set(grid["global_batch_sizes"])))
-    options = StudyOptions(fresh=args.fresh, plots=not args.no_plots, **given(
-        args, out="out", verify_ddp="verify_ddp", verify_world_size="verify_world_size",
-        verify_steps="verify_steps", threads="threads", engine="engine", world_size="world_size",
-        max_batch_size_per_device="max_batch_size_per_device", device="device", compare="compare"))
+    options = StudyOptions(**fields_given(args, StudyOptions))
     return StudyConfig(target=target, **grid), options
 
 
-def _optimizer(args: argparse.Namespace, spec_optimizer: OptimizerConfig | None) -> OptimizerConfig:
+def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> OptimizerConfig:
     """The spec's optimizer (or the default) with the flags given on top; another --optimizer starts afresh."""
-    fields = given(args, momentum="momentum", dampening="dampening", nesterov="nesterov",
-                   weight_decay="weight_decay", betas="betas", eps="eps")
-    family = args.optimizer or (spec_optimizer.family if spec_optimizer else "sgd")
-    wrong = [f"--{name.replace('_', '-')}" for name in fields
+    family = fields.pop("family", None) or (spec_optimizer.family if spec_optimizer else "sgd")
+    wrong = [f"{{optimizer.{name}}}" for name in fields
              if name in (("momentum", "dampening", "nesterov") if family != "sgd" else ("betas", "eps"))]
     if wrong:
         raise UsageError(f"{', '.join(wrong)} changes nothing for {family}: drop it or pass {{optimizer.family}} "

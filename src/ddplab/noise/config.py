@@ -5,35 +5,31 @@ from __future__ import annotations
 import dataclasses
 
 from ddplab.errors import UsageError
+from ddplab.runtime.config import DEFAULT_WORLD_SIZE, SpecRunConfig
+from ddplab.validation import at_least
 
-DEFAULT_WORLD_SIZE = 2
+__all__ = ["DEFAULT_WORLD_SIZE", "NoiseConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NoiseConfig:
+class NoiseConfig(SpecRunConfig):
     """One ``ddplab noise`` run: train a spec on W DDP ranks and measure B_simple from DDP's all-reduce."""
 
-    spec_path: str
-    """The training spec file."""
     per_device_batch_size: int
-    """Samples per rank per micro-step."""
+    """Per-device (per-rank) batch: samples per rank per micro-step."""
     world_size: int | None = None
-    """DDP ranks; None: 2 (under torchrun, torchrun's WORLD_SIZE). 1 works with accumulation_steps ≥ 2."""
+    """DDP ranks (default 2; under torchrun its WORLD_SIZE); 1 works with ``accumulation_steps`` 2 or more."""
     steps: int = 200
     """Optimizer steps to train."""
-    seed: int = 0
-    """Model initialisation and data order."""
     every: int = 1
-    """Measure every k-th optimizer step (the library's GradientNoiseScale defaults to 4 inside training)."""
+    """Measure every K-th optimizer step (the library's GradientNoiseScale defaults to 4 inside training)."""
     accumulation_steps: int = 1
-    """Micro-batches of per_device_batch_size per optimizer step (all but the last under no_sync)."""
+    """Micro-batches of ``per_device_batch_size`` per optimizer step, under no_sync (all but the last)."""
 
     def __post_init__(self):
-        for field, value in (("world_size", self.world_size), ("per_device_batch_size", self.per_device_batch_size),
-                             ("steps", self.steps), ("every", self.every),
-                             ("accumulation_steps", self.accumulation_steps)):
-            if value is not None and not value >= 1:
-                raise UsageError(f"{{{field}}} must be at least 1, got {value}")
+        super().__post_init__()
+        for field in ("every", "accumulation_steps"):
+            at_least(field, getattr(self, field))
         if self.world_size == 1 and self.accumulation_steps < 2:
             raise UsageError("{world_size} 1 needs {accumulation_steps} 2 or more: the noise scale compares gradients "
                              "over two batch sizes (each rank's and the average, or each micro-batch's and their mean)")

@@ -9,18 +9,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from ddplab.errors import UsageError, literal
+from ddplab.errors import UsageError, literal, render
 from ddplab.plan import planner
 
 
 def plan_from_study(reference: planner.Reference, target: planner.Target, data: planner.Data | None,
-                    study: str | dict) -> planner.Plan:
+                    study: str | dict, *, names: Mapping[str, str] | None = None) -> planner.Plan:
     """:func:`ddplab.plan.plan` with the study's B_crit and its best lr at the planned global batch.
 
-    ``study`` is a study.json path or its loaded dict. UsageError when the study has no tuned curve,
-    was measured with another optimizer family, or ``data`` already gives a critical batch size.
+    ``study`` is a study.json path or its loaded dict; ``names`` as for :func:`~ddplab.plan.plan`.
+    UsageError when the study has no tuned curve, was measured with another optimizer family, or
+    ``data`` already gives a critical batch size.
     """
     data = data or planner.Data()
     loaded = load_study(study)
@@ -33,8 +34,9 @@ def plan_from_study(reference: planner.Reference, target: planner.Target, data: 
     _check_optimizer(reference, loaded)
     b_crit = _b_crit(loaded)
     source = StudyLr(loaded)
-    result = planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit), lr_source=source)
-    mismatch = _reference_lr_mismatch(reference, source)
+    result = planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit), lr_source=source,
+                          names=names)
+    mismatch = tuple(render(warning, names) for warning in _reference_lr_mismatch(reference, source))
     return dataclasses.replace(result, warnings=result.warnings + mismatch) if mismatch else result
 
 
@@ -45,7 +47,7 @@ def _reference_lr_mismatch(reference: planner.Reference, source: StudyLr) -> tup
     if 0.5 <= ratio <= 2:
         return ()
     return (f"the study's best lr at the reference's global batch {reference.global_batch_size} is {measured:.4g}, "
-            f"{max(ratio, 1 / ratio):.3g}× away from --ref-lr {reference.lr:g}: the study's workload may "
+            f"{max(ratio, 1 / ratio):.3g}× away from {{reference.lr}} {reference.lr:g}: the study's workload may "
             "not behave like yours, so its lrs may not transfer; study your own training (a spec file) to be "
             "sure",)
 
@@ -69,7 +71,8 @@ class StudyLr:
             warnings.append(f"global batch {global_batch_size} is larger than the study's {train_size} training "
                             "samples: no run of the study could take a step this large, so its numbers say nothing "
                             "about it")
-        reason = (f"measured by ddplab study ({self.study.get('workload', '?')}): best lr on the tuned curve at "
+        workload = literal(self.study.get("workload", "?"))
+        reason = (f"measured by ddplab study ({workload}): best lr on the tuned curve at "
                   f"global batch {global_batch_size} (log-log interpolation between measured batches), in place of "
                   f"a rule; B_crit {_b_crit(self.study):.4g} fitted to steps-to-target")
         return planner.MeasuredLr(lr=lr, reason=reason, warnings=tuple(warnings))

@@ -8,18 +8,22 @@
 4
 
 Errors are :class:`~ddplab.errors.UsageError` sentences naming the field to change as the
-argument holds it (``reference.lr``, ``target.devices``, ``data.dataset_size``).
+argument holds it (``reference.lr``, ``target.devices``, ``data.dataset_size``), and so is the
+plan's prose (its reasons, warnings and other mode): templates a Python caller reads with field
+names and the command line with its flags (``plan(..., names=...)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
-from ddplab.errors import UsageError
+from ddplab.errors import UsageError, render
 from ddplab.plan import scaling
+from ddplab.text import count
+from ddplab.validation import one_of, positive, zero_or_more
 
 Optimizer = Literal["sgd", "adam", "adamw"]
 Keep = Literal["trajectory", "per-device"]
@@ -29,29 +33,6 @@ Reduction = Literal["mean", "sum"]
 OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)
 KEEPS: tuple[Keep, ...] = get_args(Keep)
 RULE_CHOICES: tuple[RuleChoice, ...] = get_args(RuleChoice)
-
-
-def _count(n: float, noun: str, plural: str | None = None) -> str:
-    """'1 device', '8 devices', '2.5 epochs'."""
-    return f"{n:g} {noun}" if n == 1 else f"{n:g} {plural or noun + 's'}"
-
-
-def _require_positive(field: str, value: float | None, *, integer: bool = False) -> None:
-    # `not value > 0` also catches NaN; infinity is no size, rate or epoch count either.
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UsageError(f"{{{field}}} must be a {'positive integer' if integer else 'positive number'}, got "
-                         f"{value!r} (a {type(value).__name__})")
-    if integer and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        raise UsageError(f"{{{field}}} must be a positive integer, got {value}")
-    if not 0 < value < math.inf:
-        raise UsageError(f"{{{field}}} must be a positive number, got {value}")
-
-
-def _require_choice(field: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise UsageError(f"{{{field}}} must be one of {', '.join(map(str, choices))}, got {value!r}")
 
 
 def _set(obj, name: str, value) -> None:
@@ -65,43 +46,46 @@ class Reference:
     or only its global batch."""
 
     per_device_batch_size: int | None = None
-    """Loader batch per process (for DataParallel: the loader batch DP splits across devices)."""
+    """Per-device loader batch (DataParallel: the loader batch DP splits across devices)."""
     lr: float
-    """Learning rate used with that setup."""
+    """Its learning rate: the lr used with that setup."""
     devices: int = 1
     """Devices per node."""
     nodes: int = 1
+    """Nodes."""
     accumulation_steps: int = 1
+    """Gradient accumulation steps."""
     wrapper: scaling.Wrapper | None = None
-    """'single', 'dp' (DataParallel) or 'ddp' (DistributedDataParallel); None: single on one device, else ddp."""
+    """Single device, DataParallel or DDP: 'single', 'dp' or 'ddp' (default: single for one device, else ddp)."""
     global_batch_size: int | None = None
     """The reference's global batch; derived from the fields above when per_device_batch_size is given."""
     optimizer: Optimizer = "sgd"
+    """The optimizer family: sgd, adam or adamw."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """Adam/AdamW betas."""
+    """Adam/AdamW betas as B1,B2."""
     eps: float = 1e-8
     """Adam/AdamW epsilon."""
     reduction: Reduction = "mean"
-    """How the loss reduces over the batch: 'mean' or 'sum'."""
+    """Loss reduction: how the loss reduces over the batch, 'mean' or 'sum'."""
 
     def __post_init__(self):
         for field, value in (("reference.per_device_batch_size", self.per_device_batch_size),
                              ("reference.devices", self.devices), ("reference.nodes", self.nodes),
                              ("reference.accumulation_steps", self.accumulation_steps),
                              ("reference.global_batch_size", self.global_batch_size)):
-            _require_positive(field, value, integer=True)
-        _require_positive("reference.lr", self.lr)
-        _require_positive("reference.eps", self.eps)
+            positive(field, value, integer=True)
+        positive("reference.lr", self.lr)
+        positive("reference.eps", self.eps)
         if self.wrapper is None:
             _set(self, "wrapper", "single" if self.devices * self.nodes == 1 else "ddp")
-        _require_choice("reference.wrapper", self.wrapper, scaling.WRAPPERS)
+        one_of("reference.wrapper", self.wrapper, scaling.WRAPPERS)
         if self.wrapper == "single" and (self.devices > 1 or self.nodes > 1):
             raise UsageError("{reference.wrapper} single means one device: set {reference.wrapper} ddp or dp for "
                              "several")
-        _require_choice("reference.optimizer", self.optimizer, OPTIMIZERS)
+        one_of("reference.optimizer", self.optimizer, OPTIMIZERS)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"{{reference.betas}} must be two numbers in [0, 1), got {self.betas}")
-        _require_choice("reference.reduction", self.reduction, get_args(Reduction))
+        one_of("reference.reduction", self.reduction, get_args(Reduction))
         self._resolve_global_batch()
 
     def _resolve_global_batch(self) -> None:
@@ -139,16 +123,20 @@ class Target:
     devices: int
     """Devices (GPUs) per node."""
     nodes: int = 1
+    """Nodes."""
     per_device_batch_size: int | None = None
-    """Loader batch per rank; derived when not given."""
+    """Per-device loader batch; derived when not given."""
     global_batch_size: int | None = None
+    """Global (effective) batch; derived when not given."""
     accumulation_steps: int | None = None
+    """Gradient accumulation steps; derived when not given."""
     max_batch_size_per_device: int | None = None
-    """Memory limit: the most samples one device can take per micro-step."""
+    """Most samples a device fits per micro-step (the memory limit): a larger batch becomes accumulation steps."""
     keep: Keep | None = None
-    """'trajectory' (same global batch and lr) or 'per-device' (scale up); None decides from the batch."""
+    """What to hold fixed: 'trajectory' (the same global batch and lr) or 'per-device' (scale up) (default: decided
+    from the batch)."""
     rule: RuleChoice = "auto"
-    """LR rule: auto (linear for SGD, square-root for Adam), none, linear or sqrt."""
+    """LR rule: auto (linear for SGD, square root for Adam/AdamW), none, linear or sqrt."""
 
     def __post_init__(self):
         for field, value in (("target.devices", self.devices), ("target.nodes", self.nodes),
@@ -156,10 +144,10 @@ class Target:
                              ("target.global_batch_size", self.global_batch_size),
                              ("target.accumulation_steps", self.accumulation_steps),
                              ("target.max_batch_size_per_device", self.max_batch_size_per_device)):
-            _require_positive(field, value, integer=True)
+            positive(field, value, integer=True)
         if self.keep is not None:
-            _require_choice("target.keep", self.keep, KEEPS)
-        _require_choice("target.rule", self.rule, RULE_CHOICES)
+            one_of("target.keep", self.keep, KEEPS)
+        one_of("target.rule", self.rule, RULE_CHOICES)
         self._check_batch_fields()
 
     def _check_batch_fields(self) -> None:
@@ -187,27 +175,28 @@ class Data:
     """The dataset and schedule, for step counts (optional)."""
 
     dataset_size: int | None = None
+    """Samples in the training set."""
     epochs: float = 1.0
+    """Epochs in the run; the warmup is clamped to fit in it."""
     drop_last: bool = False
     """The DataLoader's drop_last."""
     sampler_drop_last: bool = False
     """DistributedSampler's drop_last."""
     warmup_epochs: float = 5.0
-    """Warmup length in epochs, turned into steps with the dataset size."""
+    """Warmup length in epochs when warmup is recommended (needs ``dataset_size`` for steps)."""
     warmup_steps: int | None = None
-    """Warmup length in optimizer steps; replaces warmup_epochs (and needs no dataset size)."""
+    """Warmup length in optimizer steps (overrides ``warmup_epochs``, and needs no dataset size)."""
     warmup_threshold: float = 4.0
-    """Recommend warmup when the lr multiplier reaches this."""
+    """Recommend warmup when the lr grows at least this much: the lr multiplier reaches it."""
     critical_batch_size: float | None = None
-    """Measured critical batch size (``ddplab noise``), to warn about diminishing returns."""
+    """Measured critical batch size (ddplab noise): warn when the plan is well past it (diminishing returns)."""
 
     def __post_init__(self):
-        _require_positive("data.dataset_size", self.dataset_size, integer=True)
+        positive("data.dataset_size", self.dataset_size, integer=True)
         for field, value in (("data.epochs", self.epochs), ("data.warmup_threshold", self.warmup_threshold),
                              ("data.critical_batch_size", self.critical_batch_size)):
-            _require_positive(field, value)
-        if not 0 <= self.warmup_epochs < math.inf:
-            raise UsageError(f"{{data.warmup_epochs}} must be zero or more, got {self.warmup_epochs}")
+            positive(field, value)
+        zero_or_more("data.warmup_epochs", self.warmup_epochs)
         steps = self.warmup_steps
         if steps is not None and not (steps >= 0 and steps == int(steps)):
             raise UsageError(f"{{data.warmup_steps}} must be a whole number, zero or more, got {self.warmup_steps}")
@@ -219,8 +208,9 @@ class MeasuredLr:
 
     lr: float
     reason: str
-    """Where the number comes from, for the table's "why" column."""
+    """Where the number comes from, for the table's "why" column (a template, as a UsageError's)."""
     warnings: tuple[str, ...] = ()
+    """Templates too."""
 
 
 LrSource = Callable[[int], MeasuredLr]
@@ -289,13 +279,25 @@ class Plan:
                              "plan with {data.dataset_size} or {data.warmup_steps}")
 
 
-def plan(reference: Reference, target: Target, data: Data | None = None, *, lr_source: LrSource | None = None) -> Plan:
+def plan(reference: Reference, target: Target, data: Data | None = None, *, lr_source: LrSource | None = None,
+         names: Mapping[str, str] | None = None) -> Plan:
     """Plan the target run; raises UsageError with a sentence naming what to change.
 
     ``lr_source`` replaces the lr rule with a measured lr at the planned global batch: the warmup,
-    the Adam settings and the other mode are then all reasoned from that lr.
+    the Adam settings and the other mode are then all reasoned from that lr. The plan's prose (its
+    reasons, warnings and other mode) names the fields to change as ``names`` shows them (by default
+    as the arguments hold them: ``target.per_device_batch_size``; the command line passes its flags).
     """
-    return _plan(reference, target, data or Data(), lr_source, describe_other=True)
+    return in_words(_plan(reference, target, data or Data(), lr_source, describe_other=True), names)
+
+
+def in_words(result: Plan, names: Mapping[str, str] | None) -> Plan:
+    """``result`` with the fields its prose names shown as ``names`` says."""
+    def say(text: str) -> str:
+        return render(text, names)
+
+    return dataclasses.replace(result, reasons={key: say(text) for key, text in result.reasons.items()},
+                               warnings=tuple(map(say, result.warnings)), other_mode=say(result.other_mode))
 
 
 def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource | None, *,
@@ -401,7 +403,7 @@ def _lr(reference: Reference, rule: PlanRule, k: float, warnings: list[str],
                          "of samples: keep the reference lr (DDP averages over ranks)")
     else:
         reasons["lr"] = {
-            "none": f"--rule none: the lr stays although the global batch changed ×{k:g}",
+            "none": f"{{target.rule}} none: the lr stays although the global batch changed ×{k:g}",
             "linear": f"linear rule (Goyal et al. 2017): lr × k = lr × {k:g}; keeps where SGD ends up, "
                       f"multiplies the variance of each update by k",
             "sqrt": f"square-root rule: lr × √k = lr × {math.sqrt(k):.4g}; keeps the variance of each update, "
@@ -418,7 +420,7 @@ def _lr(reference: Reference, rule: PlanRule, k: float, warnings: list[str],
             reasons["betas"] = "Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β)"
             reasons["eps"] = "the same rule: ε' = ε/√k"
         elif rule == "linear" and k != 1:
-            warnings.append("the linear rule is derived for SGD; Adam usually scales better with --rule sqrt "
+            warnings.append("the linear rule is derived for SGD; Adam usually scales better with {target.rule} sqrt "
                             "(Malladi et al. 2022)")
     if reference.optimizer == "sgd" and rule == "sqrt" and k > 1:
         warnings.append("the square-root rule keeps SGD's update variance but covers less ground per epoch: "
@@ -440,7 +442,7 @@ def _measured_lr(reference: Reference, k: float, warnings: list[str], measured: 
 
 def _multiplier_reason(rule: str, k: float) -> str:
     ratio = f"k = new global batch / reference global batch = {k:g}"
-    return {"none": f"--rule none: the lr is not scaled, although {ratio}",
+    return {"none": f"{{target.rule}} none: the lr is not scaled, although {ratio}",
             "linear": f"{ratio}; the linear rule multiplies the lr by k",
             "sqrt": f"{ratio}; the square-root rule multiplies the lr by √k = {math.sqrt(k):.4g}"}[rule]
 
@@ -472,15 +474,15 @@ def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, 
     ref_desc = _reference_formula(reference)
     reasons = {
         "reference_global_batch_size": ref_desc,
-        "world_size": f"{_count(target.devices, 'device')} × {_count(target.nodes, 'node')}, "
+        "world_size": f"{count(target.devices, 'device')} × {count(target.nodes, 'node')}, "
                       "one DDP process per device",
-        "global_batch_size": f"{batch} per device × {_count(target.world_size, 'rank')} × "
-                             f"{_count(accumulation, 'accumulation step')}",
+        "global_batch_size": f"{batch} per device × {count(target.world_size, 'rank')} × "
+                             f"{count(accumulation, 'accumulation step')}",
     }
     if mode == "trajectory":
         reasons["per_device_batch_size"] = (
             f"keep trajectory: reach the reference's global batch of {reference.global_batch_size} exactly"
-            + (f" within --max-batch-size-per-device {target.max_batch_size_per_device}"
+            + (f" within {{target.max_batch_size_per_device}} {target.max_batch_size_per_device}"
                if target.max_batch_size_per_device else ""))
         reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {global_batch} with "
                                          f"{batch} per device on {target.world_size} ranks")
@@ -496,29 +498,31 @@ def _per_device_reasons(reference: Reference, target: Target, batch: int, accumu
     grows = f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"
     split = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
     if target.per_device_batch_size:
-        batch_reason = "given by --batch-size"
+        batch_reason = "given by {target.per_device_batch_size}"
         accumulation_reason = split if target.global_batch_size else "kept from the reference"
     elif target.global_batch_size:
-        batch_reason = f"--global-batch-size {target.global_batch_size} over {target.world_size} ranks{within}"
+        batch_reason = f"{{target.global_batch_size}} {target.global_batch_size} over {target.world_size} ranks{within}"
         accumulation_reason = split
     elif batch != reference.batch_per_device:
         batch_reason = (f"keep per-device: the reference's {batch * accumulation} samples per rank per step, in "
-                        f"micro-batches that fit --max-batch-size-per-device {limit}; the global batch {grows}")
+                        f"micro-batches that fit {{target.max_batch_size_per_device}} {limit}; the global batch "
+                        f"{grows}")
         accumulation_reason = split
     else:
         batch_reason = f"keep per-device: the reference's per-device batch, so the global batch {grows}"
         accumulation_reason = "kept from the reference"
+    given = "given by {target.accumulation_steps}"
     return {"per_device_batch_size": batch_reason,
-            "accumulation_steps": "given by --accumulation" if target.accumulation_steps else accumulation_reason}
+            "accumulation_steps": given if target.accumulation_steps else accumulation_reason}
 
 
 def _reference_formula(reference: Reference) -> str:
     if reference.wrapper == "dp":
         return (f"DataParallel splits the loader batch of {reference.per_device_batch_size} across "
-                f"{_count(reference.devices, 'device')} and computes one loss on the gathered batch: global batch = "
-                f"{reference.per_device_batch_size} × {_count(reference.accumulation_steps, 'accumulation step')}")
-    return (f"{reference.per_device_batch_size} per device × {_count(reference.devices * reference.nodes, 'device')} × "
-            f"{_count(reference.accumulation_steps, 'accumulation step')}")
+                f"{count(reference.devices, 'device')} and computes one loss on the gathered batch: global batch = "
+                f"{reference.per_device_batch_size} × {count(reference.accumulation_steps, 'accumulation step')}")
+    return (f"{reference.per_device_batch_size} per device × {count(reference.devices * reference.nodes, 'device')} × "
+            f"{count(reference.accumulation_steps, 'accumulation step')}")
 
 
 def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: int, lr_fields: dict[str, Any],
@@ -526,25 +530,26 @@ def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: 
     multiplier = lr_fields["lr_multiplier"]
     warmup = multiplier >= data.warmup_threshold
     out: dict[str, Any] = {"warmup_recommended": warmup}
-    length = _count(data.warmup_steps, "step") if data.warmup_steps is not None else _count(data.warmup_epochs, "epoch")
+    length = count(data.warmup_steps, "step") if data.warmup_steps is not None else count(data.warmup_epochs, "epoch")
     reasons = {"warmup_recommended": (
-        f"the lr grows ×{multiplier:.4g} ≥ --warmup-threshold {data.warmup_threshold:g}: ramp linearly from the "
+        f"the lr grows ×{multiplier:.4g} ≥ {{data.warmup_threshold}} {data.warmup_threshold:g}: ramp linearly from the "
         f"reference lr over {length} (Goyal et al. 2017)" if warmup else
-        f"the lr multiplier {multiplier:.4g} is below --warmup-threshold {data.warmup_threshold:g}: no warmup needed")}
+        f"the lr multiplier {multiplier:.4g} is below {{data.warmup_threshold}} {data.warmup_threshold:g}: no warmup "
+        "needed")}
     keys = ("samples_per_rank", "padded_samples", "dropped_samples", "loader_batches_per_rank",
             "steps_per_epoch", "total_steps", "samples_per_epoch")
     if data.dataset_size is None:
         out.update(dict.fromkeys(keys))
-        reasons["steps_per_epoch"] = "pass --dataset-size for step counts"
+        reasons["steps_per_epoch"] = "pass {data.dataset_size} for step counts"
     else:
         out.update(_epoch_arithmetic(data, world, batch, accumulation, reasons))
         if out["samples_per_rank"] < batch * accumulation:
             # One epoch's share is less than one step's: every step is short, so the global batch is not what it says.
             seen = out["samples_per_rank"] * world
-            share = f"--batch-size {batch} × {_count(accumulation, 'accumulation step')}"
+            share = f"{{target.per_device_batch_size}} {batch} × {count(accumulation, 'accumulation step')}"
             warnings.append(f"each rank holds {out['samples_per_rank']} samples per epoch, fewer than one optimizer "
                             f"step's share ({share}): every step sees at most {seen} samples, not the global batch "
-                            f"{global_batch}; lower --batch-size or use more data")
+                            f"{global_batch}; lower {{target.per_device_batch_size}} or use more data")
     out.update(_warmup(data, warmup, out["steps_per_epoch"], out["total_steps"], lr_fields["lr"], reasons, warnings))
     out.update(_critical(data, global_batch, reasons))
     return {**out, "reasons": reasons}
@@ -555,25 +560,25 @@ def _warmup(data: Data, recommended: bool, steps_per_epoch: int | None, total: i
     """The warmup length ``lr_lambda`` ramps over, in steps and epochs; never past the end of the run."""
     in_epochs = None
     if data.warmup_steps is not None:
-        steps, why = int(data.warmup_steps), "given by --warmup-steps"
+        steps, why = int(data.warmup_steps), "given by {data.warmup_steps}"
     elif not recommended:
         return {"warmup_steps": None, "warmup_epochs": None}
     elif steps_per_epoch is None:
-        reasons["warmup_steps"] = (f"pass --dataset-size (to count {_count(data.warmup_epochs, 'warmup epoch')} in "
-                                   "steps) or --warmup-steps")
-        warnings.append("warmup is recommended but its length in steps is unknown: pass --dataset-size or "
-                        "--warmup-steps; until then lr_lambda and scheduler() raise rather than skip the warmup")
+        reasons["warmup_steps"] = (f"pass {{data.dataset_size}} (to count {count(data.warmup_epochs, 'warmup epoch')} "
+                                   "in steps) or {data.warmup_steps}")
+        warnings.append("warmup is recommended but its length in steps is unknown: pass {data.dataset_size} or "
+                        "{data.warmup_steps}; until then lr_lambda and scheduler() raise rather than skip the warmup")
         return {"warmup_steps": None, "warmup_epochs": data.warmup_epochs}
     else:
         steps = scaling.warmup_steps(warmup_epochs=data.warmup_epochs, steps_per_epoch=steps_per_epoch)
         in_epochs = data.warmup_epochs
-        why = f"{_count(data.warmup_epochs, 'warmup epoch')} × {_count(steps_per_epoch, 'step')} per epoch"
+        why = f"{count(data.warmup_epochs, 'warmup epoch')} × {count(steps_per_epoch, 'step')} per epoch"
     if total is not None and 0 < total <= steps:
         # A ramp that outlasts the run never reaches the planned lr: clamp it, and say so.
         warnings.append(f"a warmup of {steps:,} steps ({why}) does not end before the {total:,}-step run "
-                        f"({_count(data.epochs, 'epoch')}) does: clamped to {total:,} steps, so the lr climbs all run "
-                        f"and never reaches {lr:.4g}; pass the run's real --epochs, or a shorter --warmup-epochs or "
-                        "--warmup-steps")
+                        f"({count(data.epochs, 'epoch')}) does: clamped to {total:,} steps, so the lr climbs all run "
+                        f"and never reaches {lr:.4g}; pass the run's real {{data.epochs}}, or a shorter "
+                        "{data.warmup_epochs} or {data.warmup_steps}")
         why, steps, in_epochs = f"{why} = {steps:,}, clamped to the run's {total:,} steps", total, None
     reasons["warmup_steps"] = why
     if in_epochs is None and steps_per_epoch:
@@ -600,17 +605,17 @@ def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, rea
     reasons.update({
         "samples_per_rank": (f"DistributedSampler drop_last=True gives floor({n}/{world})" if data.sampler_drop_last
                              else f"DistributedSampler gives each rank ceil({n}/{world}), padding by repetition"),
-        "padded_samples": "samples repeated so every rank gets the same count (0 with --sampler-drop-last)",
-        "dropped_samples": "samples never seen in an epoch: the sampler's tail with --sampler-drop-last, "
-                           "each rank's last partial batch with --drop-last",
+        "padded_samples": "samples repeated so every rank gets the same count (0 with {data.sampler_drop_last})",
+        "dropped_samples": "samples never seen in an epoch: the sampler's tail with {data.sampler_drop_last}, "
+                           "each rank's last partial batch with {data.drop_last}",
         "loader_batches_per_rank": f"{per_rank} samples in batches of {batch}"
                                    + (", the last partial batch dropped" if data.drop_last
                                       else ", the last may be partial"),
-        "steps_per_epoch": f"ceil({_count(batches, 'loader batch', 'loader batches')} / "
-                           f"{_count(accumulation, 'accumulation step')})"
+        "steps_per_epoch": f"ceil({count(batches, 'loader batch', 'loader batches')} / "
+                           f"{count(accumulation, 'accumulation step')})"
                            + ("; a final partial accumulation window still makes an optimizer step, as in Lightning "
                               "and the Hugging Face Trainer" if batches % accumulation else ""),
-        "total_steps": f"{_count(steps, 'step')} per epoch × {_count(data.epochs, 'epoch')}",
+        "total_steps": f"{count(steps, 'step')} per epoch × {count(data.epochs, 'epoch')}",
         "samples_per_epoch": "samples the ranks process per epoch, repeats included",
     })
     return {"samples_per_rank": per_rank, "padded_samples": padded, "dropped_samples": dropped + loader_dropped,
@@ -645,14 +650,6 @@ def _semantics_warnings(reference: Reference, target: Target, global_batch: int,
     return warnings
 
 
-# The plan's prose (reasons, warnings, the other mode) speaks the command line's words.
-PROSE_NAMES = {"target.per_device_batch_size": "--batch-size", "target.accumulation_steps": "--accumulation",
-               "target.global_batch_size": "--global-batch-size", "target.keep": "--keep",
-               "target.max_batch_size_per_device": "--max-batch-size-per-device", "reference.lr": "--ref-lr",
-               "reference.eps": "--eps", "data.dataset_size": "--dataset-size", "data.drop_last": "--drop-last",
-               "data.warmup_steps": "--warmup-steps"}
-
-
 def _other_mode(mode: Keep, reference: Reference, target: Target, lr_source: LrSource | None) -> str:
     other = "per-device" if mode == "trajectory" else "trajectory"
     try:
@@ -661,7 +658,7 @@ def _other_mode(mode: Keep, reference: Reference, target: Target, lr_source: LrS
             per_device_batch_size=None if other == "trajectory" else target.per_device_batch_size), Data(),
             lr_source, describe_other=False)
     except UsageError as exc:
-        return f"--keep {other} is not possible here: {exc.render(PROSE_NAMES)}"
-    return (f"--keep {other} would give {alternative.per_device_batch_size} per device × "
+        return f"{{target.keep}} {other} is not possible here: {exc.template}"
+    return (f"{{target.keep}} {other} would give {alternative.per_device_batch_size} per device × "
             f"{alternative.accumulation_steps} accumulation (global {alternative.global_batch_size}) "
             f"at lr {alternative.lr:.4g}")

@@ -16,6 +16,7 @@ import math
 from typing import Literal, get_args
 
 from ddplab.errors import UsageError
+from ddplab.validation import at_least, one_of
 
 Wrapper = Literal["single", "dp", "ddp"]
 Rule = Literal["none", "linear", "sqrt"]
@@ -44,7 +45,8 @@ def lr_multiplier(k: float, rule: Rule) -> float:
         return float(k)
     if rule == "sqrt":
         return math.sqrt(k)
-    raise UsageError(f"{{target.rule}} must be one of {', '.join(RULES)}, got {rule!r}")
+    one_of("target.rule", rule, RULES)
+    raise AssertionError(f"rule {rule!r} is in RULES but has no multiplier")
 
 
 def adam_sqrt_rule(k: float, *, betas: tuple[float, float], eps: float) -> tuple[tuple[float, float], float]:
@@ -110,11 +112,12 @@ def split_global_batch(global_batch: int, *, world_size: int, max_per_device: in
         options = " or ".join(map(str, nearest_divisible(global_batch, world_size)))
         raise UsageError(f"a world size of {world_size} cannot split a global batch of {global_batch} evenly; "
                          f"use a global batch of {options}")
+    at_least("target.max_batch_size_per_device", max_per_device)
     per_rank = global_batch // world_size
     for accumulation in range(1, per_rank + 1):
         if per_rank % accumulation == 0 and (max_per_device is None or per_rank // accumulation <= max_per_device):
             return per_rank // accumulation, accumulation
-    raise UsageError(f"{{target.max_batch_size_per_device}} must be at least 1, got {max_per_device}")
+    raise AssertionError("unreachable: one sample per device fits any limit of at least 1")
 
 
 def steps_factor(global_batch: float, critical_batch: float) -> float:

@@ -7,6 +7,7 @@ import os
 from typing import Literal
 
 from ddplab.errors import UsageError
+from ddplab.validation import at_least, positive
 
 Backend = Literal["gloo", "nccl"]
 StartMethod = Literal["auto", "fork", "spawn"]
@@ -22,21 +23,20 @@ class LaunchConfig:
     backend: Backend | None = None
     """'gloo' or 'nccl'; None picks NCCL when every rank has its own GPU, else gloo."""
     pg_timeout_s: float = DEFAULT_TIMEOUT_S
-    """Process-group timeout: a collective that does not complete raises after this, naming the rank that stopped."""
+    """How long a collective waits for the other ranks before the run fails, naming the rank that stopped answering
+    (the process-group timeout)."""
     deadline_s: float | None = None
-    """Wall-clock limit for the whole launch; ranks still running after it are stopped. None: no limit."""
+    """Wall-clock limit for the whole run; ranks still running are stopped and what they measured so far is reported
+    where the command can (default: none; SIGTERM/Ctrl-C cancel cleanly). Not applied under torchrun."""
     start_method: StartMethod = "auto"
     """'auto' forks CPU ranks and spawns GPU ranks; 'spawn' starts fresh interpreters on CPU too."""
 
     def __post_init__(self):
-        if self.world_size is not None and not self.world_size >= 1:
-            raise UsageError(f"{{world_size}} must be at least 1, got {self.world_size}")
+        at_least("world_size", self.world_size)
         if self.backend not in (None, "gloo", "nccl"):
             raise UsageError(f"{{backend}} must be gloo or nccl, got {self.backend!r}")
-        if not 0 < self.pg_timeout_s < float("inf"):
-            raise UsageError(f"{{pg_timeout_s}} must be a positive number, got {self.pg_timeout_s}")
-        if self.deadline_s is not None and not 0 < self.deadline_s < float("inf"):
-            raise UsageError(f"{{deadline_s}} must be a positive number, got {self.deadline_s}")
+        positive("pg_timeout_s", self.pg_timeout_s)
+        positive("deadline_s", self.deadline_s)
         if self.start_method not in ("auto", "fork", "spawn"):
             raise UsageError(f"{{start_method}} must be auto, fork or spawn, got {self.start_method!r}")
 

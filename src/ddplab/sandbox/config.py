@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal, get_args
 
 from ddplab.errors import UsageError
 from ddplab.sandbox import theory
 from ddplab.serialize import finite
+from ddplab.validation import at_least, one_of, positive
 
 DATASET_SIZE = 256
 Mode = Literal["single", "multi"]
@@ -28,24 +28,23 @@ class SandboxConfig:
     lr: float = 1e-3
     """SGD learning rate (no momentum)."""
     per_device_batch_size: int | None = None
-    """Loader batch per rank (per process in single mode); None: 128 single, 16 multi."""
+    """Per-device (per-rank) loader batch (default 128 single, 16 multi)."""
     world_size: int | None = None
-    """DDP ranks; always 1 in single mode; None in multi mode: the visible GPUs when ≥ 2, else 8 CPU ranks
-    (under torchrun, its WORLD_SIZE)."""
+    """DDP ranks to start (default: the visible GPUs when ≥ 2, else 8 CPU ranks; under torchrun its WORLD_SIZE);
+    always 1 in single mode."""
     deterministic: bool = True
-    """x = 1, y = 0 when True; x = 1 + N(0,1), y = N(0,1) otherwise."""
+    """x = 1, y = 0; False: noisy data, x = 1 + N(0,1), y = N(0,1)."""
     n_experiments: int | None = None
-    """Independent repetitions, vectorized into one parameter tensor; None: 1 deterministic, 10,000 noisy."""
+    """Independent experiments, vectorized into one parameter tensor (default 1 deterministic, 10,000 noisy)."""
     n_epochs: int = 1
-    """Passes over the 256 samples."""
+    """Epochs: passes over the 256 samples."""
     seed: int = 0
-    """Seeds both the data and DistributedSampler's shuffle."""
+    """Data and sampler seed (DistributedSampler's shuffle too)."""
     bypass_ddp: bool = False
-    """Forward through the inner module (the classic bug): no all-reduce happens."""
+    """Reproduce the classic bug: forward through the inner module, so DDP never all-reduces (noisy data)."""
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise UsageError(f"{{mode}} must be one of {', '.join(MODES)}, got {self.mode!r}")
+        one_of("mode", self.mode, MODES)
         if self.mode == "single" and (self.world_size not in (None, 1) or self.bypass_ddp):
             raise UsageError("single mode runs one process: drop {world_size} / {bypass_ddp}")
         if self.per_device_batch_size is None:
@@ -54,12 +53,9 @@ class SandboxConfig:
             object.__setattr__(self, "n_experiments", 1 if self.deterministic else NOISY_EXPERIMENTS)
         if self.mode == "single":
             object.__setattr__(self, "world_size", 1)
-        if not 0 < self.lr < math.inf:
-            raise UsageError(f"{{lr}} must be a positive number, got {self.lr}")
-        for field, value in (("per_device_batch_size", self.per_device_batch_size), ("world_size", self.world_size),
-                             ("n_experiments", self.n_experiments), ("n_epochs", self.n_epochs)):
-            if value is not None and not value >= 1:
-                raise UsageError(f"{{{field}}} must be at least 1, got {value}")
+        positive("lr", self.lr)
+        for field in ("per_device_batch_size", "world_size", "n_experiments", "n_epochs"):
+            at_least(field, getattr(self, field))
         if self.world_size is not None:
             self._check_batch()
         if self.bypass_ddp and self.deterministic:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from typing import Literal, get_args
 
 from ddplab.errors import UsageError
+from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
 FIXED_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "tuned")
 """SGD's default rules: those that train at a fixed lr and batch."""
@@ -36,10 +36,10 @@ class Target:
     value: float
 
     def __post_init__(self):
-        if self.kind == "accuracy" and not 0 < self.value <= 1:
-            raise UsageError(f"{{target.accuracy}} must be in (0, 1], got {self.value}")
-        if self.kind == "loss" and not 0 < self.value < math.inf:
-            raise UsageError(f"{{target.loss}} must be a positive number, got {self.value}")
+        if self.kind == "accuracy":
+            within("target.accuracy", self.value, "(0, 1]")
+        if self.kind == "loss":
+            positive("target.loss", self.value)
 
     def reached(self, metric: float) -> bool:
         return metric >= self.value if self.kind == "accuracy" else metric <= self.value
@@ -53,34 +53,31 @@ class OptimizerConfig:
     """The optimizer every run trains with (its lr comes from the rule): torch.optim's SGD, Adam or AdamW."""
 
     family: Family = "sgd"
+    """The optimizer family every run trains with (default: the spec's optimizer(), else sgd)."""
     momentum: float = 0.9
     """SGD momentum."""
     dampening: float = 0.0
     """SGD dampening."""
     nesterov: bool = False
-    """SGD Nesterov momentum."""
+    """SGD with Nesterov momentum."""
     weight_decay: float = 0.0
-    """L2 penalty added to the gradient (SGD, Adam) or decoupled decay (AdamW), as torch.optim applies it."""
+    """Weight decay as torch.optim applies it: an L2 penalty added to the gradient (SGD, Adam) or decoupled
+    (AdamW)."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """Adam/AdamW betas."""
+    """Adam/AdamW betas as B1,B2."""
     eps: float = 1e-8
     """Adam/AdamW epsilon."""
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise UsageError(f"{{optimizer.family}} must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        if not 0 <= self.momentum < 1:
-            raise UsageError(f"{{optimizer.momentum}} must be in [0, 1), got {self.momentum}")
-        if not 0 <= self.dampening <= 1:
-            raise UsageError(f"{{optimizer.dampening}} must be in [0, 1], got {self.dampening}")
+        one_of("optimizer.family", self.family, FAMILIES)
+        within("optimizer.momentum", self.momentum, "[0, 1)")
+        within("optimizer.dampening", self.dampening, "[0, 1]")
         if self.nesterov and (self.momentum == 0 or self.dampening != 0):
             raise UsageError("{optimizer.nesterov} needs momentum above 0 and no dampening (as torch.optim.SGD)")
-        if not 0 <= self.weight_decay < math.inf:
-            raise UsageError(f"{{optimizer.weight_decay}} must be zero or more, got {self.weight_decay}")
+        zero_or_more("optimizer.weight_decay", self.weight_decay)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"{{optimizer.betas}} must be two numbers in [0, 1), got {self.betas}")
-        if not 0 < self.eps < math.inf:
-            raise UsageError(f"{{optimizer.eps}} must be a positive number, got {self.eps}")
+        positive("optimizer.eps", self.eps)
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
 
     @property
@@ -106,13 +103,14 @@ class StudyConfig:
     target: Target
     """When a run has reached the result."""
     global_batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
-    """Global batch sizes to measure."""
+    """Global batch sizes to measure, comma-separated."""
     rules: tuple[str, ...] | None = None
-    """lr rules to run (default: FIXED_RULES for SGD, ADAM_RULES for Adam and AdamW); ``adascale`` adds AdaScale
-    runs from the reference lr at every batch from the reference up, ``ramp`` one BatchRamp run per seed from the
-    smallest batch."""
+    """lr rules, comma-separated (default constant,linear,sqrt,tuned for SGD, constant,linear,sqrt,adam-sqrt,tuned
+    for Adam/AdamW); adam-sqrt is Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adascale adds
+    AdaScale runs from ``reference_lr``, untuned, at every batch from the reference up; ramp adds one BatchRamp run
+    per seed from the smallest batch, growing with the measured noise scale."""
     reference_global_batch_size: int = 32
-    """Reference global batch the rules scale from."""
+    """The reference's global batch, which the rules scale from."""
     reference_lr: float = 0.1
     """Learning rate at the reference global batch."""
     seeds: int = 3
@@ -122,12 +120,12 @@ class StudyConfig:
     max_steps: int = 3000
     """Step budget per run; a run that has not reached the target by then is 'not reached'."""
     eval_every: int = 5
-    """Evaluate every k optimizer steps."""
+    """Evaluate every K optimizer steps."""
     patience: int = 100
     """Stop a run whose metric has not improved on its best for this many evaluations (0: never): a run stuck at
     chance need not spend the whole step budget. It counts as not reached, flagged ``stalled``."""
     sweep_factor: float = 2.0
-    """Spacing of the tuned sweep."""
+    """Spacing of the tuned lr sweep (2: factors of 2)."""
     sweep_margin: float = 4.0
     """The tuned sweep spans the constant and linear rules' lrs, widened by this factor."""
     max_runs: int = 1000
@@ -142,15 +140,10 @@ class StudyConfig:
         if not self.global_batch_sizes or any(b < 1 for b in self.global_batch_sizes):
             raise UsageError("{global_batch_sizes} must be positive integers")
         _check_rules(self)
-        for field, value in (("reference_global_batch_size", self.reference_global_batch_size),
-                             ("max_runs", self.max_runs),
-                             ("seeds", self.seeds), ("max_steps", self.max_steps), ("eval_every", self.eval_every)):
-            if not value >= 1:
-                raise UsageError(f"{{{field}}} must be at least 1, got {value}")
-        if not self.patience >= 0:
-            raise UsageError(f"{{patience}} must be zero or more, got {self.patience}")
-        if not 0 < self.reference_lr < math.inf:
-            raise UsageError(f"{{reference_lr}} must be a positive number, got {self.reference_lr}")
+        for field in ("reference_global_batch_size", "max_runs", "seeds", "max_steps", "eval_every"):
+            at_least(field, getattr(self, field))
+        zero_or_more("patience", self.patience)
+        positive("reference_lr", self.reference_lr)
         if not self.sweep_factor > 1 or not self.sweep_margin >= 1:
             raise UsageError("{sweep_factor} must be above 1 and {sweep_margin} at least 1")
         if self.dtype not in get_args(Dtype):
@@ -206,37 +199,35 @@ class StudyOptions:
     plots: bool = True
     """Write the PNG plots and the HTML report (needs matplotlib)."""
     verify_ddp: int = 0
-    """Grid points to replay on real DDP ranks after the study (0: none)."""
+    """Re-run K grid points through real DDP ranks after the study and report the largest difference (0: none)."""
     verify_world_size: int = 2
-    """Ranks for verify_ddp."""
+    """Ranks for ``verify_ddp``."""
     verify_steps: int = 20
-    """Steps per verify_ddp point."""
+    """Steps per ``verify_ddp`` point."""
     threads: int = 1
-    """torch intra-op threads while training (the runs are already batched; small models lose to hand-offs)."""
+    """torch intra-op threads while training (the runs are already batched, and small models lose more to thread
+    hand-offs than they gain)."""
     engine: Engine = "auto"
-    """vmap: every run of a batch size in one process, vectorized; ddp: each run on ``world_size`` real DDP ranks
-    (a spec's own step(), any optimizer, torchrun across nodes); auto: where the spec allows both, a step timed
-    both ways per batch size picks the faster (a model with buffers stays vectorized), else ddp."""
+    """vmap: a batch size's runs train at once in one process, vectorized; ddp: each run on ``world_size`` real DDP
+    ranks, one launch per batch size (a spec's own step(), any optimizer, torchrun across nodes); auto: where the spec
+    allows both, a step timed both ways at each batch size picks the faster (a model with buffers, such as
+    BatchNorm, stays vectorized), else ddp; the report says which and why."""
     world_size: int = 2
     """Ranks of the DDP engine (under torchrun: torchrun's)."""
     max_batch_size_per_device: int | None = None
-    """The DDP engine's largest loader batch per rank; larger shares accumulate (None: no cap)."""
+    """The DDP engine's largest loader batch per rank: a larger share of a global batch accumulates over
+    micro-batches (default: no cap)."""
     device: Device = "auto"
-    """Where runs train: auto (CUDA when available), cpu or cuda."""
+    """Where runs train: auto (CUDA when torch sees it; the DDP engine then uses NCCL), cpu or cuda."""
     compare: str | None = None
-    """Another study's study.json (another optimizer, say): its best lr per batch is drawn beside this one's, each
-    with its own rule's prediction (compare_lr.png)."""
+    """Another study's study.json (another optimizer, say): compare_lr.png draws both best lrs per batch, each
+    beside its rule's prediction (linear for SGD, square root for Adam)."""
 
     def __post_init__(self):
-        if self.engine not in get_args(Engine):
-            raise UsageError(f"{{engine}} must be one of {', '.join(get_args(Engine))}, got {self.engine!r}")
-        if self.device not in get_args(Device):
-            raise UsageError(f"{{device}} must be one of {', '.join(get_args(Device))}, got {self.device!r}")
+        one_of("engine", self.engine, get_args(Engine))
+        one_of("device", self.device, get_args(Device))
         if not self.world_size >= 1 or not (self.max_batch_size_per_device or 1) >= 1:
             raise UsageError("{world_size} and {max_batch_size_per_device} must be at least 1")
-        for field, value in (("verify_world_size", self.verify_world_size), ("verify_steps", self.verify_steps),
-                             ("threads", self.threads)):
-            if not value >= 1:
-                raise UsageError(f"{{{field}}} must be at least 1, got {value}")
-        if not self.verify_ddp >= 0:
-            raise UsageError(f"{{verify_ddp}} must be zero or more, got {self.verify_ddp}")
+        for field in ("verify_world_size", "verify_steps", "threads"):
+            at_least(field, getattr(self, field))
+        zero_or_more("verify_ddp", self.verify_ddp)
