@@ -66,7 +66,8 @@ class GradientNoiseScale:
       Without a user hook it reproduces the reducer's arithmetic: ×1/W, then all-reduce.
 
     Args:
-        ddp_model: the ``DistributedDataParallel`` model.
+        ddp_model: the ``DistributedDataParallel`` model (any model a registered parallelism strategy wraps), or
+            on one process the module itself.
         per_device_batch_size: samples per rank per micro-step.
         accumulation_steps: micro-steps per optimizer step (the others run under ``no_sync``).
         comm_hook, state: your own DDP comm hook and its state, which this wraps (e.g. fp16/bf16
