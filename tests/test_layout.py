@@ -174,3 +174,34 @@ def test_only_the_rules_branch_on_a_rules_name():
     assert offenders == []
     # The scan sees a branch where there is one.
     assert _rule_name_branches(ast.parse('if rule == "tuned" or "ramp" in rules: pass'), names) == [1, 1]
+
+
+def _constructs_ddp(tree) -> list[int]:
+    """Lines calling ``DistributedDataParallel(...)`` by name or attribute (imports and isinstance do not count)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and
+            (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "DistributedDataParallel"]
+
+
+def test_only_the_runtime_constructs_distributed_data_parallel():
+    found = {path: lines for path, _, tree in _modules() if (lines := _constructs_ddp(tree))}
+    assert any(path.startswith("runtime" + os.sep) for path in found)  # the scan sees the one that does
+    outside = {path: lines for path, lines in found.items() if not path.startswith("runtime" + os.sep)}
+    assert outside == {}
+
+
+def test_the_strategy_registry_holds_ddp_with_every_member_of_the_protocol():
+    import inspect
+
+    from ddplab.runtime import strategies
+    from ddplab.runtime.strategies.base import Strategy
+
+    members = {"name", "wrap", "owns", "module", "data_parallel_group", "data_parallel_size", "data_parallel_rank",
+               "no_sync", "syncs", "syncs_buffers", "tap_local_gradients", "reduced_gradient_share"}
+    declared = {name for name, _ in inspect.getmembers(Strategy) if not name.startswith("_")}
+    assert declared == members - {"name"}  # name is a ClassVar: declared by annotation only
+    assert "name" in Strategy.__annotations__
+    assert "ddp" in strategies.STRATEGIES
+    for name, strategy in strategies.STRATEGIES.items():
+        assert isinstance(strategy, Strategy) and strategy.name == name
+        assert not inspect.isabstract(type(strategy))
+        assert all(callable(getattr(strategy, member)) for member in members - {"name"})

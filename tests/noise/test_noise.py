@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddplab.adapt.adascale import AdaScale
 from ddplab.adapt.ramp import BatchRamp
 from ddplab.cli.main import main
+from ddplab.errors import UsageError
 from ddplab.noise import estimators as est
 from ddplab.noise.report import adascale_gain
 from ddplab.noise.scale import GradientNoiseScale
@@ -78,6 +79,11 @@ def _all_variants(ctx):
                                        "fp16", "fp16+gns")}
     out["let_go"] = {via: _let_go(via) for via in ("grad_hooks", "comm_hook")}
     out["let_go"]["subgroup"] = _let_go("grad_hooks", torch.distributed.new_group([0, 1]))
+    try:
+        GradientNoiseScale(torch.nn.Linear(2, 1), per_device_batch_size=4, process_group=torch.distributed.group.WORLD)
+        out["plain_module"] = None
+    except UsageError as exc:
+        out["plain_module"] = str(exc)
     return out
 
 
@@ -119,6 +125,8 @@ def test_training_is_unchanged_by_the_measurement():
     # A loop that lets its model go frees it, and the group, as without the measurement: a process group kept past
     # destroy_process_group() dies at interpreter exit, where gloo's threads can abort the process.
     assert results["let_go"] == {"grad_hooks": (True, 0), "comm_hook": (True, 0), "subgroup": (True, 0)}
+    # A module no strategy wrapped has no reduction to read on two processes: refused, not measured wrong.
+    assert "this model is a plain module" in results["plain_module"]
     # Both ways of seeing the local gradient measure the same numbers.
     for a, b in zip(results["plain+gns"][1], results["plain+gns_comm"][1]):
         assert (a.g_small_sq == pytest.approx(b.g_small_sq, rel=1e-5)

@@ -39,6 +39,7 @@ from typing import Literal
 
 from ddplab.adapt.during_step import LrDuringStep, require_optimizer
 from ddplab.errors import UsageError
+from ddplab.runtime import strategies
 from ddplab.validation import positive
 
 RampRule = Literal["linear", "sqrt", "none"]
@@ -127,8 +128,7 @@ class BatchRamp:
     def accumulate(self) -> Iterator[None]:
         """One micro-step: under ``no_sync`` unless it closes the window (then DDP all-reduces)."""
         last = self.micro_steps + 1 >= self.accumulation_steps
-        no_sync = getattr(self.ddp_model, "no_sync", None)
-        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+        with contextlib.nullcontext() if last else strategies.no_sync(self.ddp_model):
             yield
         self.micro_steps += 1
 

@@ -35,7 +35,7 @@ from ddplab.auditor import exchange, frameworks, schedulers, state, tensors
 from ddplab.auditor import findings as fnd
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
-from ddplab.runtime import compat
+from ddplab.runtime import compat, strategies
 
 # Training batches fingerprinted per wrapper: longer than the step window, so streams shifted in time still meet.
 DATA_WINDOW_FACTOR = 4
@@ -80,12 +80,14 @@ def attach(audit: AuditState, ddp: DistributedDataParallel) -> None:
     if ddp in audit.wrappers:
         return
     audit.rank, audit.world_size = dist.get_rank(), dist.get_world_size()
-    group = dist.get_process_group_ranks(ddp.process_group)
+    strategy = strategies.of(ddp)
+    # Judged by the group that averages the gradients: its ranks must see different samples.
+    group = dist.get_process_group_ranks(strategy.data_parallel_group(ddp))
     key = f"ddp{audit.wrapper_count}-{'.'.join(map(str, group))}"
     audit.wrapper_count += 1
     info = audit.wrappers[ddp] = WrapperInfo(ddp, key, group)
     audit.batches[key] = info.batches
-    audit.modules[ddp.module] = info
+    audit.modules[strategy.module(ddp)] = info
     for _, param in info.params():
         audit.owners[param] = info
     # A wrapper collected between a training forward and its backward takes its all-reduce with it.
@@ -127,7 +129,7 @@ def _before_ddp_forward(audit: AuditState, ddp, args, kwargs) -> None:
     # A backward whose end this torch could not report is over once the next forward starts.
     info.in_backward = False
     # Read before DDP's own pre-forward: whether it is about to broadcast rank 0's buffers.
-    info.syncs_buffers = ddp.require_backward_grad_sync and ddp.will_sync_module_buffers()
+    info.syncs_buffers = strategies.of(ddp).syncs_buffers(ddp)
     _record_training_batch(audit, info, (args, kwargs))
 
 
@@ -143,7 +145,7 @@ def _after_ddp_forward(audit: AuditState, ddp, output) -> None:
     if info is None:
         return
     info.syncs_buffers = False
-    if not (audit.armed and torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+    if not (audit.armed and torch.is_grad_enabled() and strategies.of(ddp).syncs(ddp)):
         return
     nodes = {id(t.grad_fn): t.grad_fn for t in tensors.iter_tensors(output) if t.grad_fn is not None}
     for node in nodes.values():

@@ -1,4 +1,4 @@
-"""Prove that a spec trains the same on W DDP ranks as in one process, or find out why not.
+"""Prove that a spec trains the same on W data-parallel ranks as in one process, or find out why not.
 
 The ranks train K steps with b samples each; one process trains K steps on the ranks' batches
 concatenated in rank order. Both run in float64, so rounding stays far below the tolerance.
@@ -17,6 +17,7 @@ from ddplab.check import diagnosis
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.check.result import CheckResult
 from ddplab.runtime import ranks as rank_tools
+from ddplab.runtime import strategies
 from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
 from ddplab.runtime.sharding import RankOrder, ReferenceOrder
@@ -104,14 +105,15 @@ def _train_on_rank(ctx: RankContext, cfg: CheckConfig, facts: rank_tools.SpecFac
     spec = load_spec(cfg.spec_path)
     dataset = spec.dataset()
     model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64, device=ctx.device)
-    ddp = rank_tools.wrap_ddp(model, ctx, facts)
-    optimizer = spec.optimizer(ddp.parameters())
+    wrapped = strategies.get(strategies.DEFAULT).wrap(model, ctx, facts)
+    optimizer = spec.optimizer(wrapped.parameters())
     order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
                       per_device_batch_size=cfg.per_device_batch_size)
     params, grads = [], []
     for step in range(cfg.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = spec.step(ddp, rank_tools.collate(dataset, order.batch(step), ctx.device, torch.float64), spec.loss)
+        batch = rank_tools.collate(dataset, order.batch(step), ctx.device, torch.float64)
+        loss = spec.step(wrapped, batch, spec.loss)
         with spec.guard("backward through the loss"):
             loss.backward()
         grads.append(_flat_grads(model))

@@ -1,4 +1,4 @@
-"""``ddplab noise``: train a spec on DDP ranks with the noise scale attached, and report what it measured.
+"""``ddplab noise``: train a spec on data-parallel ranks with the noise scale attached, and report what it measured.
 
 Rank 0 checkpoints what it has measured at most once a second: a few fixed fields, and the new
 measured steps appended to its journal (never the whole history again), so a run stopped by its
@@ -19,6 +19,7 @@ from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
 from ddplab.noise.scale import GradientNoiseScale
 from ddplab.progress import Progress, silent
 from ddplab.runtime import ranks as rank_tools
+from ddplab.runtime import strategies
 from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
 from ddplab.runtime.sharding import RankOrder
@@ -53,10 +54,11 @@ def _measure_on_rank(ctx: RankContext, job: tuple[NoiseConfig, Progress], facts:
     spec = load_spec(config.spec_path)
     dataset = spec.dataset()
     model = rank_tools.seeded_model(spec, config.seed, device=ctx.device)
-    ddp = rank_tools.wrap_ddp(model, ctx, facts)
-    gns = GradientNoiseScale(ddp, per_device_batch_size=config.per_device_batch_size, every=config.every,
+    strategy = strategies.get(strategies.DEFAULT)
+    wrapped = strategy.wrap(model, ctx, facts)
+    gns = GradientNoiseScale(wrapped, per_device_batch_size=config.per_device_batch_size, every=config.every,
                              accumulation_steps=config.accumulation_steps, dataset_size=len(dataset))
-    optimizer = spec.optimizer(ddp.parameters())
+    optimizer = spec.optimizer(wrapped.parameters())
     # Full batches only: the estimator needs every batch to hold exactly b samples.
     order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, drop_last=True,
                       per_device_batch_size=config.per_device_batch_size, seed=config.seed)
@@ -64,7 +66,7 @@ def _measure_on_rank(ctx: RankContext, job: tuple[NoiseConfig, Progress], facts:
     show = progress if ctx.is_main else silent
     for step in range(config.steps):
         optimizer.zero_grad(set_to_none=True)
-        _accumulate(ctx, config, spec, dataset, ddp, order, step)
+        _accumulate(ctx, config, spec, dataset, strategy, wrapped, order, step)
         gns.step()
         optimizer.step()
         if show is not silent:
@@ -73,14 +75,16 @@ def _measure_on_rank(ctx: RankContext, job: tuple[NoiseConfig, Progress], facts:
     return run.report(config.steps) if ctx.is_main else None
 
 
-def _accumulate(ctx, config: NoiseConfig, spec, dataset, ddp, order: RankOrder, step: int) -> None:
+def _accumulate(ctx, config: NoiseConfig, spec, dataset, strategy: strategies.Strategy, wrapped, order: RankOrder,
+                step: int) -> None:
     """One optimizer step's micro-batches: all but the last under no_sync, each loss divided by their count."""
     accumulation = config.accumulation_steps
     for micro in range(accumulation):
         indices = order.batch(step * accumulation + micro)
-        context = ddp.no_sync() if micro < accumulation - 1 else contextlib.nullcontext()
+        context = strategy.no_sync(wrapped) if micro < accumulation - 1 else contextlib.nullcontext()
         with context:
-            (spec.step(ddp, rank_tools.collate(dataset, indices, ctx.device), spec.loss) / accumulation).backward()
+            batch = rank_tools.collate(dataset, indices, ctx.device)
+            (spec.step(wrapped, batch, spec.loss) / accumulation).backward()
 
 
 class _Run:

@@ -1,9 +1,10 @@
-"""Measure the gradient noise scale of a plain DDP run.
+"""Measure the gradient noise scale of a data-parallel run from its own gradient reduction.
 
-During backward each rank's ``.grad`` holds its local gradient (batch b); once DDP has
-reduced, it holds the averaged one (batch W·b). The two squared norms give unbiased |G|² and
-tr(Σ) every measured step, for one extra all-reduce of two scalars. Training is unchanged:
-DDP's own reduction is left alone, or, on the comm-hook path, reproduced bit for bit.
+During backward each rank sees its local gradient (batch b) before the reduction, and after it
+its share of the averaged one (batch W·b); the model's parallelism strategy says where
+(:mod:`ddplab.runtime.strategies`). The two squared norms give unbiased |G|² and tr(Σ) every
+measured step, for one extra all-reduce of two scalars. Training is unchanged: DDP's own
+reduction is left alone, or, on the comm-hook path, reproduced bit for bit.
 
 Batches drawn without replacement from a dataset of N examples (one shuffled pass per epoch)
 make a batch mean less noisy than N = ∞ predicts; pass ``dataset_size=len(dataset)`` to correct
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from ddplab.errors import UsageError
 from ddplab.noise import estimators as est
+from ddplab.runtime import strategies
 
 Via = Literal["auto", "grad_hooks", "comm_hook"]
 
@@ -48,7 +50,8 @@ class StepEstimate:
 class GradientNoiseScale:
     """Gradient noise scale (B_simple) of a DDP model, measured from its own all-reduce.
 
-    Two ways to see the local gradient, chosen by ``via``:
+    The model's strategy (:func:`ddplab.runtime.strategies.of`) says where the local gradient can be
+    seen. For DDP, two ways, chosen by ``via``:
 
     - ``"grad_hooks"`` (the default without a user hook): per-parameter post-accumulate-grad
       hooks read ``.grad`` while it still holds the local gradient (DDP copies it into its
@@ -63,7 +66,8 @@ class GradientNoiseScale:
       Without a user hook it reproduces the reducer's arithmetic: ×1/W, then all-reduce.
 
     Args:
-        ddp_model: the ``DistributedDataParallel`` model.
+        ddp_model: the ``DistributedDataParallel`` model (any model a registered parallelism strategy wraps), or
+            on one process the module itself.
         per_device_batch_size: samples per rank per micro-step.
         accumulation_steps: micro-steps per optimizer step (the others run under ``no_sync``).
         comm_hook: your own DDP comm hook, which this wraps (e.g. fp16/bf16 compression).
@@ -85,8 +89,9 @@ class GradientNoiseScale:
     def __init__(self, ddp_model, *, per_device_batch_size: int, accumulation_steps: int = 1, comm_hook=None,
                  state=None, every: int = 4, ema_decay: float = 0.95, process_group=None, via: Via = "auto",
                  dataset_size: int | None = None):
+        strategy = strategies.of(ddp_model)
         # A DDP model over a subgroup reduces over that group, not WORLD; a plain module is one process.
-        group = process_group or getattr(ddp_model, "process_group", None)
+        group = process_group or (strategy.data_parallel_group(ddp_model) if strategy is not None else None)
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         # Held weakly (the default group as None): holding it would keep it (and its gloo threads) alive past the
@@ -103,14 +108,20 @@ class GradientNoiseScale:
         self._params = [p for p in ddp_model.parameters() if p.requires_grad]
         self._sums = torch.zeros(2, dtype=torch.float64, device=self._params[0].device)  # |g_small|², |G_big|² share
         self._previous: dict[int, torch.Tensor] = {}
-        self.via = _choose_path(via, comm_hook, ddp_model, self.world_size)
-        if self.via == "comm_hook":
-            ddp_model.register_comm_hook(self, GradientNoiseScale._hook)
-        else:
-            # The parameters hold their hooks: a weak reference keeps them from holding this object (and a cycle).
-            ready = _WeakHook(self, GradientNoiseScale._local_grad_ready if self.via == "grad_hooks"
-                              else GradientNoiseScale._micro_grad_ready)
+        self._strategy = strategy
+        self.via = self._attach(ddp_model, via)
+
+    def _attach(self, model, via: Via) -> str:
+        """Hook where the local gradients can be seen; the path taken."""
+        # The parameters (or the wrapper) hold the hooks: a weak reference keeps them from holding this object.
+        if _one_process(via, self.comm_hook, self._strategy, self.world_size):
+            ready = _WeakHook(self, GradientNoiseScale._micro_grad_ready)
             self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self._params]
+            return "micro_steps"
+        self._tap = self._strategy.tap_local_gradients(model, self._params,
+                                                       _WeakHook(self, GradientNoiseScale._local_gradient),
+                                                       via=via, comm_hook=self.comm_hook, state=self.user_state)
+        return self._tap.via
 
     @property
     def group(self):
@@ -137,10 +148,11 @@ class GradientNoiseScale:
                              "supply")
         self.accumulation_steps, self.b_small, self.b_big = accumulation_steps, b_small, b_big
 
-    def _local_grad_ready(self, param) -> None:
-        # Under no_sync the grad only accumulates; the synchronising micro-step holds all A·b samples.
-        if self.measuring and getattr(self._ddp(), "require_backward_grad_sync", True):
-            self._sums[0] += _squared_norm(param.grad)
+    def _local_gradient(self, tensor: torch.Tensor) -> None:
+        # The strategy shows the local gradient of reducing backward passes only: under no_sync it only accumulates,
+        # and the synchronising micro-step holds all A·b samples.
+        if self.measuring:
+            self._sums[0] += _squared_norm(tensor)
 
     def _micro_grad_ready(self, param) -> None:
         # One process: this micro-batch's gradient is what it added to the accumulated .grad.
@@ -154,25 +166,14 @@ class GradientNoiseScale:
     def measuring(self) -> bool:
         return self.steps % self.every == 0
 
-    @staticmethod
-    def _hook(self: GradientNoiseScale, bucket):
-        buffer = bucket.buffer()
-        if self.measuring:
-            # The local gradient, before the in-place reduction overwrites it.
-            self._sums[0] += _squared_norm(buffer)
-        if self.comm_hook is not None:
-            return self.comm_hook(self.user_state, bucket)
-        # DDP's reducer multiplies by 1/W, then sums: the same order is bit-identical.
-        buffer.mul_(1.0 / self.world_size)
-        return dist.all_reduce(buffer, group=self.group, async_op=True).get_future().then(_first_tensor)
-
     def _global_share(self) -> torch.Tensor:
-        """This rank's 1/W share of |averaged gradient|², read from the reduced .grad fields."""
+        """This rank's share of |averaged gradient|², read from the reduced gradients as the strategy shares them."""
+        model = self._ddp()
+        if model is None:
+            raise UsageError("the model this noise scale measures was freed: measure a model that is still training")
         total = torch.zeros((), dtype=torch.float64, device=self._sums.device)
-        for grad in self._grads():
-            flat = grad.reshape(-1)
-            share = -(-flat.numel() // self.world_size)
-            total += _squared_norm(flat[self.rank * share:(self.rank + 1) * share])
+        for share in self._strategy.reduced_gradient_share(model, self._params):
+            total += _squared_norm(share)
         return total
 
     def step(self) -> StepEstimate | None:
@@ -263,20 +264,18 @@ def _validate(world_size: int, per_device_batch_size: int, accumulation_steps: i
                          "or gradient accumulation with at least 2 micro-steps on one process")
 
 
-def _choose_path(via: str, comm_hook, ddp_model, world_size: int) -> str:
+def _one_process(via: str, comm_hook, strategy, world_size: int) -> bool:
+    """True on one process (micro-steps are the batches); else the strategy taps its reduction, which it must have."""
     if via not in ("auto", "grad_hooks", "comm_hook"):
         raise UsageError(f"{{via}} must be auto, grad_hooks or comm_hook, got {via!r}")
-    bucket_view = getattr(ddp_model, "gradient_as_bucket_view", False)
     if world_size == 1:
         if comm_hook is not None or via == "comm_hook":
             raise UsageError("on one process there is no all-reduce to hook: drop {comm_hook} / {via}='comm_hook'")
-        return "micro_steps"
-    if via == "grad_hooks" and (comm_hook is not None or bucket_view):
-        raise UsageError("{via}='grad_hooks' cannot see the local gradient with a user comm hook or "
-                         "gradient_as_bucket_view=True; use via='comm_hook'")
-    if via != "auto":
-        return via
-    return "comm_hook" if comm_hook is not None or bucket_view else "grad_hooks"
+        return True
+    if strategy is None:
+        raise UsageError(f"on {world_size} processes the noise scale reads the gradient reduction of a data-parallel "
+                         f"model (one of: {', '.join(strategies.STRATEGIES)}); this model is a plain module")
+    return False
 
 
 def _ratio(trace: float, g2: float) -> float:
@@ -285,22 +284,17 @@ def _ratio(trace: float, g2: float) -> float:
 
 
 class _WeakHook:
-    """A parameter hook calling ``function(owner, param)`` while ``owner`` lives, without holding it."""
+    """A hook calling ``function(owner, value)`` while ``owner`` lives, without holding it."""
 
     __slots__ = ("owner", "function")
 
     def __init__(self, owner, function):
         self.owner, self.function = weakref.ref(owner), function
 
-    def __call__(self, param) -> None:
+    def __call__(self, value) -> None:
         owner = self.owner()
         if owner is not None:
-            self.function(owner, param)
-
-
-def _first_tensor(future):
-    # DDP wants a future of the bucket tensor; the all-reduce's future holds a one-tensor list.
-    return future.value()[0]
+            self.function(owner, value)
 
 
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Training a spec on DDP ranks: the checks before any rank starts, the model, the batches, the wrapper.
+"""Training a spec on data-parallel ranks: the checks before any rank starts, the model, the batches.
+
+The wrapper is the strategy's (:mod:`ddplab.runtime.strategies`), given the :class:`SpecFacts` found here.
 
 A spec is validated once in the launching process (:func:`validate`) so its errors read as one
 sentence before any rank starts; what still fails inside a rank comes back the same way
@@ -18,7 +20,7 @@ from torch.utils.data import default_collate
 from ddplab.errors import LaunchError, SpecError, literal
 from ddplab.runtime import capacity
 from ddplab.runtime.deadline import Deadline
-from ddplab.runtime.launch import LaunchConfig, RankContext, gpus_for, launch, under_torchrun
+from ddplab.runtime.launch import LaunchConfig, gpus_for, launch, under_torchrun
 from ddplab.runtime.sharding import RankOrder, steps_per_epoch
 from ddplab.runtime.spec import Spec, describe, shown_path
 
@@ -113,16 +115,6 @@ def _check_loss(spec: Spec, loss) -> None:
         raise spec.error(f"the loss must be a single-number tensor, got {got}")
     if not loss.requires_grad:
         raise spec.error("the loss does not depend on any trainable parameter (it does not require grad)")
-
-
-def wrap_ddp(model: torch.nn.Module, ctx: RankContext, facts: SpecFacts):
-    """``model`` in DistributedDataParallel, told to look for unused parameters only when there are some."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    # Without find_unused_parameters DDP waits for a gradient that never comes and fails at the next step;
-    # with it when every parameter is used, each rank prints a warning and pays a graph traversal per step.
-    return DistributedDataParallel(model, device_ids=ctx.device_ids,
-                                   find_unused_parameters=facts.find_unused_parameters)
 
 
 def launch_spec(fn, launch_config: LaunchConfig, config, facts: SpecFacts,

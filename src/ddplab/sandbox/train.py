@@ -14,11 +14,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
 
 from ddplab.noise.report import adascale_gain
 from ddplab.noise.scale import GradientNoiseScale
-from ddplab.runtime import capacity
+from ddplab.runtime import capacity, strategies
 from ddplab.runtime.launch import LaunchConfig, RankContext, default_world_size, launch, world_size_for
 from ddplab.runtime.sharding import rank_indices
 from ddplab.sandbox import data
@@ -79,10 +78,11 @@ def train(cfg: SandboxConfig, ctx: RankContext | None = None, *, keep_weights: b
     model = Neuron(cfg.n_experiments).to(device)
     forward, counter, gns = model, {"allreduces": 0}, None
     if cfg.mode == "multi":
-        ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
+        strategy = strategies.get("ddp")
+        ddp = strategy.wrap(model, ctx)
         ddp.register_comm_hook(counter, _count_allreduces)
         # The classic bug calls the inner module: DDP never sees the forward, so never all-reduces.
-        forward = ddp.module if cfg.bypass_ddp else ddp
+        forward = strategy.module(ddp) if cfg.bypass_ddp else ddp
         if not cfg.bypass_ddp and world_size > 1:
             # Each epoch's 256 samples are drawn afresh and dealt without replacement: corrected for N = 256.
             gns = GradientNoiseScale(ddp, per_device_batch_size=cfg.per_device_batch_size, every=1,
@@ -144,7 +144,7 @@ def _train_one_experiment(cfg: SandboxConfig, experiment: int, ctx: RankContext 
     device = ctx.device if ctx else torch.device("cpu")
     rank, world_size = (ctx.rank, ctx.world_size) if ctx else (0, 1)
     model = Neuron(1).to(device)
-    forward = DistributedDataParallel(model, device_ids=ctx.device_ids) if cfg.mode == "multi" else model
+    forward = strategies.get("ddp").wrap(model, ctx) if cfg.mode == "multi" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     for epoch in range(cfg.n_epochs):
         indices = rank_indices(DATASET_SIZE, world_size=world_size, rank=rank, seed=cfg.seed, epoch=epoch)

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from ddplab.errors import UsageError
+from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.runtime.sharding import rank_indices
 from ddplab.serialize import finite
@@ -87,8 +88,6 @@ def verify_ddp(workload: Workload, config: StudyConfig, count: int, *, world_siz
 
 def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig, points: list[Point],
                 steps: int) -> list[dict[str, torch.Tensor]]:
-    from torch.nn.parallel import DistributedDataParallel
-
     # Rebuilt here: a spawned rank (NCCL) cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
     dtype = torch_dtype(config)
@@ -98,7 +97,7 @@ def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig,
     for global_batch, lr, seed in points:
         torch.manual_seed(seed)
         model = workload.model().to(dtype).to(ctx.device)
-        ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
+        ddp = strategies.get("ddp").wrap(model, ctx)
         optimizer = torch_optimizer(config.optimizer, ddp.parameters(), lr)
         shards = RankShards(workload.train_size, global_batch, ctx, seed)
         for step in range(steps):

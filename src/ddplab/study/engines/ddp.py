@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.errors import UsageError
+from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
@@ -116,11 +117,10 @@ def run_optimizer(workload: workloads.Workload, config: StudyConfig, params, lr:
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
                inputs: torch.Tensor, targets: torch.Tensor, result: RunResult, bound: float = math.inf, *,
                adascale: bool = False) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.manual_seed(result.seed)
     model = workload.model().to(torch_dtype(config)).to(ctx.device)
-    ddp = DistributedDataParallel(model, device_ids=ctx.device_ids)
+    strategy = strategies.get(strategies.DEFAULT)
+    ddp = strategy.wrap(model, ctx)
     optimizer = run_optimizer(workload, config, ddp.parameters(), result.lr)
     shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
     # Dropout's masks differ per rank and per run, the same every time the grid runs.
@@ -134,7 +134,7 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
         parts = []
         for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
             last = micro == plan.accumulation_steps - 1
-            with contextlib.nullcontext() if last else ddp.no_sync():
+            with contextlib.nullcontext() if last else strategy.no_sync(ddp):
                 value = workload.step_fn(ddp, (inputs[part], targets[part]), workload.loss)
                 (value if plan.accumulation_steps == 1 else value / plan.accumulation_steps).backward()
             parts.append(value.detach())

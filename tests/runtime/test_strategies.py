@@ -1,0 +1,118 @@
+"""Parallelism strategies: the registry, and ``ddp`` on two real ranks (float64, so every comparison is exact)."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ddplab.errors import UsageError
+from ddplab.runtime import strategies
+from ddplab.runtime.launch import LaunchConfig, launch
+
+PATHS = ("grad_hooks", "comm_hook")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2)).double()
+
+
+def _loss(model, ctx) -> torch.Tensor:
+    # Each rank its own batch: local gradients that differ, so an average is told apart from either.
+    generator = torch.Generator().manual_seed(10 + ctx.rank)
+    x, y = torch.randn(6, 5, generator=generator).double(), torch.randn(6, 2, generator=generator).double()
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _sorted(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]).sort().values
+
+
+def _through_the_strategy(ctx, via: str, local: list[torch.Tensor], plain_ddp: list[torch.Tensor]) -> dict:
+    strategy = strategies.get("ddp")
+    model = _model()
+    wrapped = strategy.wrap(model, ctx)
+    params = list(model.parameters())
+    seen = []
+    tap = strategy.tap_local_gradients(wrapped, params, lambda tensor: seen.append(tensor.detach().clone()), via=via)
+    _loss(wrapped, ctx).backward()
+    out = {"via": tap.via, "local_seen": torch.equal(_sorted(seen), _sorted(local)),
+           "reduced_is_plain_ddp": all(torch.equal(a, b) for a, b in zip(_grads(model), plain_ddp)),
+           "share": [s.clone() for s in strategy.reduced_gradient_share(wrapped, params)]}
+    seen.clear()
+    wrapped.zero_grad(set_to_none=True)
+    with strategy.no_sync(wrapped):
+        out["syncs_inside"] = strategy.syncs(wrapped)
+        _loss(wrapped, ctx).backward()
+    out["syncs_after"], out["seen_under_no_sync"] = strategy.syncs(wrapped), len(seen)
+    out["no_sync_kept_local"] = all(torch.equal(a, b) for a, b in zip(_grads(model), local))
+    tap.remove()
+    del wrapped
+    return out
+
+
+def _on_rank(ctx):
+    strategy = strategies.get("ddp")
+    model = _model()
+    wrapped = strategy.wrap(model, ctx)
+    facts = {"owns": strategy.owns(wrapped), "found": strategies.of(wrapped) is strategy,
+             "plain_found": strategies.of(model), "module": strategy.module(wrapped) is model,
+             "group_is_ddps": strategy.data_parallel_group(wrapped) is wrapped.process_group,
+             "size": strategy.data_parallel_size(wrapped), "rank": strategy.data_parallel_rank(wrapped)}
+    # This rank's gradient alone (a plain module on its batch), and what a DistributedDataParallel built by hand gives.
+    reference = _model()
+    _loss(reference, ctx).backward()
+    local = _grads(reference)
+    by_hand = DistributedDataParallel(_model())
+    _loss(by_hand, ctx).backward()
+    plain_ddp = _grads(by_hand.module)
+    del wrapped, by_hand
+    return facts, local, plain_ddp, {via: _through_the_strategy(ctx, via, local, plain_ddp) for via in PATHS}
+
+
+@pytest.mark.timeout(60)
+def test_ddp_wraps_on_two_ranks_and_shows_the_local_and_the_reduced_gradient():
+    results = launch(_on_rank, LaunchConfig(world_size=2))
+    for rank, (facts, _, _, paths) in enumerate(results):
+        assert facts == {"owns": True, "found": True, "plain_found": None, "module": True, "group_is_ddps": True,
+                         "size": 2, "rank": rank}
+        for via in PATHS:
+            out = paths[via]
+            assert out["via"] == via
+            # Before the reduction the tap sees exactly this rank's gradient; after it, exactly plain DDP's.
+            assert out["local_seen"] and out["reduced_is_plain_ddp"]
+            # no_sync: no reduction, nothing shown, each rank keeps its own gradient.
+            assert (out["syncs_inside"], out["syncs_after"], out["seen_under_no_sync"]) == (False, True, 0)
+            assert out["no_sync_kept_local"]
+    (_, local0, ddp0, paths0), (_, local1, ddp1, paths1) = results
+    for i, (a, b) in enumerate(zip(local0, local1)):
+        assert not torch.equal(a, b)  # the ranks' batches differ: an average is not either one
+        # DDP averages: ×1/2 on each rank, then a sum (exact in float64, ×1/2 being a power of two).
+        assert torch.equal(ddp0[i], a * 0.5 + b * 0.5) and torch.equal(ddp0[i], ddp1[i])
+        for via in PATHS:
+            # The two ranks' shares are disjoint and together the whole reduced gradient.
+            whole = torch.cat([paths0[via]["share"][i], paths1[via]["share"][i]])
+            assert torch.equal(whole, ddp0[i].reshape(-1))
+
+
+def test_the_registry_holds_ddp_and_finds_a_model_by_its_wrapper():
+    assert strategies.get() is strategies.get("ddp") is strategies.STRATEGIES["ddp"]
+    assert strategies.DEFAULT in strategies.STRATEGIES
+    with pytest.raises(UsageError, match="must be one of ddp, got 'nccl'"):
+        strategies.get("nccl")
+    with pytest.raises(TypeError):  # options are the strategy's dataclass fields, checked by name
+        strategies.get("ddp", replicate=2)
+    assert dataclasses.is_dataclass(strategies.get("ddp"))
+    plain = torch.nn.Linear(2, 1)
+    assert strategies.of(plain) is None and strategies.of(None) is None
+    # A plain module has nothing to skip: accumulation on one process needs no context.
+    with strategies.no_sync(plain):
+        plain(torch.ones(1, 2)).sum().backward()
+    assert plain.weight.grad is not None
+    assert copy.copy(strategies.get("ddp")) == strategies.get("ddp")
