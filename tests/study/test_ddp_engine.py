@@ -277,3 +277,20 @@ def test_auto_times_each_batch_on_every_engine_and_trains_where_it_was_faster():
     seconds = [e.seconds_per_step(workload, config, group)
                for e in (engine.VmapEngine(), ddp.DdpEngine(LaunchConfig(world_size=2)))]
     assert all(0 < s < 1 for s in seconds), seconds
+
+
+def test_the_ddp_engine_on_gpus_needs_one_per_rank_and_auto_then_stays_vectorized(monkeypatch):
+    from ddplab.errors import UsageError
+    from ddplab.study import engines, run
+    from ddplab.study.config import StudyOptions
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = torch.device("cuda")
+    with pytest.raises(UsageError, match="each of its 2 ranks a GPU of its own, but torch sees 1: give world_size 1"):
+        run.build_engine("ddp", cuda, StudyOptions(world_size=2), None)
+    auto = run.build_engine("auto", cuda, StudyOptions(world_size=2), None)
+    assert isinstance(auto, engines.Auto) and [e.name for e in auto.engines] == ["vmap"]
+    one = run.build_engine("ddp", cuda, StudyOptions(world_size=1), None)
+    assert one.launch_config.backend == "nccl" and one.launch_config.world_size == 1
+    on_cpu = run.build_engine("ddp", torch.device("cpu"), StudyOptions(world_size=2), None)
+    assert on_cpu.launch_config.backend == "gloo"

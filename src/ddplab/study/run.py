@@ -175,8 +175,15 @@ def build_engine(name: str, device: torch.device, options: StudyOptions, launch_
     vectorized = VmapEngine(device)
     if name == "vmap":
         return vectorized
-    launch_config = dataclasses.replace(launch_config or LaunchConfig(),
-                                        world_size=world_size_for(None, default=options.world_size),
+    world_size = world_size_for(None, default=options.world_size)
+    if device.type == "cuda" and not under_torchrun() and world_size > torch.cuda.device_count():
+        if name == "auto":
+            # No rank could have a GPU of its own: the grid stays vectorized rather than fail mid-study.
+            return engines.Auto([vectorized])
+        raise UsageError(f"the DDP engine gives each of its {world_size} ranks a GPU of its own, but torch sees "
+                         f"{torch.cuda.device_count()}: give {{world_size}} {torch.cuda.device_count()} or fewer, or "
+                         "{device} cpu")
+    launch_config = dataclasses.replace(launch_config or LaunchConfig(), world_size=world_size,
                                         backend="nccl" if device.type == "cuda" else "gloo")
     on_ranks: Engine = DdpEngine(launch_config, max_per_device=options.max_batch_size_per_device, device=device)
     return on_ranks if name == "ddp" else engines.Auto([vectorized, on_ranks])

@@ -29,7 +29,7 @@ from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
-from ddplab.study.engines.vmap import Batches, cast, evaluate_model, torch_dtype
+from ddplab.study.engines.vmap import Batches, cast, evaluate_model, synchronize, torch_dtype
 from ddplab.study.optim import torch_optimizer
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
 from ddplab.study.verify import RankShards
@@ -263,11 +263,13 @@ def seconds_per_step(workload: workloads.Workload, config: StudyConfig, group: R
     inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
     for step in range(steps + 1):
         if step == 1:
+            synchronize(device)
             start = time.perf_counter()
         index = order.indices(step)[0].to(device)
         optimizer.zero_grad(set_to_none=True)
         workload.loss(model(inputs[index]), targets[index]).backward()
         optimizer.step()
+    synchronize(device)
     return (time.perf_counter() - start) / steps * len(group.runs)
 
 

@@ -249,10 +249,18 @@ def seconds_per_step(workload: Workload, config: StudyConfig, group: RunGroup, d
 
     trained = Group(workload, config, group, device=device)
     trained.step(0, measure=False)
+    synchronize(trained.device)
     start = time.perf_counter()
     for step in range(1, steps + 1):
         trained.step(step, measure=False)
+    synchronize(trained.device)
     return (time.perf_counter() - start) / steps
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a GPU runs ahead of the host), so a clock read after it counts it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def evaluate_model(workload: Workload, config: StudyConfig, model: torch.nn.Module) -> float:
