@@ -703,6 +703,12 @@ def test_a_flat_fit_is_undefined_and_a_b_simple_that_zero_or_infinity_fits_gives
     assert fits["adascale"]["b_crit"] == 0 and fits["adascale"]["undefined"] == "steps do not fall as the batch grows"
     assert any("rule adascale: its median steps do not fall" in w and "undefined" in w for w in warnings)
     assert fits["tuned"]["b_crit"] == pytest.approx(48) and "undefined" not in fits["tuned"]
+    # The table says so rather than print B_crit 0 and E_min 0.
+    from ddplab.cli.study import _fit_row
+
+    assert _fit_row("adascale", fits["adascale"])[2:] == ["undefined", "(steps do not fall as the batch grows)",
+                                                         "undefined"]
+    assert _fit_row("tuned", fits["tuned"])[2] == "48"
 
     def runs(g2s, traces):
         return [RunResult(global_batch_size=16, lr=0.1, seed=0, noise_g2=g2s, noise_trace=traces)]

@@ -191,8 +191,7 @@ def _print(report) -> None:
     out.print(f"optimizer: {optimizer_text(values['optimizer'])}; engine: {values['engine']} "
               f"({values['engine_reason']})")
     for rule, fit in values["fit"].items():
-        low, high = fit["b_crit_ci95"]
-        rows.append([rule, _num(fit["s_min"]), _num(fit["b_crit"]), f"[{_num(low)}, {_num(high)}]", _num(fit["e_min"])])
+        rows.append(_fit_row(rule, fit))
     if rows:
         out.print(render.table(title, ["rule", "S_min", "B_crit", "B_crit 95% (seeds)", "E_min (samples)"], rows))
     else:
@@ -245,6 +244,14 @@ def _print_verify(out, verify: dict | None) -> None:
         return
     out.print(f"--verify-ddp: {len(verify['points'])} points × {verify['steps']} steps on {verify['world_size']} "
               f"DDP ranks ({verify['dtype']}): largest parameter difference {verify['max_abs_diff']:.3g}")
+
+
+def _fit_row(rule: str, fit: dict) -> list[str]:
+    """A rule's fit as the table shows it: a fit the analysis calls undefined shows why, not its zeros."""
+    if fit.get("undefined"):
+        return [rule, _num(fit["s_min"]), "undefined", f"({fit['undefined']})", "undefined"]
+    low, high = fit["b_crit_ci95"]
+    return [rule, _num(fit["s_min"]), _num(fit["b_crit"]), f"[{_num(low)}, {_num(high)}]", _num(fit["e_min"])]
 
 
 def _num(value) -> str:

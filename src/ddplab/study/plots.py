@@ -147,7 +147,8 @@ def _steps_plot(report: dict, path: str) -> None:
         if fit and fit["b_crit"] is not None and fit["s_min"]:
             grid = [batches[0] * (batches[-1] / batches[0]) ** (i / 100) for i in range(101)]
             ax.plot(grid, [fit["s_min"] * (1 + fit["b_crit"] / b) for b in grid], "--", color=color(rule),
-                    linewidth=1, label=f"{rule} fit: B_crit {fit['b_crit']:.3g}")
+                    linewidth=1, label=f"{rule} fit: " + ("flat, B_crit undefined" if fit.get("undefined") else
+                                                          f"B_crit {fit['b_crit']:.3g}"))
             band = sorted((int(b), v) for b, v in (fit.get("band") or {}).items() if None not in v)
             if band:
                 ax.fill_between([b for b, _ in band], [v[0] for _, v in band], [v[1] for _, v in band],
@@ -339,8 +340,10 @@ def write_html(report: dict, path: str) -> str:
     images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{_b64(p)}">'
                      for p in report["plots"])
     fits = "".join(
-        f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>{_n(f['b_crit'])}</td>"
-        f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>"
+        (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>undefined</td><td>({html.escape(f['undefined'])})</td>"
+         "<td>undefined</td></tr>") if f.get("undefined") else
+        (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>{_n(f['b_crit'])}</td>"
+         f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>")
         for rule, f in report["fit"].items())
     runs = "".join(
         f"<tr><td>{r['rule']}{' ★' if r.get('best') else ''}</td><td>{r['global_batch_size']}</td>"
