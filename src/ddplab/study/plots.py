@@ -335,16 +335,20 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
     _write(plt, fig, path)
 
 
+def _fit_row(rule: str, f: dict) -> str:
+    """A rule's fit as a table row: an undefined (flat) fit shows why, not its zeros."""
+    if f.get("undefined"):
+        return (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>undefined</td><td>({html.escape(f['undefined'])})"
+                "</td><td>undefined</td></tr>")
+    return (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>{_n(f['b_crit'])}</td>"
+            f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>")
+
+
 def write_html(report: dict, path: str) -> str:
     """One HTML file: the plots embedded, the fits, B_simple and a table of every run."""
     images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{_b64(p)}">'
                      for p in report["plots"])
-    fits = "".join(
-        (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>undefined</td><td>({html.escape(f['undefined'])})</td>"
-         "<td>undefined</td></tr>") if f.get("undefined") else
-        (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>{_n(f['b_crit'])}</td>"
-         f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>")
-        for rule, f in report["fit"].items())
+    fits = "".join(_fit_row(rule, f) for rule, f in report["fit"].items())
     runs = "".join(
         f"<tr><td>{r['rule']}{' ★' if r.get('best') else ''}</td><td>{r['global_batch_size']}</td>"
         f"<td>{r['lr']:.4g}</td>"
