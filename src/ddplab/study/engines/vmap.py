@@ -112,10 +112,6 @@ class Group:
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
         return dict(zip(leaves, grads)), losses.detach()
 
-    def _grad(self, params, inputs, targets):
-        # A measurement only: the running statistics it would update are a copy, thrown away.
-        return self._grad_and_loss(params, inputs, targets, {n: b.clone() for n, b in self.buffers.items()})[0]
-
     def step(self, step: int, *, measure: bool) -> torch.Tensor:
         """One optimizer step of every active run (torch.optim's formula, ddplab.study.optim); returns losses."""
         indices = self.batches.indices(step)[self.seed_row].to(self.device)
@@ -124,7 +120,7 @@ class Group:
         # AdaScale needs the estimates at every step; the fixed-lr runs only where they are recorded.
         estimates = None
         if (measure or self.scale is not None) and self.global_batch >= 2:
-            estimates = self._estimates(grads, inputs, targets)
+            estimates = self._estimates(inputs, targets)
         if measure and estimates is not None:
             for row, run in enumerate(self.active):
                 self.results[run].noise_g2.append(estimates[row][0])
@@ -134,17 +130,26 @@ class Group:
             self.optimizer.step(self.params, grads, lr)
         return losses
 
-    def _estimates(self, grads, inputs, targets) -> list[tuple[float, float]]:
-        """Each active run's (|G|², tr Σ): the first half of its batch's gradient beside the whole batch's
-        (McCandlish's two sizes)."""
-        half = self.global_batch // 2
-        small = self._grad(self.params, inputs[:, :half], targets[:, :half])
-        big_sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values()).tolist()
-        small_sq = sum(g.flatten(1).pow(2).sum(1) for g in small.values()).tolist()
+    def _estimates(self, inputs, targets) -> list[tuple[float, float]]:
+        """Each active run's (|G|², tr Σ) as two DDP ranks of B/2 measure it (``ddplab noise --world-size 2``).
+
+        The batch's two rank shares (DistributedSampler's even and odd positions) each get their own gradient:
+        the small batch's |g|² is the mean of theirs, the big batch's the square of their mean. Using both halves,
+        tr Σ ∝ |g₀ − g₁|² is never negative and far less noisy than one half against the whole batch; with
+        BatchNorm each half normalizes over its own B/2, as on two ranks.
+        """
+        half, runs = self.global_batch // 2, len(self.active)
+        # Both halves in one vectorized pass: each run's parameters and buffers twice, one copy per half (the running
+        # statistics the measurement updates are those copies, thrown away).
+        params = {n: p.repeat_interleave(2, 0) for n, p in self.params.items()}
+        buffers = {n: b.repeat_interleave(2, 0) for n, b in self.buffers.items()}
+        grads = self._grad_and_loss(params, _rank_halves(inputs, half), _rank_halves(targets, half), buffers)[0]
+        small_sq = sum(g.flatten(1).double().pow(2).sum(1).reshape(runs, 2).mean(1) for g in grads.values())
+        big_sq = sum(g.reshape(runs, 2, -1).mean(1).double().pow(2).sum(1) for g in grads.values())
         # Both halves come from one pass without replacement over the training set: noise's finite-data correction.
         size = self.workload.train_size
-        return [estimators.unbiased_estimates(s, b, half, self.global_batch, dataset_size=size)
-                for s, b in zip(small_sq, big_sq)]
+        return [estimators.unbiased_estimates(s, b, half, 2 * half, dataset_size=size)
+                for s, b in zip(small_sq.tolist(), big_sq.tolist())]
 
     def _gains(self, estimates: list[tuple[float, float]], step: int, *, record: bool) -> torch.Tensor:
         """AdaScale's gain for this update, per active run: σ² of one reference-batch gradient and μ² = |G|²."""
@@ -281,6 +286,12 @@ def _eval_mode(model: torch.nn.Module):
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _rank_halves(batch: torch.Tensor, half: int) -> torch.Tensor:
+    """(runs, B, …) → (2·runs, half, …): each run's rank-0 share, then its rank-1 share (even, odd positions)."""
+    shares = torch.stack([batch[:, 0:2 * half:2], batch[:, 1:2 * half:2]], 1)
+    return shares.flatten(0, 1)
 
 
 def train_group(workload: Workload, config: StudyConfig, group: RunGroup, progress: Progress | None = None, *,
