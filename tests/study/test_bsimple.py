@@ -110,3 +110,27 @@ def test_finite_data_correction_when_the_batch_is_the_whole_dataset():
     summary = estimators.summarize(g2s, traces)
     low, high = summary.b_simple_ci95
     assert low <= exact_trace / exact_g2 <= high
+
+
+def test_the_study_resolves_b_simple_at_a_large_batch_and_says_where_it_measured():
+    """End to end on the regression (B_simple = dim + 1 at every step): the pooled value and each batch's, the
+    largest included (where one half against the whole batch read 0), cover dim + 1; the report names the training
+    steps measured and gives B_crit / B_simple only from a value its interval tells from zero."""
+    from ddplab.study import analysis, grid
+
+    dim = 15
+    workload = workloads.regression(dim=dim, n_train=8192, n_val=1024)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 1e-3), optimizer=OptimizerConfig(momentum=0.0),
+                         rules=("tuned",), global_batch_sizes=(16, 256), reference_global_batch_size=16,
+                         reference_lr=0.1, sweep_margin=2, seeds=8, max_steps=400, eval_every=1, dtype="float64")
+    results = grid.run_grid(workload, config, None, engine.VmapEngine())
+    found = analysis.analyze(config, results)
+    b_simple = found.b_simple
+    for row in [b_simple, *b_simple["by_batch"]]:
+        low, high = row["ci95"]
+        assert low <= dim + 1 <= high and high < 3 * (dim + 1), row
+    best = [r for p in found.tuned_lr for r in results[p["global_batch_size"]] if r.lr == p["lr"] and not r.rule]
+    assert b_simple["steps"] == [config.eval_every, max(r.steps_to_target for r in best)]
+    assert f"training steps 1 to {b_simple['steps'][1]}" in b_simple["measured"]
+    assert b_simple["b_crit_over_b_simple"] is not None
