@@ -112,6 +112,10 @@ class Group:
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
         return dict(zip(leaves, grads)), losses.detach()
 
+    def _grad(self, inputs, targets):
+        # A measurement only: the running statistics it would update are a copy, thrown away.
+        return self._grad_and_loss(self.params, inputs, targets, {n: b.clone() for n, b in self.buffers.items()})[0]
+
     def step(self, step: int, *, measure: bool) -> torch.Tensor:
         """One optimizer step of every active run (torch.optim's formula, ddplab.study.optim); returns losses."""
         indices = self.batches.indices(step)[self.seed_row].to(self.device)
@@ -138,14 +142,12 @@ class Group:
         tr Σ ∝ |g₀ − g₁|² is never negative and far less noisy than one half against the whole batch; with
         BatchNorm each half normalizes over its own B/2, as on two ranks.
         """
-        half, runs = self.global_batch // 2, len(self.active)
-        # Both halves in one vectorized pass: each run's parameters and buffers twice, one copy per half (the running
-        # statistics the measurement updates are those copies, thrown away).
-        params = {n: p.repeat_interleave(2, 0) for n, p in self.params.items()}
-        buffers = {n: b.repeat_interleave(2, 0) for n, b in self.buffers.items()}
-        grads = self._grad_and_loss(params, _rank_halves(inputs, half), _rank_halves(targets, half), buffers)[0]
-        small_sq = sum(g.flatten(1).double().pow(2).sum(1).reshape(runs, 2).mean(1) for g in grads.values())
-        big_sq = sum(g.reshape(runs, 2, -1).mean(1).double().pow(2).sum(1) for g in grads.values())
+        half = self.global_batch // 2
+        # One rank's share after the other: the memory of one half-batch pass, as a single half needed before.
+        shares = [self._grad(inputs[:, rank:2 * half:2], targets[:, rank:2 * half:2]) for rank in (0, 1)]
+        pairs = list(zip(*(share.values() for share in shares)))
+        small_sq = sum((_squared_norms(g0) + _squared_norms(g1)) / 2 for g0, g1 in pairs)
+        big_sq = sum(_squared_norms((g0 + g1) / 2) for g0, g1 in pairs)
         # Both halves come from one pass without replacement over the training set: noise's finite-data correction.
         size = self.workload.train_size
         return [estimators.unbiased_estimates(s, b, half, 2 * half, dataset_size=size)
@@ -288,10 +290,10 @@ def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _rank_halves(batch: torch.Tensor, half: int) -> torch.Tensor:
-    """(runs, B, …) → (2·runs, half, …): each run's rank-0 share, then its rank-1 share (even, odd positions)."""
-    shares = torch.stack([batch[:, 0:2 * half:2], batch[:, 1:2 * half:2]], 1)
-    return shares.flatten(0, 1)
+def _squared_norms(stacked: torch.Tensor) -> torch.Tensor:
+    """Each run's squared norm of its slice of a stacked tensor, in float64."""
+    return stacked.flatten(1).double().pow(2).sum(1)
+
 
 
 def train_group(workload: Workload, config: StudyConfig, group: RunGroup, progress: Progress | None = None, *,
