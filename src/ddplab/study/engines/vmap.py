@@ -295,7 +295,6 @@ def _squared_norms(stacked: torch.Tensor) -> torch.Tensor:
     return stacked.flatten(1).double().pow(2).sum(1)
 
 
-
 def train_group(workload: Workload, config: StudyConfig, group: RunGroup, progress: Progress | None = None, *,
                 device: torch.device | str = "cpu") -> list[RunResult]:
     """Train every run of ``group`` until it reaches the target, diverges or runs out of steps.
