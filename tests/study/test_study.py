@@ -216,14 +216,16 @@ def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
     order = engine.Batches(workload.train_size, batch, [0])
     inputs, targets = workload.train[0].to(torch.float64), workload.train[1].to(torch.float64)
 
-    def grad_sq(x, y):
-        grads = torch.autograd.grad(workload.loss(model(x), y), list(model.parameters()))
-        return float(sum(g.pow(2).sum() for g in grads))
+    def grad(x, y):
+        return torch.cat([g.flatten() for g in torch.autograd.grad(workload.loss(model(x), y), model.parameters())])
 
     for step in range(steps):
         index = order.indices(step)[0]
         x, y = inputs[index], targets[index]
-        g2, trace = estimators.unbiased_estimates(grad_sq(x[:half], y[:half]), grad_sq(x, y), half, batch,
+        # The two DDP ranks' shares of the batch (even and odd positions), as ddplab noise measures at world size 2.
+        shares = [grad(x[rank::2], y[rank::2]) for rank in (0, 1)]
+        small_sq = float(sum(g.pow(2).sum() for g in shares)) / 2
+        g2, trace = estimators.unbiased_estimates(small_sq, float((sum(shares) / 2).pow(2).sum()), half, batch,
                                                   dataset_size=workload.train_size)
         measured.history.append(SimpleNamespace(g2=g2, trace_sigma=trace))
         optimizer.zero_grad()

@@ -197,22 +197,37 @@ def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None
         stages = [_summary(runs, stage) for stage in range(3)]
         by_batch.append({"global_batch_size": b, **(_summary(runs) or {"value": None}),
                          "by_progress": [s["value"] if s else None for s in stages]})
-    return {**pooled, "b_crit_over_b_simple": ratio, "by_batch": by_batch}
+    return {**pooled, "b_crit_over_b_simple": ratio, "by_batch": by_batch, "measured": _measured(pooled["steps"])}
+
+
+def _measured(steps: list[int] | None) -> str:
+    """Where B_simple was measured, for a reader comparing it with ddplab noise."""
+    where = f" (training steps {steps[0]} to {steps[1]})" if steps else ""
+    return (f"at the evaluations of the best tuned runs, from their first steps to the target{where}: early "
+            "training (B_simple moves as the loss falls; by_progress shows how), each global batch split into its "
+            "DDP ranks' shares as ddplab noise splits it. At the same weights and batches the two give the same "
+            "numbers; ddplab noise, from the spec's initial weights at its own lr over --steps, measures another "
+            "stretch of training")
 
 
 def _summary(runs: list[RunResult], stage: int | None = None) -> dict | None:
-    """B_simple of the runs' measurements (of the stage-th third of each run's, when given), with its interval."""
-    g2s, traces = [], []
+    """B_simple of the runs' measurements (of the stage-th third of each run's, when given), with its interval and
+    the training steps it was measured between."""
+    g2s, traces, steps_measured = [], [], []
     for run in runs:
         n = len(run.noise_g2)
         part = slice(None) if stage is None else slice(stage * n // 3, (stage + 1) * n // 3)
         g2s += run.noise_g2[part]
         traces += run.noise_trace[part]
+        # One measurement per evaluation: the history's steps say when each was taken.
+        if len(run.history) == n:
+            steps_measured += [h[0] for h in run.history[part]]
     if len(g2s) < 2:
         return None
     summary = estimators.summarize(g2s, traces)
     interval = list(summary.b_simple_ci95) if summary.b_simple_ci95 is not None else [None, None]
-    return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps}
+    span = [min(steps_measured), max(steps_measured)] if steps_measured else None
+    return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps, "steps": span}
 
 
 def _unreached(config: StudyConfig, batches: dict[int, BatchRuns]) -> list[dict]:

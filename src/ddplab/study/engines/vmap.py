@@ -112,9 +112,9 @@ class Group:
         grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
         return dict(zip(leaves, grads)), losses.detach()
 
-    def _grad(self, params, inputs, targets):
+    def _grad(self, inputs, targets):
         # A measurement only: the running statistics it would update are a copy, thrown away.
-        return self._grad_and_loss(params, inputs, targets, {n: b.clone() for n, b in self.buffers.items()})[0]
+        return self._grad_and_loss(self.params, inputs, targets, {n: b.clone() for n, b in self.buffers.items()})[0]
 
     def step(self, step: int, *, measure: bool) -> torch.Tensor:
         """One optimizer step of every active run (torch.optim's formula, ddplab.study.optim); returns losses."""
@@ -124,7 +124,7 @@ class Group:
         # AdaScale needs the estimates at every step; the fixed-lr runs only where they are recorded.
         estimates = None
         if (measure or self.scale is not None) and self.global_batch >= 2:
-            estimates = self._estimates(grads, inputs, targets)
+            estimates = self._estimates(inputs, targets)
         if measure and estimates is not None:
             for row, run in enumerate(self.active):
                 self.results[run].noise_g2.append(estimates[row][0])
@@ -134,17 +134,24 @@ class Group:
             self.optimizer.step(self.params, grads, lr)
         return losses
 
-    def _estimates(self, grads, inputs, targets) -> list[tuple[float, float]]:
-        """Each active run's (|G|², tr Σ): the first half of its batch's gradient beside the whole batch's
-        (McCandlish's two sizes)."""
+    def _estimates(self, inputs, targets) -> list[tuple[float, float]]:
+        """Each active run's (|G|², tr Σ) as two DDP ranks of B/2 measure it (``ddplab noise --world-size 2``).
+
+        The batch's two rank shares (DistributedSampler's even and odd positions) each get their own gradient:
+        the small batch's |g|² is the mean of theirs, the big batch's the square of their mean. Using both halves,
+        tr Σ ∝ |g₀ − g₁|² is never negative and far less noisy than one half against the whole batch; with
+        BatchNorm each half normalizes over its own B/2, as on two ranks.
+        """
         half = self.global_batch // 2
-        small = self._grad(self.params, inputs[:, :half], targets[:, :half])
-        big_sq = sum(g.flatten(1).pow(2).sum(1) for g in grads.values()).tolist()
-        small_sq = sum(g.flatten(1).pow(2).sum(1) for g in small.values()).tolist()
+        # One rank's share after the other: the memory of one half-batch pass, as a single half needed before.
+        shares = [self._grad(inputs[:, rank:2 * half:2], targets[:, rank:2 * half:2]) for rank in (0, 1)]
+        pairs = list(zip(*(share.values() for share in shares)))
+        small_sq = sum((_squared_norms(g0) + _squared_norms(g1)) / 2 for g0, g1 in pairs)
+        big_sq = sum(_squared_norms((g0 + g1) / 2) for g0, g1 in pairs)
         # Both halves come from one pass without replacement over the training set: noise's finite-data correction.
         size = self.workload.train_size
-        return [estimators.unbiased_estimates(s, b, half, self.global_batch, dataset_size=size)
-                for s, b in zip(small_sq, big_sq)]
+        return [estimators.unbiased_estimates(s, b, half, 2 * half, dataset_size=size)
+                for s, b in zip(small_sq.tolist(), big_sq.tolist())]
 
     def _gains(self, estimates: list[tuple[float, float]], step: int, *, record: bool) -> torch.Tensor:
         """AdaScale's gain for this update, per active run: σ² of one reference-batch gradient and μ² = |G|²."""
@@ -289,6 +296,11 @@ def _eval_mode(model: torch.nn.Module):
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _squared_norms(stacked: torch.Tensor) -> torch.Tensor:
+    """Each run's squared norm of its slice of a stacked tensor, in float64."""
+    return stacked.flatten(1).double().pow(2).sum(1)
 
 
 def train_group(workload: Workload, config: StudyConfig, group: RunGroup, progress: Progress | None = None, *,
