@@ -232,8 +232,11 @@ def _print_b_simple(out, b_simple: dict | None) -> None:
     if not b_simple:
         return
     low, high = b_simple["ci95"]
-    out.print(f"B_simple along the best tuned runs: {_num(b_simple['value'])} "
-              f"(95% [{_num(low)}, {_num(high)}]); B_crit / B_simple = {_num(b_simple['b_crit_over_b_simple'])}")
+    ratio = b_simple["b_crit_over_b_simple"]
+    versus = f"B_crit / B_simple = {_num(ratio)}" if ratio is not None else \
+        "no B_crit / B_simple: B_simple's interval reaches 0 or infinity"
+    out.print(f"B_simple along the best tuned runs: {_num(b_simple['value'])} (95% [{_num(low)}, {_num(high)}]); "
+              f"{versus}; measured {b_simple['measured']}")
 
 
 def _print_verify(out, verify: dict | None) -> None:
