@@ -1,4 +1,4 @@
-"""A tutorial-shaped classifier loop with gradient accumulation: `loss / accum`, no_sync on every micro-step but the last.
+"""A tutorial-shaped classifier loop with gradient accumulation: `loss / accum`, no_sync on all but the last micro-step.
 
 The criterion is an `nn.CrossEntropyLoss` module built once, as tutorials write it, plus an L2 term on the head.
 Correct losses (`--loss`): `mean` (the default reduction, then `/ accum`), and `sum-per-sample`: the criterion sums
