@@ -159,6 +159,9 @@ MESSAGES = {
                                                  "group"),
 }
 
+# id → the lr the report's header must show: the configured (peak) lr, not the last audited step's.
+CONFIGURED_LR = {"step_budget_two_passes": 0.02, "nanogpt_eval_all": 3e-3}
+
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"
                          r"\s*no DDP mistakes found)")
@@ -327,6 +330,8 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     assert report is not None, _why("NO REPORT: the audit wrote no report", audited, report)
     assert report["world_size"] == case.world_size
     assert _serious(report) == {}, _why(f"FALSE ALARM: {_serious(report)}", audited, report)
+    if name in CONFIGURED_LR:
+        assert report["lr"] == pytest.approx(CONFIGURED_LR[name]), _why(f"LR: {report['lr']}", audited, report)
     if case.script == "epochs_and_exit.py":
         assert report["steps_audited"] == min(case.audit_steps, TOTAL_STEPS), \
             _why(f"STEPS: {report['steps_audited']} audited, {min(case.audit_steps, TOTAL_STEPS)} expected",

@@ -35,6 +35,7 @@ LOADED_WINDOW = 16
 # A dataset's signature reads at most this many elements of a list or tensor, and this deep into its attributes.
 SIGNATURE_ELEMENTS = 4096
 SIGNATURE_DEPTH = 3
+SIGNATURE_PARTS = 20000
 
 
 def install(patches: Patches) -> None:
@@ -197,9 +198,13 @@ def _watched_next(original_next):
 
 
 def _collecting(audit) -> bool:
-    """Index batches are collected while some DDP model's data window is still open (or none was built yet)."""
-    window = DATA_WINDOW_FACTOR * audit.steps_to_audit
-    return audit.disabled is None and (not audit.batches or any(len(b) < window for b in audit.batches.values()))
+    """Index batches are collected once a DDP model exists, for as long as its training batches are (the data
+    window: a bounded number of optimizer steps), never for a whole run."""
+    collecting = (audit.disabled is None and audit.wrapper_count > 0
+                  and audit.total_steps < DATA_WINDOW_FACTOR * audit.steps_to_audit)
+    if not collecting:
+        audit.loaded.clear()
+    return collecting
 
 
 @state.guarded("watching a DataLoader's indices")
@@ -232,7 +237,7 @@ def _batch_loaded(audit, loader_iter, batch) -> None:
 def training_forward(audit, key: str, inputs, window: int) -> None:
     """A training forward of wrapper ``key``: if its input is a batch a DataLoader returned, note that batch's
     indices (compared across ranks by :func:`ddplab.auditor.findings.merge`)."""
-    if not audit.loaded:
+    if not audit.loaded or not _collecting(audit):
         return
     indices = audit.index_batches.setdefault(key, [])
     if len(indices) >= window:
@@ -283,6 +288,8 @@ def _signature(dataset) -> str | None:
 def _describe(value, parts: list[str], content: list[int], depth: int, seen: set[int]) -> None:
     """Append what ``value`` holds to ``parts``; count in ``content`` the parts that are data (tensors, arrays,
     sequences of several items, paths)."""
+    if len(parts) >= SIGNATURE_PARTS:
+        return  # enough read to tell datasets apart
     if isinstance(value, (str, int, float, bool, bytes)) or value is None:
         content[0] += isinstance(value, str) and "/" in value
         parts.append(repr(value)[:SIGNATURE_ELEMENTS])
