@@ -374,6 +374,34 @@ def test_duplicate_batches_are_found_whatever_the_step(rank0, rank1, expected):
         assert found[0].code == "SAME_DATA_ON_ALL_RANKS" and found[0].ranks == [0, 1]
 
 
+def test_the_same_indices_on_every_rank_are_the_same_data_whatever_the_pixels():
+    def record(rank, tensors, indices):
+        return {"rank": rank, "world_size": 2, "findings": [], "batches": {"ddp0-0.1": tensors},
+                "index_batches": {"ddp0-0.1": indices}}
+
+    augmented = [record(0, ["a", "b", "c", "d"], ["i", "j", "k", "l"]),
+                 record(1, ["e", "f", "g", "h"], ["i", "j", "k", "l"])]
+    (finding,) = findings.cross_rank_findings(augmented)
+    assert finding.code == "SAME_DATA_ON_ALL_RANKS" and finding.ranks == [0, 1]
+    assert "same indices of the same dataset" in finding.detail
+    sharded = [record(0, ["a", "b", "c", "d"], ["i", "j", "k", "l"]), record(1, ["e", "f", "g", "h"], ["m", "n", "o", "p"])]
+    assert findings.cross_rank_findings(sharded) == []
+
+
+def test_a_datasets_signature_tells_shards_apart_and_needs_data_to_tell():
+    from torch.utils.data import Dataset, TensorDataset
+
+    from ddplab.auditor.data import _signature
+
+    class Synthetic(Dataset):  # random samples drawn per index: nothing in it says which data it is
+        def __init__(self):
+            self.length, self.name = 100, "noise"
+
+    shard = [TensorDataset(torch.arange(8.0) + offset) for offset in (0, 0, 1)]
+    assert _signature(shard[0]) == _signature(shard[1]) != _signature(shard[2])
+    assert _signature(Synthetic()) is None
+
+
 # --- the command: flags, bad input, signals ---
 
 def test_bad_commands_and_paths_are_one_line_errors(tmp_path, capsys):

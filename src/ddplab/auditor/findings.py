@@ -37,9 +37,10 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "rank's random batches differently (e.g. seed + rank)"),
     "SET_EPOCH_MISSING": (
         WARNING,
-        "a shuffling DistributedSampler fed training the same sample order in two passes over the data: without "
-        "set_epoch every epoch repeats the first one's order",
-        "call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader"),
+        "a shuffling DistributedSampler fed training the same sample order in two passes over the data: unless "
+        "set_epoch is given each epoch's own number, every epoch repeats the first one's order",
+        "call sampler.set_epoch(epoch) at the start of every epoch, with that epoch's number (one that advances), "
+        "before iterating the loader"),
     "SUM_REDUCTION": (
         WARNING,
         "backward starts from a loss summed over the batch: DDP averages gradients over ranks, so the gradient is "
