@@ -384,7 +384,8 @@ def test_the_same_indices_on_every_rank_are_the_same_data_whatever_the_pixels():
     (finding,) = findings.cross_rank_findings(augmented)
     assert finding.code == "SAME_DATA_ON_ALL_RANKS" and finding.ranks == [0, 1]
     assert "same indices of the same dataset" in finding.detail
-    sharded = [record(0, ["a", "b", "c", "d"], ["i", "j", "k", "l"]), record(1, ["e", "f", "g", "h"], ["m", "n", "o", "p"])]
+    sharded = [record(0, ["a", "b", "c", "d"], ["i", "j", "k", "l"]),
+               record(1, ["e", "f", "g", "h"], ["m", "n", "o", "p"])]
     assert findings.cross_rank_findings(sharded) == []
 
 
