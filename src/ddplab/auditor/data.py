@@ -32,6 +32,8 @@ ORDER_PREFIX = 64
 ORDER_EVIDENCE = 8
 # Batches a DataLoader returned whose index batch is remembered until a training forward takes them.
 LOADED_WINDOW = 16
+# Index batches a loader drew ahead of the batches it returned (prefetch_factor × num_workers), per iterator.
+DRAWN_AHEAD = 64
 # A dataset's signature reads at most this many elements of a list or tensor, and this deep into its attributes.
 SIGNATURE_ELEMENTS = 4096
 SIGNATURE_DEPTH = 3
@@ -174,7 +176,7 @@ class _Stream:
 
     def __init__(self, signature: str | None):
         self.signature = signature
-        self.drawn: deque[str] = deque(maxlen=LOADED_WINDOW)
+        self.drawn: deque[str] = deque(maxlen=DRAWN_AHEAD)
 
 
 def _watched_next_index(original_next_index):
