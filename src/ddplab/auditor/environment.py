@@ -13,11 +13,10 @@ import functools
 import os
 import traceback
 
-from ddplab.auditor import state
+from ddplab.auditor import findings, state
 
 # What torchrun sets in every process it starts.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-MARKER = "needs-launcher-"
 # torch's env:// rendezvous functions that raise for a missing variable (torch.distributed.rendezvous).
 _RENDEZVOUS = ("_get_env_or_raise", "_env_rendezvous_handler")
 
@@ -47,7 +46,7 @@ def _program_ended(audit, exc, tb) -> None:
     variable = missing_variable(exc, tb)
     if variable is not None and audit.out_dir:
         try:
-            with open(os.path.join(audit.out_dir, f"{MARKER}{os.getpid()}.txt"), "w") as fh:
+            with open(os.path.join(audit.out_dir, f"{findings.NEEDS_LAUNCHER_MARKER}{os.getpid()}.txt"), "w") as fh:
                 fh.write(variable)
         except OSError:
             pass  # the audit directory is gone: the parent already reported

@@ -307,6 +307,9 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
 
 # --- records on disk ---
 
+# A marker file's name prefix: this process ended for lack of a torchrun variable (written by auditor.environment).
+NEEDS_LAUNCHER_MARKER = "needs-launcher-"
+
 def read_records(directory: str) -> list[dict[str, Any]]:
     """Every rank's record in ``directory``: its own file first, else a copy rank 0 fetched from the store."""
     own: dict[int, dict[str, Any]] = {}

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 import ddplab
-from ddplab.auditor import environment, findings
+from ddplab.auditor import findings  # pure: this process may be audited, where importing torch installs the auditor
 from ddplab.errors import UsageError, literal
 from ddplab.runtime.signals import signal_group, sweep_group
 
@@ -174,7 +174,7 @@ def _needed_variables(out_dir: str) -> list[str]:
     """The torchrun variables whose absence ended the command's Python processes (see :mod:`environment`)."""
     needed = []
     for name in sorted(os.listdir(out_dir)):
-        if name.startswith(environment.MARKER):
+        if name.startswith(findings.NEEDS_LAUNCHER_MARKER):
             with open(os.path.join(out_dir, name)) as fh:
                 needed.append(fh.read().strip())
     return needed
