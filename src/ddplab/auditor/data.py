@@ -229,7 +229,7 @@ def _batch_loaded(audit, loader_iter, batch) -> None:
         return
     # Loaders return batches in the order their indices were drawn (prefetching draws ahead).
     fingerprint = stream.drawn.popleft()
-    first = next(tensors.iter_tensors(batch), None)
+    first = _first_tensor(batch)
     if first is not None:
         audit.loaded[tensors.digest(first)] = fingerprint
         while len(audit.loaded) > LOADED_WINDOW:
@@ -244,10 +244,16 @@ def training_forward(audit, key: str, inputs, window: int) -> None:
     indices = audit.index_batches.setdefault(key, [])
     if len(indices) >= window:
         return
-    first = next(tensors.iter_tensors(inputs), None)
+    first = _first_tensor(inputs)
     fingerprint = audit.loaded.pop(tensors.digest(first), None) if first is not None else None
     if fingerprint is not None:
         indices.append(fingerprint)
+
+
+def _first_tensor(value) -> torch.Tensor | None:
+    """A batch's first tensor (a model's input comes first), if it is a dense one that digests can read."""
+    first = next(tensors.iter_tensors(value), None)
+    return first if first is not None and first.layout == torch.strided and not first.is_meta else None
 
 
 def _index_fingerprint(signature: str, index) -> str:
