@@ -374,6 +374,35 @@ def test_duplicate_batches_are_found_whatever_the_step(rank0, rank1, expected):
         assert found[0].code == "SAME_DATA_ON_ALL_RANKS" and found[0].ranks == [0, 1]
 
 
+def test_the_same_indices_on_every_rank_are_the_same_data_whatever_the_pixels():
+    def record(rank, tensors, indices):
+        return {"rank": rank, "world_size": 2, "findings": [], "batches": {"ddp0-0.1": tensors},
+                "index_batches": {"ddp0-0.1": indices}}
+
+    augmented = [record(0, ["a", "b", "c", "d"], ["i", "j", "k", "l"]),
+                 record(1, ["e", "f", "g", "h"], ["i", "j", "k", "l"])]
+    (finding,) = findings.cross_rank_findings(augmented)
+    assert finding.code == "SAME_DATA_ON_ALL_RANKS" and finding.ranks == [0, 1]
+    assert "same indices of the same dataset" in finding.detail
+    sharded = [record(0, ["a", "b", "c", "d"], ["i", "j", "k", "l"]),
+               record(1, ["e", "f", "g", "h"], ["m", "n", "o", "p"])]
+    assert findings.cross_rank_findings(sharded) == []
+
+
+def test_a_datasets_signature_tells_shards_apart_and_needs_data_to_tell():
+    from torch.utils.data import Dataset, TensorDataset
+
+    from ddplab.auditor.data import _signature
+
+    class Synthetic(Dataset):  # random samples drawn per index: nothing in it says which data it is
+        def __init__(self):
+            self.length, self.name = 100, "noise"
+
+    shard = [TensorDataset(torch.arange(8.0) + offset) for offset in (0, 0, 1)]
+    assert _signature(shard[0]) == _signature(shard[1]) != _signature(shard[2])
+    assert _signature(Synthetic()) is None
+
+
 # --- the command: flags, bad input, signals ---
 
 def test_bad_commands_and_paths_are_one_line_errors(tmp_path, capsys):
@@ -394,12 +423,69 @@ def test_bad_commands_and_paths_are_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_json_flag_prints_the_report_after_the_commands_own_output(tmp_path, capsys, monkeypatch):
+def test_json_flag_keeps_stdout_for_the_report_alone(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(GALLERY)
     code = main(["audit", "--json", "--", sys.executable, "sum_reduction.py", "--launcher", "fork"])
-    out = capsys.readouterr().out
-    report = json.loads(out[out.index("{\n"):])
+    report = json.loads(capfd.readouterr().out)  # the whole of stdout is the report
     assert code == 0 and _serious(report) == {"SUM_REDUCTION": "warning"}
+    # The program's own stdout goes to stderr, so that `ddplab audit --json -- ... | jq` parses.
+    code = main(["audit", "--json", "--", sys.executable, "-c", "import torch; print('a line of the program')"])
+    captured = capfd.readouterr()
+    assert code == 0 and json.loads(captured.out)["audited"] is False
+    assert "a line of the program" in captured.err
+    # Without --json the program's stdout stays its stdout.
+    assert main(["audit", "--", sys.executable, "-c", "import torch; print('a line of the program')"]) == 0
+    assert capfd.readouterr().out == "a line of the program\n"
+
+
+def test_the_header_shows_the_configured_lr_rounded():
+    from torch.optim import lr_scheduler
+
+    from ddplab.auditor.schedulers import configured_lr
+
+    report = findings.Report(2, 32, 1.5267837178600974e-05, 5, 5, [])
+    assert "lr 1.527e-05," in report.headline()
+    # A schedule's base (initial_lr) or peak (max_lr), not the lr of the step it is at.
+    model = torch.nn.Linear(2, 1)
+    warmup = torch.optim.SGD(model.parameters(), lr=0.003)
+    scheduler = lr_scheduler.LambdaLR(warmup, lambda step: (step + 1) / 10)
+    for _ in range(3):
+        warmup.step()
+        scheduler.step()
+    assert warmup.param_groups[0]["lr"] != 0.003 and configured_lr(warmup, None) == 0.003
+    one_cycle = torch.optim.SGD(model.parameters(), lr=0.1)
+    lr_scheduler.OneCycleLR(one_cycle, max_lr=0.4, total_steps=10)
+    assert configured_lr(one_cycle, None) == 0.4
+    # A schedule written into the param groups by hand (nanoGPT): the highest lr seen.
+    by_hand, seen = torch.optim.AdamW(model.parameters(), lr=0.01), None
+    for lr in (0.001, 0.002, 0.003, 0.0025):
+        by_hand.param_groups[0]["lr"] = lr
+        seen = configured_lr(by_hand, seen)
+    assert seen == 0.003
+
+
+NEEDS_TORCHRUN = {
+    "local_rank": "import os\nimport torch\nlocal_rank = int(os.environ['LOCAL_RANK'])\n",
+    "init": "import torch\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n",
+}
+
+
+@pytest.mark.parametrize("shape, variable", [("local_rank", "LOCAL_RANK"), ("init", "RANK")])
+def test_a_torchrun_script_run_with_python_is_told_how_to_launch(shape, variable, tmp_path, capfd, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    script = tmp_path / "train.py"
+    script.write_text(NEEDS_TORCHRUN[shape])
+    report = tmp_path / "report.json"
+    # The program fails as it would unaudited: its traceback and exit code pass through.
+    assert main(["audit", "--json-file", str(report), "--", sys.executable, "-u", str(script), "--epochs", "1"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" in err and variable in err
+    expected = f"ddplab audit -- torchrun --nproc_per_node 2 {script} --epochs 1"
+    said = " ".join(err.split())  # the report's lines as wrapped for the terminal, joined again
+    assert "looks like a torchrun script" in said and f"because {variable} was not set" in said
+    why = json.loads(report.read_text())["findings"][0]["message"]
+    assert "looks like a torchrun script" in why and expected in why
 
 
 CHILDREN = """

@@ -48,6 +48,8 @@ class Case:
     args: tuple[str, ...] = ()
     audit_steps: int | None = None
     world_size: int = 2
+    launchers: tuple[str, ...] = LAUNCHERS
+    """The launchers the script runs under (a script that reads torchrun's environment itself runs only there)."""
 
     def command(self, launcher: str) -> list[str]:
         if launcher == "torchrun":
@@ -79,6 +81,14 @@ CORRECT = {
     "imagenet_ddp_on_cpu": Case("imagenet_style.py"),
     "imagenet_hand_sync": Case("imagenet_style.py", ("--sync", "hand")),
     "uneven_join": Case("uneven_join.py"),
+    "accumulate_mean": Case("accumulate_sum.py"),
+    "accumulate_mean_accum_1": Case("accumulate_sum.py", ("--accum", "1")),
+    "accumulate_sum_per_sample": Case("accumulate_sum.py", ("--loss", "sum-per-sample")),
+    "step_budget": Case("step_budget.py"),
+    "step_budget_two_passes": Case("step_budget.py", ("--max-steps", "20")),
+    "augmented_vision": Case("augmented_vision.py"),
+    "augmented_vision_per_rank_files": Case("augmented_vision.py", ("--data", "per-rank-files")),
+    "gpu_only_ddp_on_cpu": Case("gpu_only_ddp.py", launchers=("torchrun",)),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -93,6 +103,9 @@ DEFAULT_CORRECT = [
     ("nanogpt_eval_rank0", "fork"), ("gan_freeze", "fork"), ("probe_rank0", "fork"), ("ema_teacher", "fork"),
     ("skipped_step_unused", "fork"), ("skipped_step_static", "fork"), ("epochs_os_exit_window_50", "fork"),
     ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"), ("uneven_join", "torchrun"),
+    ("accumulate_mean", "fork"), ("accumulate_mean_accum_1", "fork"), ("accumulate_sum_per_sample", "fork"),
+    ("step_budget_two_passes", "fork"), ("augmented_vision", "torchrun"), ("augmented_vision_per_rank_files", "fork"),
+    ("gpu_only_ddp_on_cpu", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -116,7 +129,38 @@ MISTAKES = {
                                   "torchrun"),
     # Ranks that join early under torch's Join still get the findings of their own steps.
     "uneven_join_sum": (Case("uneven_join.py", ("--mistake", "sum")), {"SUM_REDUCTION": "warning"}, {}, "fork"),
+    # CrossEntropyLoss(reduction='sum') then / accum: still a sum, whatever it is divided by last.
+    "sum_divided_by_accumulation": (Case("accumulate_sum.py", ("--loss", "sum")), {"SUM_REDUCTION": "warning"}, {},
+                                    "fork"),
+    "sum_divided_by_accumulation_1": (Case("accumulate_sum.py", ("--loss", "sum", "--accum", "1")),
+                                      {"SUM_REDUCTION": "warning"}, {}, "fork"),
+    # set_epoch(0) before every pass: the second pass repeats the first from its first batch (2 batches into it).
+    "set_epoch_frozen": (Case("step_budget.py", ("--mistake", "frozen-epoch")), {"SET_EPOCH_MISSING": "warning"}, {},
+                         "fork"),
+    # The same indices on every rank, augmented differently: no two tensors alike.
+    "same_indices_augmented": (Case("augmented_vision.py", ("--mistake", "random-sampler")),
+                               {"SAME_DATA_ON_ALL_RANKS": "error"}, {}, "fork"),
+    "gpu_only_no_group": (Case("gpu_only_ddp.py", ("--distributed-when", "cuda"), launchers=("torchrun",)),
+                          {"NOT_DISTRIBUTED": "error"}, {}, "torchrun"),
+    # A group joined but never used, in a run shorter than the audit window.
+    "gpu_only_unused_group": (Case("gpu_only_ddp.py", ("--distributed-when", "cuda-model"), launchers=("torchrun",)),
+                              {"NOT_DISTRIBUTED": "error"}, {}, "torchrun"),
 }
+
+# id → (finding, words its message must hold): what the finding says happened.
+MESSAGES = {
+    "sum_divided_by_accumulation": ("SUM_REDUCTION", "divided by 4, the 4 micro-batches accumulated"),
+    "sum_divided_by_accumulation_1": ("SUM_REDUCTION", "each of a micro-batch's 16 samples weighs 1"),
+    "set_epoch_frozen": ("SET_EPOCH_MISSING", "set_epoch was called with epoch 0 in both passes"),
+    "set_epoch_missing_after_window": ("SET_EPOCH_MISSING", "set_epoch was not called"),
+    "same_indices_augmented": ("SAME_DATA_ON_ALL_RANKS", "loaded from the same indices of the same dataset"),
+    "gpu_only_no_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2), but this process stepped"),
+    "gpu_only_unused_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2); they joined a process "
+                                                 "group"),
+}
+
+# id → the lr the report's header must show: the configured (peak) lr, not the last audited step's.
+CONFIGURED_LR = {"step_budget_two_passes": 0.02, "nanogpt_eval_all": 3e-3}
 
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"
@@ -223,7 +267,9 @@ def _forked_main(case: Case, out_fd: int, err_fd: int):
 def _plain(case: Case, launcher: str) -> Run:
     """The program run alone. Its output does not depend on the launcher (the full matrix checks that), so the
     default matrix reuses one forked run for every launcher."""
-    return _run(case.command(launcher)) if FULL else _run_forked(case)
+    if FULL or "fork" not in case.launchers:
+        return _run(case.command(launcher))
+    return _run_forked(case)
 
 
 # --- the audit CLI and its report: the one place that knows them ---
@@ -264,7 +310,7 @@ def _why(verdict: str, run: Run, report: dict | None) -> str:
 
 
 def _matrix(default):
-    return [(name, launcher) for name in CORRECT for launcher in LAUNCHERS] if FULL else default
+    return [(name, launcher) for name, case in CORRECT.items() for launcher in case.launchers] if FULL else default
 
 
 # --- the tests ---
@@ -284,6 +330,8 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     assert report is not None, _why("NO REPORT: the audit wrote no report", audited, report)
     assert report["world_size"] == case.world_size
     assert _serious(report) == {}, _why(f"FALSE ALARM: {_serious(report)}", audited, report)
+    if name in CONFIGURED_LR:
+        assert report["lr"] == pytest.approx(CONFIGURED_LR[name]), _why(f"LR: {report['lr']}", audited, report)
     if case.script == "epochs_and_exit.py":
         assert report["steps_audited"] == min(case.audit_steps, TOTAL_STEPS), \
             _why(f"STEPS: {report['steps_audited']} audited, {min(case.audit_steps, TOTAL_STEPS)} expected",
@@ -292,8 +340,8 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("name, launcher", [(name, launcher) for name, (*_, default) in MISTAKES.items()
-                                            for launcher in (LAUNCHERS if FULL else (default,))])
+@pytest.mark.parametrize("name, launcher", [(name, launcher) for name, (case, *_, default) in MISTAKES.items()
+                                            for launcher in (case.launchers if FULL else (default,))])
 def test_a_planted_mistake_gets_exactly_its_finding(name, launcher):
     case, expected, consequences, _ = MISTAKES[name]
     audited, report = _audit(case.command(launcher), steps=case.audit_steps)
@@ -303,6 +351,10 @@ def test_a_planted_mistake_gets_exactly_its_finding(name, launcher):
     assert expected.items() <= serious.items(), _why(f"MISS: expected {expected}, got {serious}", audited, report)
     extra = {code: severity for code, severity in serious.items() if code not in expected}
     assert extra.items() <= consequences.items(), _why(f"FALSE ALARM besides the mistake: {extra}", audited, report)
+    if name in MESSAGES:
+        code, words = MESSAGES[name]
+        message = next(f["message"] for f in report["findings"] if f["code"] == code)
+        assert words in message, _why(f"MESSAGE: {words!r} not in {message!r}", audited, report)
 
 
 def test_report_lines_are_told_apart_from_the_programs_own():

@@ -37,9 +37,10 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "rank's random batches differently (e.g. seed + rank)"),
     "SET_EPOCH_MISSING": (
         WARNING,
-        "a shuffling DistributedSampler fed training the same sample order in two passes over the data: without "
-        "set_epoch every epoch repeats the first one's order",
-        "call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader"),
+        "a shuffling DistributedSampler fed training the same sample order in two passes over the data: unless "
+        "set_epoch is given each epoch's own number, every epoch repeats the first one's order",
+        "call sampler.set_epoch(epoch) at the start of every epoch, with that epoch's number (one that advances), "
+        "before iterating the loader"),
     "SUM_REDUCTION": (
         WARNING,
         "backward starts from a loss summed over the batch: DDP averages gradients over ranks, so the gradient is "
@@ -142,7 +143,8 @@ class Report:
         steps = f"{self.steps_audited} optimizer steps audited"
         if self.steps_requested and self.steps_audited < self.steps_requested:
             steps += f" (the run made fewer than the {self.steps_requested} asked for)"
-        return f"world size {self.world_size}, global batch {self.global_batch_size}, lr {self.lr}, {steps}"
+        return (f"world size {self.world_size}, global batch {self.global_batch_size}, lr {format_lr(self.lr)}, "
+                f"{steps}")
 
     def signature(self) -> list[list]:
         """What a reader would see change between two reports of one run (JSON-shaped)."""
@@ -173,6 +175,11 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
                   max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings)
 
 
+def format_lr(lr: float | None) -> str:
+    """An lr as a reader wants it: four significant digits (0.003, 1.527e-05)."""
+    return "None" if lr is None else f"{lr:.4g}"
+
+
 def nothing_audited(why: str) -> Report:
     """The report of a command in which nothing could be audited: no findings, and RUN_INFO saying why."""
     return Report(None, None, None, 0, None, [Finding.make("RUN_INFO", 0, why)], why_nothing=why)
@@ -200,7 +207,8 @@ def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
     tokens = _per_device_tokens(windows)
     if tokens is not None:
         out.append(tokens)
-    duplicate = _duplicate_batches(records)
+    # Tensors first; then the indices behind them, which random augmentation cannot hide.
+    duplicate = _duplicate_batches(records, "batches") or _duplicate_batches(records, "index_batches")
     if duplicate is not None:
         out.append(duplicate)
     return out
@@ -266,11 +274,12 @@ def _per_device_tokens(windows) -> Finding | None:
     return None
 
 
-def _duplicate_batches(records: list[dict[str, Any]]) -> Finding | None:
-    """Evidence of unsharded data: most of a rank's training batches also reached another rank, at any step."""
+def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | None:
+    """Evidence of unsharded data: most of a rank's training batches (``field``: their tensors, or the dataset
+    indices they were loaded from) also reached another rank, at any step."""
     by_wrapper: dict[str, dict[int, list[str]]] = {}
     for record in records:
-        for wrapper, batches in record.get("batches", {}).items():
+        for wrapper, batches in record.get(field, {}).items():
             by_wrapper.setdefault(wrapper, {})[record["rank"]] = batches
     for ranks in by_wrapper.values():
         involved, shared_total = set(), 0
@@ -285,15 +294,21 @@ def _duplicate_batches(records: list[dict[str, Any]]) -> Finding | None:
                 involved.add(rank)
                 shared_total = max(shared_total, len(shared))
         if len(involved) >= 2:
-            finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(involved),
-                                   f"up to {shared_total} distinct training batches of one rank also reached another "
-                                   "rank during the audited window")
+            detail = (f"up to {shared_total} distinct training batches of one rank also reached another rank during "
+                      "the audited window") if field == "batches" else (
+                f"up to {shared_total} distinct training batches of one rank were loaded from the same indices of the "
+                "same dataset as batches of another rank during the audited window (the tensors differ, e.g. by "
+                "random augmentation, but the samples are the same: a sampler seeded alike on every rank)")
+            finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(involved), detail)
             finding.ranks = sorted(involved)
             return finding
     return None
 
 
 # --- records on disk ---
+
+# A marker file's name prefix: this process ended for lack of a torchrun variable (written by auditor.environment).
+NEEDS_LAUNCHER_MARKER = "needs-launcher-"
 
 def read_records(directory: str) -> list[dict[str, Any]]:
     """Every rank's record in ``directory``: its own file first, else a copy rank 0 fetched from the store."""

@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ddplab.auditor import losses, state
+from ddplab.auditor import environment, losses, schedulers, state
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.schedulers import accelerate_state
 from ddplab.runtime import compat
@@ -63,7 +63,7 @@ def check_not_distributed(audit, optimizer) -> None:
         # A distributed run with no DDP model still reports its setting (and, with evidence, NOT_DISTRIBUTED).
         audit.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
         audit.world_size = world_size
-        audit.lr = optimizer.param_groups[0].get("lr")
+        audit.lr = schedulers.configured_lr(optimizer, None)
         audit.optimizer = type(optimizer).__name__
         audit.attached_pid = os.getpid()
         audit.write()
@@ -73,18 +73,19 @@ def check_not_distributed(audit, optimizer) -> None:
 
 
 def _alone_evidence(audit, world_size: int) -> str | None:
+    started = f"{environment.launcher()} started {world_size} processes (WORLD_SIZE={world_size})"
     shared = accelerate_state()
     if shared is not None and shared.get("num_processes") == 1:
-        return (f"the launcher set WORLD_SIZE={world_size}, but Accelerate runs with num_processes 1 "
+        return (f"{started}, but Accelerate runs with num_processes 1 "
                 f"({shared.get('distributed_type')}): prepare() returned the model without DDP and the data "
                 f"unsharded (on a CPU machine, Accelerator(cpu=True) or ACCELERATE_USE_CPU=1 makes it distributed)")
     if not dist.is_initialized():
-        return (f"the launcher set WORLD_SIZE={world_size}, but this process stepped its optimizer without "
-                f"joining a process group or building a DistributedDataParallel model")
-    return _silent_group(audit)
+        return (f"{started}, but this process stepped its optimizer without joining a process group or building "
+                "a DistributedDataParallel model")
+    return _silent_group(audit, started)
 
 
-def _silent_group(audit) -> str | None:
+def _silent_group(audit, started: str) -> str | None:
     """In a process group: optimizer steps with no collective between them synchronise nothing."""
     issued = compat.collectives_issued()
     if issued is None:
@@ -99,11 +100,28 @@ def _silent_group(audit) -> str | None:
         return None
     if audit.alone_steps < max(2, audit.steps_to_audit):
         return None
-    intervals = audit.alone_steps - 1
-    return (f"{dist.get_world_size()} processes joined a process group, but across {intervals} optimizer steps "
-            "not one collective ran on any process group: no DistributedDataParallel model and no hand-written "
-            "all-reduce synchronised the gradients (pytorch/examples' ImageNet script, for one, wraps the model in "
-            "DDP only on GPUs)")
+    return _silent_detail(audit, started)
+
+
+def _silent_detail(audit, started: str) -> str:
+    return (f"{started}; they joined a process group of {dist.get_world_size()}, but across "
+            f"{audit.alone_steps - 1} optimizer steps not one collective ran on any process group: no "
+            "DistributedDataParallel model and no hand-written all-reduce synchronised the gradients "
+            "(pytorch/examples' ImageNet script, for one, wraps the model in DDP only on GPUs)")
+
+
+@state.guarded("judging ranks that train alone")
+def at_exit(audit) -> None:
+    """At the end of a run shorter than the audit window: a group in which every optimizer step so far passed with
+    no collective (each step compared the count with the first's) trained alone all the same."""
+    if ("NOT_DISTRIBUTED" in audit.findings or audit.synchronised or audit.alone_steps < 2 or audit.wrapper_count
+            or audit.world_size < 2):
+        return
+    started = f"{environment.launcher()} started {audit.world_size} processes (WORLD_SIZE={audit.world_size})"
+    audit.add("NOT_DISTRIBUTED", (f"{started}; they joined a process group, but across all {audit.alone_steps - 1} "
+                                  "optimizer step intervals of the run not one collective ran on any process group: "
+                                  "no DistributedDataParallel model and no hand-written all-reduce synchronised the "
+                                  "gradients"))
 
 
 # --- summed losses through the frameworks' own division by the accumulation steps ---

@@ -31,7 +31,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddplab.auditor import exchange, frameworks, schedulers, state, tensors
+from ddplab.auditor import data, exchange, frameworks, losses, schedulers, state, tensors
 from ddplab.auditor import findings as fnd
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
@@ -161,8 +161,9 @@ def _record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None
             info.batches.append(fingerprint)
             if len(info.batches) == DATA_WINDOW_FACTOR * audit.steps_to_audit:
                 audit.write()
+    data.training_forward(audit, info.key, inputs, DATA_WINDOW_FACTOR * audit.steps_to_audit)
     if audit.armed:
-        size = tensors.first_dim(inputs)
+        size = audit.micro_batch = tensors.first_dim(inputs)
         info.forward_batch += size or 0
         if size is not None:
             _check_batchnorm(audit, info, size)
@@ -285,7 +286,8 @@ def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
     window = audit.window(info)
     window["grads"] = tensors.named_digests([(n, p.grad) for n, p in stepped])
     window["params"] = tensors.named_digests(params)
-    audit.lr = optimizer.param_groups[0].get("lr")
+    losses.check_step(audit, info.forward_batch)
+    audit.lr = schedulers.configured_lr(optimizer, audit.lr)
     audit.optimizer = type(optimizer).__name__
     if info.forward_batch:
         audit.global_batch_size = info.forward_batch * len(info.group)

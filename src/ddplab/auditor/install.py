@@ -9,8 +9,9 @@ block) ends it: :func:`uninstall` puts back every patched attribute and removes 
 from __future__ import annotations
 
 import os
+import sys
 
-from ddplab.auditor import data, exchange, frameworks, hooks, losses, schedulers, state
+from ddplab.auditor import data, environment, exchange, frameworks, hooks, losses, schedulers, state
 from ddplab.auditor import findings as fnd
 from ddplab.auditor.patches import Patches
 
@@ -29,6 +30,8 @@ def install(steps: int = 5, out_dir: str | None = None) -> state.AuditState:
     _PATCHES = Patches()
     for module in (hooks, data, losses, schedulers, frameworks):
         module.install(_PATCHES)
+    if out_dir:
+        _PATCHES.replace(sys, "excepthook", environment.watched_excepthook)
     _PATCHES.at_exit(_at_exit)
     return audit
 
@@ -60,6 +63,7 @@ def install_from_env() -> state.AuditState | None:
 def _at_exit() -> None:
     audit = state.current()
     if audit is not None:
+        frameworks.at_exit()
         audit.write()
 
 
@@ -109,5 +113,5 @@ def audit(ddp_model, optimizer=None, sampler=None, steps: int = 5) -> Audit:
     audit_state = install(steps=steps)
     hooks.attach(ddp_model)
     if optimizer is not None:
-        audit_state.lr = optimizer.param_groups[0].get("lr")
+        audit_state.lr = schedulers.configured_lr(optimizer, None)
     return Audit(audit_state)

@@ -2,11 +2,18 @@
 
 The loss functions are wrapped to tag the autograd node of a ``reduction='sum'`` or ``'none'``
 result (the tensor itself is untouched); ``Tensor.backward`` checks the node it starts from.
+
+Whatever follows the sum (``loss / accumulation_steps``, a scale, a sum of terms), the scale is
+judged by its effect too: during the audited window a hook on the tagged node reads the gradient
+that backward brings to each summed term, its *weight*. A mean over a micro-batch of n samples
+weighs each term at most 1/n (1/(n·A) with A accumulated micro-batches, less still per token); a sum
+weighs it 1, or 1/A once divided by the accumulation steps, so it grows with the per-device batch.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -19,6 +26,10 @@ LOSS_FUNCTIONS = ("l1_loss", "mse_loss", "cross_entropy", "nll_loss", "binary_cr
                   "hinge_embedding_loss", "margin_ranking_loss", "cosine_embedding_loss", "multi_margin_loss",
                   "triplet_margin_loss", "ctc_loss")
 TAG = "ddplab_reduction"
+# A summed term that weighs at least this many times what a mean over its micro-batch gives it grows with the batch.
+GROWTH = 2.0
+# Weights kept per optimizer step (a program that never steps must not grow the list).
+MAX_WEIGHTS = 64
 
 
 def install(patches: Patches) -> None:
@@ -55,6 +66,50 @@ def _tag(audit, out, reduction) -> None:
     # Tagged on the autograd node, which lives and dies with this loss's graph; the tensor is untouched.
     if reduction in ("sum", "none") and isinstance(out, torch.Tensor) and out.grad_fn is not None:
         out.grad_fn.metadata[TAG] = reduction
+        if audit.armed and audit.micro_batch is not None and audit.micro_batch >= 2:
+            # A hook on the graph's node, not on the user's tensor; it returns None: the gradient is unchanged.
+            out.grad_fn.register_prehook(functools.partial(_weighed, audit.micro_batch))
+
+
+def _weighed(micro_batch: int, grad_outputs):
+    _note_weight(micro_batch, grad_outputs)
+    return None
+
+
+@state.guarded("weighing a summed loss")
+def _note_weight(audit, micro_batch: int, grad_outputs) -> None:
+    grad = grad_outputs[0] if grad_outputs else None
+    if isinstance(grad, torch.Tensor) and grad.numel() and len(audit.loss_weights) < MAX_WEIGHTS:
+        # The mean over the terms: 'none' terms summed by hand or masked weigh what a sum over them gives each.
+        audit.loss_weights.append((float(grad.detach().double().mean()), micro_batch))
+
+
+def check_step(audit, samples: int) -> None:
+    """At an audited optimizer step: a summed loss, however divided, whose terms' weights grow with the batch.
+
+    ``samples`` is the number the step's training forwards took on this rank (all its micro-batches).
+    """
+    weights, audit.loss_weights = audit.loss_weights, []
+    if "SUM_REDUCTION" in audit.findings:
+        return
+    for weight, micro_batch in weights:
+        accumulation = max(1, round(samples / micro_batch))
+        divisor = 1 / weight if weight > 0 else math.inf
+        # Divided by nothing, or by exactly the accumulation steps: a sum; any other scale is no evidence.
+        if weight * micro_batch >= GROWTH and any(math.isclose(divisor, d, rel_tol=1e-3) for d in {1, accumulation}):
+            audit.add("SUM_REDUCTION", _grown_detail(micro_batch, accumulation, round(divisor)))
+            return
+
+
+def _grown_detail(micro_batch: int, accumulation: int, divisor: int) -> str:
+    mean = micro_batch * accumulation
+    if divisor == 1:
+        return (f"a summed loss reached backward undivided: each of a micro-batch's {micro_batch} samples weighs 1 in "
+                f"the gradient where a mean would weigh it 1/{mean}, so the loss grows with the per-device batch")
+    return (f"a summed loss reached backward divided by {divisor}, the {accumulation} micro-batches accumulated per "
+            f"optimizer step: each of a micro-batch's {micro_batch} samples weighs 1/{divisor} in the gradient where "
+            f"a mean would weigh it 1/{mean}, so the loss still grows with the per-device batch (dividing by the "
+            "accumulation steps does not make a sum a mean)")
 
 
 def summed(loss) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 import ddplab
-from ddplab.auditor import findings
+from ddplab.auditor import findings  # pure: this process may be audited, where importing torch installs the auditor
 from ddplab.errors import UsageError, literal
 from ddplab.runtime.signals import signal_group, sweep_group
 
@@ -63,18 +64,23 @@ class AuditOutcome:
         return self.interim is not None and self.interim == self.report.signature()
 
 
-def run_audited(config: AuditConfig) -> AuditOutcome:
-    """Run the command audited; its exit code is 128 + N when signal N ended it (and ``signal`` says N)."""
+def run_audited(config: AuditConfig, *, program_stdout_to_stderr: bool = False) -> AuditOutcome:
+    """Run the command audited; its exit code is 128 + N when signal N ended it (and ``signal`` says N).
+
+    ``program_stdout_to_stderr`` sends the command's own stdout to stderr, keeping stdout for the report.
+    """
     out_dir = tempfile.mkdtemp(prefix="ddplab-audit-")
     try:
-        status = _run(list(config.command), out_dir, config.steps)
+        status = _run(list(config.command), out_dir, config.steps, 2 if program_stdout_to_stderr else None)
         records = findings.read_records(out_dir)
         started, loaded, failures = _markers(out_dir)
+        needed = _needed_variables(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     ended = {"returncode": 128 - status if status < 0 else status, "signal": -status if status < 0 else None}
     if not records:
-        return AuditOutcome(**ended, report=findings.nothing_audited(_why_nothing(started, loaded, failures)))
+        why = _needs_torchrun(config.command, needed[0]) if needed else _why_nothing(started, loaded, failures)
+        return AuditOutcome(**ended, report=findings.nothing_audited(why))
     interim = next((r["interim"] for r in records if r.get("rank") == 0 and r.get("interim") is not None), None)
     return AuditOutcome(**ended, report=findings.merge(records), interim=interim)
 
@@ -111,12 +117,12 @@ def python_path(out_dir: str) -> str:
     return folder
 
 
-def _run(command: list[str], out_dir: str, steps: int) -> int:
+def _run(command: list[str], out_dir: str, steps: int, stdout: int | None = None) -> int:
     """Run the command in its own process group; forward signals to the whole group; its status (−N: signal N)."""
     env = dict(os.environ, DDPLAB_AUDIT_DIR=out_dir, DDPLAB_AUDIT_STEPS=str(steps))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(out_dir), os.environ.get("PYTHONPATH")) if p)
     # Its own group, so a signal reaches torchrun and every worker, not torchrun alone.
-    child = subprocess.Popen(command, env=env, start_new_session=True)
+    child = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
     received: list[int] = []
 
     def forward(signum, frame):
@@ -162,6 +168,33 @@ def _markers(out_dir: str) -> tuple[int, int, list[str]]:
             with open(os.path.join(out_dir, name)) as fh:
                 failures.append(fh.read())
     return started, loaded, failures
+
+
+def _needed_variables(out_dir: str) -> list[str]:
+    """The torchrun variables whose absence ended the command's Python processes (see :mod:`environment`)."""
+    needed = []
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith(findings.NEEDS_LAUNCHER_MARKER):
+            with open(os.path.join(out_dir, name)) as fh:
+                needed.append(fh.read().strip())
+    return needed
+
+
+def _needs_torchrun(command: tuple[str, ...], variable: str) -> str:
+    return (f"the command stopped because {variable} was not set, which torchrun sets in every process it starts: it "
+            f"looks like a torchrun script; launch it as: {_as_torchrun(command)} (--nproc_per_node: the processes "
+            "to start)")
+
+
+def _as_torchrun(command: tuple[str, ...]) -> str:
+    """``ddplab audit -- torchrun --nproc_per_node 2 SCRIPT ARGS`` for a command that ran ``python SCRIPT ARGS``."""
+    args = list(command)
+    if os.path.basename(args[0]).startswith("python"):
+        args = args[1:]
+        # The interpreter's own options (-u, -O) are not torchrun's; a module (-m NAME) is.
+        while args and args[0].startswith("-") and args[0] != "-m":
+            args = args[1:]
+    return "ddplab audit -- torchrun --nproc_per_node 2 " + shlex.join(args)
 
 
 def _why_nothing(started: int, loaded: int, failures: list[str]) -> str:

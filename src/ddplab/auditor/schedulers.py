@@ -153,6 +153,26 @@ def check(audit, optimizer) -> None:
     _check_steps_per_process(audit, watch)
 
 
+def configured_lr(optimizer, seen: float | None) -> float | None:
+    """The lr the run is configured with: its schedule's peak or base (``max_lr``, ``initial_lr``, which schedulers
+    keep in the param group), else the highest lr seen so far (``seen``) and now: never one step's point on a curve."""
+    group = optimizer.param_groups[0]
+    for key in ("max_lr", "initial_lr"):
+        value = _as_float(group.get(key))
+        if value is not None and value > 0:
+            return value
+    lr = _as_float(group.get("lr"))
+    if lr is None:
+        return seen
+    return lr if seen is None else max(seen, lr)
+
+
+def _as_float(value) -> float | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _note_lr(watch: OptimizerWatch, lrs: list[float]) -> None:
     if len(watch.lrs) < LR_HISTORY:
         watch.lrs.append(lrs[0])

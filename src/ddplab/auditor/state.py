@@ -53,6 +53,11 @@ class AuditState:
         # wrapper key → this rank's optimizer steps when it ran out of inputs and joined (torch's Join).
         self.joined: dict[str, int] = {}
         self.batches: dict[str, list[str]] = {}  # training batch fingerprints per wrapper, kept past its life
+        # Fingerprints of the dataset indices behind those batches, per wrapper (:mod:`ddplab.auditor.data`).
+        self.index_batches: dict[str, list[str]] = {}
+        self.loaded: dict[str, str] = {}  # digest of a batch a DataLoader returned → its index batch's fingerprint
+        self.micro_batch: int | None = None  # samples in the newest training forward of a DDP model
+        self.loss_weights: list[tuple[float, int]] = []  # (weight per summed term, micro-batch) this step
         self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
         self.modules: WeakIdKeyDictionary = WeakIdKeyDictionary()  # inner module → its newest wrapper's info
         # parameter → its wrapper's info, which outlives a temporary wrapper so its steps still count
@@ -95,12 +100,12 @@ class AuditState:
                 "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
-                "joined": self.joined,
+                "index_batches": self.index_batches, "joined": self.joined,
                 "peers": self.peers, "interim": self.interim}
 
     def _with_info(self) -> list[fnd.Finding]:
         info = fnd.Finding.make("RUN_INFO", self.rank, f"world size {self.world_size}, global batch "
-                                f"{self.global_batch_size}, lr {self.lr}")
+                                f"{self.global_batch_size}, lr {fnd.format_lr(self.lr)}")
         return list(self.findings.values()) + [info]
 
     def write(self) -> None:

@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.json_file is not None:
         check_writable(args.json_file, "json_file")
-    outcome = run_audited(config)
+    # Under --json stdout holds the report alone: the command's own stdout goes to stderr.
+    outcome = run_audited(config, program_stdout_to_stderr=args.json)
     _print(outcome)
     if args.json:
         render.print_json(outcome.report)
