@@ -56,7 +56,8 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_field(parser, AuditConfig, "steps")
     parser.add_argument("--json", action="store_true",
-                        help="print the merged report as one JSON object on stdout, after the command's output")
+                        help="print the merged report as one JSON object on stdout (the command's own stdout goes "
+                             "to stderr)")
     mark(parser.add_argument("--json-file", metavar="PATH", help="also write the merged report as JSON to PATH"),
          "json_file")
     parser.add_argument("--strict", action="store_true",
