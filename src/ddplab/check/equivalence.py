@@ -65,7 +65,8 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckR
                                              per_device_batch_size=cfg.per_device_batch_size)
     rank_tools.check_capacity(cfg.world_size, facts)
     launch_config = (launch_config or LaunchConfig()).for_ranks(cfg.world_size)
-    results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, cfg, facts, deadline)
+    with deadline.launching():
+        results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, cfg, facts, deadline)
     ranks = results[0]
     if ranks is None:  # a torchrun rank other than 0
         return None
