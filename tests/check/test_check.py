@@ -273,7 +273,45 @@ def test_strict_fails_a_divergence_and_a_hung_rank_is_named_with_its_stack(tmp_p
 
 
 def test_one_rank_is_one_rank(capsys):
-    assert main(["check", os.path.join(SPECS, "correct.py"), "--world-size", "1", "--batch-size", "8",
-                 "--steps", "1"]) == 0
-    out = capsys.readouterr().out
+    argv = ["check", os.path.join(SPECS, "correct.py"), "--world-size", "1", "--batch-size", "8", "--steps", "1"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
     assert "ddplab check: 1 rank × 8 vs one process × 8" in out and "1 rank × 8 and one process" in out
+    # Allowed (a one-GPU machine has nothing else), but the verdict says what one rank cannot show.
+    note = "one rank: this compares DDP's wrapper with the plain model, not ranks against each other"
+    assert f"note: {note}" in out
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "EQUIVALENT" and report["note"].startswith(note)
+    assert "world size of 2 or more" in report["note"]
+
+
+def test_two_ranks_need_no_note():
+    assert _check("correct", 2, steps=1).note is None
+
+
+def test_a_wrong_spec_path_is_said_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    import ddplab
+
+    text = tmp_path / "spec.txt"
+    text.write_text("def model(): pass\n")
+    # A fresh interpreter: torch must still be absent from it when each error has been said.
+    program = f"""
+import sys
+from ddplab.cli.main import main
+for argv in (["check", "missing.py"], ["check", {str(tmp_path)!r}], ["check", {str(text)!r}],
+             ["noise", "missing.py"]):
+    code = main([*argv, "--batch-size", "8"])
+    print(code, "torch" in sys.modules)
+"""
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)
+    assert done.stdout.split("\n")[:4] == ["2 False"] * 4, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 4 and all(line.startswith("ddplab: error: spec file ") for line in lines)
+    assert lines[0].endswith("missing.py does not exist") and "is a directory" in lines[1]
+    assert "is not a Python file: give a .py file" in lines[2] and lines[3].endswith("missing.py does not exist")

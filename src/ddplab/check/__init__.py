@@ -7,7 +7,10 @@ __all__ = ["CheckConfig", "CheckResult", "check"]
 
 
 def check(config: CheckConfig, launch_config=None) -> CheckResult | None:
-    """See :func:`ddplab.check.equivalence.check` (imports torch)."""
+    """See :func:`ddplab.check.equivalence.check` (imports torch, after the spec's path is checked)."""
+    from ddplab.runtime.spec import check_spec_path
+
+    check_spec_path(config.spec_path)
     from ddplab.check.equivalence import check as _check
 
     return _check(config, launch_config)

@@ -105,6 +105,15 @@ def equivalent_text(cfg: CheckConfig, per_step: list[dict[str, float]]) -> str:
             f"after every one of {cfg.steps} steps (largest relative difference {worst:.1e} ≤ {cfg.tolerance:g})")
 
 
+def one_rank_note(cfg: CheckConfig) -> str | None:
+    """On one rank DDP averages nothing: the check then compares its wrapper with the plain model, nothing more."""
+    if cfg.world_size != 1:
+        return None
+    return ("one rank: this compares DDP's wrapper with the plain model, not ranks against each other, so it cannot "
+            "show what changes with several ranks (a summed loss, padding, per-rank statistics); check with a world "
+            "size of 2 or more for that")
+
+
 def side_text(side: str) -> str:
     return {"ranks": "DDP ranks'", "single_process": "single process's",
             "both": "DDP ranks' and the single process's"}[side]

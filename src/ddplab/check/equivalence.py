@@ -84,7 +84,7 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: T
     has_padding = len(dataset) % cfg.world_size != 0
     common = dict(config=cfg, per_step=per_step, first_divergent_step=divergent, has_padding=has_padding,
                   non_finite=non_finite, unused_parameters=facts.unused_parameters,
-                  find_unused_parameters=facts.find_unused_parameters)
+                  find_unused_parameters=facts.find_unused_parameters, note=diagnosis.one_rank_note(cfg))
     if non_finite is not None and (divergent is None or divergent >= non_finite["step"]):
         explanation, fix = diagnosis.non_finite_text(cfg, non_finite)
         return CheckResult(verdict="NON_FINITE", cause=None, explanation=explanation, fix=fix, **common)

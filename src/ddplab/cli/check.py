@@ -82,7 +82,7 @@ def _print(result) -> None:
 
 
 def _notes(result) -> list[str]:
-    cfg, notes = result.config, []
+    cfg, notes = result.config, [result.note] if result.note else []
     partial = result.partial_steps
     if partial:
         steps = ", ".join(f"{i} ({n} per rank)" for i, n in partial)

@@ -60,8 +60,10 @@ def config_from_args(args: argparse.Namespace) -> NoiseConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ddplab.auditor.runner import check_writable
+    from ddplab.runtime.spec import check_spec_path
 
     config = config_from_args(args)
+    check_spec_path(config.spec_path)
     # Both files are checked before the run: a path that cannot be written would lose a whole measurement.
     if args.json_file is not None:
         check_writable(args.json_file, "json_file")
