@@ -29,6 +29,20 @@ def test_sum_reduction_diverges_with_its_cause():
     assert "1/2" in result.explanation
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_summed_loss_plus_a_weight_penalty_is_still_a_summed_loss(world_size):
+    # The penalty is averaged by DDP, not summed: the gradients are W apart only up to it.
+    result = _check("sum_reduction_l2", world_size, steps=2)
+    assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "SUM_REDUCTION", 0)
+    assert f"is 1/{world_size} of the single-process gradient but for a small part" in result.explanation
+    assert "weight penalty" in result.explanation and "rescale the penalty" in result.fix
+
+
+def test_a_per_rank_normalised_loss_is_not_taken_for_a_summed_one():
+    result = _check("per_rank_count", 2, steps=2)
+    assert (result.verdict, result.cause) == ("DIVERGES", "PER_RANK_LOSS")
+
+
 def test_batchnorm_diverges_and_is_confirmed_by_per_rank_statistics():
     result = _check("batchnorm", 2)
     assert (result.verdict, result.cause) == ("DIVERGES", "BATCHNORM")
