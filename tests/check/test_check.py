@@ -126,8 +126,13 @@ def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
     for rank in range(4):
         for index in (0, 2):
             code, stdout, stderr = results[rank][index]
-            assert code == 2 and stdout == "" and stderr.count("\n") == 1
-            assert f"--world-size {3 if index == 0 else 2} disagrees with torchrun's WORLD_SIZE 4" in stderr
+            assert code == 2 and stdout == ""
+            # Every rank refuses the same input: rank 0 says so, once for the whole job.
+            if rank == 0:
+                assert stderr.count("\n") == 1
+                assert f"--world-size {3 if index == 0 else 2} disagrees with torchrun's WORLD_SIZE 4" in stderr
+            else:
+                assert stderr == ""
     assert all(results[rank][1] == (0, "", "") for rank in (1, 2, 3))  # quiet, and successful
     code, stdout, _ = results[0][1]
     report = json.loads(stdout)
@@ -139,6 +144,35 @@ def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
     code, stdout, _ = results[0][0]
     report = json.loads(stdout)
     assert code == 0 and (report["world_size"], report["global_batch_size"], len(report["per_step"])) == (2, 16, 6)
+
+
+def _torchrun_command(*argv):
+    import subprocess
+    import sys
+
+    import ddplab
+
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ddplab",
+                           *argv], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_bad_input_is_said_once_and_a_rank_of_its_own_says_its_error():
+    from ddplab.runtime.spec import shown_path
+
+    correct, fragile = os.path.join(SPECS, "correct.py"), os.path.join(SPECS, "fails_on_rank_one.py")
+    done = _torchrun_command("check", correct, "--batch-size", "600")
+    said = [line for line in done.stderr.splitlines() if line.startswith("ddplab:")]
+    assert done.returncode != 0 and said == [
+        f"ddplab: error: spec file {shown_path(correct)}: dataset() holds 1000 samples, so each of 2 ranks gets 500, "
+        "fewer than one batch of --batch-size 600: use --batch-size 500 or less, fewer ranks, or a larger dataset"]
+    # Raised in rank 1's own training: rank 0 cannot know it, so rank 1 says it, naming itself.
+    done = _torchrun_command("check", fragile, "--batch-size", "8", "--timeout", "20")
+    said = [line for line in done.stderr.splitlines() if line.startswith("ddplab:")]
+    assert said == [f"ddplab: error: spec file {shown_path(fragile)}: the forward pass raised RuntimeError: "
+                    "rank one cannot read its shard (on rank 1)"], done.stderr
 
 
 def _strict_json(text):
