@@ -363,3 +363,62 @@ for argv in (["check", "missing.py"], ["check", {str(tmp_path)!r}], ["check", {s
     assert len(lines) == 4 and all(line.startswith("ddplab: error: spec file ") for line in lines)
     assert lines[0].endswith("missing.py does not exist") and "is a directory" in lines[1]
     assert "is not a Python file: give a .py file" in lines[2] and lines[3].endswith("missing.py does not exist")
+
+
+def _run_with_stderr_on_a_terminal(argv) -> tuple[int, str, str]:
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    import ddplab
+
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    terminal, stderr = pty.openpty()
+    command = subprocess.Popen([sys.executable, "-m", "ddplab", *argv], stdout=subprocess.PIPE, stderr=stderr, env=env)
+    os.close(stderr)
+    drawn = []
+    while True:
+        if select.select([terminal], [], [], 0.2)[0]:
+            try:
+                data = os.read(terminal, 65536)
+            except OSError:  # the command ended and closed the terminal
+                break
+            if not data:
+                break
+            drawn.append(data)
+        elif command.poll() is not None:
+            break
+    out = command.stdout.read().decode()
+    os.close(terminal)
+    return command.wait(timeout=60), out, b"".join(drawn).decode(errors="replace")
+
+
+@pytest.mark.timeout(120)
+def test_long_checks_show_a_progress_bar_at_a_terminal_only(capsys):
+    argv = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--steps", "40", "--json"]
+    code, out, drawn = _run_with_stderr_on_a_terminal(argv)
+    assert code == 0 and json.loads(out)["verdict"] == "EQUIVALENT"
+    # Drawn by rank 0 while the ranks train, then by the command during the single-process reference.
+    assert "ddplab check" in drawn and "40/40" in drawn
+    assert drawn.index("2 DDP ranks") < drawn.index("one process")
+    # Not at a pipe or in a log.
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["verdict"] == "EQUIVALENT" and "ddplab check" not in captured.err
+
+
+def test_the_library_reports_each_step_through_its_callback(tmp_path):
+    calls = tmp_path / "calls"
+
+    class Record:
+        # Rank 0 calls it in its own process: what it saw comes back through a file.
+        def __call__(self, completed, total, status=""):
+            with open(calls, "a") as fh:
+                fh.write(f"{completed}/{total} {status}\n")
+
+    check(CheckConfig(spec_path=os.path.join(SPECS, "correct.py"), world_size=2, per_device_batch_size=8, steps=3),
+          progress=Record())
+    assert calls.read_text().splitlines() == [f"{i}/3 2 DDP ranks" for i in (1, 2, 3)] + [
+        f"{i}/3 one process" for i in (1, 2, 3)]
