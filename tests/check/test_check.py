@@ -29,6 +29,20 @@ def test_sum_reduction_diverges_with_its_cause():
     assert "1/2" in result.explanation
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_summed_loss_plus_a_weight_penalty_is_still_a_summed_loss(world_size):
+    # The penalty is averaged by DDP, not summed: the gradients are W apart only up to it.
+    result = _check("sum_reduction_l2", world_size, steps=2)
+    assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "SUM_REDUCTION", 0)
+    assert f"is 1/{world_size} of the single-process gradient but for a small part" in result.explanation
+    assert "weight penalty" in result.explanation and "rescale the penalty" in result.fix
+
+
+def test_a_per_rank_normalised_loss_is_not_taken_for_a_summed_one():
+    result = _check("per_rank_count", 2, steps=2)
+    assert (result.verdict, result.cause) == ("DIVERGES", "PER_RANK_LOSS")
+
+
 def test_batchnorm_diverges_and_is_confirmed_by_per_rank_statistics():
     result = _check("batchnorm", 2)
     assert (result.verdict, result.cause) == ("DIVERGES", "BATCHNORM")
@@ -112,8 +126,13 @@ def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
     for rank in range(4):
         for index in (0, 2):
             code, stdout, stderr = results[rank][index]
-            assert code == 2 and stdout == "" and stderr.count("\n") == 1
-            assert f"--world-size {3 if index == 0 else 2} disagrees with torchrun's WORLD_SIZE 4" in stderr
+            assert code == 2 and stdout == ""
+            # Every rank refuses the same input: rank 0 says so, once for the whole job.
+            if rank == 0:
+                assert stderr.count("\n") == 1
+                assert f"--world-size {3 if index == 0 else 2} disagrees with torchrun's WORLD_SIZE 4" in stderr
+            else:
+                assert stderr == ""
     assert all(results[rank][1] == (0, "", "") for rank in (1, 2, 3))  # quiet, and successful
     code, stdout, _ = results[0][1]
     report = json.loads(stdout)
@@ -125,6 +144,35 @@ def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
     code, stdout, _ = results[0][0]
     report = json.loads(stdout)
     assert code == 0 and (report["world_size"], report["global_batch_size"], len(report["per_step"])) == (2, 16, 6)
+
+
+def _torchrun_command(*argv):
+    import subprocess
+    import sys
+
+    import ddplab
+
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ddplab",
+                           *argv], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_bad_input_is_said_once_and_a_rank_of_its_own_says_its_error():
+    from ddplab.runtime.spec import shown_path
+
+    correct, fragile = os.path.join(SPECS, "correct.py"), os.path.join(SPECS, "fails_on_rank_one.py")
+    done = _torchrun_command("check", correct, "--batch-size", "600")
+    said = [line for line in done.stderr.splitlines() if line.startswith("ddplab:")]
+    assert done.returncode != 0 and said == [
+        f"ddplab: error: spec file {shown_path(correct)}: dataset() holds 1000 samples, so each of 2 ranks gets 500, "
+        "fewer than one batch of --batch-size 600: use --batch-size 500 or less, fewer ranks, or a larger dataset"]
+    # Raised in rank 1's own training: rank 0 cannot know it, so rank 1 says it, naming itself.
+    done = _torchrun_command("check", fragile, "--batch-size", "8", "--timeout", "20")
+    said = [line for line in done.stderr.splitlines() if line.startswith("ddplab:")]
+    assert said == [f"ddplab: error: spec file {shown_path(fragile)}: the forward pass raised RuntimeError: "
+                    "rank one cannot read its shard (on rank 1)"], done.stderr
 
 
 def _strict_json(text):
@@ -273,7 +321,104 @@ def test_strict_fails_a_divergence_and_a_hung_rank_is_named_with_its_stack(tmp_p
 
 
 def test_one_rank_is_one_rank(capsys):
-    assert main(["check", os.path.join(SPECS, "correct.py"), "--world-size", "1", "--batch-size", "8",
-                 "--steps", "1"]) == 0
-    out = capsys.readouterr().out
+    argv = ["check", os.path.join(SPECS, "correct.py"), "--world-size", "1", "--batch-size", "8", "--steps", "1"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
     assert "ddplab check: 1 rank × 8 vs one process × 8" in out and "1 rank × 8 and one process" in out
+    # Allowed (a one-GPU machine has nothing else), but the verdict says what one rank cannot show.
+    note = "one rank: this compares DDP's wrapper with the plain model, not ranks against each other"
+    assert f"note: {note}" in out
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "EQUIVALENT" and report["note"].startswith(note)
+    assert "world size of 2 or more" in report["note"]
+
+
+def test_two_ranks_need_no_note():
+    assert _check("correct", 2, steps=1).note is None
+
+
+def test_a_wrong_spec_path_is_said_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    import ddplab
+
+    text = tmp_path / "spec.txt"
+    text.write_text("def model(): pass\n")
+    # A fresh interpreter: torch must still be absent from it when each error has been said.
+    program = f"""
+import sys
+from ddplab.cli.main import main
+for argv in (["check", "missing.py"], ["check", {str(tmp_path)!r}], ["check", {str(text)!r}],
+             ["noise", "missing.py"]):
+    code = main([*argv, "--batch-size", "8"])
+    print(code, "torch" in sys.modules)
+"""
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)
+    assert done.stdout.split("\n")[:4] == ["2 False"] * 4, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 4 and all(line.startswith("ddplab: error: spec file ") for line in lines)
+    assert lines[0].endswith("missing.py does not exist") and "is a directory" in lines[1]
+    assert "is not a Python file: give a .py file" in lines[2] and lines[3].endswith("missing.py does not exist")
+
+
+def _run_with_stderr_on_a_terminal(argv) -> tuple[int, str, str]:
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    import ddplab
+
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    terminal, stderr = pty.openpty()
+    command = subprocess.Popen([sys.executable, "-m", "ddplab", *argv], stdout=subprocess.PIPE, stderr=stderr, env=env)
+    os.close(stderr)
+    drawn = []
+    while True:
+        if select.select([terminal], [], [], 0.2)[0]:
+            try:
+                data = os.read(terminal, 65536)
+            except OSError:  # the command ended and closed the terminal
+                break
+            if not data:
+                break
+            drawn.append(data)
+        elif command.poll() is not None:
+            break
+    out = command.stdout.read().decode()
+    os.close(terminal)
+    return command.wait(timeout=60), out, b"".join(drawn).decode(errors="replace")
+
+
+@pytest.mark.timeout(120)
+def test_long_checks_show_a_progress_bar_at_a_terminal_only(capsys):
+    argv = ["check", os.path.join(SPECS, "correct.py"), "--batch-size", "8", "--steps", "40", "--json"]
+    code, out, drawn = _run_with_stderr_on_a_terminal(argv)
+    assert code == 0 and json.loads(out)["verdict"] == "EQUIVALENT"
+    # Drawn by rank 0 while the ranks train, then by the command during the single-process reference.
+    assert "ddplab check" in drawn and "40/40" in drawn
+    assert drawn.index("2 DDP ranks") < drawn.index("one process")
+    # Not at a pipe or in a log.
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["verdict"] == "EQUIVALENT" and "ddplab check" not in captured.err
+
+
+def test_the_library_reports_each_step_through_its_callback(tmp_path):
+    calls = tmp_path / "calls"
+
+    class Record:
+        # Rank 0 calls it in its own process: what it saw comes back through a file.
+        def __call__(self, completed, total, status=""):
+            with open(calls, "a") as fh:
+                fh.write(f"{completed}/{total} {status}\n")
+
+    check(CheckConfig(spec_path=os.path.join(SPECS, "correct.py"), world_size=2, per_device_batch_size=8, steps=3),
+          progress=Record())
+    assert calls.read_text().splitlines() == [f"{i}/3 2 DDP ranks" for i in (1, 2, 3)] + [
+        f"{i}/3 one process" for i in (1, 2, 3)]

@@ -530,3 +530,119 @@ def test_a_subgroup_model_trains_identically_and_overflowing_steps_are_skipped()
         assert result["overflow"][1][:2] == result["grad_hooks"][1][:2]
     # Each subgroup measures its own pair of ranks: the two groups' numbers differ, ranks within one agree.
     assert results[0]["comm_hook"][1] == results[1]["comm_hook"][1] != results[2]["comm_hook"][1]
+
+
+# --- a run stopped early keeps what it measured: Ctrl-C, SIGTERM and --deadline alike ---
+
+_MARKED_SPEC = """
+import os
+exec(open({spec!r}).read())
+CALLS = [0]
+
+
+def step(model, batch, loss_fn):
+    # A rank that has trained this many micro-steps says so: the test signals the command only then.
+    CALLS[0] += 1
+    if CALLS[0] == 30:
+        open(os.environ["MARKER"] + f".{{os.getpid()}}", "w").close()
+    inputs, target = batch
+    return loss_fn(model(inputs), target)
+"""
+
+
+def _noise_command(tmp_path, *flags) -> tuple:
+    import subprocess
+
+    import ddplab
+
+    spec, marker = tmp_path / "marked_spec.py", tmp_path / "marker"
+    spec.write_text(_MARKED_SPEC.format(spec=LINEAR_SPEC))
+    src = os.path.dirname(os.path.dirname(ddplab.__file__))
+    env = {**os.environ, "MARKER": str(marker), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    # Its own session: the signal goes to the whole group, as Ctrl-C at a terminal does.
+    command = subprocess.Popen([sys.executable, "-m", "ddplab", "noise", str(spec), "--batch-size", "16",
+                                "--steps", "1000000", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)
+    return command, marker
+
+
+def _wait_for_marker(command, marker, seconds: float = 90.0) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    while not list(marker.parent.glob(marker.name + ".*")):
+        assert command.poll() is None and time.monotonic() < end, command.communicate()
+        time.sleep(0.05)
+
+
+def _assert_partial(report: dict) -> int:
+    done = report["completed_steps"]
+    assert 30 <= done < 1_000_000
+    # Every step measured (--every 1), and the figures are those of exactly these steps.
+    assert [r["step"] for r in report["per_step"]] == list(range(done)) and report["measured_steps"] == done
+    summary = est.summarize([r["g2"] for r in report["per_step"]], [r["trace_sigma"] for r in report["per_step"]])
+    assert report["b_simple"] == pytest.approx(summary.b_simple)
+    return done
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("signum, returncode", [("SIGINT", 130), ("SIGTERM", -15)])
+def test_a_signal_while_the_ranks_train_prints_and_writes_what_was_measured(tmp_path, signum, returncode):
+    import signal
+    import time
+
+    json_file = tmp_path / "gns.json"
+    command, marker = _noise_command(tmp_path, "--json", "--json-file", str(json_file))
+    _wait_for_marker(command, marker)
+    # Past the first checkpoint (the first measured step) and the next one, a second later.
+    time.sleep(1.5)
+    os.killpg(command.pid, getattr(signal, signum))
+    out, err = command.communicate(timeout=60)
+    # Ctrl-C exits 130 as every command does; SIGTERM ends the command by SIGTERM, as without ddplab.
+    assert command.returncode == returncode, err
+    report = json.loads(out)
+    done = _assert_partial(report)
+    assert report["cancelled_by"] == signum and report["stopped_early"] == f"launch cancelled by {signum}; stopped " \
+                                                                             "every rank"
+    assert json.loads(json_file.read_text()) == report
+    assert err == (f"ddplab: stopped early: the figures cover the first {done} of 1000000 steps. launch cancelled "
+                   f"by {signum}; stopped every rank\n")
+
+
+@pytest.mark.timeout(180)
+def test_the_deadline_is_said_as_asked_and_the_report_is_written(tmp_path):
+    json_file = tmp_path / "gns.json"
+    command, _ = _noise_command(tmp_path, "--deadline", "6", "--json-file", str(json_file))
+    out, err = command.communicate(timeout=120)
+    assert command.returncode == 1, err
+    report = json.loads(json_file.read_text())
+    _assert_partial(report)
+    # The command was given 6 s; the ranks had what was left of it after loading the spec, a smaller number.
+    assert report["stopped_early"] == "the ranks were still running after the 6 s deadline; stopped"
+    assert report["cancelled_by"] is None and "B_simple (critical batch)" in out
+    assert err.endswith("the ranks were still running after the 6 s deadline; stopped\n")
+
+
+def test_json_file_is_checked_before_the_run(tmp_path, capsys):
+    for bad, message in ((tmp_path / "no" / "such" / "gns.json", "check that its folder exists and is writable"),
+                         (tmp_path, "is a directory")):
+        assert main(["noise", LINEAR_SPEC, "--batch-size", "8", "--json-file", str(bad)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err
+
+
+def test_a_signal_before_anything_was_measured_acts_as_it_would_have():
+    import signal
+
+    from ddplab.runtime.signals import ReturnOnSignals
+
+    # Recorded while active, then delivered again under Python's own handler: Ctrl-C stays KeyboardInterrupt.
+    with pytest.raises(KeyboardInterrupt):
+        with ReturnOnSignals() as signals:
+            signal.raise_signal(signal.SIGINT)
+            assert signals.received == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Handled by the caller: nothing more happens.
+    with ReturnOnSignals() as signals:
+        signal.raise_signal(signal.SIGINT)
+        signals.handled = True

@@ -400,3 +400,22 @@ def test_a_python_caller_reads_field_names_and_the_defaults_live_in_the_config()
         assert expected in str(info.value) and "--" not in str(info.value)
     with pytest.raises(ValueError, match="step must be ≥ 0"):
         plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=1000)).lr_lambda(-1)
+
+
+def test_keep_trajectory_from_a_study_keeps_the_reference_lr(capsys):
+    from ddplab.plan.from_study import plan_from_study
+
+    # The study's best lr at the reference's own global batch (0.006) is twice the reference's 0.003.
+    study = {"workload": "w", "fit": {"tuned": {"b_crit": 100.0}}, "train_size": 4000,
+             "tuned_lr": [{"global_batch_size": 32, "lr": 0.006}, {"global_batch_size": 128, "lr": 0.012},
+                          {"global_batch_size": 512, "lr": 0.024}]}
+    reference = Reference(per_device_batch_size=32, lr=0.003)
+    scaled = plan_from_study(reference, Target(devices=4), None, study)
+    assert (scaled.mode, scaled.rule, scaled.lr) == ("per-device", "measured", pytest.approx(0.012))
+    # The other mode holds the reference's global batch and so its lr, whatever the study measured there.
+    assert scaled.other_mode.endswith("(global 32) at lr 0.003")
+    kept = plan_from_study(reference, Target(devices=4, keep="trajectory"), None, study)
+    assert (kept.global_batch_size, kept.lr, kept.lr_multiplier) == (32, 0.003, 1.0)
+    assert "the measured lr is not used" in kept.reasons["lr"]
+    # The study's B_crit still applies, and the per-device alternative still takes the study's lr.
+    assert kept.steps_factor == pytest.approx(1 + 100 / 32) and kept.other_mode.endswith("at lr 0.012")

@@ -427,8 +427,8 @@ def test_plan_from_study(tmp_path, capsys):
     # Reasoned from the lr it recommends: ×5.12 over the reference's 0.05 warms up, and the warmup says so.
     assert plan["lr_multiplier"] == pytest.approx(0.256 / 0.05) and plan["warmup_recommended"]
     assert "×5.12" in plan["reasons"]["warmup_recommended"]
-    # The other mode is planned from the study too: its lr at the reference's global batch of 32.
-    assert "at lr 0.032" in plan["other_mode"]
+    # The other mode keeps the trajectory: the reference's global batch of 32 and its lr (not the study's 0.032).
+    assert "(global 32) at lr 0.05" in plan["other_mode"]
     assert main(argv[:-1] + ["--devices", "32"]) == 0
     assert "outside the study's measured range" in capsys.readouterr().out
 

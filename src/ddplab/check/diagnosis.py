@@ -36,13 +36,10 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
             "different masks, so runs cannot agree step by step and only a distributional comparison means anything",
             "to check everything else exactly, set dropout to p=0 in the spec (or call .eval() on the dropout "
             "modules only) and run ddplab check again; compare loss curves over several seeds for the rest")
+    fit = scaled_fit(single.grads[step], ranks.grads[step])
+    if world > 1 and fit is not None and _summed(fit, world):
+        return _sum_reduction(step, world, fit)
     ratio = gradient_ratio(single.grads[step], ranks.grads[step])
-    if ratio is not None and abs(ratio - world) <= 1e-6 * world and world > 1:
-        return Diagnosis(
-            "DIVERGES", "SUM_REDUCTION",
-            f"from step {step} the ranks' gradient is exactly 1/{world} of the single-process gradient: the loss "
-            f"is summed over the batch, and DDP averages the {world} per-rank sums",
-            f"use reduction='mean', or multiply the loss by the world size ({world}) under DDP")
     if ratio is not None and abs(ratio - round(ratio)) <= 1e-6 * abs(ratio) and round(ratio) not in (0, 1):
         factor = round(ratio)
         return Diagnosis(
@@ -66,6 +63,34 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
         "look for state that differs between ranks: per-rank seeds, rank-dependent code paths, unsynchronised buffers")
 
 
+# How far from an exact 1/W a summed loss's gradients may be. A term that does not grow with the batch (an L2
+# penalty added in step()) is averaged by DDP, not summed: the gradients are then W apart only up to that term,
+# which is small beside a loss summed over a batch; a cause of another kind leaves them nowhere near W apart.
+SUM_TOLERANCE = 0.05
+
+
+def _summed(fit: tuple[float, float], world: int) -> bool:
+    ratio, residual = fit
+    return abs(ratio - world) <= SUM_TOLERANCE * world and residual <= SUM_TOLERANCE
+
+
+def _sum_reduction(step: int, world: int, fit: tuple[float, float]) -> Diagnosis:
+    ratio, residual = fit
+    cause = f"the loss is summed over the batch, and DDP averages the {world} per-rank sums"
+    if abs(ratio - world) <= 1e-6 * world and residual <= 1e-8:
+        return Diagnosis(
+            "DIVERGES", "SUM_REDUCTION",
+            f"from step {step} the ranks' gradient is exactly 1/{world} of the single-process gradient: {cause}",
+            f"use reduction='mean', or multiply the loss by the world size ({world}) under DDP")
+    return Diagnosis(
+        "DIVERGES", "SUM_REDUCTION",
+        f"from step {step} the ranks' gradient is 1/{world} of the single-process gradient but for a small part "
+        f"({residual:.2g} of its norm) that does not grow with the batch, such as a weight penalty added to the "
+        f"loss: {cause}",
+        f"use reduction='mean' (and rescale the penalty to match), or multiply the summed part of the loss by the "
+        f"world size ({world}) under DDP")
+
+
 def _per_rank_cause(spec, cfg: CheckConfig) -> Diagnosis:
     if _has_batchnorm(spec):
         return Diagnosis(
@@ -84,12 +109,19 @@ def _per_rank_cause(spec, cfg: CheckConfig) -> Diagnosis:
 
 def gradient_ratio(single: torch.Tensor, ranks: torch.Tensor) -> float | None:
     """c when ``single`` = c·``ranks`` up to rounding, else None."""
+    fit = scaled_fit(single, ranks)
+    return fit[0] if fit is not None and fit[1] <= 1e-8 else None
+
+
+def scaled_fit(single: torch.Tensor, ranks: torch.Tensor) -> tuple[float, float] | None:
+    """(c, r): the least-squares c in ``single`` ≈ c·``ranks``, and what c·``ranks`` leaves of ``single``,
+    relative to its norm; None when ``ranks`` is zero."""
     norm = ranks.dot(ranks)
     if norm == 0:
         return None
     ratio = (single.dot(ranks) / norm).item()
     residual = (single - ratio * ranks).norm() / single.norm().clamp_min(1e-300)
-    return ratio if residual.item() <= 1e-8 else None
+    return ratio, residual.item()
 
 
 def _has_batchnorm(spec) -> bool:
@@ -103,6 +135,15 @@ def equivalent_text(cfg: CheckConfig, per_step: list[dict[str, float]]) -> str:
     ranks = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
     return (f"{ranks} × {cfg.per_device_batch_size} and one process with {cfg.global_batch_size} agree "
             f"after every one of {cfg.steps} steps (largest relative difference {worst:.1e} ≤ {cfg.tolerance:g})")
+
+
+def one_rank_note(cfg: CheckConfig) -> str | None:
+    """On one rank DDP averages nothing: the check then compares its wrapper with the plain model, nothing more."""
+    if cfg.world_size != 1:
+        return None
+    return ("one rank: this compares DDP's wrapper with the plain model, not ranks against each other, so it cannot "
+            "show what changes with several ranks (a summed loss, padding, per-rank statistics); check with a world "
+            "size of 2 or more for that")
 
 
 def side_text(side: str) -> str:

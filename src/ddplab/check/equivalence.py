@@ -16,6 +16,7 @@ import torch
 from ddplab.check import diagnosis
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.check.result import CheckResult
+from ddplab.progress import Progress, silent
 from ddplab.runtime import ranks as rank_tools
 from ddplab.runtime import strategies
 from ddplab.runtime.deadline import Deadline
@@ -49,11 +50,13 @@ class Trajectory:
         return all(diff(a, b)["max_rel_diff"] <= tolerance for a, b in zip(self.params, other.params))
 
 
-def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckResult | None:
+def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None,
+          progress: Progress = silent) -> CheckResult | None:
     """Train on the ranks, then in one process, compare, and diagnose a divergence.
 
     Under torchrun every rank calls this: rank 0 computes the reference and returns the
-    result, the other ranks return None.
+    result, the other ranks return None. ``progress`` is called after every step: in rank 0
+    while the ranks train, then in this process during the single-process reference.
     """
     # Under torchrun the reference must split batches over torchrun's ranks, not a requested count.
     cfg = dataclasses.replace(cfg, world_size=world_size_for(cfg.world_size, default=DEFAULT_WORLD_SIZE))
@@ -65,12 +68,14 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None) -> CheckR
                                              per_device_batch_size=cfg.per_device_batch_size)
     rank_tools.check_capacity(cfg.world_size, facts)
     launch_config = (launch_config or LaunchConfig()).for_ranks(cfg.world_size)
-    results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, cfg, facts, deadline)
+    with deadline.launching():
+        results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, (cfg, progress), facts, deadline)
     ranks = results[0]
     if ranks is None:  # a torchrun rank other than 0
         return None
     with deadline.guard("the single-process reference run"):
-        return _compare(spec, dataset, cfg, ranks, reference(spec, dataset, cfg, "global"), facts)
+        single = reference(spec, dataset, cfg, "global", progress)
+        return _compare(spec, dataset, cfg, ranks, single, facts)
 
 
 def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: Trajectory,
@@ -83,7 +88,7 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: T
     has_padding = len(dataset) % cfg.world_size != 0
     common = dict(config=cfg, per_step=per_step, first_divergent_step=divergent, has_padding=has_padding,
                   non_finite=non_finite, unused_parameters=facts.unused_parameters,
-                  find_unused_parameters=facts.find_unused_parameters)
+                  find_unused_parameters=facts.find_unused_parameters, note=diagnosis.one_rank_note(cfg))
     if non_finite is not None and (divergent is None or divergent >= non_finite["step"]):
         explanation, fix = diagnosis.non_finite_text(cfg, non_finite)
         return CheckResult(verdict="NON_FINITE", cause=None, explanation=explanation, fix=fix, **common)
@@ -101,7 +106,10 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: T
     return CheckResult(verdict=found.verdict, cause=found.cause, explanation=explanation, fix=found.fix, **common)
 
 
-def _train_on_rank(ctx: RankContext, cfg: CheckConfig, facts: rank_tools.SpecFacts) -> Trajectory | None:
+def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
+                   facts: rank_tools.SpecFacts) -> Trajectory | None:
+    cfg, progress = job
+    show = progress if ctx.is_main else silent
     spec = load_spec(cfg.spec_path)
     dataset = spec.dataset()
     model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64, device=ctx.device)
@@ -120,10 +128,12 @@ def _train_on_rank(ctx: RankContext, cfg: CheckConfig, facts: rank_tools.SpecFac
         with spec.guard("the optimizer's step()"):
             optimizer.step()
         params.append(_flat_params(model))
+        show(step + 1, cfg.steps, f"{ctx.world_size} DDP ranks")
     return Trajectory(params, grads) if ctx.is_main else None
 
 
-def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypothesis) -> Trajectory:
+def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypothesis,
+              progress: Progress = silent) -> Trajectory:
     """One process on the concatenated batches; ``hypothesis`` reproduces a suspected cause.
 
     'global': the plain single-process run. 'padding': keep DistributedSampler's repeated
@@ -145,6 +155,7 @@ def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypot
         with spec.guard("the optimizer's step()"):
             optimizer.step()
         params.append(_flat_params(model))
+        progress(step + 1, cfg.steps, "one process")
     return Trajectory(params, grads, used_rng)
 
 

@@ -31,6 +31,8 @@ class CheckResult:
     """Parameters without a gradient on the first global batch."""
     find_unused_parameters: bool = False
     """Whether DDP looked for unused parameters (some parameter was unused on some step)."""
+    note: str | None = None
+    """What the verdict cannot show with this setting (one rank compares no ranks); None when nothing."""
 
     @property
     def passed(self) -> bool:
@@ -50,5 +52,5 @@ class CheckResult:
                        "per_device_batch_size": cfg.per_device_batch_size, "global_batch_size": cfg.global_batch_size,
                        "steps": cfg.steps, "seed": cfg.seed, "first_divergent_step": self.first_divergent_step,
                        "non_finite": self.non_finite, "unused_parameters": list(self.unused_parameters),
-                       "find_unused_parameters": self.find_unused_parameters,
+                       "find_unused_parameters": self.find_unused_parameters, "note": self.note,
                        "per_step": self.per_step})

@@ -53,7 +53,8 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
 def run(args: argparse.Namespace) -> int:
     from ddplab.check import check
 
-    result = check(config_from_args(args), launch_config(args))
+    progress = render.ProgressBar("ddplab check", status=True)
+    result = check(config_from_args(args), launch_config(args), progress=progress)
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
     if args.json:
@@ -82,7 +83,7 @@ def _print(result) -> None:
 
 
 def _notes(result) -> list[str]:
-    cfg, notes = result.config, []
+    cfg, notes = result.config, [result.note] if result.note else []
     partial = result.partial_steps
     if partial:
         steps = ", ".join(f"{i} ({n} per rank)" for i, n in partial)

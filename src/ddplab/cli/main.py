@@ -1,7 +1,7 @@
 """The ``ddplab`` console script: parse, hand off to a command module, and one error policy for all of them.
 
 - Bad input (``UsageError``, from argparse or the library): one line, exit code 2, each field
-  shown as its flag.
+  shown as its flag; under torchrun said once, by rank 0, unless one rank's own training raised it.
 - A rank that failed (``LaunchError``): what failed and where, exit code 1.
 - Ctrl-C or a cancelling signal: one line, exit code 130 (or the signal's own status).
 - ``audit``'s command killed by a signal: the console script kills itself with the same signal,
@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None, *, reraise_signals: bool = False) -> int
         except UsageError as exc:
             from ddplab.cli.args import flag_error
 
-            return fail(flag_error(exc))
+            if _said_by_rank_zero(exc):
+                return 2
+            return fail(flag_error(exc) + _on_rank(exc))
         except KeyboardInterrupt:
             print("ddplab: cancelled (Ctrl-C)", file=sys.stderr)
             return 130
@@ -124,6 +126,37 @@ def main(argv: list[str] | None = None, *, reraise_signals: bool = False) -> int
             # A failed launch says which rank failed and why; the parent's own traceback adds nothing.
             print(f"ddplab: {exc}", file=sys.stderr)
             return 130 if exc.kind == "cancelled" else 1
+
+
+def _raised_in_torchrun_rank(exc: BaseException) -> bool:
+    """Raised inside the rank function of a torchrun worker (its own training), not before it."""
+    launch = sys.modules.get("ddplab.runtime.launch")
+    if launch is None:  # never imported: nothing ran in a rank
+        return False
+    code = launch._run_in_torchrun_group.__code__
+    frame = exc.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code is code:
+            return True
+        frame = frame.tb_next
+    return False
+
+
+def _said_by_rank_zero(exc: BaseException) -> bool:
+    """Under torchrun every rank checks the same input before training: rank 0 says what is wrong, once.
+
+    An error raised in a rank's own training is that rank's alone (a spec failing on rank 1 only):
+    that rank says it, whichever it is.
+    """
+    from ddplab.runtime.launch_config import under_torchrun
+
+    return under_torchrun() and os.environ["RANK"] != "0" and not _raised_in_torchrun_rank(exc)
+
+
+def _on_rank(exc: BaseException) -> str:
+    from ddplab.runtime.launch_config import under_torchrun
+
+    return f" (on rank {os.environ['RANK']})" if under_torchrun() and _raised_in_torchrun_rank(exc) else ""
 
 
 @contextlib.contextmanager

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config
+from ddplab.cli.args import EndedBySignal, HelpFormatter, add_launch_flags, launch_config, mark
 from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError, literal
 from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
@@ -24,7 +25,8 @@ Batches come from one shuffled pass over the dataset's N samples per epoch, so t
 corrected for sampling without replacement (Σ the per-sample covariance with 1/N). The 95%
 interval is Fieller's, from batch means over the measured steps; when |G|² is within its error
 of zero it reads "|G|² not resolved: B_simple > X at 95%". Steps with non-finite gradients are
-skipped and counted.
+skipped and counted. --deadline, a failing rank, Ctrl-C or SIGTERM stop the run with the figures
+of the steps it measured, printed and written to --json-file (exit 1; 130 for Ctrl-C).
 
 SPEC.py defines model(), dataset(), loss(output, target) and optionally optimizer(params) and
 step(model, batch, loss_fn), as for ddplab check.
@@ -32,6 +34,7 @@ step(model, batch, loss_fn), as for ddplab check.
 examples:
   ddplab noise examples/linear_regression_spec.py --batch-size 16 --steps 800   # {DEFAULT_WORLD_SIZE} CPU ranks
   ddplab noise spec.py --world-size 4 --batch-size 32 --json --plot gns.png
+  ddplab noise spec.py --batch-size 32 --steps 5000 --json-file gns.json   # Ctrl-C keeps what was measured
   ddplab noise spec.py --world-size 1 --batch-size 16 --accumulation 4          # one process, 4 micro-batches
   torchrun --nproc_per_node 8 -m ddplab noise spec.py --batch-size 64
 """
@@ -43,6 +46,9 @@ def add_parser(subparsers) -> None:
     add_fields(parser, NoiseConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed",
                                      "accumulation_steps", "every"))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    mark(parser.add_argument("--json-file", metavar="PATH",
+                             help="also write the JSON object to PATH (what was measured, even when the run is "
+                                  "stopped early by --deadline, a failing rank or Ctrl-C)"), "json_file")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
     add_launch_flags(parser)
     parser.set_defaults(run=run)
@@ -53,7 +59,14 @@ def config_from_args(args: argparse.Namespace) -> NoiseConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddplab.auditor.runner import check_writable
+    from ddplab.runtime.spec import check_spec_path
+
     config = config_from_args(args)
+    check_spec_path(config.spec_path)
+    # Both files are checked before the run: a path that cannot be written would lose a whole measurement.
+    if args.json_file is not None:
+        check_writable(args.json_file, "json_file")
     if args.plot:
         _check_plot(args.plot)
     from ddplab.noise.measure import measure_spec
@@ -66,9 +79,22 @@ def run(args: argparse.Namespace) -> int:
         render.print_json(report)
     else:
         _print(report)
+    if args.json_file is not None:
+        _write_json(args.json_file, report)
     if args.plot:
         _plot(report, args.plot)
     return _stopped_early(report)
+
+
+def _write_json(path: str, report) -> None:
+    from ddplab import serialize
+
+    # The run is over: a file that cannot be written after all is said, and the printed figures stand.
+    try:
+        serialize.write_json_atomic(path, report)
+    except OSError as exc:
+        render.console(stderr=True).print(f"ddplab noise: could not write the JSON to {path}: "
+                                          f"{exc.strerror or exc}", markup=False)
 
 
 def _check_plot(path: str) -> None:
@@ -89,11 +115,19 @@ def _check_plot(path: str) -> None:
 
 
 def _stopped_early(report) -> int:
-    """Exit code 1, with the reason on stderr, when the figures cover only part of the run."""
+    """Exit code 1, with the reason on stderr, when the figures cover only part of the run.
+
+    A run a signal stopped ends as that signal would have ended it: 130 for Ctrl-C, as every command
+    does; for SIGTERM or SIGHUP the command then dies by the same signal.
+    """
     if report.stopped_early is None:
         return 0
     print(f"ddplab: stopped early: the figures cover the first {report.completed_steps} of {report.config.steps} "
           f"steps. {report.stopped_early}", file=sys.stderr)
+    if report.cancelled_by == "SIGINT":
+        return 130
+    if report.cancelled_by is not None:
+        raise EndedBySignal(signal.Signals[report.cancelled_by])
     return 1
 
 

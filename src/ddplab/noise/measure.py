@@ -2,13 +2,14 @@
 
 Rank 0 checkpoints what it has measured at most once a second: a few fixed fields, and the new
 measured steps appended to its journal (never the whole history again), so a run stopped by its
-deadline or a failing rank still reports the steps it finished.
+deadline, a failing rank or Ctrl-C still reports the steps it finished.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import time
 
 import torch
@@ -22,7 +23,9 @@ from ddplab.runtime import ranks as rank_tools
 from ddplab.runtime import strategies
 from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
+from ddplab.runtime.launch_config import under_torchrun
 from ddplab.runtime.sharding import RankOrder
+from ddplab.runtime.signals import ReturnOnSignals
 from ddplab.runtime.spec import load_spec
 
 
@@ -31,8 +34,10 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
     """Train the spec on its ranks with the noise scale attached; rank 0's report.
 
     Under torchrun every rank calls this: rank 0 returns the report, the others None. A run
-    stopped early (a deadline, a failing rank) returns what rank 0 measured until then, with
-    ``stopped_early`` saying why. ``progress`` is called in rank 0 after every step.
+    stopped early (a deadline, a failing rank, or SIGINT/SIGTERM/SIGHUP while the ranks run)
+    returns what rank 0 measured until then, with ``stopped_early`` saying why and, for a signal,
+    ``cancelled_by`` naming it: the caller decides how to end. With nothing measured yet, the
+    error is raised (a signal acts as it would have). ``progress`` is called in rank 0 after every step.
     """
     config = dataclasses.replace(config, world_size=world_size_for(config.world_size, default=DEFAULT_WORLD_SIZE))
     deadline = Deadline.of(launch_config)
@@ -42,10 +47,19 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
                                        per_device_batch_size=config.per_device_batch_size, drop_last=True)
     rank_tools.check_capacity(config.world_size, facts)
     launch_config = (launch_config or LaunchConfig()).for_ranks(config.world_size)
-    try:
-        results, _ = rank_tools.launch_spec(_measure_on_rank, launch_config, (config, progress), facts, deadline)
-    except LaunchError as exc:
-        return _partial_report(config, exc)
+    # Under torchrun the launcher owns the signals: a recorded Ctrl-C would only be lost there.
+    with contextlib.nullcontext() if under_torchrun() else ReturnOnSignals() as signals:
+        try:
+            with deadline.launching():
+                results, _ = rank_tools.launch_spec(_measure_on_rank, launch_config, (config, progress), facts,
+                                                    deadline)
+        except LaunchError as exc:
+            # Nothing measured yet: the error (or the signal, delivered again on exit) stands.
+            report = _partial_report(config, exc)
+            if exc.kind == "cancelled" and signals is not None:
+                signals.handled = True
+                report = dataclasses.replace(report, cancelled_by=signal.Signals(signals.received).name)
+            return report
     return results[0]
 
 

@@ -34,7 +34,9 @@ class NoiseReport:
     lr: list[float] = dataclasses.field(default_factory=list)
     completed_steps: int
     stopped_early: str | None = None
-    """Why the run stopped before its last step (a deadline, a failing rank); None when it finished."""
+    """Why the run stopped before its last step (a deadline, a failing rank, a signal); None when it finished."""
+    cancelled_by: str | None = None
+    """The signal that stopped the run ('SIGINT' for Ctrl-C, 'SIGTERM', 'SIGHUP'); None when none did."""
 
     @property
     def global_batch_size(self) -> int:
@@ -68,6 +70,7 @@ class NoiseReport:
             "steps_factor": self.steps_factor, "adascale_scale": self.adascale_scale,
             "adascale_gain": self.adascale_gain, "adascale_lr_multiplier": self.adascale_gain, "b_small": self.b_small,
             "per_step": self.history, "completed_steps": self.completed_steps, "stopped_early": self.stopped_early,
+            "cancelled_by": self.cancelled_by,
         })
 
 

@@ -307,9 +307,12 @@ def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource 
     reasons, warnings = {}, []
     global_batch = batch * target.world_size * accumulation
     k = global_batch / reference.global_batch_size
-    measured = lr_source(global_batch) if lr_source is not None else None
+    # Keep trajectory holds the reference's global batch and its lr: a measured lr would change the run it keeps.
+    measured = lr_source(global_batch) if lr_source is not None and mode != "trajectory" else None
     rule = "measured" if measured else _rule(target.rule, reference.optimizer)
     lr_fields = _lr(reference, rule, k, warnings, measured)
+    if lr_source is not None and measured is None:
+        lr_fields["reasons"]["lr"] += "; keep trajectory holds the reference's lr, so the measured lr is not used"
     reasons.update(_batch_reasons(reference, target, mode, batch, accumulation, global_batch, k))
     reasons.update(lr_fields.pop("reasons"))
     steps = _steps(data, target.world_size, batch, accumulation, global_batch, lr_fields, warnings)

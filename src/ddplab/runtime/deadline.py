@@ -3,7 +3,8 @@
 A command does work in its own process besides the launch (loading and validating the spec,
 which calls the user's ``model()`` and ``dataset()``; ``check``'s single-process reference run).
 :class:`Deadline` starts the clock when the command starts; :meth:`Deadline.guard` bounds such work
-and :meth:`Deadline.for_launch` hands the launch only the time that is left.
+and :meth:`Deadline.for_launch` hands the launch only the time that is left (and :meth:`Deadline.launching`
+makes its error name the deadline the command was given, not that remainder).
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ class Deadline:
         if left <= 0:
             raise self._passed("the ranks never started")
         return dataclasses.replace(launch_config, deadline_s=left)
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        """Around a launch given :meth:`for_launch`'s time: its deadline error names the deadline asked for.
+
+        The launch had only what was left of it, and would name that smaller number instead.
+        """
+        try:
+            yield
+        except LaunchError as exc:
+            if exc.kind != "deadline" or self.seconds is None:
+                raise
+            error = self._passed("the ranks were still running")
+            error.rank, error.failure, error.partial = exc.rank, exc.failure, exc.partial
+            raise error from None
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ddplab.errors import LaunchError, RankFailure, UsageError
 from ddplab.runtime import compat, failures
 from ddplab.runtime.launch_config import LaunchConfig, under_torchrun
-from ddplab.runtime.signals import CancelOnSignals
+from ddplab.runtime.signals import Cancelled, CancelOnSignals
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 STOP_GRACE_S = 1.0
@@ -128,6 +128,7 @@ def launch(fn: Callable[..., Any], config: LaunchConfig, *args: Any) -> list[Any
     start_method = "spawn" if backend == "nccl" or config.start_method == "spawn" else "fork"
     if start_method == "fork":
         _refuse_fork_after_cuda()
+    partial = {}
     with CancelOnSignals() as cancel:
         workdir = tempfile.mkdtemp(prefix="ddplab-launch-")
         try:
@@ -137,11 +138,14 @@ def launch(fn: Callable[..., Any], config: LaunchConfig, *args: Any) -> list[Any
             # The ranks are stopped by now: their last checkpoints are final.
             exc.partial = _partials(workdir, config.world_size)
             raise
+        except Cancelled:
+            partial = _partials(workdir, config.world_size)
+            raise
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     # Only reached when a signal cancelled the launch and the caller's own handler returned.
     name = signal.Signals(cancel.received).name
-    raise LaunchError(f"launch cancelled by {name}; stopped every rank", kind="cancelled")
+    raise LaunchError(f"launch cancelled by {name}; stopped every rank", kind="cancelled", partial=partial)
 
 
 def _refuse_fork_after_cuda() -> None:

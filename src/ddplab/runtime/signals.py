@@ -2,7 +2,9 @@
 
 Two users: :func:`ddplab.runtime.launch.launch` (ranks it forked or spawned) and
 ``ddplab audit`` (a command in its own process group). Neither keeps state in module globals:
-each cancellation is an object, so launches may nest and run one after another.
+each cancellation is an object, so launches may nest and run one after another. A caller that
+reports what a cancelled launch measured (``ddplab noise``) wraps the launch in
+:class:`ReturnOnSignals`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,47 @@ class CancelOnSignals:
             signal.raise_signal(self.received)
         # The caller's handler returned: the caller sees ``received`` set, and no Cancelled.
         return exc_type is Cancelled
+
+
+class ReturnOnSignals:
+    """While active, SIGTERM/SIGINT/SIGHUP are only recorded: a launch they cancel returns to its caller.
+
+    :class:`CancelOnSignals` stops the ranks and then delivers the signal again under the handler it
+    found: this one records it and returns, so the launch raises ``LaunchError(kind="cancelled")``
+    carrying what the ranks checkpointed, for the caller to report. On exit the handlers are put back
+    and, unless the caller set ``handled``, the signal is delivered once more under them (by default:
+    KeyboardInterrupt for SIGINT, the end of the process for SIGTERM), as if this had not been there.
+    Main thread only, and never for a signal the process ignores.
+    """
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.previous: dict[int, Any] = {}
+        self.received: int | None = None
+        self.handled = False
+
+    def __enter__(self) -> ReturnOnSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in CANCEL_SIGNALS:
+                current = signal.getsignal(signum)
+                if current not in (signal.SIG_IGN, None):
+                    self.previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        if os.getpid() != self.owner:
+            # A forked rank inherits this handler: there the signal acts as it did before us.
+            signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        if self.received is None:
+            self.received = signum
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        if self.received is not None and not self.handled:
+            signal.raise_signal(self.received)
 
 
 def signal_group(pgid: int, signum: int) -> None:

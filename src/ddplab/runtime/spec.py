@@ -7,6 +7,7 @@ Used by ``ddplab check``, ``ddplab noise`` and ``ddplab study``.
 
 The spec is someone else's code: every call into it is guarded, so whatever it raises (or a
 ``sys.exit``) becomes one :class:`~ddplab.errors.SpecError` sentence naming the file and the function.
+Importing this module imports no torch, so a wrong path is said at once (:func:`check_spec_path`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ddplab.errors import SpecError, UsageError, literal
-from ddplab.runtime.failures import in_collective, unused_parameters
 
 REQUIRED = ("model", "dataset", "loss")
 
@@ -66,6 +66,8 @@ def shown_path(path: str) -> str:
 
 def describe(exc: BaseException) -> str:
     """One line for an exception, as plain text: 'raised KeyError: x', or 'called sys.exit(7)'."""
+    from ddplab.runtime.failures import unused_parameters
+
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r}); a spec must return, not exit"
     if unused_parameters(exc):
@@ -88,6 +90,8 @@ def _guard(path: str, what: str) -> Iterator[None]:
     except _Contract as exc:
         raise SpecError(f"spec file {literal(shown_path(path))}: {literal(exc)}") from None
     except Exception as exc:
+        from ddplab.runtime.failures import in_collective
+
         if in_collective(exc):
             raise  # another rank failed or stopped: not the spec's fault, and the launch layer names who
         raise SpecError(f"spec file {literal(shown_path(path))}: {literal(what)} {literal(describe(exc))}") from exc
@@ -163,13 +167,21 @@ class GuardedDataset:
             return self.data[index]
 
 
-def load_spec(path: str) -> Spec:
-    """Import ``path`` as a module and collect its functions; SpecError (a UsageError) says what is wrong."""
+def check_spec_path(path: str) -> None:
+    """SpecError unless ``path`` is an existing ``.py`` file: said before anything imports torch (seconds)."""
     if os.path.isdir(path):
         raise SpecError(f"spec file {literal(path)} is a directory: give the Python file that defines model(), "
                         "dataset() and loss()")
     if not os.path.isfile(path):
         raise SpecError(f"spec file {literal(path)} does not exist")
+    if not path.endswith(".py"):
+        raise SpecError(f"spec file {literal(path)} is not a Python file: give a .py file that defines model(), "
+                        "dataset() and loss()")
+
+
+def load_spec(path: str) -> Spec:
+    """Import ``path`` as a module and collect its functions; SpecError (a UsageError) says what is wrong."""
+    check_spec_path(path)
     module = _import(path)
     missing = [fn for fn in REQUIRED if not callable(getattr(module, fn, None))]
     if missing:
