@@ -37,7 +37,8 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser.add_argument_group("reference (the run you trust)"), Reference,
                ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "wrapper", "optimizer",
-                "betas", "eps", "weight_decay", "noise_scale", "reduction"), prefix="reference", per_device_batch_size={"required": True})
+                "betas", "eps", "weight_decay", "noise_scale", "reduction"), prefix="reference",
+               per_device_batch_size={"required": True})
     add_fields(parser.add_argument_group("target (the new hardware)"), Target,
                ("devices", "nodes", "per_device_batch_size", "global_batch_size", "accumulation_steps",
                 "max_batch_size_per_device", "keep", "rule"), prefix="target")
@@ -47,7 +48,8 @@ def add_parser(subparsers) -> None:
                drop_last={"optional_value": True}, sampler_drop_last={"optional_value": True})
     mark(data.add_argument("--from-study", metavar="STUDY.json",
                            help="a ddplab study's study.json: its measured B_crit, and its best lr at the planned "
-                                "global batch in place of --rule (not with --critical-batch-size)"), "from_study")
+                                "global batch in place of --rule (not with --critical-batch-size); with --rule "
+                                "surge, only its B_simple, as --noise-scale"), "from_study")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 

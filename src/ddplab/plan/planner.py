@@ -463,11 +463,13 @@ def _rule_multiplier(reference: Reference, rule: PlanRule, k: float, warnings: l
     if rule != "surge":
         return scaling.lr_multiplier(k, rule)
     batches, noise = (reference.global_batch_size, reference.global_batch_size * k), reference.noise_scale
-    far = [f"{b:g}" for b in dict.fromkeys(batches) if scaling.outside_surge_range(b, noise)]
+    named = (("the reference's", batches[0]),) + ((("the planned", batches[1]),) if k != 1 else ())
+    far = [f"{name} global batch {batch:g}" for name, batch in named if scaling.outside_surge_range(batch, noise)]
     if far:
-        warnings.append(f"global batch {' and '.join(far)} lies more than {scaling.SURGE_RANGE:g}× from "
-                        f"{{reference.noise_scale}} {noise:g}: the surge rule's curve (Li et al. 2024) is trusted near "
-                        "B_noise, so its lr there is an extrapolation; measure the noise scale nearer these batches")
+        warnings.append(f"{' and '.join(far)} {'lie' if len(far) > 1 else 'lies'} more than "
+                        f"{scaling.SURGE_RANGE:g}× from {{reference.noise_scale}} {noise:g}: the surge rule's curve "
+                        "(Li et al. 2024) is trusted near B_noise, so its lr there is an extrapolation; measure the "
+                        "noise scale nearer these batches")
     return scaling.surge_lr_multiplier(*batches, noise)
 
 
@@ -509,9 +511,12 @@ def _adam(reference: Reference, rule: PlanRule, k: float, multiplier: float, rea
     if reference.optimizer == "sgd":
         return {"betas": None, "eps": None, "weight_decay": None}
     betas, eps = reference.betas, reference.eps
-    if k != 1 and rule != "none":
+    if k != 1 and rule == "none":
+        reasons["betas"] = reasons["eps"] = "kept as given: {target.rule} none scales nothing"
+    elif k != 1:
         betas = scaling.adam_betas(k, reference.betas)
         reasons["betas"] = _betas_reason(reference, k, betas)
+        reasons["eps"] = "kept as given: ε' = ε/√k goes with the square-root rule's lr (Malladi et al. 2022)"
     if k != 1 and rule == "sqrt":
         eps = _representable("Adam eps", scaling.adam_sqrt_eps(k, eps), "reference.eps", eps, 1 / math.sqrt(k))
         reasons["eps"] = f"the square-root rule's (Malladi et al. 2022): ε' = ε/√k = ε/{math.sqrt(k):.4g}"
