@@ -125,6 +125,20 @@ def test_surge_takes_the_noise_scale_from_a_study(tmp_path, capsys):
         plan_from_study(_adamw(noise_scale=100), Target(devices=4, rule="surge"), None, study)
 
 
+def test_a_measured_lr_keeps_adamws_settings_and_says_its_timescale():
+    study = {"workload": "w", "optimizer": {"family": "adamw"}, "fit": {"tuned": {"b_crit": 100.0}},
+             "tuned_lr": [{"global_batch_size": b, "lr": 1e-5 * b} for b in (32, 128, 512)]}
+    p = plan_from_study(_adamw(), Target(devices=4), None, study)
+    assert (p.rule, p.betas, p.eps, p.weight_decay) == ("measured", (0.9, 0.999), 1e-8, 0.01)
+    assert "kept as given" in p.reasons["weight_decay"] and p.adamw_timescale_epochs is None
+    # 1/(η·λ) = 1/(1.28e-3 × 0.01) = 78,125 steps.
+    assert "78,125 steps" in p.reasons["weight_decay"]
+    sized = plan_from_study(_adamw(), Target(devices=4), Data(dataset_size=12_800), study)
+    # 128/(1.28e-3 × 0.01 × 12800) = 781.25 epochs; the reference's 32/(3e-4 × 0.01 × 12800) = 833.3.
+    assert sized.adamw_timescale_epochs == pytest.approx(781.25)
+    assert sized.reasons["adamw_timescale_epochs"].endswith("the reference's: 833.3")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ref-batch-size", "32", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8", "--rule", "surge"],
      "--rule surge puts the lr's peak at the gradient noise scale: give it with --noise-scale"),

@@ -481,6 +481,8 @@ def _measured_lr(reference: Reference, k: float, warnings: list[str], measured: 
                "lr_multiplier": f"measured lr / reference lr = {measured.lr:.4g} / {reference.lr:g} "
                                 f"(the global batch grew ×{k:g})"}
     adam = reference.optimizer in ("adam", "adamw")
+    if adam:
+        reasons["weight_decay"] = "kept as given: the measured lr replaces the rules that would rescale it"
     return {"lr": measured.lr, "lr_multiplier": multiplier, "betas": reference.betas if adam else None,
             "eps": reference.eps if adam else None, "weight_decay": reference.weight_decay, "reasons": reasons}
 
