@@ -410,7 +410,7 @@ def _reference_device_batch(reference: Reference) -> int:
     return int(per_device)
 
 
-def _rule(rule: RuleChoice, optimizer: Optimizer) -> scaling.Rule:
+def _rule(rule: RuleChoice, optimizer: Optimizer) -> PlanRule:
     if rule != "auto":
         return rule
     return "linear" if optimizer == "sgd" else "sqrt"
