@@ -20,8 +20,7 @@ def test_hand_computed_formulas():
     assert scaling.global_batch_size(per_device_batch_size=32, devices=8, nodes=2, accumulation_steps=4) == 2048
     assert scaling.global_batch_size(per_device_batch_size=256, devices=4, wrapper="dp") == 256
     assert scaling.lr_multiplier(9, "sqrt") == 3 and scaling.lr_multiplier(9, "none") == 1
-    betas, eps = scaling.adam_sqrt_rule(4, betas=(0.9, 0.999), eps=1e-8)
-    assert betas == pytest.approx((0.6, 0.996)) and eps == pytest.approx(5e-9)
+    assert scaling.adam_betas(4, (0.9, 0.999)) == (0.9, 0.999 ** 4) and scaling.adam_sqrt_eps(4, 1e-8) == 5e-9
     assert scaling.samples_per_rank(10, world_size=4, drop_last=False) == 3
     assert scaling.samples_per_rank(10, world_size=4, drop_last=True) == 2
     assert scaling.padded_samples(10, world_size=4) == 2 and scaling.sampler_dropped_samples(10, world_size=4) == 2
@@ -41,12 +40,13 @@ def test_two_processes_of_eight_keep_the_lr_of_one_of_sixteen():
     assert (p.mode, p.global_batch_size, p.lr) == ("trajectory", 16, 0.1)
 
 
-def test_adam_sqrt_rule_and_its_warnings():
+def test_adam_sqrt_rule_keeps_beta1_and_the_half_life_of_beta2():
     p = plan(Reference(per_device_batch_size=32, lr=1e-3, optimizer="adam"), Target(devices=4))
     assert p.rule == "sqrt" and p.lr == pytest.approx(2e-3)
-    assert p.betas == pytest.approx((0.6, 0.996)) and p.eps == pytest.approx(5e-9)
+    assert p.betas == (0.9, 0.999 ** 4) and p.eps == pytest.approx(5e-9)
+    # k = 16 once took 1 − 16·0.1 below 0 and clamped β₁ to 0: β₁ now stays, with no warning.
     far = plan(Reference(per_device_batch_size=32, lr=1e-3, optimizer="adam"), Target(devices=8, nodes=2))
-    assert far.betas[0] == 0 and any("outside [0, 1)" in w for w in far.warnings)
+    assert far.betas == (0.9, 0.999 ** 16) and not any("β" in w or "clamped" in w for w in far.warnings)
 
 
 def test_step_accounting_follows_distributed_sampler():

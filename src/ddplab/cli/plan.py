@@ -16,7 +16,8 @@ Translate a reference setup to new hardware (DDP, one process per device).
   --keep trajectory   same global batch and lr as the reference: derive the per-device batch
                       and accumulation steps that reach it exactly
   --keep per-device   keep the reference's per-device batch: the global batch grows by k and
-                      the lr follows --rule (linear for SGD, square root for Adam by default)
+                      the lr follows --rule (linear for SGD, square root for Adam by default;
+                      Adam's β₂, ε and AdamW's weight decay follow the batch too)
 
 Without --keep: per-device when no target batch is given, else whichever mode the resulting
 global batch implies. --batch-size is the per-device loader batch; the global (effective)
@@ -25,6 +26,7 @@ batch is per-device batch × devices × nodes × accumulation steps.
 examples:
   ddplab plan --ref-batch-size 32 --ref-lr 0.1 --devices 8 --dataset-size 1281167 --epochs 90
   ddplab plan --ref-batch-size 32 --ref-lr 3e-4 --optimizer adamw --devices 8 --nodes 2
+  ddplab plan --ref-batch-size 32 --ref-lr 3e-4 --optimizer adamw --devices 8 --rule surge --noise-scale 128
   ddplab plan --ref-batch-size 256 --ref-devices 4 --ref-wrapper dp --ref-lr 0.1 --devices 4
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8
 """
@@ -35,7 +37,8 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser.add_argument_group("reference (the run you trust)"), Reference,
                ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "wrapper", "optimizer",
-                "betas", "eps", "reduction"), prefix="reference", per_device_batch_size={"required": True})
+                "betas", "eps", "weight_decay", "noise_scale", "reduction"), prefix="reference",
+               per_device_batch_size={"required": True})
     add_fields(parser.add_argument_group("target (the new hardware)"), Target,
                ("devices", "nodes", "per_device_batch_size", "global_batch_size", "accumulation_steps",
                 "max_batch_size_per_device", "keep", "rule"), prefix="target")
@@ -45,7 +48,8 @@ def add_parser(subparsers) -> None:
                drop_last={"optional_value": True}, sampler_drop_last={"optional_value": True})
     mark(data.add_argument("--from-study", metavar="STUDY.json",
                            help="a ddplab study's study.json: its measured B_crit, and its best lr at the planned "
-                                "global batch in place of --rule (not with --critical-batch-size)"), "from_study")
+                                "global batch in place of --rule (not with --critical-batch-size); with --rule "
+                                "surge, only its B_simple, as --noise-scale"), "from_study")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -82,7 +86,8 @@ ROWS = (
     ("reference_global_batch_size", "reference global batch"), ("world_size", "world size"),
     ("per_device_batch_size", "per-device batch (--batch-size)"), ("accumulation_steps", "accumulation steps"),
     ("global_batch_size", "global batch"), ("lr", "learning rate"), ("lr_multiplier", "lr multiplier"),
-    ("betas", "Adam betas"), ("eps", "Adam eps"), ("warmup_recommended", "warmup"),
+    ("betas", "Adam betas"), ("eps", "Adam eps"), ("weight_decay", "weight decay"),
+    ("adamw_timescale_epochs", "AdamW timescale (epochs)"), ("warmup_recommended", "warmup"),
     ("warmup_steps", "warmup steps"), ("samples_per_rank", "samples per rank"),
     ("padded_samples", "padded samples"), ("dropped_samples", "dropped samples"),
     ("loader_batches_per_rank", "loader batches per rank"), ("steps_per_epoch", "optimizer steps per epoch"),

@@ -21,9 +21,13 @@ def plan_from_study(reference: planner.Reference, target: planner.Target, data: 
 
     ``study`` is a study.json path or its loaded dict; ``names`` as for :func:`~ddplab.plan.plan`.
     UsageError when the study has no tuned curve, was measured with another optimizer family, or
-    ``data`` already gives a critical batch size.
+    ``data`` already gives a critical batch size. With ``target.rule`` surge only the study's B_simple is read,
+    as the rule's noise scale.
     """
     data = data or planner.Data()
+    if target.rule == "surge":
+        # The surge rule takes only B_noise from the study: its lr comes from the rule, not the tuned curve.
+        return planner.plan(_with_noise_scale(reference, study), target, data, names=names)
     loaded = load_study(study)
     if data.critical_batch_size is not None:
         raise UsageError("{data.critical_batch_size} and {from_study} both give the critical batch size: drop "
@@ -94,8 +98,20 @@ def _check_optimizer(reference: planner.Reference, study: dict) -> None:
                          "2022; linear for SGD): study that optimizer, or plan by its rule without {from_study}")
 
 
-def load_study(study: str | dict) -> dict:
-    """A study's JSON, checked to hold what planning needs."""
+def _with_noise_scale(reference: planner.Reference, study: str | dict) -> planner.Reference:
+    """``reference`` with the B_simple the study measured (its JSON's ``b_simple.value``) as its noise scale."""
+    if reference.noise_scale is not None:
+        raise UsageError("{reference.noise_scale} and {from_study} both give the noise scale: drop one")
+    loaded = read_study(study)
+    value = (loaded.get("b_simple") or {}).get("value") if isinstance(loaded, dict) else None
+    if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise UsageError("{from_study} holds no positive B_simple (b_simple.value) for {target.rule} surge: pass "
+                         "{reference.noise_scale}")
+    return dataclasses.replace(reference, noise_scale=float(value))
+
+
+def read_study(study: str | dict) -> dict:
+    """A study's JSON (a path, or the loaded dict as it is)."""
     if isinstance(study, str):
         try:
             with open(study) as fh:
@@ -103,6 +119,12 @@ def load_study(study: str | dict) -> dict:
         except (OSError, json.JSONDecodeError) as exc:
             raise UsageError(f"{{from_study}} {literal(repr(study))} is not a readable study JSON "
                              f"({exc.__class__.__name__})") from None
+    return study
+
+
+def load_study(study: str | dict) -> dict:
+    """A study's JSON, checked to hold what planning needs."""
+    study = read_study(study)
     fit = (study.get("fit") or {}).get("tuned") if isinstance(study, dict) else None
     if not isinstance(study, dict) or not study.get("tuned_lr") or not fit or fit.get("b_crit") is None:
         raise UsageError("{from_study} needs a study with the 'tuned' rule, its best lrs and a fitted B_crit")

@@ -27,8 +27,8 @@ from ddplab.validation import one_of, positive, zero_or_more
 
 Optimizer = Literal["sgd", "adam", "adamw"]
 Keep = Literal["trajectory", "per-device"]
-RuleChoice = Literal["auto", "none", "linear", "sqrt"]
-PlanRule = Literal["none", "linear", "sqrt", "measured"]
+RuleChoice = Literal["auto", "none", "linear", "sqrt", "surge"]
+PlanRule = Literal["none", "linear", "sqrt", "surge", "measured"]
 Reduction = Literal["mean", "sum"]
 OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)
 KEEPS: tuple[Keep, ...] = get_args(Keep)
@@ -65,6 +65,12 @@ class Reference:
     """Adam/AdamW betas as B1,B2."""
     eps: float = 1e-8
     """Adam/AdamW epsilon."""
+    weight_decay: float | None = None
+    """Adam/AdamW weight decay λ (default 0 for adam, 0.01 for adamw, as torch's); AdamW's decoupled decay is
+    rescaled to keep its averaging timescale in epochs."""
+    noise_scale: float | None = None
+    """Gradient noise scale B_noise measured on this setup (ddplab noise's B_simple): where the surge rule's lr
+    peaks."""
     reduction: Reduction = "mean"
     """Loss reduction: how the loss reduces over the batch, 'mean' or 'sum'."""
 
@@ -76,6 +82,8 @@ class Reference:
             positive(field, value, integer=True)
         positive("reference.lr", self.lr)
         positive("reference.eps", self.eps)
+        zero_or_more("reference.weight_decay", self.weight_decay)
+        positive("reference.noise_scale", self.noise_scale)
         if self.wrapper is None:
             _set(self, "wrapper", "single" if self.devices * self.nodes == 1 else "ddp")
         one_of("reference.wrapper", self.wrapper, scaling.WRAPPERS)
@@ -86,7 +94,19 @@ class Reference:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"{{reference.betas}} must be two numbers in [0, 1), got {self.betas}")
         one_of("reference.reduction", self.reduction, get_args(Reduction))
+        self._resolve_weight_decay()
         self._resolve_global_batch()
+
+    def _resolve_weight_decay(self) -> None:
+        if self.optimizer == "sgd":
+            if self.weight_decay is not None:
+                raise UsageError("{reference.weight_decay} is for Adam and AdamW: SGD's weight decay is coupled (an L2 "
+                                 "term in its gradient) and the plan does not rescale it; drop it, or pass "
+                                 "{reference.optimizer} adamw")
+            return
+        if self.weight_decay is None:
+            # torch's defaults: Adam adds no L2 term, AdamW decays by 0.01.
+            _set(self, "weight_decay", 0.01 if self.optimizer == "adamw" else 0.0)
 
     def _resolve_global_batch(self) -> None:
         if self.per_device_batch_size is None:
@@ -136,7 +156,8 @@ class Target:
     """What to hold fixed: 'trajectory' (the same global batch and lr) or 'per-device' (scale up) (default: decided
     from the batch)."""
     rule: RuleChoice = "auto"
-    """LR rule: auto (linear for SGD, square root for Adam/AdamW), none, linear or sqrt."""
+    """LR rule: auto (linear for SGD, square root for Adam/AdamW), none, linear, sqrt, or surge (Adam/AdamW: the lr
+    peaks at the noise scale, Li et al. 2024)."""
 
     def __post_init__(self):
         for field, value in (("target.devices", self.devices), ("target.nodes", self.nodes),
@@ -233,6 +254,9 @@ class Plan:
     lr_multiplier: float
     betas: tuple[float, float] | None
     eps: float | None
+    weight_decay: float | None
+    adamw_timescale_epochs: float | None
+    """AdamW's averaging timescale B/(η·λ·N) in epochs; None without decay, for Adam or without a dataset size."""
     warmup_recommended: bool
     warmup_steps: int | None
     warmup_epochs: float | None
@@ -253,8 +277,8 @@ class Plan:
         out = dataclasses.asdict(self)
         out["warnings"] = list(self.warnings)
         if self.betas is None:
-            out.pop("betas")
-            out.pop("eps")
+            for key in ("betas", "eps", "weight_decay", "adamw_timescale_epochs"):
+                out.pop(key)
         return out
 
     def lr_lambda(self, step: int) -> float:
@@ -317,6 +341,7 @@ def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource 
     reasons.update(lr_fields.pop("reasons"))
     steps = _steps(data, target.world_size, batch, accumulation, global_batch, lr_fields, warnings)
     reasons.update(steps.pop("reasons"))
+    steps.update(_adamw_timescale(reference, data, global_batch, lr_fields, reasons))
     warnings += _semantics_warnings(reference, target, global_batch, data)
     other = _other_mode(mode, reference, target, lr_source) if describe_other else ""
     return Plan(mode=mode, rule=rule, world_size=target.world_size, per_device_batch_size=batch,
@@ -388,7 +413,7 @@ def _reference_device_batch(reference: Reference) -> int:
     return int(per_device)
 
 
-def _rule(rule: RuleChoice, optimizer: Optimizer) -> scaling.Rule:
+def _rule(rule: RuleChoice, optimizer: Optimizer) -> PlanRule:
     if rule != "auto":
         return rule
     return "linear" if optimizer == "sgd" else "sqrt"
@@ -396,10 +421,10 @@ def _rule(rule: RuleChoice, optimizer: Optimizer) -> scaling.Rule:
 
 def _lr(reference: Reference, rule: PlanRule, k: float, warnings: list[str],
         measured: MeasuredLr | None) -> dict[str, Any]:
+    _check_rule(reference, rule)
     if measured is not None:
         return _measured_lr(reference, k, warnings, measured)
-    multiplier = scaling.lr_multiplier(k, rule)
-    adam = reference.optimizer in ("adam", "adamw")
+    multiplier = _rule_multiplier(reference, rule, k, warnings)
     reasons = {}
     if k == 1:
         reasons["lr"] = ("the global batch is unchanged, so the gradient is the same average over the same number "
@@ -411,24 +436,44 @@ def _lr(reference: Reference, rule: PlanRule, k: float, warnings: list[str],
                       f"multiplies the variance of each update by k",
             "sqrt": f"square-root rule: lr × √k = lr × {math.sqrt(k):.4g}; keeps the variance of each update, "
                     f"needs more epochs to travel as far",
+            "surge": "surge rule (Li et al. 2024, \"Surge phenomenon in optimal learning rate and batch size "
+                     "scaling\"): Adam's best lr η*(B) = η_max / (½(√(B_noise/B) + √(B/B_noise))) rises up to the "
+                     f"noise scale and falls past it; lr × η*(B')/η*(B) = lr × {multiplier:.4g}",
         }[rule]
-    reasons["lr_multiplier"] = _multiplier_reason(rule, k)
+    reasons["lr_multiplier"] = _multiplier_reason(rule, k, reference)
     out = {"lr": _representable("lr", reference.lr * multiplier, "reference.lr", reference.lr, multiplier),
-           "lr_multiplier": multiplier, "betas": None, "eps": None}
-    if adam:
-        out["betas"], out["eps"] = reference.betas, reference.eps
-        if rule == "sqrt" and k != 1:
-            out["betas"], out["eps"] = _adam_sqrt(reference, k, warnings)
-            _representable("Adam eps", out["eps"], "reference.eps", reference.eps, 1 / math.sqrt(k))
-            reasons["betas"] = "Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β)"
-            reasons["eps"] = "the same rule: ε' = ε/√k"
-        elif rule == "linear" and k != 1:
-            warnings.append("the linear rule is derived for SGD; Adam usually scales better with {target.rule} sqrt "
-                            "(Malladi et al. 2022)")
+           "lr_multiplier": multiplier, **_adam(reference, rule, k, multiplier, reasons, warnings)}
     if reference.optimizer == "sgd" and rule == "sqrt" and k > 1:
         warnings.append("the square-root rule keeps SGD's update variance but covers less ground per epoch: "
                         "plan on more epochs than the reference")
     return {**out, "reasons": reasons}
+
+
+def _check_rule(reference: Reference, rule: PlanRule) -> None:
+    """The surge rule needs Adam and a noise scale; a noise scale needs the surge rule."""
+    if rule == "surge" and reference.noise_scale is None:
+        raise UsageError("{target.rule} surge puts the lr's peak at the gradient noise scale: give it with "
+                         "{reference.noise_scale} (ddplab noise measures it) or {from_study}")
+    if rule == "surge" and reference.optimizer == "sgd":
+        raise UsageError("{target.rule} surge is Adam's (Li et al. 2024): SGD's best lr does not fall past the noise "
+                         "scale, so use {target.rule} linear, or pass {reference.optimizer} adam or adamw")
+    if rule != "surge" and reference.noise_scale is not None:
+        raise UsageError("{reference.noise_scale} is read only by {target.rule} surge: add it, or drop "
+                         "{reference.noise_scale}")
+
+
+def _rule_multiplier(reference: Reference, rule: PlanRule, k: float, warnings: list[str]) -> float:
+    if rule != "surge":
+        return scaling.lr_multiplier(k, rule)
+    batches, noise = (reference.global_batch_size, reference.global_batch_size * k), reference.noise_scale
+    named = (("the reference's", batches[0]),) + ((("the planned", batches[1]),) if k != 1 else ())
+    far = [f"{name} global batch {batch:g}" for name, batch in named if scaling.outside_surge_range(batch, noise)]
+    if far:
+        warnings.append(f"{' and '.join(far)} {'lie' if len(far) > 1 else 'lies'} more than "
+                        f"{scaling.SURGE_RANGE:g}× from {{reference.noise_scale}} {noise:g}: the surge rule's curve "
+                        "(Li et al. 2024) is trusted near B_noise, so its lr there is an extrapolation; measure the "
+                        "noise scale nearer these batches")
+    return scaling.surge_lr_multiplier(*batches, noise)
 
 
 def _measured_lr(reference: Reference, k: float, warnings: list[str], measured: MeasuredLr) -> dict[str, Any]:
@@ -439,12 +484,19 @@ def _measured_lr(reference: Reference, k: float, warnings: list[str], measured: 
                "lr_multiplier": f"measured lr / reference lr = {measured.lr:.4g} / {reference.lr:g} "
                                 f"(the global batch grew ×{k:g})"}
     adam = reference.optimizer in ("adam", "adamw")
+    if adam:
+        reasons["weight_decay"] = "kept as given: the measured lr replaces the rules that would rescale it"
     return {"lr": measured.lr, "lr_multiplier": multiplier, "betas": reference.betas if adam else None,
-            "eps": reference.eps if adam else None, "reasons": reasons}
+            "eps": reference.eps if adam else None, "weight_decay": reference.weight_decay, "reasons": reasons}
 
 
-def _multiplier_reason(rule: str, k: float) -> str:
+def _multiplier_reason(rule: str, k: float, reference: Reference) -> str:
     ratio = f"k = new global batch / reference global batch = {k:g}"
+    if rule == "surge":
+        batch, noise = reference.global_batch_size, reference.noise_scale
+        return (f"{ratio}; the surge rule multiplies the lr by η*({batch * k:g})/η*({batch}) = "
+                f"{scaling.surge_lr_factor(batch * k, noise):.4g}/{scaling.surge_lr_factor(batch, noise):.4g}, each "
+                f"a fraction of the peak lr at {{reference.noise_scale}} {noise:g}")
     return {"none": f"{{target.rule}} none: the lr is not scaled, although {ratio}",
             "linear": f"{ratio}; the linear rule multiplies the lr by k",
             "sqrt": f"{ratio}; the square-root rule multiplies the lr by √k = {math.sqrt(k):.4g}"}[rule]
@@ -458,18 +510,74 @@ def _representable(name: str, value: float, field: str, reference: float, factor
     return value
 
 
-def _adam_sqrt(reference: Reference, k: float, warnings: list[str]) -> tuple[tuple[float, float], float]:
-    betas, eps = scaling.adam_sqrt_rule(k, betas=reference.betas, eps=reference.eps)
-    for name, new, old in zip(("β₁", "β₂"), betas, reference.betas):
-        # 1 − k(1 − β) stays below 1 for any k > 0; only growing the batch can push it under 0.
-        if new < 0:
-            warnings.append(f"the Adam square-root rule gives {name} = 1 − {k:g}·(1 − {old:g}) = {new:.4g}, outside "
-                            f"[0, 1): clamped to 0; the batch grew too far for the rule, so scale in smaller steps "
-                            f"or tune {name}")
-    if 0 <= betas[0] < 0.5 <= reference.betas[0]:
-        warnings.append(f"β₁ drops to {betas[0]:.3g}: the rule's SDE approximation assumes momentum stays near its "
-                        "usual range, so treat these numbers as a starting point")
-    return (max(betas[0], 0.0), max(betas[1], 0.0)), eps
+def _adam(reference: Reference, rule: PlanRule, k: float, multiplier: float, reasons: dict[str, str],
+          warnings: list[str]) -> dict[str, Any]:
+    """Adam's betas, eps and weight decay at k× the reference's batch (all None for SGD)."""
+    if reference.optimizer == "sgd":
+        return {"betas": None, "eps": None, "weight_decay": None}
+    betas, eps = reference.betas, reference.eps
+    if k != 1 and rule == "none":
+        reasons["betas"] = reasons["eps"] = "kept as given: {target.rule} none scales nothing"
+    elif k != 1:
+        betas = scaling.adam_betas(k, reference.betas)
+        reasons["betas"] = _betas_reason(reference, k, betas)
+        reasons["eps"] = "kept as given: ε' = ε/√k goes with the square-root rule's lr (Malladi et al. 2022)"
+    if k != 1 and rule == "sqrt":
+        eps = _representable("Adam eps", scaling.adam_sqrt_eps(k, eps), "reference.eps", eps, 1 / math.sqrt(k))
+        reasons["eps"] = f"the square-root rule's (Malladi et al. 2022): ε' = ε/√k = ε/{math.sqrt(k):.4g}"
+    elif k != 1 and rule == "linear":
+        warnings.append("the linear rule is derived for SGD; Adam usually scales better with {target.rule} sqrt "
+                        "(Malladi et al. 2022)")
+    return {"betas": betas, "eps": eps, "weight_decay": _weight_decay(reference, rule, k, multiplier, reasons)}
+
+
+def _betas_reason(reference: Reference, k: float, betas: tuple[float, float]) -> str:
+    (beta1, beta2), batch = reference.betas, reference.global_batch_size
+    samples = scaling.half_life_steps(beta2) * batch
+    return (f"β₁ kept at {beta1:g}, which works at every batch size (Marek et al. 2025, \"Small batch size training "
+            f"for language models\"); β₂' = β₂^k = {beta2:g}^{k:g} = {betas[1]:.4g} keeps its half-life at "
+            f"{samples:,.0f} samples (Malladi et al.'s 1 − β' = k(1 − β) to first order, never negative)")
+
+
+def _weight_decay(reference: Reference, rule: PlanRule, k: float, multiplier: float, reasons: dict[str, str]) -> float:
+    """λ' from the constant-timescale rule for AdamW; Adam's coupled L2 term as given."""
+    decay = reference.weight_decay
+    if reference.optimizer == "adam":
+        reasons["weight_decay"] = ("Adam's weight decay is an L2 term in the gradient (coupled), which Adam's "
+                                   "normalisation rescales: kept as given; the constant-timescale rule applies to "
+                                   "AdamW's decoupled decay ({reference.optimizer} adamw)")
+        return decay
+    if decay == 0 or rule == "none" or k == 1:
+        why = ("no decay to rescale" if decay == 0 else "{target.rule} none scales nothing" if rule == "none"
+               else "the global batch and lr are unchanged")
+        reasons["weight_decay"] = f"kept as given: {why}"
+        return decay
+    reasons["weight_decay"] = (f"AdamW's weights average over 1/(η·λ) steps; keeping that timescale constant in "
+                               f"epochs (Wang & Aitchison 2024; Bergsma et al. 2025, \"Power Lines\") gives "
+                               f"λ' = λ·(B'/B)·(η/η') = {decay:g} × {k:g} / {multiplier:.4g}")
+    return scaling.adamw_weight_decay(decay, batch_ratio=k, lr_ratio=multiplier)
+
+
+def _adamw_timescale(reference: Reference, data: Data, global_batch: int, lr_fields: dict[str, Any],
+                     reasons: dict[str, str]) -> dict[str, Any]:
+    """AdamW's averaging timescale in epochs, τ = B/(η·λ·N), with the reference's beside it (in steps without N)."""
+    lr, decay = lr_fields["lr"], lr_fields["weight_decay"]
+    if reference.optimizer != "adamw" or not decay:
+        return {"adamw_timescale_epochs": None}
+    steps = scaling.adamw_timescale_steps(lr=lr, weight_decay=decay)
+    if data.dataset_size is None:
+        reasons["weight_decay"] += (f"; the weights average over 1/(η·λ) = {steps:,.0f} steps (pass "
+                                    "{data.dataset_size} for epochs)")
+        return {"adamw_timescale_epochs": None}
+    n = data.dataset_size
+    epochs = scaling.adamw_timescale_epochs(lr=lr, weight_decay=decay, global_batch_size=global_batch, dataset_size=n)
+    was = scaling.adamw_timescale_epochs(lr=reference.lr, weight_decay=reference.weight_decay,
+                                         global_batch_size=reference.global_batch_size, dataset_size=n)
+    same = math.isclose(epochs, was, rel_tol=1e-9)
+    reasons["adamw_timescale_epochs"] = (f"B/(η·λ·N) = {global_batch}/({lr:.4g} × {decay:.4g} × {n}): the weights "
+                                         f"average over the last {steps:,.0f} steps"
+                                         + ("; the reference's too" if same else f"; the reference's: {was:.4g}"))
+    return {"adamw_timescale_epochs": epochs}
 
 
 def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, accumulation: int,

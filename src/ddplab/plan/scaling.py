@@ -4,6 +4,8 @@
 1024
 >>> lr_multiplier(8, "linear"), lr_multiplier(4, "sqrt")
 (8.0, 2.0)
+>>> adam_betas(16, (0.9, 0.5)), adamw_weight_decay(0.01, batch_ratio=16, lr_ratio=4)
+((0.9, 1.52587890625e-05), 0.04)
 >>> samples_per_rank(1000, world_size=3, drop_last=False), padded_samples(1000, world_size=3)
 (334, 2)
 >>> optimizer_steps(loader_batches=10, accumulation_steps=4)
@@ -49,9 +51,109 @@ def lr_multiplier(k: float, rule: Rule) -> float:
     raise AssertionError(f"rule {rule!r} is in RULES but has no multiplier")
 
 
-def adam_sqrt_rule(k: float, *, betas: tuple[float, float], eps: float) -> tuple[tuple[float, float], float]:
-    """Malladi et al. (2022) square-root rule for Adam: 1−β' = k(1−β), ε' = ε/√k (lr·√k separately)."""
-    return (1.0 - k * (1.0 - betas[0]), 1.0 - k * (1.0 - betas[1])), eps / math.sqrt(k)
+def adam_betas(k: float, betas: tuple[float, float]) -> tuple[float, float]:
+    """Adam's betas when the global batch grows ×k: β₁ as given, β₂' = β₂^k.
+
+    Marek et al. (2025, "Small batch size training for language models") find β₁ = 0.9 works at
+    every batch size, and β₂ best kept at a constant half-life in samples: a step now averages k
+    times the samples, so the moment decays by β₂^k per step. To first order that is Malladi et
+    al.'s (2022) 1 − β₂' = k(1 − β₂), but β₂^k never leaves [0, 1), however far the batch grows.
+
+    >>> adam_betas(2, (0.9, 0.99))
+    (0.9, 0.9801)
+    >>> adam_betas(16, (0.9, 0.5))
+    (0.9, 1.52587890625e-05)
+    """
+    return betas[0], betas[1] ** k
+
+
+def half_life_steps(beta: float) -> float:
+    """Steps over which an exponential average with decay ``beta`` halves a sample's weight: ln ½ / ln β.
+
+    >>> half_life_steps(0.5), half_life_steps(0.0)
+    (1.0, 0.0)
+    >>> round(half_life_steps(0.999), 1)
+    692.8
+    """
+    return 0.0 if beta == 0 else math.log(0.5) / math.log(beta)
+
+
+def adam_sqrt_eps(k: float, eps: float) -> float:
+    """Adam's ε under the square-root rule (Malladi et al. 2022): ε' = ε/√k.
+
+    >>> adam_sqrt_eps(4, 1e-8)
+    5e-09
+    """
+    return eps / math.sqrt(k)
+
+
+def adamw_weight_decay(weight_decay: float, *, batch_ratio: float, lr_ratio: float) -> float:
+    """AdamW's decoupled weight decay at a constant timescale in epochs: λ' = λ·(B'/B)·(η/η').
+
+    AdamW's weights are an exponential average of recent updates with a timescale of 1/(η·λ) steps,
+    B/(η·λ·N) epochs; Wang & Aitchison (2024) and Bergsma et al. (2025, "Power Lines") find the best
+    timescale constant in epochs. ``batch_ratio`` is B'/B and ``lr_ratio`` η'/η.
+
+    >>> adamw_weight_decay(0.01, batch_ratio=16, lr_ratio=4)    # square-root rule: λ × √k
+    0.04
+    >>> adamw_weight_decay(0.01, batch_ratio=16, lr_ratio=16)   # linear rule: λ unchanged
+    0.01
+    """
+    return weight_decay * (batch_ratio / lr_ratio)
+
+
+def adamw_timescale_steps(*, lr: float, weight_decay: float) -> float:
+    """AdamW's averaging timescale in optimizer steps, 1/(η·λ); infinite without decay.
+
+    >>> adamw_timescale_steps(lr=0.001, weight_decay=0.5), adamw_timescale_steps(lr=0.001, weight_decay=0)
+    (2000.0, inf)
+    """
+    return math.inf if weight_decay == 0 else 1.0 / (lr * weight_decay)
+
+
+def adamw_timescale_epochs(*, lr: float, weight_decay: float, global_batch_size: int, dataset_size: int) -> float:
+    """AdamW's averaging timescale in epochs, τ = B/(η·λ·N).
+
+    >>> adamw_timescale_epochs(lr=0.001, weight_decay=0.5, global_batch_size=100, dataset_size=10000)
+    20.0
+    """
+    return adamw_timescale_steps(lr=lr, weight_decay=weight_decay) * global_batch_size / dataset_size
+
+
+SURGE_RANGE = 10.0
+"""How far from B_noise (×, either way) the surge rule's lr is trusted before the plan warns."""
+
+
+def surge_lr_factor(global_batch_size: float, noise_scale: float) -> float:
+    """Li et al. (2024, "Surge phenomenon"): the best Adam lr at batch B over its peak, η*(B)/η_max.
+
+    η*(B) = η_max / (½(√(B_noise/B) + √(B/B_noise))): it rises as √B below B_noise, peaks there and
+    falls as 1/√B above it.
+
+    >>> surge_lr_factor(1000, 1000), surge_lr_factor(250, 1000), surge_lr_factor(4000, 1000)
+    (1.0, 0.8, 0.8)
+    """
+    return 1.0 / (0.5 * (math.sqrt(noise_scale / global_batch_size) + math.sqrt(global_batch_size / noise_scale)))
+
+
+def surge_lr_multiplier(reference_batch_size: float, global_batch_size: float, noise_scale: float) -> float:
+    """The surge rule's lr multiplier from the reference batch to ``global_batch_size``: η*(B')/η*(B).
+
+    >>> surge_lr_multiplier(250, 4000, 1000)    # symmetric about B_noise: the same lr
+    1.0
+    >>> surge_lr_multiplier(250, 1000, 1000)    # from B_noise/4 up to the peak
+    1.25
+    """
+    return surge_lr_factor(global_batch_size, noise_scale) / surge_lr_factor(reference_batch_size, noise_scale)
+
+
+def outside_surge_range(global_batch_size: float, noise_scale: float) -> bool:
+    """True when ``global_batch_size`` is more than :data:`SURGE_RANGE` times from B_noise, either way.
+
+    >>> outside_surge_range(99, 1000), outside_surge_range(100, 1000), outside_surge_range(10001, 1000)
+    (True, False, True)
+    """
+    return not noise_scale / SURGE_RANGE <= global_batch_size <= noise_scale * SURGE_RANGE
 
 
 def samples_per_rank(dataset_size: int, *, world_size: int, drop_last: bool) -> int:
