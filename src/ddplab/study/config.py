@@ -13,7 +13,7 @@ from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 FIXED_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "tuned")
 """SGD's default rules: those that train at a fixed lr and batch."""
 ADAM_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "adam-sqrt", "tuned")
-"""Adam's and AdamW's default: ``adam-sqrt`` scales the betas and eps with the batch, as ``ddplab plan`` does."""
+"""Adam's and AdamW's default: ``adam-sqrt`` scales the betas and eps with the batch (Malladi et al. 2022)."""
 Family = Literal["sgd", "adam", "adamw"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 TargetKind = Literal["accuracy", "loss"]

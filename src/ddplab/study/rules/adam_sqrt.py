@@ -1,5 +1,6 @@
 """``adam-sqrt``: Malladi et al.'s (2022) square-root rule for Adam, lr × √k with 1 − β' = k(1 − β) and
-ε' = ε/√k, as ``ddplab plan`` prints it. Its betas and eps differ from the grid's: a group of its own."""
+ε' = ε/√k, as derived (``ddplab plan`` now keeps β₁ and takes β₂' = β₂^k, Marek et al. 2025). Its betas and eps
+differ from the grid's: a group of its own."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class AdamSqrt(OwnGroupRule):
         return [(round_lr(config.reference_lr * math.sqrt(k)), seed) for seed in range(config.seeds)]
 
     def scaled(self, config: StudyConfig, global_batch: int) -> tuple[OptimizerConfig, list[str]]:
-        """The optimizer at ``global_batch``: 1 − β' = k(1 − β) (clamped at 0, as plan does) and ε' = ε/√k; with
+        """The optimizer at ``global_batch``: 1 − β' = k(1 − β) (clamped at 0) and ε' = ε/√k; with
         what was clamped."""
         k = global_batch / config.reference_global_batch_size
         opt = config.optimizer
@@ -52,4 +53,4 @@ class AdamSqrt(OwnGroupRule):
         if not at:
             return []
         return [f"the adam-sqrt rule's 1 − k(1 − β) falls below 0 at global batch {', '.join(map(str, at))}: clamped "
-                "to 0 (as ddplab plan does); the rule was derived for batches that grow less than 1/(1 − β₁)"]
+                "to 0; the rule was derived for batches that grow less than 1/(1 − β₁) (ddplab plan keeps β₁ instead)"]
