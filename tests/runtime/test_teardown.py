@@ -22,8 +22,19 @@ ABORT = "terminate called"
 
 
 def _last_act_all_reduce(ctx):
+    # The shape of the abort first seen: a DDP step, a last collective, rank 1 leaving while rank 0 goes on.
+    _one_ddp_step()
     value = torch.ones(1)
     dist.all_reduce(value)
+    if ctx.rank == 0:
+        time.sleep(0.3)
+
+
+def _one_ddp_step():
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    model(torch.randn(2, 4)).sum().backward()
 
 
 def _launch_many(start_method, runs, capfd):
@@ -36,7 +47,7 @@ def _launch_many(start_method, runs, capfd):
 
 @pytest.mark.timeout(60)
 def test_forked_ranks_leave_cleanly_right_after_their_last_collective(capfd):
-    _launch_many("fork", 8, capfd)
+    _launch_many("fork", 6, capfd)
 
 
 @pytest.mark.slow
@@ -47,13 +58,20 @@ def test_spawned_ranks_leave_cleanly_right_after_their_last_collective(capfd):
 
 
 _JOINS_TORCHRUN = """
+import time
+
 import torch
 import torch.distributed as dist
 from ddplab.runtime.launch import LaunchConfig, launch
 
 def last_act_all_reduce(ctx):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    model(torch.randn(2, 4)).sum().backward()
+    del model
     value = torch.ones(1)
     dist.all_reduce(value)
+    if ctx.rank == 0:
+        time.sleep(0.3)
 
 launch(last_act_all_reduce, LaunchConfig(pg_timeout_s=30))
 """
