@@ -248,7 +248,8 @@ def _stopped_answering(processes: list, errors: dict[int, RankFailure], config: 
     parts = [f"{_ranks(culprits)} stopped answering: {waiting} waited in a collective and failed "
              f"(collective timeout {config.pg_timeout_s:g} s): {reason}"]
     for rank in culprits:
-        if processes[rank].exitcode == 0:
+        # A rank with a result has returned, even while it waits for its peers at the leaving barrier.
+        if processes[rank].exitcode == 0 or os.path.exists(_path(workdir, "result", rank)):
             parts.append(f"rank {rank} had returned without joining that collective")
         else:
             stack = _stack(processes[rank], _path(workdir, "stack", rank, ext="txt"))
@@ -364,7 +365,8 @@ def _rank_entry(rank: int, fn, args, config: LaunchConfig, backend: str, workdir
             time.sleep(60)
     # fn's frame, and with it every DDP model and optimizer, is gone by now.
     del result, ctx
-    teardown()
+    # A peer that failed waits to be stopped and never reaches the barrier: leave without it.
+    teardown(barrier_timeout_s=None if _any_failed(workdir, config.world_size) else config.pg_timeout_s)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -385,11 +387,15 @@ def _run_in_torchrun_group(fn, config: LaunchConfig, args):
                               device=_device(backend, local_rank)), *args)
     backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     ctx = _init_group(rank, local_rank, world_size, backend, config, store=None)
+    returned = False
     try:
-        return fn(ctx, *args)
+        result = fn(ctx, *args)
+        returned = True
+        return result
     finally:
         del ctx
-        teardown()
+        # A failing rank leaves at once: its peers may never reach a barrier, and torchrun stops them.
+        teardown(barrier_timeout_s=config.pg_timeout_s if returned else None)
 
 
 def _device(backend: str, local_rank: int) -> torch.device:
@@ -408,15 +414,44 @@ def _init_group(rank, local_rank, world_size, backend, config: LaunchConfig, sto
                        backend=backend, device=device, workdir=workdir)
 
 
-def teardown() -> None:
-    """Destroy the process group once nothing refers to DDP objects any more.
+def teardown(*, barrier_timeout_s: float | None = None) -> None:
+    """End this rank's part in its process group: collect what DDP left, meet the peers, destroy the group.
 
-    A DDP Reducer holding the last reference to a gloo group can hang the process at
-    exit, so callers drop their models and optimizers first; this collects the cycles.
+    Callers drop their models and optimizers first: a DDP Reducer holding the last reference to a
+    gloo group can hang the process at exit, so this collects the cycles. A rank that exits the
+    instant its last collective returns can abort ("terminate called without an active exception"):
+    a gloo worker thread still holds that collective's work, and releasing its tensors needs the
+    interpreter that is finalizing. One barrier first, waited with the GIL released, lets it go.
+
+    Args:
+        barrier_timeout_s: how long the barrier waits for the peers; None leaves without one (this
+            rank or a peer failed). A barrier that fails or times out only ends the wait.
     """
     gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if barrier_timeout_s is not None and dist.get_world_size() > 1:
+        _leaving_barrier(barrier_timeout_s)
+    dist.destroy_process_group()
+
+
+def _any_failed(workdir: str, world_size: int) -> bool:
+    return any(os.path.exists(_path(workdir, "error", rank)) for rank in range(world_size))
+
+
+def _leaving_barrier(timeout_s: float) -> bool:
+    """Wait for every rank of the default group, at most ``timeout_s``; False when some rank did not come."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if dist.get_backend() == dist.Backend.GLOO:
+            dist.monitored_barrier(timeout=timeout)
+        else:
+            # NCCL has no monitored barrier: its barrier's work handle takes the timeout instead.
+            dist.barrier(async_op=True).wait(timeout=timeout)
+    except RuntimeError:
+        # The result is already out; a peer that never came is reported by whoever supervises it.
+        return False
+    return True
 
 
 def _save(path: str, obj: Any) -> None:
