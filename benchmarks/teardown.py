@@ -10,8 +10,10 @@ through each of the launch layer's paths:
 - ``spawn``: the same with ``start_method="spawn"`` (fresh interpreters that finalize at exit);
 - ``torchrun``: ``python -m torch.distributed.run --standalone`` on this file, whose workers join
   torchrun's group through ``launch``;
-- ``plain``: the control, torchrun on a worker without ddplab that inits the group itself, all-reduces
-  and destroys the group at once (what a user's script does without a barrier).
+- ``plain``: the control, torchrun on a worker without ddplab's launch that inits the group itself, runs
+  the same function and destroys the group at once (what a user's script does without a barrier);
+- ``plain-gc`` and ``plain-barrier``: the same worker ending through ddplab's ``teardown``, without
+  and with its barrier (``gc.collect()``, [barrier,] ``destroy_process_group()``).
 
 A run aborted when the launch failed (a rank died: SIGABRT) or any rank wrote "terminate called".
 If the base rate is p per run, n clean runs after a fix happen by chance with probability (1 - p)^n.
@@ -35,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ddplab.errors import LaunchError
-from ddplab.runtime.launch import LaunchConfig, launch
+from ddplab.runtime.launch import LaunchConfig, launch, teardown
 
 ABORT_TEXT = "terminate called"
-PATHS = ("fork", "spawn", "torchrun", "plain")
+PATHS = ("fork", "spawn", "torchrun", "plain", "plain-gc", "plain-barrier")
 
 
 LINGER_S = 1.0
@@ -88,11 +90,14 @@ def _launched(start_method: str, world_size: int) -> tuple[bool, str]:
     return failed or ABORT_TEXT in text, text
 
 
-def plain_worker() -> None:
-    """A torchrun worker without ddplab: its own group, one all-reduce, destroyed at once."""
+def plain_worker(ending: str) -> None:
+    """A torchrun worker without ddplab's launch: its own group, the same function, then ``ending``."""
     dist.init_process_group("gloo")
     last_act_all_reduce(None)
-    dist.destroy_process_group()
+    if ending == "plain":
+        dist.destroy_process_group()
+    else:
+        teardown(barrier_timeout_s=30 if ending == "plain-barrier" else None)
 
 
 def _torchrun(world_size: int, worker: str) -> tuple[bool, str]:
@@ -107,8 +112,8 @@ def measure(path: str, runs: int, world_size: int) -> dict:
     """Abort count over ``runs`` launches through ``path``, with the first aborted run's stderr."""
     aborts, first_error, started = 0, None, time.monotonic()
     for _ in range(runs):
-        if path in ("torchrun", "plain"):
-            aborted, err = _torchrun(world_size, "launch" if path == "torchrun" else "plain")
+        if path.startswith(("torchrun", "plain")):
+            aborted, err = _torchrun(world_size, "launch" if path == "torchrun" else path)
         else:
             aborted, err = _launched(path, world_size)
         if aborted:
@@ -133,13 +138,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--label", default="", help="what the code under test is (e.g. 'no barrier')")
     parser.add_argument("--out", default=None, help="append the results to this JSON file")
-    parser.add_argument("--worker", choices=("launch", "plain"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("launch", "plain", "plain-gc", "plain-barrier"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "launch":
         launch(last_act_all_reduce, LaunchConfig())
         return
-    if args.worker == "plain":
-        plain_worker()
+    if args.worker is not None:
+        plain_worker(args.worker)
         return
     results = []
     for path in args.paths.split(","):

@@ -152,3 +152,16 @@ def test_a_rank_whose_peer_failed_is_not_held_at_the_barrier():
     with pytest.raises(LaunchError, match="boom at the end") as info:
         launch(_raise_on_rank_one_after_a_collective, LaunchConfig(world_size=2, pg_timeout_s=30))
     assert info.value.rank == 1 and time.monotonic() - started < 15
+
+
+def _rank_one_returns_at_once(ctx):
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_at_the_leaving_barrier_is_said_to_have_returned():
+    # Rank 1 returned and waits at the leaving barrier while rank 0 times out in a collective rank 1 never joined.
+    with pytest.raises(LaunchError, match="rank 1 stopped answering") as info:
+        launch(_rank_one_returns_at_once, LaunchConfig(world_size=2, pg_timeout_s=2))
+    assert "rank 1 had returned without joining that collective" in str(info.value)

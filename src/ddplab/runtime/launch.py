@@ -439,8 +439,8 @@ def _any_failed(workdir: str, world_size: int) -> bool:
     return any(os.path.exists(_path(workdir, "error", rank)) for rank in range(world_size))
 
 
-def _leaving_barrier(timeout_s: float) -> bool:
-    """Wait for every rank of the default group, at most ``timeout_s``; False when some rank did not come."""
+def _leaving_barrier(timeout_s: float) -> None:
+    """Wait for every rank of the default group, at most ``timeout_s``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         if dist.get_backend() == dist.Backend.GLOO:
@@ -450,8 +450,7 @@ def _leaving_barrier(timeout_s: float) -> bool:
             dist.barrier(async_op=True).wait(timeout=timeout)
     except RuntimeError:
         # The result is already out; a peer that never came is reported by whoever supervises it.
-        return False
-    return True
+        pass
 
 
 def _save(path: str, obj: Any) -> None:
