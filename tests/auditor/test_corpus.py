@@ -161,6 +161,8 @@ MESSAGES = {
 
 # id → the lr the report's header must show: the configured (peak) lr, not the last audited step's.
 CONFIGURED_LR = {"step_budget_two_passes": 0.02, "nanogpt_eval_all": 3e-3}
+# The samples the loader feeds one optimizer step on all ranks (a GAN's generated batch is no part of it).
+GLOBAL_BATCH = {"gan_freeze": 64, "gan_plain": 64, "trainer_class": 32}
 
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"
@@ -332,6 +334,9 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     assert report is not None, _why("NO REPORT: the audit wrote no report", audited, report)
     assert report["world_size"] == case.world_size
     assert _serious(report) == {}, _why(f"FALSE ALARM: {_serious(report)}", audited, report)
+    if name in GLOBAL_BATCH:
+        assert report["global_batch_size"] == GLOBAL_BATCH[name], \
+            _why(f"GLOBAL BATCH: {report['global_batch_size']}", audited, report)
     if name in CONFIGURED_LR:
         assert report["lr"] == pytest.approx(CONFIGURED_LR[name]), _why(f"LR: {report['lr']}", audited, report)
     if case.script == "epochs_and_exit.py":

@@ -236,18 +236,20 @@ def _batch_loaded(audit, loader_iter, batch) -> None:
             audit.loaded.pop(next(iter(audit.loaded)))
 
 
-def training_forward(audit, key: str, inputs, window: int) -> None:
-    """A training forward of wrapper ``key``: if its input is a batch a DataLoader returned, note that batch's
-    indices (compared across ranks by :func:`ddplab.auditor.findings.merge`)."""
+def training_forward(audit, key: str, inputs, window: int) -> bool:
+    """A training forward of wrapper ``key``: whether its input is a batch a DataLoader returned (as far as the
+    data window sees); if so, that batch's indices are noted (compared across ranks by
+    :func:`ddplab.auditor.findings.merge`)."""
     if not audit.loaded or not _collecting(audit):
-        return
-    indices = audit.index_batches.setdefault(key, [])
-    if len(indices) >= window:
-        return
+        return False
     first = _first_tensor(inputs)
     fingerprint = audit.loaded.pop(tensors.digest(first), None) if first is not None else None
-    if fingerprint is not None:
+    if fingerprint is None:
+        return False
+    indices = audit.index_batches.setdefault(key, [])
+    if len(indices) < window:
         indices.append(fingerprint)
+    return True
 
 
 def _first_tensor(value) -> torch.Tensor | None:

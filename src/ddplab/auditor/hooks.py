@@ -161,10 +161,11 @@ def _record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None
             info.batches.append(fingerprint)
             if len(info.batches) == DATA_WINDOW_FACTOR * audit.steps_to_audit:
                 audit.write()
-    data.training_forward(audit, info.key, inputs, DATA_WINDOW_FACTOR * audit.steps_to_audit)
+    fed = data.training_forward(audit, info.key, inputs, DATA_WINDOW_FACTOR * audit.steps_to_audit)
     if audit.armed:
         size = audit.micro_batch = tensors.first_dim(inputs)
         info.forward_batch += size or 0
+        info.loader_batch += (size or 0) if fed else 0
         if size is not None:
             _check_batchnorm(audit, info, size)
 
@@ -289,10 +290,12 @@ def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
     losses.check_step(audit, info.forward_batch)
     audit.lr = schedulers.configured_lr(optimizer, audit.lr)
     audit.optimizer = type(optimizer).__name__
-    if info.forward_batch:
-        audit.global_batch_size = info.forward_batch * len(info.group)
+    # Samples the loader fed: a GAN's discriminator also sees a generated batch, which is no part of the data.
+    per_rank_batch = info.loader_batch or info.forward_batch
+    if per_rank_batch:
+        audit.global_batch_size = per_rank_batch * len(info.group)
     info.steps += 1
-    info.reductions = info.accumulated_reductions = info.forward_batch = 0
+    info.reductions = info.accumulated_reductions = info.forward_batch = info.loader_batch = 0
     info.bypassed = False
     audit.steps += 1
     audit.write()

@@ -34,6 +34,7 @@ class WrapperInfo:
         self.pending = False  # a training forward waits for its backward
         self.batches: list[str] = []
         self.forward_batch = 0  # samples per rank in this step's training forwards
+        self.loader_batch = 0  # of those, the samples of forwards whose input a DataLoader returned
         self.bypassed = False
         self.syncs_buffers = False
         self.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
