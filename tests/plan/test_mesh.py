@@ -73,7 +73,8 @@ def test_torchtitan_shaped_plan_counts_data_parallel_ranks_not_the_world(capsys)
                                                     "layer of the same samples, adding none to the batch")
     assert reasons["global_batch_size"] == "8 per device × data-parallel degree 8 × 1 accumulation step"
     assert "16 ranks ×" not in reasons["global_batch_size"]
-    assert "grows ×8 with the data-parallel degree (1 → 8), not the world size" in reasons["per_device_batch_size"]
+    assert reasons["per_device_batch_size"] == ("keep per-device: the reference's per-device batch, so the global "
+                                                "batch grows ×8: data-parallel degree 1 → 8 (not the world size)")
     assert reasons["lr_multiplier"].endswith("k counts data-parallel ranks: counting all 16 ranks would make k 16 and "
                                              "the lr ×4, 1.414× too high")
     assert reasons["tokens_per_step"] == "global batch 64 × --seq-len 4096; the reference's: 8 × 4096 = 32,768"

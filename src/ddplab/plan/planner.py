@@ -816,10 +816,7 @@ def _per_device_reasons(reference: Reference, target: Target, batch: int, accumu
                         k: float) -> dict[str, str]:
     limit = target.max_batch_size_per_device
     within = f" with at most {limit} per device" if limit else ""
-    grows = f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"
-    if k != 1 and max(reference.model_parallel_size, target.model_parallel_size) > 1:
-        grows = (f"grows ×{k:g} with the data-parallel degree ({reference.data_parallel_size} → "
-                 f"{target.data_parallel_size}), not the world size")
+    grows = _growth(reference, target, accumulation, k)
     split = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
     if target.per_device_batch_size:
         batch_reason = "given by {target.per_device_batch_size}"
@@ -838,6 +835,19 @@ def _per_device_reasons(reference: Reference, target: Target, batch: int, accumu
     given = "given by {target.accumulation_steps}"
     return {"per_device_batch_size": batch_reason,
             "accumulation_steps": given if target.accumulation_steps else accumulation_reason}
+
+
+def _growth(reference: Reference, target: Target, accumulation: int, k: float) -> str:
+    """How the global batch changes at the reference's per-device batch: with the data-parallel degree."""
+    if k == 1:
+        return "stays the same"
+    changes = [f"{name} {was} → {now}" for name, was, now in (
+        ("data-parallel degree", reference.data_parallel_size, target.data_parallel_size),
+        ("accumulation steps", reference.accumulation_steps, accumulation)) if was != now]
+    meshed = max(reference.model_parallel_size, target.model_parallel_size) > 1
+    if not changes or (not meshed and accumulation == reference.accumulation_steps):
+        return f"grows ×{k:g} with the hardware"
+    return f"grows ×{k:g}: {', '.join(changes)}" + (" (not the world size)" if meshed else "")
 
 
 def _reference_formula(reference: Reference) -> str:
