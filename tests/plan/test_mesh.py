@@ -255,6 +255,7 @@ meshes = st.fixed_dictionaries({
     "tp": st.sampled_from([1, 2, 4, 8]), "pp": st.sampled_from([1, 2, 4]), "cp": st.sampled_from([1, 2]),
     "optimizer": st.sampled_from(["sgd", "adam", "adamw"]), "keep": st.sampled_from(["per-device", "trajectory"]),
     "strategy": st.sampled_from(mesh.STRATEGIES), "dataset_size": st.one_of(st.none(), st.integers(64, 100_000)),
+    "rule": st.sampled_from(["auto", "none", "linear", "sqrt", "surge"]),
 })
 
 
@@ -262,14 +263,18 @@ meshes = st.fixed_dictionaries({
 @given(c=meshes)
 def test_a_mesh_plans_as_ddp_on_its_data_parallel_ranks(c):
     # tp × pp × cp ranks add no samples: d data-parallel ranks in a mesh plan exactly as d plain DDP ranks.
-    ref = Reference(per_device_batch_size=c["batch"], lr=1e-3, optimizer=c["optimizer"])
-    d = c["data_parallel"]
+    surge = c["rule"] == "surge"
+    # The surge rule is Adam's, and reads a noise scale.
+    ref = Reference(per_device_batch_size=c["batch"], lr=1e-3, noise_scale=128 if surge else None,
+                    optimizer="adam" if surge and c["optimizer"] == "sgd" else c["optimizer"])
+    d, rule = c["data_parallel"], c["rule"]
     data = Data(dataset_size=c["dataset_size"]) if c["dataset_size"] and c["dataset_size"] >= d else Data()
-    plain = _plan_or_error(ref, Target(devices=d, accumulation_steps=c["accumulation"], keep=c["keep"]), data)
+    plain = _plan_or_error(ref, Target(devices=d, accumulation_steps=c["accumulation"], keep=c["keep"], rule=rule),
+                           data)
     meshed = _plan_or_error(ref, Target(devices=d * c["tp"] * c["pp"] * c["cp"], tensor_parallel_size=c["tp"],
                                         pipeline_parallel_size=c["pp"], context_parallel_size=c["cp"],
-                                        strategy=c["strategy"], accumulation_steps=c["accumulation"], keep=c["keep"]),
-                            data)
+                                        strategy=c["strategy"], accumulation_steps=c["accumulation"], keep=c["keep"],
+                                        rule=rule), data)
     assert meshed == plain
 
 
