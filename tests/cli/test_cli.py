@@ -144,6 +144,8 @@ PLAN_ARGVS = [
     ["--ref-batch-size", "32", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8", "--nodes", "2",
      "--dataset-size", "100000", "--epochs", "3"],
     ["--ref-batch-size", "64", "--ref-lr", "0.1", "--devices", "8", "--nodes", "4", "--critical-batch-size", "500"],
+    ["--ref-batch-size", "8", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8", "--nodes", "2", "--tp", "2",
+     "--strategy", "hsdp", "--replicate", "2", "--accumulation", "4", "--seq-len", "4096"],
 ]
 
 

@@ -30,6 +30,10 @@ RENAMES: dict[str, str] = {
     "reference.per_device_batch_size": "--ref-batch-size",
     "reference.lr": "--ref-lr", "reference.devices": "--ref-devices", "reference.nodes": "--ref-nodes",
     "reference.accumulation_steps": "--ref-accumulation", "reference.wrapper": "--ref-wrapper",
+    "target.tensor_parallel_size": "--tp", "target.pipeline_parallel_size": "--pp",
+    "target.context_parallel_size": "--cp", "target.data_parallel_replicate_size": "--replicate",
+    "reference.tensor_parallel_size": "--ref-tp", "reference.pipeline_parallel_size": "--ref-pp",
+    "reference.context_parallel_size": "--ref-cp",
     "reference_global_batch_size": "--ref-global-batch-size", "reference_lr": "--ref-lr",
     "optimizer.family": "--optimizer", "deterministic=False": "--noisy",
 }

@@ -11,7 +11,8 @@ from ddplab.errors import UsageError
 from ddplab.plan.planner import Data, Reference, Target
 
 DESCRIPTION = """\
-Translate a reference setup to new hardware (DDP, one process per device).
+Translate a reference setup to new hardware: one process per device (DDP, or FSDP2/HSDP with
+--strategy), optionally in a device mesh with tensor, pipeline and context parallelism.
 
   --keep trajectory   same global batch and lr as the reference: derive the per-device batch
                       and accumulation steps that reach it exactly
@@ -21,11 +22,16 @@ Translate a reference setup to new hardware (DDP, one process per device).
 
 Without --keep: per-device when no target batch is given, else whichever mode the resulting
 global batch implies. --batch-size is the per-device loader batch; the global (effective)
-batch is per-device batch × devices × nodes × accumulation steps.
+batch is per-device batch × data-parallel degree × accumulation steps, and the data-parallel
+degree is devices × nodes ÷ (--tp × --pp × --cp): tensor, pipeline and context-parallel ranks
+work on the same samples and add none. Every rule scales with the data-parallel degree.
 
 examples:
   ddplab plan --ref-batch-size 32 --ref-lr 0.1 --devices 8 --dataset-size 1281167 --epochs 90
   ddplab plan --ref-batch-size 32 --ref-lr 3e-4 --optimizer adamw --devices 8 --nodes 2
+  ddplab plan --ref-batch-size 8 --ref-lr 3e-4 --optimizer adamw --devices 8 --nodes 2 --tp 2 --seq-len 4096
+  ddplab plan --ref-batch-size 8 --ref-lr 3e-4 --optimizer adamw --devices 8 --nodes 2 --strategy hsdp \\
+      --replicate 2 --accumulation 4
   ddplab plan --ref-batch-size 32 --ref-lr 3e-4 --optimizer adamw --devices 8 --rule surge --noise-scale 128
   ddplab plan --ref-batch-size 256 --ref-devices 4 --ref-wrapper dp --ref-lr 0.1 --devices 4
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8
@@ -36,14 +42,16 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="translate batch size, lr, warmup and steps to new hardware",
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser.add_argument_group("reference (the run you trust)"), Reference,
-               ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "wrapper", "optimizer",
-                "betas", "eps", "weight_decay", "noise_scale", "reduction"), prefix="reference",
+               ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "tensor_parallel_size",
+                "pipeline_parallel_size", "context_parallel_size", "wrapper", "optimizer", "betas", "eps",
+                "weight_decay", "noise_scale", "reduction"), prefix="reference",
                per_device_batch_size={"required": True})
     add_fields(parser.add_argument_group("target (the new hardware)"), Target,
-               ("devices", "nodes", "per_device_batch_size", "global_batch_size", "accumulation_steps",
-                "max_batch_size_per_device", "keep", "rule"), prefix="target")
+               ("devices", "nodes", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                "strategy", "data_parallel_replicate_size", "per_device_batch_size", "global_batch_size",
+                "accumulation_steps", "max_batch_size_per_device", "keep", "rule"), prefix="target")
     data = parser.add_argument_group("data and schedule (for step counts)")
-    add_fields(data, Data, ("dataset_size", "epochs", "drop_last", "sampler_drop_last", "warmup_epochs",
+    add_fields(data, Data, ("dataset_size", "seq_len", "epochs", "drop_last", "sampler_drop_last", "warmup_epochs",
                             "warmup_steps", "warmup_threshold", "critical_batch_size"), prefix="data",
                drop_last={"optional_value": True}, sampler_drop_last={"optional_value": True})
     mark(data.add_argument("--from-study", metavar="STUDY.json",
@@ -84,8 +92,10 @@ def config_from_args(args: argparse.Namespace):
 
 ROWS = (
     ("reference_global_batch_size", "reference global batch"), ("world_size", "world size"),
+    ("data_parallel_size", "data-parallel degree"),
     ("per_device_batch_size", "per-device batch (--batch-size)"), ("accumulation_steps", "accumulation steps"),
-    ("global_batch_size", "global batch"), ("lr", "learning rate"), ("lr_multiplier", "lr multiplier"),
+    ("global_batch_size", "global batch"), ("tokens_per_step", "tokens per step"), ("lr", "learning rate"),
+    ("lr_multiplier", "lr multiplier"),
     ("betas", "Adam betas"), ("eps", "Adam eps"), ("weight_decay", "weight decay"),
     ("adamw_timescale_epochs", "AdamW timescale (epochs)"), ("warmup_recommended", "warmup"),
     ("warmup_steps", "warmup steps"), ("samples_per_rank", "samples per rank"),
@@ -95,6 +105,9 @@ ROWS = (
     ("steps_factor", "steps vs minimum"), ("compute_factor", "compute vs minimum"),
 )
 
+EXPLAINED_ONLY = frozenset({"data_parallel_size"})
+"""Rows shown only where the plan explains them: the data-parallel degree is news only under a mesh or FSDP2."""
+
 
 def _print_plan(result) -> None:
     values = result.to_json()
@@ -103,7 +116,7 @@ def _print_plan(result) -> None:
         value = values.get(key)
         if key == "warmup_steps" and value is None and result.warmup_recommended:
             value = "unknown"
-        if value is None:
+        if value is None or (key in EXPLAINED_ONLY and key not in result.reasons):
             continue
         rows.append([label, _show(value), result.reasons.get(key, "")])
     how = "lr measured by ddplab study" if result.rule == "measured" else f"{result.rule} rule"

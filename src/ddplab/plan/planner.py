@@ -7,6 +7,13 @@
 >>> plan(ref, Target(devices=8, keep="trajectory")).per_device_batch_size
 4
 
+Under a device mesh only the data-parallel ranks add samples: 16 ranks with tensor parallelism 2
+are 8 data-parallel ranks, so the global batch is 32 × 8, not 32 × 16:
+
+>>> p = plan(ref, Target(devices=8, nodes=2, tensor_parallel_size=2))
+>>> p.data_parallel_size, p.global_batch_size, p.lr
+(8, 256, 0.8)
+
 Errors are :class:`~ddplab.errors.UsageError` sentences naming the field to change as the
 argument holds it (``reference.lr``, ``target.devices``, ``data.dataset_size``), and so is the
 plan's prose (its reasons, warnings and other mode): templates a Python caller reads with field
@@ -21,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
 from ddplab.errors import UsageError, render
-from ddplab.plan import scaling
+from ddplab.plan import mesh, scaling
 from ddplab.text import count
 from ddplab.validation import one_of, positive, zero_or_more
 
@@ -55,6 +62,12 @@ class Reference:
     """Nodes."""
     accumulation_steps: int = 1
     """Gradient accumulation steps."""
+    tensor_parallel_size: int = 1
+    """Its tensor-parallel degree (tp): ranks that split each layer of the same samples."""
+    pipeline_parallel_size: int = 1
+    """Its pipeline-parallel degree (pp): ranks that hold successive stages of the same samples."""
+    context_parallel_size: int = 1
+    """Its context-parallel degree (cp): ranks that split each sequence of the same samples."""
     wrapper: scaling.Wrapper | None = None
     """Single device, DataParallel or DDP: 'single', 'dp' or 'ddp' (default: single for one device, else ddp)."""
     global_batch_size: int | None = None
@@ -78,7 +91,10 @@ class Reference:
         for field, value in (("reference.per_device_batch_size", self.per_device_batch_size),
                              ("reference.devices", self.devices), ("reference.nodes", self.nodes),
                              ("reference.accumulation_steps", self.accumulation_steps),
-                             ("reference.global_batch_size", self.global_batch_size)):
+                             ("reference.global_batch_size", self.global_batch_size),
+                             ("reference.tensor_parallel_size", self.tensor_parallel_size),
+                             ("reference.pipeline_parallel_size", self.pipeline_parallel_size),
+                             ("reference.context_parallel_size", self.context_parallel_size)):
             positive(field, value, integer=True)
         positive("reference.lr", self.lr)
         positive("reference.eps", self.eps)
@@ -90,12 +106,22 @@ class Reference:
         if self.wrapper == "single" and (self.devices > 1 or self.nodes > 1):
             raise UsageError("{reference.wrapper} single means one device: set {reference.wrapper} ddp or dp for "
                              "several")
+        self._check_mesh()
         one_of("reference.optimizer", self.optimizer, OPTIMIZERS)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise UsageError(f"{{reference.betas}} must be two numbers in [0, 1), got {self.betas}")
         one_of("reference.reduction", self.reduction, get_args(Reduction))
         self._resolve_weight_decay()
         self._resolve_global_batch()
+
+    def _check_mesh(self) -> None:
+        if self.model_parallel_size == 1:
+            return
+        if self.wrapper == "dp":
+            raise UsageError("{reference.wrapper} dp is one process, which has no device mesh: set "
+                             "{reference.wrapper} ddp (one process per device), or drop the reference's tp, pp and cp")
+        _check_divides("reference", self.devices, self.nodes, self.tensor_parallel_size, self.pipeline_parallel_size,
+                       self.context_parallel_size)
 
     def _resolve_weight_decay(self) -> None:
         if self.optimizer == "sgd":
@@ -114,9 +140,9 @@ class Reference:
                 raise UsageError("the reference needs {reference.per_device_batch_size} (with its devices, nodes and "
                                  "accumulation steps) or {reference.global_batch_size}")
             return
-        derived = scaling.global_batch_size(per_device_batch_size=self.per_device_batch_size, devices=self.devices,
-                                            nodes=self.nodes, accumulation_steps=self.accumulation_steps,
-                                            wrapper=self.wrapper)
+        derived = mesh.global_batch_size(per_device_batch_size=self.per_device_batch_size,
+                                         data_parallel_size=self.data_parallel_size,
+                                         accumulation_steps=self.accumulation_steps)
         if self.global_batch_size not in (None, derived):
             raise UsageError(f"{{reference.global_batch_size}} {self.global_batch_size} disagrees with "
                              f"{{reference.per_device_batch_size}} {self.per_device_batch_size} on this setup, which "
@@ -126,6 +152,23 @@ class Reference:
     @property
     def world_size(self) -> int:
         return 1 if self.wrapper != "ddp" else self.devices * self.nodes
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp × pp × cp: ranks that share one data-parallel rank's samples."""
+        return mesh.model_parallel_size(tensor_parallel_size=self.tensor_parallel_size,
+                                        pipeline_parallel_size=self.pipeline_parallel_size,
+                                        context_parallel_size=self.context_parallel_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Loader batches behind one micro-step: DDP's data-parallel ranks; DataParallel's one process per node."""
+        if self.wrapper != "ddp":
+            # DataParallel splits one loader batch over the devices: they add no samples.
+            return self.nodes
+        return mesh.data_parallel_size(world_size=self.world_size, tensor_parallel_size=self.tensor_parallel_size,
+                                       pipeline_parallel_size=self.pipeline_parallel_size,
+                                       context_parallel_size=self.context_parallel_size)
 
     @property
     def batch_per_device(self) -> float | None:
@@ -138,12 +181,24 @@ class Reference:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Target:
-    """The new hardware (always DDP: one process per device) and what to hold fixed."""
+    """The new hardware (one process per device, in a mesh of data, tensor, pipeline and context parallel ranks) and
+    what to hold fixed."""
 
     devices: int
     """Devices (GPUs) per node."""
     nodes: int = 1
     """Nodes."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel degree (tp): ranks that split each layer of the same samples; they add none to the batch."""
+    pipeline_parallel_size: int = 1
+    """Pipeline-parallel degree (pp): ranks that hold successive stages of the same samples; they add none."""
+    context_parallel_size: int = 1
+    """Context-parallel degree (cp): ranks that split each sequence of the same samples; they add none."""
+    strategy: mesh.Strategy = "ddp"
+    """How the data-parallel ranks hold the model: ddp (a whole replica each), fsdp (FSDP2 shards it) or hsdp
+    (FSDP2 shards within groups and replicates across them); changes no number, only how to accumulate."""
+    data_parallel_replicate_size: int | None = None
+    """HSDP's replicate degree R (the shard degree is the data-parallel degree ÷ R); shown, changes no number."""
     per_device_batch_size: int | None = None
     """Per-device loader batch; derived when not given."""
     global_batch_size: int | None = None
@@ -164,31 +219,94 @@ class Target:
                              ("target.per_device_batch_size", self.per_device_batch_size),
                              ("target.global_batch_size", self.global_batch_size),
                              ("target.accumulation_steps", self.accumulation_steps),
-                             ("target.max_batch_size_per_device", self.max_batch_size_per_device)):
+                             ("target.max_batch_size_per_device", self.max_batch_size_per_device),
+                             ("target.tensor_parallel_size", self.tensor_parallel_size),
+                             ("target.pipeline_parallel_size", self.pipeline_parallel_size),
+                             ("target.context_parallel_size", self.context_parallel_size),
+                             ("target.data_parallel_replicate_size", self.data_parallel_replicate_size)):
             positive(field, value, integer=True)
+        _check_divides("target", self.devices, self.nodes, self.tensor_parallel_size, self.pipeline_parallel_size,
+                       self.context_parallel_size)
+        one_of("target.strategy", self.strategy, mesh.STRATEGIES)
+        self._check_replicate()
         if self.keep is not None:
             one_of("target.keep", self.keep, KEEPS)
         one_of("target.rule", self.rule, RULE_CHOICES)
         self._check_batch_fields()
 
+    def _check_replicate(self) -> None:
+        replicate = self.data_parallel_replicate_size
+        if replicate is None:
+            return
+        if not self.notes.takes_replicate:
+            raise UsageError(f"{{target.data_parallel_replicate_size}} is HSDP's replicate degree and "
+                             f"{{target.strategy}} {self.strategy} has none: pass {{target.strategy}} hsdp, or drop "
+                             "{target.data_parallel_replicate_size}")
+        if self.data_parallel_size % replicate:
+            raise UsageError(f"{{target.data_parallel_replicate_size}} {replicate} does not divide the data-parallel "
+                             f"degree {self.data_parallel_size}: HSDP's data-parallel ranks are replicate × shard")
+
     def _check_batch_fields(self) -> None:
         batch, accumulation, global_batch = self.per_device_batch_size, self.accumulation_steps, self.global_batch_size
-        world = self.world_size
+        world = self.data_parallel_size
         if batch and accumulation and global_batch and batch * world * accumulation != global_batch:
             # Three explicit values that disagree: none of them may be changed silently.
-            raise UsageError(f"{{target.per_device_batch_size}} {batch} × {world} ranks × "
+            raise UsageError(f"{{target.per_device_batch_size}} {batch} × {_ranks(self)} × "
                              f"{{target.accumulation_steps}} {accumulation} = {batch * world * accumulation}, not "
                              f"{{target.global_batch_size}} "
                              f"{global_batch}: give two of the three")
         if batch and global_batch and global_batch % (batch * world):
             raise UsageError(f"{{target.global_batch_size}} {global_batch} is not a multiple of "
-                             f"{{target.per_device_batch_size}} × world size = {batch * world}")
+                             f"{{target.per_device_batch_size}} × {_ranks_noun(self)} = {batch * world}")
         if batch and self.max_batch_size_per_device and batch > self.max_batch_size_per_device:
             raise UsageError("{target.per_device_batch_size} is larger than {target.max_batch_size_per_device}")
 
     @property
     def world_size(self) -> int:
         return self.devices * self.nodes
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp × pp × cp: ranks that share one data-parallel rank's samples."""
+        return mesh.model_parallel_size(tensor_parallel_size=self.tensor_parallel_size,
+                                        pipeline_parallel_size=self.pipeline_parallel_size,
+                                        context_parallel_size=self.context_parallel_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that load distinct samples: world size ÷ (tp × pp × cp)."""
+        return mesh.data_parallel_size(world_size=self.world_size, tensor_parallel_size=self.tensor_parallel_size,
+                                       pipeline_parallel_size=self.pipeline_parallel_size,
+                                       context_parallel_size=self.context_parallel_size)
+
+    @property
+    def notes(self) -> mesh.StrategyNotes:
+        """What the plan says about the strategy."""
+        return mesh.NOTES[self.strategy]
+
+
+def _check_divides(prefix: str, devices: int, nodes: int, tp: int, pp: int, cp: int) -> None:
+    """tp × pp × cp must divide the world, in a sentence that names its sizes."""
+    world = devices * nodes
+    if mesh.divides(world_size=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp):
+        return
+    raise UsageError(f"{count(world, 'rank')} ({count(nodes, 'node')} × {count(devices, 'device')}) "
+                     f"{'does' if world == 1 else 'do'} not split into tp {tp} × pp {pp} × cp {cp}: choose "
+                     f"{{{prefix}.tensor_parallel_size}}, {{{prefix}.pipeline_parallel_size}} and "
+                     f"{{{prefix}.context_parallel_size}} whose product divides {world}")
+
+
+def _ranks(target: Target) -> str:
+    """The ranks that split the global batch, counted as the prose names them ("8 ranks", "8 data-parallel ranks")."""
+    return count(target.data_parallel_size, _rank(target))
+
+
+def _rank(target: Target) -> str:
+    return "rank" if target.model_parallel_size == 1 else "data-parallel rank"
+
+
+def _ranks_noun(target: Target) -> str:
+    return "world size" if target.model_parallel_size == 1 else "data-parallel degree"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -211,9 +329,12 @@ class Data:
     """Recommend warmup when the lr grows at least this much: the lr multiplier reaches it."""
     critical_batch_size: float | None = None
     """Measured critical batch size (ddplab noise): warn when the plan is well past it (diminishing returns)."""
+    seq_len: int | None = None
+    """Tokens per sample (the sequence length): adds tokens per optimizer step, the reference's and the target's."""
 
     def __post_init__(self):
         positive("data.dataset_size", self.dataset_size, integer=True)
+        positive("data.seq_len", self.seq_len, integer=True)
         for field, value in (("data.epochs", self.epochs), ("data.warmup_threshold", self.warmup_threshold),
                              ("data.critical_batch_size", self.critical_batch_size)):
             positive(field, value)
@@ -245,10 +366,24 @@ class Plan:
     mode: Keep
     rule: PlanRule
     world_size: int
+    data_parallel_size: int
+    """The ranks that load distinct samples: world size ÷ (tp × pp × cp); every batch and lr rule counts these."""
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    context_parallel_size: int
+    strategy: mesh.Strategy
+    data_parallel_replicate_size: int | None
+    """Replicas over the data-parallel ranks (all of them under DDP, 1 under FSDP2; None for HSDP without one)."""
+    data_parallel_shard_size: int | None
+    """Ranks one replica is sharded over (1 under DDP, all of them under FSDP2; None for HSDP without a replicate)."""
     per_device_batch_size: int
     accumulation_steps: int
     global_batch_size: int
+    tokens_per_step: int | None
+    """Global batch × sequence length; None without ``data.seq_len``."""
     reference_global_batch_size: int
+    reference_data_parallel_size: int
+    reference_tokens_per_step: int | None
     batch_ratio: float
     lr: float
     lr_multiplier: float
@@ -329,7 +464,8 @@ def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource 
     mode = _resolve_mode(reference, target)
     batch, accumulation = _batch_for(mode, reference, target)
     reasons, warnings = {}, []
-    global_batch = batch * target.world_size * accumulation
+    global_batch = mesh.global_batch_size(per_device_batch_size=batch, data_parallel_size=target.data_parallel_size,
+                                          accumulation_steps=accumulation)
     k = global_batch / reference.global_batch_size
     # Keep trajectory holds the reference's global batch and its lr: a measured lr would change the run it keeps.
     measured = lr_source(global_batch) if lr_source is not None and mode != "trajectory" else None
@@ -339,15 +475,51 @@ def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource 
         lr_fields["reasons"]["lr"] += "; keep trajectory holds the reference's lr, so the measured lr is not used"
     reasons.update(_batch_reasons(reference, target, mode, batch, accumulation, global_batch, k))
     reasons.update(lr_fields.pop("reasons"))
-    steps = _steps(data, target.world_size, batch, accumulation, global_batch, lr_fields, warnings)
+    if reference.model_parallel_size != target.model_parallel_size and rule in ("linear", "sqrt"):
+        reasons["lr_multiplier"] += _world_size_overshoot(reference, target, rule, k, lr_fields["lr_multiplier"])
+    steps = _steps(data, target, batch, accumulation, global_batch, lr_fields, warnings)
     reasons.update(steps.pop("reasons"))
     steps.update(_adamw_timescale(reference, data, global_batch, lr_fields, reasons))
     warnings += _semantics_warnings(reference, target, global_batch, data)
     other = _other_mode(mode, reference, target, lr_source) if describe_other else ""
-    return Plan(mode=mode, rule=rule, world_size=target.world_size, per_device_batch_size=batch,
-                accumulation_steps=accumulation, global_batch_size=global_batch,
-                reference_global_batch_size=reference.global_batch_size, batch_ratio=k, other_mode=other,
-                warnings=tuple(warnings), reasons=reasons, **lr_fields, **steps)
+    return Plan(mode=mode, rule=rule, per_device_batch_size=batch, accumulation_steps=accumulation,
+                global_batch_size=global_batch, reference_global_batch_size=reference.global_batch_size,
+                batch_ratio=k, other_mode=other, warnings=tuple(warnings), reasons=reasons, **_mesh_fields(target),
+                **_tokens(reference, target, data, global_batch, reasons), **lr_fields, **steps)
+
+
+def _mesh_fields(target: Target) -> dict[str, Any]:
+    replicate, shard = target.notes.split(target.data_parallel_size, target.data_parallel_replicate_size)
+    return {"world_size": target.world_size, "data_parallel_size": target.data_parallel_size,
+            "tensor_parallel_size": target.tensor_parallel_size,
+            "pipeline_parallel_size": target.pipeline_parallel_size,
+            "context_parallel_size": target.context_parallel_size, "strategy": target.strategy,
+            "data_parallel_replicate_size": replicate, "data_parallel_shard_size": shard}
+
+
+def _tokens(reference: Reference, target: Target, data: Data, global_batch: int,
+            reasons: dict[str, str]) -> dict[str, Any]:
+    """Tokens per optimizer step, the target's and the reference's (None without a sequence length)."""
+    out = {"reference_data_parallel_size": reference.data_parallel_size}
+    if data.seq_len is None:
+        return {**out, "tokens_per_step": None, "reference_tokens_per_step": None}
+    tokens, was = (mesh.tokens_per_step(global_batch_size=batch, seq_len=data.seq_len)
+                   for batch in (global_batch, reference.global_batch_size))
+    reasons["tokens_per_step"] = (f"global batch {global_batch} × {{data.seq_len}} {data.seq_len}; the reference's: "
+                                  f"{reference.global_batch_size} × {data.seq_len} = {was:,}"
+                                  + (f"; each of the {target.context_parallel_size} context-parallel ranks holds "
+                                     f"1/{target.context_parallel_size} of every sequence, adding none"
+                                     if target.context_parallel_size > 1 else ""))
+    return {**out, "tokens_per_step": tokens, "reference_tokens_per_step": was}
+
+
+def _world_size_overshoot(reference: Reference, target: Target, rule: PlanRule, k: float, multiplier: float) -> str:
+    """What counting every rank instead of the data-parallel ones would have done to the lr."""
+    by_world = k * target.model_parallel_size / reference.model_parallel_size
+    wrong = scaling.lr_multiplier(by_world, rule)
+    direction = "too high" if wrong > multiplier else "too low"
+    return (f"; k counts data-parallel ranks: counting all {count(target.world_size, 'rank')} would make k "
+            f"{by_world:g} and the lr ×{wrong:.4g}, {wrong / multiplier:.4g}× {direction}")
 
 
 def _resolve_mode(reference: Reference, target: Target) -> Keep:
@@ -361,7 +533,7 @@ def _resolve_mode(reference: Reference, target: Target) -> Keep:
         return "trajectory" if target.global_batch_size == reference.global_batch_size else "per-device"
     if target.per_device_batch_size is not None:
         accumulation = target.accumulation_steps or reference.accumulation_steps
-        new_global = target.per_device_batch_size * target.world_size * accumulation
+        new_global = target.per_device_batch_size * target.data_parallel_size * accumulation
         return "trajectory" if new_global == reference.global_batch_size else "per-device"
     return "per-device"
 
@@ -381,24 +553,29 @@ def _batch_for(mode: Keep, reference: Reference, target: Target) -> tuple[int, i
                          f"{{target.max_batch_size_per_device}} {limit}; give {{target.per_device_batch_size}} too, "
                          "or drop {target.accumulation_steps} to have it derived")
     # Same samples per rank per optimizer step, in micro-batches that fit: the global batch is unchanged.
-    return scaling.split_global_batch(batch * accumulation * target.world_size, world_size=target.world_size,
-                                      max_per_device=limit)
+    return scaling.split_global_batch(batch * accumulation * target.data_parallel_size,
+                                      world_size=target.data_parallel_size, max_per_device=limit)
 
 
 def _split(global_batch: int, target: Target) -> tuple[int, int]:
-    world = target.world_size
+    world = target.data_parallel_size
     if target.per_device_batch_size:
         if global_batch % (target.per_device_batch_size * world):
-            raise UsageError(f"{{target.per_device_batch_size}} {target.per_device_batch_size} on {world} ranks cannot "
+            raise UsageError(f"{{target.per_device_batch_size}} {target.per_device_batch_size} on {_ranks(target)} "
+                             f"cannot "
                              f"reach a global batch of {global_batch}: it needs a multiple of "
                              f"{target.per_device_batch_size * world}")
         return target.per_device_batch_size, global_batch // (target.per_device_batch_size * world)
     if target.accumulation_steps:
         if global_batch % (target.accumulation_steps * world):
-            raise UsageError(f"{{target.accumulation_steps}} {target.accumulation_steps} on {world} ranks cannot "
+            raise UsageError(f"{{target.accumulation_steps}} {target.accumulation_steps} on {_ranks(target)} cannot "
                              f"reach a global batch of {global_batch}: it needs a multiple of "
                              f"{target.accumulation_steps * world}")
         return global_batch // (target.accumulation_steps * world), target.accumulation_steps
+    if global_batch % world and target.model_parallel_size > 1:
+        options = " or ".join(map(str, scaling.nearest_divisible(global_batch, world)))
+        raise UsageError(f"a data-parallel degree of {world} ({_mesh_division(target)}) cannot split a global batch "
+                         f"of {global_batch} evenly; use a global batch of {options}")
     return scaling.split_global_batch(global_batch, world_size=world, max_per_device=target.max_batch_size_per_device)
 
 
@@ -582,37 +759,70 @@ def _adamw_timescale(reference: Reference, data: Data, global_batch: int, lr_fie
 
 def _batch_reasons(reference: Reference, target: Target, mode: str, batch: int, accumulation: int,
                    global_batch: int, k: float) -> dict[str, str]:
-    ref_desc = _reference_formula(reference)
+    ranks = _ranks(target) if target.model_parallel_size == 1 else f"data-parallel degree {target.data_parallel_size}"
     reasons = {
-        "reference_global_batch_size": ref_desc,
+        "reference_global_batch_size": _reference_formula(reference),
         "world_size": f"{count(target.devices, 'device')} × {count(target.nodes, 'node')}, "
-                      "one DDP process per device",
-        "global_batch_size": f"{batch} per device × {count(target.world_size, 'rank')} × "
-                             f"{count(accumulation, 'accumulation step')}",
+                      f"one {target.notes.label} process per device",
+        "global_batch_size": f"{batch} per device × {ranks} × {count(accumulation, 'accumulation step')}",
     }
+    if target.model_parallel_size > 1 or target.notes.accumulation:
+        reasons["data_parallel_size"] = _data_parallel_reason(target)
     if mode == "trajectory":
         reasons["per_device_batch_size"] = (
             f"keep trajectory: reach the reference's global batch of {reference.global_batch_size} exactly"
             + (f" within {{target.max_batch_size_per_device}} {target.max_batch_size_per_device}"
                if target.max_batch_size_per_device else ""))
         reasons["accumulation_steps"] = (f"the fewest accumulation steps that reach {global_batch} with "
-                                         f"{batch} per device on {target.world_size} ranks")
+                                         f"{batch} per device on {_ranks(target)}")
     else:
         reasons.update(_per_device_reasons(reference, target, batch, accumulation, k))
+    if accumulation > 1 and target.notes.accumulation:
+        reasons["accumulation_steps"] += f"; {target.notes.accumulation}"
     return reasons
+
+
+def _data_parallel_reason(target: Target) -> str:
+    """Which ranks add samples, and what the strategy does over them."""
+    dp = target.data_parallel_size
+    if target.model_parallel_size == 1:
+        why = f"data-parallel degree {dp} = {count(target.world_size, 'rank')}, each loading its own batch"
+    else:
+        roles = [role for size, role in ((target.tensor_parallel_size, "tp ranks split each layer"),
+                                         (target.pipeline_parallel_size, "pp ranks hold successive stages"),
+                                         (target.context_parallel_size, "cp ranks split each sequence")) if size > 1]
+        why = (f"data-parallel degree {dp} = {_mesh_division(target)}: {', '.join(roles)} of the same samples, "
+               "adding none to the batch")
+    why += f"; {target.notes.over_data_parallel}"
+    replicate, shard = target.notes.split(dp, target.data_parallel_replicate_size)
+    if target.notes.takes_replicate and replicate is None:
+        return why + " (pass {target.data_parallel_replicate_size} to show the split)"
+    if target.notes.takes_replicate:
+        return (why + f": replicate {replicate} × shard {shard} (shard degree = {dp} ÷ "
+                      f"{{target.data_parallel_replicate_size}} {replicate})")
+    return why
+
+
+def _mesh_division(target: Target | Reference) -> str:
+    """"16 ranks ÷ tp 2", "16 ranks ÷ (tp 2 × cp 2)": how the world divides into data-parallel ranks."""
+    parts = [f"{name} {size}" for name, size in (("tp", target.tensor_parallel_size),
+                                                 ("pp", target.pipeline_parallel_size),
+                                                 ("cp", target.context_parallel_size)) if size > 1]
+    shared = parts[0] if len(parts) == 1 else f"({' × '.join(parts)})"
+    return f"{count(target.devices * target.nodes, 'rank')} ÷ {shared}"
 
 
 def _per_device_reasons(reference: Reference, target: Target, batch: int, accumulation: int,
                         k: float) -> dict[str, str]:
     limit = target.max_batch_size_per_device
     within = f" with at most {limit} per device" if limit else ""
-    grows = f"grows ×{k:g} with the hardware" if k != 1 else "stays the same"
+    grows = _growth(reference, target, accumulation, k)
     split = f"the fewest accumulation steps that reach {batch * accumulation} samples per rank{within}"
     if target.per_device_batch_size:
         batch_reason = "given by {target.per_device_batch_size}"
         accumulation_reason = split if target.global_batch_size else "kept from the reference"
     elif target.global_batch_size:
-        batch_reason = f"{{target.global_batch_size}} {target.global_batch_size} over {target.world_size} ranks{within}"
+        batch_reason = f"{{target.global_batch_size}} {target.global_batch_size} over {_ranks(target)}{within}"
         accumulation_reason = split
     elif batch != reference.batch_per_device:
         batch_reason = (f"keep per-device: the reference's {batch * accumulation} samples per rank per step, in "
@@ -627,16 +837,32 @@ def _per_device_reasons(reference: Reference, target: Target, batch: int, accumu
             "accumulation_steps": given if target.accumulation_steps else accumulation_reason}
 
 
+def _growth(reference: Reference, target: Target, accumulation: int, k: float) -> str:
+    """How the global batch changes at the reference's per-device batch: with the data-parallel degree."""
+    if k == 1:
+        return "stays the same"
+    changes = [f"{name} {was} → {now}" for name, was, now in (
+        ("data-parallel degree", reference.data_parallel_size, target.data_parallel_size),
+        ("accumulation steps", reference.accumulation_steps, accumulation)) if was != now]
+    meshed = max(reference.model_parallel_size, target.model_parallel_size) > 1
+    if not changes or (not meshed and accumulation == reference.accumulation_steps):
+        return f"grows ×{k:g} with the hardware"
+    return f"grows ×{k:g}: {', '.join(changes)}" + (" (not the world size)" if meshed else "")
+
+
 def _reference_formula(reference: Reference) -> str:
     if reference.wrapper == "dp":
         return (f"DataParallel splits the loader batch of {reference.per_device_batch_size} across "
                 f"{count(reference.devices, 'device')} and computes one loss on the gathered batch: global batch = "
                 f"{reference.per_device_batch_size} × {count(reference.accumulation_steps, 'accumulation step')}")
+    if reference.model_parallel_size > 1:
+        return (f"{reference.per_device_batch_size} per device × data-parallel degree {reference.data_parallel_size} "
+                f"({_mesh_division(reference)}) × {count(reference.accumulation_steps, 'accumulation step')}")
     return (f"{reference.per_device_batch_size} per device × {count(reference.devices * reference.nodes, 'device')} × "
             f"{count(reference.accumulation_steps, 'accumulation step')}")
 
 
-def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: int, lr_fields: dict[str, Any],
+def _steps(data: Data, target: Target, batch: int, accumulation: int, global_batch: int, lr_fields: dict[str, Any],
            warnings: list[str]) -> dict[str, Any]:
     multiplier = lr_fields["lr_multiplier"]
     warmup = multiplier >= data.warmup_threshold
@@ -653,14 +879,14 @@ def _steps(data: Data, world: int, batch: int, accumulation: int, global_batch: 
         out.update(dict.fromkeys(keys))
         reasons["steps_per_epoch"] = "pass {data.dataset_size} for step counts"
     else:
-        out.update(_epoch_arithmetic(data, world, batch, accumulation, reasons))
+        out.update(_epoch_arithmetic(data, target, batch, accumulation, reasons))
         if out["samples_per_rank"] < batch * accumulation:
             # One epoch's share is less than one step's: every step is short, so the global batch is not what it says.
-            seen = out["samples_per_rank"] * world
+            seen = out["samples_per_rank"] * target.data_parallel_size
             share = f"{{target.per_device_batch_size}} {batch} × {count(accumulation, 'accumulation step')}"
-            warnings.append(f"each rank holds {out['samples_per_rank']} samples per epoch, fewer than one optimizer "
-                            f"step's share ({share}): every step sees at most {seen} samples, not the global batch "
-                            f"{global_batch}; lower {{target.per_device_batch_size}} or use more data")
+            warnings.append(f"each {_rank(target)} holds {out['samples_per_rank']} samples per epoch, fewer than one "
+                            f"optimizer step's share ({share}): every step sees at most {seen} samples, not the "
+                            f"global batch {global_batch}; lower {{target.per_device_batch_size}} or use more data")
     out.update(_warmup(data, warmup, out["steps_per_epoch"], out["total_steps"], lr_fields["lr"], reasons, warnings))
     out.update(_critical(data, global_batch, reasons))
     return {**out, "reasons": reasons}
@@ -697,11 +923,13 @@ def _warmup(data: Data, recommended: bool, steps_per_epoch: int | None, total: i
     return {"warmup_steps": steps, "warmup_epochs": in_epochs}
 
 
-def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, reasons: dict[str, str]) -> dict[str, Any]:
-    n = data.dataset_size
+def _epoch_arithmetic(data: Data, target: Target, batch: int, accumulation: int,
+                      reasons: dict[str, str]) -> dict[str, Any]:
+    # DistributedSampler's num_replicas is the data-parallel degree: ranks that share samples share a shard.
+    n, world = data.dataset_size, target.data_parallel_size
     if n < world:
-        raise UsageError(f"{{data.dataset_size}} {n} is smaller than the world size {world}: some ranks would get "
-                         "no data")
+        raise UsageError(f"{{data.dataset_size}} {n} is smaller than the {_ranks_noun(target)} {world}: some ranks "
+                         "would get no data")
     per_rank = scaling.samples_per_rank(n, world_size=world, drop_last=data.sampler_drop_last)
     padded = 0 if data.sampler_drop_last else scaling.padded_samples(n, world_size=world)
     dropped = scaling.sampler_dropped_samples(n, world_size=world) if data.sampler_drop_last else 0
@@ -715,7 +943,8 @@ def _epoch_arithmetic(data: Data, world: int, batch: int, accumulation: int, rea
     seen = (per_rank * world) - loader_dropped
     reasons.update({
         "samples_per_rank": (f"DistributedSampler drop_last=True gives floor({n}/{world})" if data.sampler_drop_last
-                             else f"DistributedSampler gives each rank ceil({n}/{world}), padding by repetition"),
+                             else f"DistributedSampler gives each {_rank(target)} ceil({n}/{world}), padding by "
+                                  "repetition"),
         "padded_samples": "samples repeated so every rank gets the same count (0 with {data.sampler_drop_last})",
         "dropped_samples": "samples never seen in an epoch: the sampler's tail with {data.sampler_drop_last}, "
                            "each rank's last partial batch with {data.drop_last}",
@@ -746,12 +975,17 @@ def _critical(data: Data, global_batch: int, reasons: dict[str, str]) -> dict[st
 
 def _semantics_warnings(reference: Reference, target: Target, global_batch: int, data: Data) -> list[str]:
     warnings = []
-    if reference.reduction == "sum" and target.world_size > 1:
-        warnings.append(f"reduction='sum': DDP averages gradients over ranks, so its gradient is 1/{target.world_size} "
-                        "of the single-process sum; multiply the loss by the world size, or use a mean-reduced loss")
-    if reference.reduction == "sum" and reference.wrapper == "ddp" and reference.world_size > 1:
+    dp = target.data_parallel_size
+    if reference.reduction == "sum" and dp > 1:
+        # torchtitan's FSDP2 reduces over dp_shard_cp: context-parallel ranks join the average.
+        with_cp = (f" (1/{dp * target.context_parallel_size} where the context-parallel ranks join the average, as in "
+                   "torchtitan)" if target.context_parallel_size > 1 else "")
+        warnings.append(f"reduction='sum': {target.notes.label} averages gradients over {_rank(target)}s, so its "
+                        f"gradient is 1/{dp} of the single-process sum{with_cp}; multiply the loss by the "
+                        f"{_ranks_noun(target)}, or use a mean-reduced loss")
+    if reference.reduction == "sum" and reference.wrapper == "ddp" and reference.data_parallel_size > 1:
         warnings.append(f"the reference itself ran DDP with a summed loss: its gradients were already 1/"
-                        f"{reference.world_size} of the sum")
+                        f"{reference.data_parallel_size} of the sum")
     if data.critical_batch_size and global_batch > 2 * data.critical_batch_size:
         warnings.append(f"the global batch {global_batch} is well past the critical batch size "
                         f"{data.critical_batch_size:g}: predicted "
