@@ -212,8 +212,6 @@ def _hang(command: list[str], stdout: str, stderr: str):
 def _run(command: list[str]) -> Run:
     """Run a command in the corpus directory; a hang fails the test (and its whole process tree is killed)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
-    # Unbuffered, print writes a line and its newline apart, so two ranks' lines can splice mid-line.
-    env.pop("PYTHONUNBUFFERED", None)
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=CORPUS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

@@ -36,7 +36,9 @@ def main():
         dist.init_process_group("gloo")
     wraps = joins and (args.distributed_when == "any" or torch.cuda.is_available())
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if joins else (0, 1)
-    print(f"Process rank: {local_rank}, distributed training: {wraps}", flush=True)
+    # torchrun starts ranks with python -u: print's text and newline are two writes, and two ranks' lines could
+    # splice mid-line, so each line goes out in one write.
+    print(f"Process rank: {local_rank}, distributed training: {wraps}\n", end="", flush=True)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLES, FEATURES, generator=generator)
     data = TensorDataset(x, torch.tanh(x[:, :2]).sum(dim=1, keepdim=True))
@@ -53,7 +55,7 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        print(f"Process rank: {local_rank}, final loss {loss.item():.6f}", flush=True)
+        print(f"Process rank: {local_rank}, final loss {loss.item():.6f}\n", end="", flush=True)
     finally:
         if joins:
             dist.destroy_process_group()
