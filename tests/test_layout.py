@@ -198,7 +198,7 @@ def test_the_strategy_registry_holds_every_strategy_with_every_member_of_the_pro
 
     members = {"name", "wrap", "owns", "module", "data_parallel_group", "data_parallel_size", "data_parallel_rank",
                "no_sync", "syncs", "syncs_buffers", "tap_local_gradients", "reduced_gradient_share",
-               "check_world_size", "divide_factors"}
+               "check_runnable", "divide_factors"}
     declared = {name for name, _ in inspect.getmembers(Strategy) if not name.startswith("_")}
     assert declared == members - {"name"}  # name is a ClassVar: declared by annotation only
     assert "name" in Strategy.__annotations__

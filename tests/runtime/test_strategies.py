@@ -116,8 +116,8 @@ def test_the_registry_holds_ddp_and_finds_a_model_by_its_wrapper():
         strategies.get("fsdp", reduce_dtype="float16")
     with pytest.raises(UsageError, match="hsdp needs replicate, the replicas of its 2-D mesh, to divide the world "
                                          "size 4 \\(got 3\\)"):
-        strategies.get("hsdp", replicate=3).check_world_size(4)
-    strategies.get("hsdp", replicate=2).check_world_size(4)
+        strategies.get("hsdp", replicate=3).check_runnable(4)
+    strategies.get("hsdp", replicate=2).check_runnable(4)
     assert strategies.get("hsdp", replicate=2).replicate == 2 and strategies.get("hsdp").replicate is None
     assert dataclasses.is_dataclass(strategies.get("ddp"))
     plain = torch.nn.Linear(2, 1)

@@ -16,6 +16,7 @@ import dataclasses
 from contextlib import AbstractContextManager
 
 from ddplab.errors import UsageError
+from ddplab.runtime.config import DEFAULT_STRATEGY
 from ddplab.runtime.strategies.base import GradientTap, Strategy
 from ddplab.runtime.strategies.ddp import DDPStrategy
 from ddplab.runtime.strategies.fsdp import FSDPStrategy
@@ -27,7 +28,7 @@ STRATEGIES: dict[str, Strategy] = {strategy.name: strategy
                                    for strategy in (DDPStrategy(), FSDPStrategy(), HSDPStrategy())}
 """Every strategy by name, each with its default options."""
 
-DEFAULT = "ddp"
+DEFAULT = DEFAULT_STRATEGY
 """The strategy a command trains with."""
 
 

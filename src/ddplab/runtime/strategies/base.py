@@ -51,8 +51,8 @@ class Strategy(abc.ABC):
     name: ClassVar[str]
     """The name it is registered and chosen by."""
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise UsageError, before any rank starts, where this strategy cannot train on ``world_size`` ranks."""
+    def check_runnable(self, world_size: int) -> None:
+        """Raise UsageError, before any rank starts, where this strategy cannot train on ``world_size`` ranks here."""
         return None  # any number of ranks, unless a strategy says otherwise
 
     @abc.abstractmethod

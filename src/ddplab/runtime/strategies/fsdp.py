@@ -52,9 +52,12 @@ class FSDPStrategy(Strategy):
             raise UsageError(f"{{reduce_dtype}} must be one of {', '.join(typing.get_args(ReduceDtype))}, "
                              f"got {self.reduce_dtype!r}")
 
+    def check_runnable(self, world_size: int) -> None:
+        require_fully_shard()
+
     def wrap(self, model: torch.nn.Module, ctx, facts=None) -> torch.nn.Module:
+        self.check_runnable(ctx.world_size)
         fsdp = require_fully_shard()
-        self.check_world_size(ctx.world_size)
         if not any(p.requires_grad for p in model.parameters()):
             raise UsageError(f"{self.name} shards the model's parameters, and this model has none that require "
                              "gradients")

@@ -33,7 +33,8 @@ class HSDPStrategy(FSDPStrategy):
         super().__post_init__()
         at_least("replicate", self.replicate)
 
-    def check_world_size(self, world_size: int) -> None:
+    def check_runnable(self, world_size: int) -> None:
+        super().check_runnable(world_size)
         if self.replicate is None or world_size % self.replicate:
             got = "none given" if self.replicate is None else f"got {self.replicate}"
             raise UsageError(f"hsdp needs {{replicate}}, the replicas of its 2-D mesh, to divide the world size "
