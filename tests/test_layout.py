@@ -199,11 +199,19 @@ def test_the_strategy_registry_holds_every_strategy_with_every_member_of_the_pro
     members = {"name", "wrap", "owns", "module", "data_parallel_group", "data_parallel_size", "data_parallel_rank",
                "no_sync", "syncs", "syncs_buffers", "tap_local_gradients", "reduced_gradient_share",
                "check_runnable", "divide_factors"}
+    flags = {"collective_forward"}
     declared = {name for name, _ in inspect.getmembers(Strategy) if not name.startswith("_")}
-    assert declared == members - {"name"}  # name is a ClassVar: declared by annotation only
+    assert declared == members - {"name"} | flags  # name is a ClassVar: declared by annotation only
     assert "name" in Strategy.__annotations__
     assert set(strategies.STRATEGIES) == {"ddp", "fsdp", "hsdp"}
     for name, strategy in strategies.STRATEGIES.items():
         assert isinstance(strategy, Strategy) and strategy.name == name
         assert not inspect.isabstract(type(strategy))
         assert all(callable(getattr(strategy, member)) for member in members - {"name"})
+        assert all(isinstance(getattr(strategy, flag), bool) for flag in flags)
+    # The configs' choices are the registry's names, so a flag offers every strategy and no other.
+    from typing import get_args
+
+    from ddplab.runtime.config import DEFAULT_STRATEGY, StrategyName
+
+    assert set(get_args(StrategyName)) == set(strategies.STRATEGIES) and strategies.DEFAULT == DEFAULT_STRATEGY

@@ -435,7 +435,8 @@ def test_fsdp_and_hsdp_train_like_one_process_and_break_where_ddp_does(capsys):
     assert main(["check", os.path.join(SPECS, "correct.py"), "--strategy", "fsdp", "--batch-size", "8", "--steps", "3",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["verdict"], out["strategy"], out["world_size"], out["data_parallel_size"]) == ("EQUIVALENT", "fsdp", 2, 2)
+    assert (out["verdict"], out["strategy"], out["world_size"], out["data_parallel_size"]) == (
+        "EQUIVALENT", "fsdp", 2, 2)
     assert max(d["max_rel_diff"] for d in out["per_step"]) <= 1e-15
     # HSDP, 2 replicas × 2 shards: every one of the 4 ranks trains on its own samples.
     result = _check_with("correct", 4, strategy="hsdp", replicate=2)

@@ -50,6 +50,8 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str]
     """The name it is registered and chosen by."""
+    collective_forward: ClassVar[bool] = False
+    """Whether a forward through the user's module (:meth:`module`) is a collective, which every rank must run."""
 
     def check_runnable(self, world_size: int) -> None:
         """Raise UsageError, before any rank starts, where this strategy cannot train on ``world_size`` ranks here."""

@@ -44,6 +44,8 @@ class FSDPStrategy(Strategy):
     """Every rank holds a shard of each parameter; FSDP2 reduce-scatters (averages) the gradients over the mesh."""
 
     name: ClassVar[str] = "fsdp"
+    # The user's module is the sharded one: its forward all-gathers the parameters, on every rank.
+    collective_forward: ClassVar[bool] = True
     reduce_dtype: ReduceDtype | None = None
     """The dtype the gradients are reduced in (MixedPrecisionPolicy's reduce_dtype); None: the parameters' own."""
 
