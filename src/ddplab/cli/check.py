@@ -75,13 +75,19 @@ def _print(result) -> None:
     cfg = result.config
     rows = [[str(i), f"{d['max_abs_diff']:.2e}", f"{d['max_rel_diff']:.2e}",
              "✓" if d["max_rel_diff"] <= cfg.tolerance else "✗"] for i, d in enumerate(result.per_step)]
+    columns = ["step", "max |Δparam|", "relative", ""]
+    if cfg.reduce_dtype:
+        # How much of the reduce dtype's rounding bound the reduction's error took, per step.
+        columns.append("reduction error / bound")
+        for row, d in zip(rows, result.per_step):
+            row.append(f"{d['reduction_error_of_bound']:.2f}" if "reduction_error_of_bound" in d else "")
     strategy = cfg.strategy_text(cfg.world_size)
     reduced = f" (gradients reduced in {cfg.reduce_dtype})" if cfg.reduce_dtype else ""
     title = (f"ddplab check: {count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size}"
              f"{f' ({strategy})' if strategy else ''} vs one process × {cfg.global_batch_size}, float64{reduced}, "
              f"tolerance {cfg.tolerance:g}")
     out = render.console()
-    out.print(render.table(title, ["step", "max |Δparam|", "relative", ""], rows))
+    out.print(render.table(title, columns, rows))
     style = {"EQUIVALENT": "bold green", "ROUNDING": "bold green", "DIVERGES": "bold red",
              "STOCHASTIC": "bold yellow", "NON_FINITE": "bold red"}[result.verdict]
     cause = f" ({result.cause})" if result.cause else ""
