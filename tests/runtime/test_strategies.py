@@ -176,8 +176,24 @@ def _fsdp_on_rank(ctx, name: str, options: dict) -> dict:
     out["root_factors"] = strategy.divide_factors(wrapped)
     wrapped[0].set_gradient_divide_factor(1.0)
     out["changed_factors"] = strategy.divide_factors(wrapped)
+    # Reduce-scatter without the all-reduce: a whole reduction on one mesh dimension, half of one on two, where
+    # no rank ever holds its local gradient whole: the tap refuses to show a part of it.
+    wrapped.set_requires_all_reduce(False)
+    out["syncs_without_all_reduce"] = strategy.syncs(wrapped)
+    tap = strategy.tap_local_gradients(wrapped, params, lambda tensor: None)
+    try:
+        _loss(wrapped, ctx).backward()
+        out["refused"] = None
+    except UsageError as exc:
+        out["refused"] = str(exc)
+        wrapped.reset_iter_state()
+    tap.remove()
     del wrapped, model
     return out
+
+
+REFUSED = ("the local gradient cannot be seen whole under HSDP's set_requires_all_reduce(False): accumulate with "
+           "set_requires_gradient_sync(False) instead")
 
 
 @pytest.mark.timeout(120)
@@ -193,4 +209,6 @@ def test_fsdp_and_hsdp_shard_average_and_show_the_local_gradient():
                            "size": world_size, "rank": rank, "group_size": world_size, "factors": {world_size},
                            "local_seen": True, "syncs_inside": False, "grad_inside": True, "syncs_after": True,
                            "seen_under_no_sync": 0, "accumulated_seen": True,
-                           "root_factors": {world_size}, "changed_factors": {float(world_size), 1.0}}, (name, rank)
+                           "root_factors": {world_size}, "changed_factors": {float(world_size), 1.0},
+                           "syncs_without_all_reduce": name == "fsdp",
+                           "refused": None if name == "fsdp" else REFUSED}, (name, rank)

@@ -46,6 +46,8 @@ class FSDPStrategy(Strategy):
     name: ClassVar[str] = "fsdp"
     # The user's module is the sharded one: its forward all-gathers the parameters, on every rank.
     collective_forward: ClassVar[bool] = True
+    # One mesh dimension: the reduce-scatter is the whole reduction (set_requires_all_reduce has nothing to skip).
+    all_reduces: ClassVar[bool] = False
     reduce_dtype: ReduceDtype | None = None
     """The dtype the gradients are reduced in (MixedPrecisionPolicy's reduce_dtype); None: the parameters' own."""
 
@@ -93,8 +95,9 @@ class FSDPStrategy(Strategy):
         return _without_sync(model, self.syncs(model))
 
     def syncs(self, model) -> bool:
-        # FSDP2's no_sync is per group: a backward reduces when every group reduces (over both mesh dimensions).
-        return all(group.reduce_grads and group.all_reduce_grads for group in param_groups(model))
+        # FSDP2's no_sync is per group: a backward reduces when every group does.
+        return all(group.reduce_grads and (group.all_reduce_grads or not self.all_reduces)
+                   for group in param_groups(model))
 
     def divide_factors(self, model) -> set[float]:
         # None: FSDP2's default, the product of the mesh's sizes (the reduction averages).
@@ -114,7 +117,7 @@ class FSDPStrategy(Strategy):
                              "{via}='grad_hooks' and no comm_hook")
         fsdp_params = _fsdp_params_of(model, params)
         tap = GradientTap("grad_hooks")
-        placer = _PlaceHooks(model, fsdp_params, observe, tap)
+        placer = _PlaceHooks(fsdp_params, observe, tap, self.all_reduces)
         if not placer.place():
             tap.handles.append(model.register_forward_hook(placer))
         return tap
@@ -171,15 +174,15 @@ def _fsdp_params_of(model, params) -> list:
 class _PlaceHooks:
     """Hooks on the unsharded parameters, placed as soon as FSDP2 has made them (after an all-gather)."""
 
-    def __init__(self, model, fsdp_params: list, observe, tap: GradientTap):
-        self.model, self.fsdp_params, self.observe, self.tap = weakref.ref(model), fsdp_params, observe, tap
-        self.placed = False
+    def __init__(self, fsdp_params: list, observe, tap: GradientTap, all_reduces: bool):
+        self.fsdp_params, self.observe, self.tap = fsdp_params, observe, tap
+        self.all_reduces, self.placed = all_reduces, False
 
     def place(self) -> bool:
         if not all(hasattr(fsdp_param, "_unsharded_param") for _, fsdp_param in self.fsdp_params):
             return False
         for group, fsdp_param in self.fsdp_params:
-            hook = _WhenReducing(group, fsdp_param, self.observe)
+            hook = _WhenReducing(group, fsdp_param, self.observe, self.all_reduces)
             self.tap.handles.append(fsdp_param._unsharded_param.register_post_accumulate_grad_hook(hook))
         self.placed = True
         return True
@@ -193,17 +196,18 @@ class _PlaceHooks:
 class _WhenReducing:
     """Passes an unsharded parameter's local gradient on, in backward passes whose post-backward reduces it."""
 
-    __slots__ = ("fsdp_param", "group", "observe")
+    __slots__ = ("all_reduces", "fsdp_param", "group", "observe")
 
-    def __init__(self, group, fsdp_param, observe):
+    def __init__(self, group, fsdp_param, observe, all_reduces: bool):
         # Weak: the unsharded parameter holds this hook and must not keep FSDP's state alive.
         self.group, self.fsdp_param, self.observe = weakref.ref(group), weakref.ref(fsdp_param), observe
+        self.all_reduces = all_reduces
 
     def __call__(self, unsharded: torch.Tensor) -> None:
         group, fsdp_param = self.group(), self.fsdp_param()
         if group is None or fsdp_param is None or not group.reduce_grads:
             return
-        if not group.all_reduce_grads:
+        if self.all_reduces and not group.all_reduce_grads:
             # HSDP's set_requires_all_reduce(False): part of the local gradient is already reduce-scattered.
             raise UsageError("the local gradient cannot be seen whole under HSDP's set_requires_all_reduce(False): "
                              "accumulate with set_requires_gradient_sync(False) instead")

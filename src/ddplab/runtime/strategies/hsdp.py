@@ -26,6 +26,8 @@ class HSDPStrategy(FSDPStrategy):
     """``replicate`` replicas of the model, each sharded over world_size / replicate ranks."""
 
     name: ClassVar[str] = "hsdp"
+    # The shards are all-reduced over the replicas after the reduce-scatter.
+    all_reduces: ClassVar[bool] = True
     replicate: int | None = None
     """Replicas (the mesh's first dimension); it must divide the world size, the rest shards each replica."""
 
