@@ -36,6 +36,8 @@ StrategyName = Literal["ddp", "fsdp", "hsdp"]
 """The parallelism strategies (``ddplab.runtime.strategies``, registered by these names)."""
 DEFAULT_STRATEGY: StrategyName = "ddp"
 """The strategy a command trains with when none is asked for."""
+ReduceDtype = Literal["float32", "bfloat16"]
+"""A dtype FSDP2 may reduce gradients in below the parameters' own (MixedPrecisionPolicy's ``reduce_dtype``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +49,7 @@ class ParallelismConfig:
     gradients reduce-scattered; hsdp: FSDP2 on a 2-D mesh of ``replicate`` replicas, each sharded over the rest."""
     replicate: int | None = None
     """hsdp's replicas, the first dimension of its (replicate, shard) mesh: it must divide the world size."""
-    reduce_dtype: Literal["float32", "bfloat16"] | None = None
+    reduce_dtype: ReduceDtype | None = None
     """fsdp and hsdp: reduce the gradients in this dtype (FSDP2's MixedPrecisionPolicy reduce_dtype; default: the
     parameters' own)."""
 
@@ -55,7 +57,7 @@ class ParallelismConfig:
         one_of("strategy", self.strategy, get_args(StrategyName))
         at_least("replicate", self.replicate)
         if self.reduce_dtype is not None:
-            one_of("reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
+            one_of("reduce_dtype", self.reduce_dtype, get_args(ReduceDtype))
 
     @property
     def wraps_in_ddp(self) -> bool:

@@ -14,17 +14,16 @@ import typing
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from ddplab.errors import UsageError
 from ddplab.runtime import compat
+from ddplab.runtime.config import ReduceDtype
 from ddplab.runtime.strategies.base import GradientTap, Strategy
-
-ReduceDtype = Literal["float32", "bfloat16"]
-"""A dtype gradients may be reduced in below the parameters' own (MixedPrecisionPolicy's ``reduce_dtype``)."""
+from ddplab.validation import one_of
 
 FULLY_SHARD_TORCH = "2.6"
 """The first torch with ``torch.distributed.fsdp.fully_shard``."""
@@ -52,9 +51,8 @@ class FSDPStrategy(Strategy):
     """The dtype the gradients are reduced in (MixedPrecisionPolicy's reduce_dtype); None: the parameters' own."""
 
     def __post_init__(self):
-        if self.reduce_dtype not in (None, *typing.get_args(ReduceDtype)):
-            raise UsageError(f"{{reduce_dtype}} must be one of {', '.join(typing.get_args(ReduceDtype))}, "
-                             f"got {self.reduce_dtype!r}")
+        if self.reduce_dtype is not None:
+            one_of("reduce_dtype", self.reduce_dtype, typing.get_args(ReduceDtype))
 
     def check_runnable(self, world_size: int) -> None:
         require_fully_shard()
