@@ -176,32 +176,42 @@ def test_only_the_rules_branch_on_a_rules_name():
     assert _rule_name_branches(ast.parse('if rule == "tuned" or "ramp" in rules: pass'), names) == [1, 1]
 
 
-def _constructs_ddp(tree) -> list[int]:
-    """Lines calling ``DistributedDataParallel(...)`` by name or attribute (imports and isinstance do not count)."""
+def _constructs_ddp(tree, wrapper: str = "DistributedDataParallel") -> list[int]:
+    """Lines calling ``wrapper(...)`` by name or attribute (imports and isinstance do not count)."""
     return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and
-            (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "DistributedDataParallel"]
+            (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == wrapper]
 
 
-def test_only_the_runtime_constructs_distributed_data_parallel():
-    found = {path: lines for path, _, tree in _modules() if (lines := _constructs_ddp(tree))}
+@pytest.mark.parametrize("wrapper", ["DistributedDataParallel", "fully_shard"])
+def test_only_the_runtime_constructs_distributed_data_parallel(wrapper):
+    found = {path: lines for path, _, tree in _modules() if (lines := _constructs_ddp(tree, wrapper))}
     assert any(path.startswith("runtime" + os.sep) for path in found)  # the scan sees the one that does
     outside = {path: lines for path, lines in found.items() if not path.startswith("runtime" + os.sep)}
     assert outside == {}
 
 
-def test_the_strategy_registry_holds_ddp_with_every_member_of_the_protocol():
+def test_the_strategy_registry_holds_every_strategy_with_every_member_of_the_protocol():
     import inspect
 
     from ddplab.runtime import strategies
     from ddplab.runtime.strategies.base import Strategy
 
     members = {"name", "wrap", "owns", "module", "data_parallel_group", "data_parallel_size", "data_parallel_rank",
-               "no_sync", "syncs", "syncs_buffers", "tap_local_gradients", "reduced_gradient_share"}
+               "no_sync", "syncs", "syncs_buffers", "tap_local_gradients", "reduced_gradient_share",
+               "check_runnable", "divide_factors"}
+    flags = {"collective_forward"}
     declared = {name for name, _ in inspect.getmembers(Strategy) if not name.startswith("_")}
-    assert declared == members - {"name"}  # name is a ClassVar: declared by annotation only
+    assert declared == members - {"name"} | flags  # name is a ClassVar: declared by annotation only
     assert "name" in Strategy.__annotations__
-    assert "ddp" in strategies.STRATEGIES
+    assert set(strategies.STRATEGIES) == {"ddp", "fsdp", "hsdp"}
     for name, strategy in strategies.STRATEGIES.items():
         assert isinstance(strategy, Strategy) and strategy.name == name
         assert not inspect.isabstract(type(strategy))
         assert all(callable(getattr(strategy, member)) for member in members - {"name"})
+        assert all(isinstance(getattr(strategy, flag), bool) for flag in flags)
+    # The configs' choices are the registry's names, so a flag offers every strategy and no other.
+    from typing import get_args
+
+    from ddplab.runtime.config import DEFAULT_STRATEGY, StrategyName
+
+    assert set(get_args(StrategyName)) == set(strategies.STRATEGIES) and strategies.DEFAULT == DEFAULT_STRATEGY

@@ -422,3 +422,104 @@ def test_the_library_reports_each_step_through_its_callback(tmp_path):
           progress=Record())
     assert calls.read_text().splitlines() == [f"{i}/3 2 DDP ranks" for i in (1, 2, 3)] + [
         f"{i}/3 one process" for i in (1, 2, 3)]
+
+
+def _check_with(name, world_size, batch=8, steps=3, **parallelism):
+    return check(CheckConfig(spec_path=os.path.join(SPECS, f"{name}.py"), world_size=world_size,
+                             per_device_batch_size=batch, steps=steps, **parallelism))
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_and_hsdp_train_like_one_process_and_break_where_ddp_does(capsys):
+    # FSDP2 on 2 ranks: the sharded parameters, gathered whole, equal one process's to float64 rounding.
+    assert main(["check", os.path.join(SPECS, "correct.py"), "--strategy", "fsdp", "--batch-size", "8", "--steps", "3",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["verdict"], out["strategy"], out["world_size"], out["data_parallel_size"]) == (
+        "EQUIVALENT", "fsdp", 2, 2)
+    assert max(d["max_rel_diff"] for d in out["per_step"]) <= 1e-15
+    # HSDP, 2 replicas × 2 shards: every one of the 4 ranks trains on its own samples.
+    result = _check_with("correct", 4, strategy="hsdp", replicate=2)
+    assert (result.verdict, result.config.global_batch_size) == ("EQUIVALENT", 32)
+    assert max(d["max_rel_diff"] for d in result.per_step) <= 1e-15
+    # The same mistakes as under DDP, named the same way.
+    result = _check_with("sum_reduction", 2, strategy="fsdp")
+    assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "SUM_REDUCTION", 0)
+    assert "exactly 1/2 of the single-process gradient" in result.explanation
+    assert "FSDP averages the 2 per-rank sums" in result.explanation
+    result = _check_with("batchnorm", 2, strategy="fsdp")
+    assert (result.verdict, result.cause) == ("DIVERGES", "BATCHNORM")
+    # A divide factor of 1 sums the ranks' gradients: named, and confirmed by a reference scaled by W/f.
+    result = _check_with("fsdp_divide_factor", 4, strategy="hsdp", replicate=2)
+    assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "DIVIDE_FACTOR", 0)
+    assert "4 times the single process's" in result.explanation and "divide factor to 1" in result.explanation
+    # ... which is exactly what a loss summed over the batch needs.
+    assert _check_with("fsdp_sum_divide_factor", 2, strategy="fsdp").verdict == "EQUIVALENT"
+
+
+@pytest.mark.timeout(240)
+def test_a_lower_reduce_dtype_is_rounding_within_its_bound_not_a_mistake():
+    result = _check_with("correct", 2, strategy="fsdp", reduce_dtype="float32")
+    assert (result.verdict, result.cause, result.passed) == ("ROUNDING", "REDUCE_PRECISION", True)
+    fractions = [d["reduction_error_of_bound"] for d in result.per_step]
+    # Beyond the float64 tolerance, within float32's bound, and the bound not a vacuous one.
+    assert max(d["max_rel_diff"] for d in result.per_step) > result.config.tolerance
+    assert 0.05 < max(fractions) <= 1
+    assert "a single process given the same rounding matches the ranks" in result.explanation
+    result = _check_with("correct", 4, steps=2, strategy="hsdp", replicate=2, reduce_dtype="bfloat16")
+    assert (result.verdict, result.cause) == ("ROUNDING", "REDUCE_PRECISION")
+    # A summed loss stays a mistake under a reduce_dtype, its 1/W exact up to the rounding.
+    result = _check_with("sum_reduction", 2, steps=2, strategy="fsdp", reduce_dtype="float32")
+    assert (result.verdict, result.cause) == ("DIVERGES", "SUM_REDUCTION")
+    assert "up to float32's rounding, 1/2 of the single-process gradient" in result.explanation
+
+
+def test_the_rounding_bound_holds_for_a_reduction_in_a_lower_dtype():
+    import torch
+
+    from ddplab.check.diagnosis import reduction_rounding_bound
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        for world_size in (2, 3, 4, 8):
+            # Values spread over orders of magnitude and of both signs: sums that cancel round worst.
+            local = torch.randn(world_size, 20000, generator=generator, dtype=torch.float64)
+            local *= 10.0 ** torch.randint(-3, 3, (world_size, 20000), generator=generator)
+            summed = local[0].to(dtype)
+            for rank in range(1, world_size):
+                summed = summed + local[rank].to(dtype)
+            reduced = (summed / world_size).to(torch.float64)
+            error = (reduced - local.mean(0)).abs()
+            bound = reduction_rounding_bound(name, world_size) * local.abs().mean(0)
+            fraction = (error / bound).max().item()
+            assert 0.2 < fraction <= 1, (name, world_size, fraction)
+
+
+def test_bad_parallelism_input_is_one_line(monkeypatch, capsys, tmp_path):
+    correct = os.path.join(SPECS, "correct.py")
+    cases = [
+        (["--strategy", "hsdp", "--world-size", "4"],
+         "hsdp needs --replicate, the replicas of its 2-D mesh, to divide the world size 4 (none given)"),
+        (["--strategy", "hsdp", "--world-size", "4", "--replicate", "3"], "to divide the world size 4 (got 3)"),
+        (["--replicate", "2"], "--replicate is not an option of the ddp strategy"),
+        (["--reduce-dtype", "float32"], "--reduce-dtype is not an option of the ddp strategy"),
+        (["--strategy", "hsdp", "--replicate", "0"], "--replicate must be at least 1, got 0"),
+    ]
+    for flags, expected in cases:
+        assert main(["check", correct, "--batch-size", "8", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+    # A model without parameters has nothing to shard: said before any rank starts.
+    spec = tmp_path / "no_parameters.py"
+    spec.write_text(USER_ERRORS["no_parameters"][0])
+    assert main(["check", str(spec), "--batch-size", "4", "--strategy", "fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no parameters that require gradients" in err
+    # A torch without FSDP2: the version needed, in one line.
+    from ddplab.runtime import compat
+
+    monkeypatch.setattr(compat, "fully_shard_api", lambda: None)
+    assert main(["check", correct, "--batch-size", "8", "--strategy", "fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the fsdp and hsdp strategies need torch >= 2.6 (torch.distributed.fsdp." \
+        "fully_shard); this is torch " in err, err

@@ -294,3 +294,39 @@ def test_the_ddp_engine_on_gpus_needs_one_per_rank_and_auto_then_stays_vectorize
     assert one.launch_config.backend == "nccl" and one.launch_config.world_size == 1
     on_cpu = run.build_engine("ddp", torch.device("cpu"), StudyOptions(world_size=2), None)
     assert on_cpu.launch_config.backend == "gloo"
+
+
+@pytest.mark.timeout(240)
+def test_the_ddp_engine_trains_a_grid_point_on_fsdp_as_on_ddp():
+    """One grid point (one lr, one seed, global batch 16 on 2 ranks, 2 micro-steps each), float64: FSDP2's runs and
+    DDP's agree evaluation for evaluation, and so do the noise scales each measures across the ranks."""
+    from ddplab.runtime import strategies
+    from ddplab.study.runs import grid_group
+
+    workload = workloads.regression(dim=8, n_train=512, n_val=128)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(16, 32), seeds=1,
+                         optimizer=OptimizerConfig(family="sgd", momentum=0.9), reference_global_batch_size=16,
+                         reference_lr=0.02, max_steps=60, eval_every=5, dtype="float64")
+    group = grid_group(config, 16, [(0.02, 0)])
+    launch_config = LaunchConfig(world_size=2, backend="gloo")
+    (on_ddp,) = ddp.train_group_ddp(workload, config, group, launch_config, max_per_device=4)
+    (on_fsdp,) = ddp.train_group_ddp(workload, config, group, launch_config, max_per_device=4,
+                                     strategy=strategies.get("fsdp"))
+    assert on_ddp.steps_to_target is not None and on_ddp.steps_to_target == on_fsdp.steps_to_target
+    assert [h[0] for h in on_fsdp.history] == [h[0] for h in on_ddp.history] and len(on_ddp.history) >= 3
+    for mine, theirs in zip(on_fsdp.history, on_ddp.history):
+        assert mine[1:] == pytest.approx(theirs[1:], rel=1e-12)
+    assert len(on_fsdp.noise_g2) == len(on_fsdp.history)
+    assert on_fsdp.noise_g2 == pytest.approx(on_ddp.noise_g2, rel=1e-9)
+    assert on_fsdp.noise_trace == pytest.approx(on_ddp.noise_trace, rel=1e-9)
+
+
+def test_a_sharding_strategy_needs_the_ddp_engine(tmp_path, capsys):
+    out = str(tmp_path / "study")
+    assert main(["study", "--engine", "vmap", "--strategy", "fsdp", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--strategy fsdp wraps the model on ranks, which only the DDP engine starts" in err
+    assert main(["study", "--engine", "ddp", "--strategy", "hsdp", "--replicate", "3", "--out", out]) == 2
+    assert "hsdp needs --replicate, the replicas of its 2-D mesh, to divide the world size 2 (got 3)" in \
+        capsys.readouterr().err

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddplab.runtime.config import DEFAULT_WORLD_SIZE, SpecRunConfig
+from ddplab.runtime.config import DEFAULT_WORLD_SIZE, ParallelismConfig, SpecRunConfig
 from ddplab.validation import positive
 
 __all__ = ["DEFAULT_WORLD_SIZE", "CheckConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckConfig(SpecRunConfig):
-    """One ``ddplab check`` run: W ranks of b samples each against one process with W·b."""
+class CheckConfig(SpecRunConfig, ParallelismConfig):
+    """One ``ddplab check`` run: W ranks of b samples each (under a parallelism strategy) against one process with
+    W·b."""
 
     steps: int = 5
     """Optimizer steps to compare."""
@@ -20,7 +21,8 @@ class CheckConfig(SpecRunConfig):
     """Largest relative parameter difference called equal: relative to the largest parameter, in float64."""
 
     def __post_init__(self):
-        super().__post_init__()
+        SpecRunConfig.__post_init__(self)
+        ParallelismConfig.__post_init__(self)
         positive("tolerance", self.tolerance)
 
     @property

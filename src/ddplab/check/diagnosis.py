@@ -14,7 +14,7 @@ import torch
 from ddplab.check.config import CheckConfig
 from ddplab.check.result import Cause, Verdict
 
-Hypothesis = Literal["global", "padding", "per-rank"]
+Hypothesis = Literal["global", "padding", "per-rank", "divide-factor", "rounding"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +36,18 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
             "different masks, so runs cannot agree step by step and only a distributional comparison means anything",
             "to check everything else exactly, set dropout to p=0 in the spec (or call .eval() on the dropout "
             "modules only) and run ddplab check again; compare loss curves over several seeds for the rest")
+    # The ranks' reduction divided by something else than their count: a reference scaled alike must then match.
+    factors = ranks.divide_factors - {float(world)}
+    if len(ranks.divide_factors) == 1 and factors and ranks.matches(rerun("divide-factor"), cfg.tolerance):
+        return _divide_factor(cfg, step, next(iter(factors)))
+    fractions = ranks.reduction_error_of_bound()
+    if fractions is not None and max(fractions) <= 1:
+        rounded = rerun("rounding")
+        if ranks.matches(rounded, cfg.tolerance):
+            return _rounding(cfg, max(fractions), ranks.largest_difference(rounded))
     fit = scaled_fit(single.grads[step], ranks.grads[step])
     if world > 1 and fit is not None and _summed(fit, world):
-        return _sum_reduction(step, world, fit)
+        return _sum_reduction(cfg, step, fit)
     ratio = gradient_ratio(single.grads[step], ranks.grads[step])
     if ratio is not None and abs(ratio - round(ratio)) <= 1e-6 * abs(ratio) and round(ratio) not in (0, 1):
         factor = round(ratio)
@@ -56,11 +65,34 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
             "accept dropping the tail")
     if ranks.matches(rerun("per-rank"), cfg.tolerance):
         return _per_rank_cause(spec, cfg)
+    if factors:
+        shown = ", ".join(f"{factor:g}" for factor in sorted(ranks.divide_factors))
+        return Diagnosis(
+            "DIVERGES", "DIVIDE_FACTOR",
+            f"parameters first differ at step {step}, and the ranks' FSDP groups divide their summed gradients by "
+            f"{shown} where an average over {world} ranks divides by {world} (set_gradient_divide_factor); no "
+            "reference reproduces the difference, so it may have more causes than this",
+            f"remove the set_gradient_divide_factor calls (FSDP2 then divides by the data-parallel size, {world})")
     return Diagnosis(
         "DIVERGES", "UNKNOWN",
         f"parameters first differ at step {step} and no tested cause (randomness, gradient scale, padding, "
         "per-rank statistics) reproduces the difference",
         "look for state that differs between ranks: per-rank seeds, rank-dependent code paths, unsynchronised buffers")
+
+
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8}
+"""Half the gap between 1 and the next number of each reduce_dtype: the largest relative error of one rounding."""
+
+
+def reduction_rounding_bound(reduce_dtype: str, data_parallel_size: int) -> float:
+    """γ with |reduced − exact average| ≤ γ · mean |local gradient|, elementwise, for a reduction in ``reduce_dtype``.
+
+    W local gradients each rounded once to the reduce dtype (u), summed with W − 1 roundings, each at most u
+    times a partial sum of magnitudes, then divided (at most twice, HSDP's reduce-scatter and all-reduce): at
+    most (W + 2)·u·Σ|g_i| / W. Higham's γ_n = n·u / (1 − n·u) covers the second-order terms.
+    """
+    n_u = (data_parallel_size + 2) * UNIT_ROUNDOFF[reduce_dtype]
+    return n_u / (1 - n_u)
 
 
 # How far from an exact 1/W a summed loss's gradients may be. A term that does not grow with the batch (an L2
@@ -74,21 +106,48 @@ def _summed(fit: tuple[float, float], world: int) -> bool:
     return abs(ratio - world) <= SUM_TOLERANCE * world and residual <= SUM_TOLERANCE
 
 
-def _sum_reduction(step: int, world: int, fit: tuple[float, float]) -> Diagnosis:
+def _sum_reduction(cfg: CheckConfig, step: int, fit: tuple[float, float]) -> Diagnosis:
     ratio, residual = fit
-    cause = f"the loss is summed over the batch, and DDP averages the {world} per-rank sums"
-    if abs(ratio - world) <= 1e-6 * world and residual <= 1e-8:
+    world, label = cfg.world_size, strategy_label(cfg)
+    cause = f"the loss is summed over the batch, and {label} averages the {world} per-rank sums"
+    # A reduction in a lower dtype leaves its rounding in the gradients: exact up to that.
+    rounding = reduction_rounding_bound(cfg.reduce_dtype, world) if cfg.reduce_dtype else 0.0
+    if abs(ratio - world) <= max(1e-6, rounding) * world and residual <= max(1e-8, rounding):
+        exactly = f", up to {cfg.reduce_dtype}'s rounding," if cfg.reduce_dtype else " exactly"
         return Diagnosis(
             "DIVERGES", "SUM_REDUCTION",
-            f"from step {step} the ranks' gradient is exactly 1/{world} of the single-process gradient: {cause}",
-            f"use reduction='mean', or multiply the loss by the world size ({world}) under DDP")
+            f"from step {step} the ranks' gradient is{exactly} 1/{world} of the single-process gradient: {cause}",
+            f"use reduction='mean', or multiply the loss by the world size ({world}) under {label}")
     return Diagnosis(
         "DIVERGES", "SUM_REDUCTION",
         f"from step {step} the ranks' gradient is 1/{world} of the single-process gradient but for a small part "
         f"({residual:.2g} of its norm) that does not grow with the batch, such as a weight penalty added to the "
         f"loss: {cause}",
         f"use reduction='mean' (and rescale the penalty to match), or multiply the summed part of the loss by the "
-        f"world size ({world}) under DDP")
+        f"world size ({world}) under {label}")
+
+
+def _divide_factor(cfg: CheckConfig, step: int, factor: float) -> Diagnosis:
+    world = cfg.world_size
+    return Diagnosis(
+        "DIVERGES", "DIVIDE_FACTOR",
+        f"from step {step} the ranks' gradients are {world / factor:g} times the single process's: the spec sets "
+        f"FSDP2's gradient divide factor to {factor:g} (set_gradient_divide_factor), so the reduction divides the sum "
+        f"of the {world} ranks' gradients by {factor:g} instead of averaging them: confirmed by a reference whose "
+        f"gradients are scaled by {world / factor:g} ({world}/{factor:g}) and then matches",
+        f"remove the set_gradient_divide_factor call (FSDP2 then divides by the data-parallel size, {world}), or "
+        f"set it to {world}; with a loss summed over the batch, a factor of 1 is what makes it match one process")
+
+
+def _rounding(cfg: CheckConfig, of_bound: float, matched: float) -> Diagnosis:
+    dtype = cfg.reduce_dtype
+    return Diagnosis(
+        "ROUNDING", "REDUCE_PRECISION",
+        f"the ranks reduce their gradients in {dtype} (reduce_dtype) while the parameters are float64: at every step "
+        f"the reduced gradient is within {dtype}'s rounding bound of the exact float64 average of the ranks' local "
+        f"gradients (at most {of_bound:.2f} of the bound), and a single process given the same rounding matches "
+        f"the ranks to {matched:.1e}: the difference is the reduction's rounding, not a mistake",
+        None)
 
 
 def _per_rank_cause(spec, cfg: CheckConfig) -> Diagnosis:
@@ -137,34 +196,40 @@ def equivalent_text(cfg: CheckConfig, per_step: list[dict[str, float]]) -> str:
             f"after every one of {cfg.steps} steps (largest relative difference {worst:.1e} ≤ {cfg.tolerance:g})")
 
 
+def strategy_label(cfg: CheckConfig) -> str:
+    """How the texts name the ranks' strategy: DDP, FSDP, HSDP."""
+    return cfg.strategy.upper()
+
+
 def one_rank_note(cfg: CheckConfig) -> str | None:
     """On one rank DDP averages nothing: the check then compares its wrapper with the plain model, nothing more."""
     if cfg.world_size != 1:
         return None
-    return ("one rank: this compares DDP's wrapper with the plain model, not ranks against each other, so it cannot "
-            "show what changes with several ranks (a summed loss, padding, per-rank statistics); check with a world "
-            "size of 2 or more for that")
+    return (f"one rank: this compares {strategy_label(cfg)}'s wrapper with the plain model, not ranks against each "
+            "other, so it cannot show what changes with several ranks (a summed loss, padding, per-rank statistics); "
+            "check with a world size of 2 or more for that")
 
 
-def side_text(side: str) -> str:
-    return {"ranks": "DDP ranks'", "single_process": "single process's",
-            "both": "DDP ranks' and the single process's"}[side]
+def side_text(cfg: CheckConfig, side: str) -> str:
+    label = strategy_label(cfg)
+    return {"ranks": f"{label} ranks'", "single_process": "single process's",
+            "both": f"{label} ranks' and the single process's"}[side]
 
 
 def non_finite_text(cfg: CheckConfig, where: dict[str, Any]) -> tuple[str, str]:
-    step, side, what = where["step"], where["side"], where["what"]
+    step, side, what, label = where["step"], where["side"], where["what"], strategy_label(cfg)
     agreed = f"; steps 0 to {step - 1} agree" if step > 0 else ""
     if side == "both":
-        return (f"from step {step} the {what} are not finite (inf or nan) on the DDP ranks and in the single process "
-                f"alike: training itself overflows, so equality cannot be judged from there on{agreed}",
+        return (f"from step {step} the {what} are not finite (inf or nan) on the {label} ranks and in the single "
+                f"process alike: training itself overflows, so equality cannot be judged from there on{agreed}",
                 "lower the learning rate, clip gradients, or guard the loss against overflow (exp of large values, "
                 "log of 0, division by 0); then run ddplab check again")
     if side == "ranks":
-        return (f"from step {step} the DDP ranks' {what} are not finite (inf or nan) while the single process's are: "
-                f"something computed differently under DDP produces inf or nan{agreed}",
+        return (f"from step {step} the {label} ranks' {what} are not finite (inf or nan) while the single process's "
+                f"are: something computed differently under {label} produces inf or nan{agreed}",
                 "look for what differs on the ranks: a per-rank normalisation that can divide by 0, a rank-dependent "
                 "code path, unsynchronised state")
-    return (f"from step {step} the single process's {what} are not finite (inf or nan) while the DDP ranks' are: the "
-            f"global batch of {cfg.global_batch_size} overflows where per-rank batches of {cfg.per_device_batch_size} "
-            f"do not{agreed}",
+    return (f"from step {step} the single process's {what} are not finite (inf or nan) while the {label} ranks' are: "
+            f"the global batch of {cfg.global_batch_size} overflows where per-rank batches of "
+            f"{cfg.per_device_batch_size} do not{agreed}",
             "lower the learning rate or guard the loss against overflow (a loss summed over the batch grows with it)")

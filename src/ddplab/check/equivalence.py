@@ -1,17 +1,22 @@
 """Prove that a spec trains the same on W data-parallel ranks as in one process, or find out why not.
 
-The ranks train K steps with b samples each; one process trains K steps on the ranks' batches
-concatenated in rank order. Both run in float64, so rounding stays far below the tolerance.
-When they diverge, each suspected cause is tested by a reference run that reproduces it
-(:mod:`ddplab.check.diagnosis`): a cause is named only when that reference then matches the ranks.
+The ranks train K steps with b samples each, under the configured parallelism strategy (DDP, FSDP2
+or HSDP); one process trains K steps on the ranks' batches concatenated in rank order. Both run in
+float64, so rounding stays far below the tolerance. Sharded parameters and gradients are gathered
+whole before they are compared. When the two diverge, each suspected cause is tested by a reference
+run that reproduces it (:mod:`ddplab.check.diagnosis`): a cause is named only when that reference
+then matches the ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddplab.check import diagnosis
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
@@ -34,6 +39,13 @@ class Trajectory:
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     used_rng: bool = False
+    divide_factors: frozenset[float] = frozenset()
+    """What the ranks' reduction divided the summed gradients by, at any step (the data-parallel size: an average)."""
+    reduction_errors: list[torch.Tensor] | None = None
+    """Per step, the reduced gradient minus the exact float64 average of the ranks' local gradients (measured
+    under a reduce_dtype only)."""
+    reduction_bounds: list[torch.Tensor] | None = None
+    """Per step and element, the most that rounding to the reduce_dtype can make of that difference."""
 
     def first_non_finite(self) -> tuple[int, int, str] | None:
         """(step, 0 for gradients or 1 for parameters, which) of the first inf or nan, else None."""
@@ -44,10 +56,22 @@ class Trajectory:
         return None
 
     def first(self, steps: int) -> Trajectory:
-        return Trajectory(self.params[:steps], self.grads[:steps], self.used_rng)
+        cut = {name: getattr(self, name)[:steps] for name in ("reduction_errors", "reduction_bounds")
+               if getattr(self, name) is not None}
+        return dataclasses.replace(self, params=self.params[:steps], grads=self.grads[:steps], **cut)
+
+    def reduction_error_of_bound(self) -> list[float] | None:
+        """Per step, the largest |reduction error| as a fraction of its rounding bound (≤ 1: rounding explains it)."""
+        if self.reduction_errors is None:
+            return None
+        return [_fraction_of_bound(error, bound) for error, bound in zip(self.reduction_errors, self.reduction_bounds)]
 
     def matches(self, other: Trajectory, tolerance: float) -> bool:
         return all(diff(a, b)["max_rel_diff"] <= tolerance for a, b in zip(self.params, other.params))
+
+    def largest_difference(self, other: Trajectory) -> float:
+        """The largest relative parameter difference from ``other`` over the steps both hold."""
+        return max((diff(a, b)["max_rel_diff"] for a, b in zip(self.params, other.params)), default=0.0)
 
 
 def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None,
@@ -60,6 +84,8 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None,
     """
     # Under torchrun the reference must split batches over torchrun's ranks, not a requested count.
     cfg = dataclasses.replace(cfg, world_size=world_size_for(cfg.world_size, default=DEFAULT_WORLD_SIZE))
+    # A strategy that cannot run here (its options, the world size, this torch) says so before anything starts.
+    strategy_of(cfg).check_runnable(cfg.world_size)
     deadline = Deadline.of(launch_config)
     with deadline.guard("loading the spec (its model() and dataset())"):
         spec = load_spec(cfg.spec_path)
@@ -78,17 +104,25 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None,
         return _compare(spec, dataset, cfg, ranks, single, facts)
 
 
+def strategy_of(cfg: CheckConfig) -> strategies.Strategy:
+    """The strategy the ranks train with, its options given; UsageError naming an option it does not have."""
+    return strategies.get(cfg.strategy, **cfg.strategy_options())
+
+
 def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: Trajectory,
              facts: rank_tools.SpecFacts) -> CheckResult:
     per_step = [{**diff(a, b), "samples_per_rank": size}
                 for a, b, size in zip(ranks.params, single.params, _samples_per_rank(len(dataset), cfg))]
+    for step, fraction in enumerate(ranks.reduction_error_of_bound() or []):
+        per_step[step]["reduction_error_of_bound"] = fraction
     # NaN compares false: a step is equal only when its difference is a number within tolerance.
     divergent = next((i for i, d in enumerate(per_step) if not d["max_rel_diff"] <= cfg.tolerance), None)
     non_finite = _first_non_finite(ranks, single)
     has_padding = len(dataset) % cfg.world_size != 0
     common = dict(config=cfg, per_step=per_step, first_divergent_step=divergent, has_padding=has_padding,
                   non_finite=non_finite, unused_parameters=facts.unused_parameters,
-                  find_unused_parameters=facts.find_unused_parameters, note=diagnosis.one_rank_note(cfg))
+                  find_unused_parameters=facts.find_unused_parameters and cfg.wraps_in_ddp,
+                  note=diagnosis.one_rank_note(cfg))
     if non_finite is not None and (divergent is None or divergent >= non_finite["step"]):
         explanation, fix = diagnosis.non_finite_text(cfg, non_finite)
         return CheckResult(verdict="NON_FINITE", cause=None, explanation=explanation, fix=fix, **common)
@@ -98,10 +132,10 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: T
     # Diagnose on the finite steps only: references are compared to the ranks up to there.
     finite_steps = ranks.first(non_finite["step"]) if non_finite else ranks
     found = diagnosis.diagnose(spec, len(dataset), cfg, finite_steps, single, divergent, has_padding,
-                               rerun=lambda hypothesis: reference(spec, dataset, cfg, hypothesis))
+                               rerun=lambda hypothesis: reference(spec, dataset, cfg, hypothesis, ranks=finite_steps))
     explanation = found.explanation
     if non_finite:
-        explanation += (f"; from step {non_finite['step']} the {diagnosis.side_text(non_finite['side'])} "
+        explanation += (f"; from step {non_finite['step']} the {diagnosis.side_text(cfg, non_finite['side'])} "
                         f"{non_finite['what']} are also not finite")
     return CheckResult(verdict=found.verdict, cause=found.cause, explanation=explanation, fix=found.fix, **common)
 
@@ -113,11 +147,13 @@ def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
     spec = load_spec(cfg.spec_path)
     dataset = spec.dataset()
     model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64, device=ctx.device)
-    wrapped = strategies.get(strategies.DEFAULT).wrap(model, ctx, facts)
+    strategy = strategy_of(cfg)
+    wrapped = strategy.wrap(model, ctx, facts)
     optimizer = spec.optimizer(wrapped.parameters())
     order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
                       per_device_batch_size=cfg.per_device_batch_size)
-    params, grads = [], []
+    probe = ReductionProbe(strategy, wrapped, cfg.reduce_dtype) if cfg.reduce_dtype else None
+    params, grads, factors = [], [], set()
     for step in range(cfg.steps):
         optimizer.zero_grad(set_to_none=True)
         batch = rank_tools.collate(dataset, order.batch(step), ctx.device, torch.float64)
@@ -125,19 +161,65 @@ def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
         with spec.guard("backward through the loss"):
             loss.backward()
         grads.append(_flat_grads(model))
+        # Read after the spec's step(): where it changed how the reduction divides, this shows it.
+        factors |= strategy.divide_factors(wrapped)
+        if probe is not None:
+            probe.close_step(grads[-1])
         with spec.guard("the optimizer's step()"):
             optimizer.step()
         params.append(_flat_params(model))
-        show(step + 1, cfg.steps, f"{ctx.world_size} DDP ranks")
-    return Trajectory(params, grads) if ctx.is_main else None
+        show(step + 1, cfg.steps, f"{ctx.world_size} {cfg.strategy.upper()} ranks")
+    if not ctx.is_main:
+        return None
+    measured = {"reduction_errors": probe.errors, "reduction_bounds": probe.bounds} if probe else {}
+    return Trajectory(params, grads, divide_factors=frozenset(factors), **measured)
+
+
+class ReductionProbe:
+    """On each rank: the exact float64 average of the ranks' local gradients, beside the strategy's reduced one."""
+
+    def __init__(self, strategy: strategies.Strategy, wrapped, reduce_dtype: str):
+        self.strategy, self.wrapped = strategy, wrapped
+        self.params = list(wrapped.parameters())
+        self.local: list[torch.Tensor | None] = [None] * len(self.params)
+        # One tap per parameter: each local gradient lands in its own slot, in the order of the parameters.
+        self.taps = [strategy.tap_local_gradients(wrapped, [param], functools.partial(self._seen, index))
+                     for index, param in enumerate(self.params)]
+        self.gamma = diagnosis.reduction_rounding_bound(reduce_dtype, strategy.data_parallel_size(wrapped))
+        self.errors: list[torch.Tensor] = []
+        self.bounds: list[torch.Tensor] = []
+
+    def _seen(self, index: int, gradient: torch.Tensor) -> None:
+        self.local[index] = gradient.detach().to(torch.float64).clone()
+
+    def close_step(self, reduced: torch.Tensor) -> None:
+        """After a reducing backward: ``reduced`` (flattened, whole) against the exact average; one all-reduce."""
+        local = torch.cat([(g if g is not None else torch.zeros(p.shape, dtype=torch.float64)).reshape(-1).cpu()
+                           for g, p in zip(self.local, self.params)])
+        both = torch.stack([local, local.abs()])
+        dist.all_reduce(both, group=self.strategy.data_parallel_group(self.wrapped))
+        size = self.strategy.data_parallel_size(self.wrapped)
+        self.errors.append(reduced - both[0] / size)
+        self.bounds.append(self.gamma * both[1] / size)
+        self.local = [None] * len(self.params)
+
+
+def _fraction_of_bound(error: torch.Tensor, bound: torch.Tensor) -> float:
+    # Where the bound is 0 every local gradient was 0 there, and so must the reduced one be.
+    if bool(((bound == 0) & (error != 0)).any()):
+        return math.inf
+    covered = bound > 0
+    return (error[covered].abs() / bound[covered]).max().item() if bool(covered.any()) else 0.0
 
 
 def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypothesis,
-              progress: Progress = silent) -> Trajectory:
+              progress: Progress = silent, *, ranks: Trajectory | None = None) -> Trajectory:
     """One process on the concatenated batches; ``hypothesis`` reproduces a suspected cause.
 
     'global': the plain single-process run. 'padding': keep DistributedSampler's repeated
     samples. 'per-rank': average W per-rank losses, each over its own rank's batch, as DDP does.
+    'divide-factor': every gradient times W / f, where the ``ranks`` divided their sum by f.
+    'rounding': every gradient plus the ``ranks``' measured reduction error of that step.
     """
     model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64)
     optimizer = spec.optimizer(model.parameters())
@@ -151,12 +233,29 @@ def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypot
         with spec.guard("backward through the loss"):
             loss.backward()
         used_rng = used_rng or not torch.equal(rng_before, torch.get_rng_state())
+        _reproduce_reduction(model, hypothesis, ranks, step, cfg.world_size)
         grads.append(_flat_grads(model))
         with spec.guard("the optimizer's step()"):
             optimizer.step()
         params.append(_flat_params(model))
         progress(step + 1, cfg.steps, "one process")
     return Trajectory(params, grads, used_rng)
+
+
+def _reproduce_reduction(model, hypothesis: diagnosis.Hypothesis, ranks: Trajectory | None, step: int,
+                         world_size: int) -> None:
+    """Change the reference's gradients as the ranks' reduction did, under 'divide-factor' and 'rounding'."""
+    if hypothesis == "divide-factor":
+        (factor,) = ranks.divide_factors
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(world_size / factor)
+    elif hypothesis == "rounding" and step < len(ranks.reduction_errors):
+        error, offset = ranks.reduction_errors[step], 0
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.add_(error[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
 
 
 def _reference_loss(spec: Spec, model, dataset, order: ReferenceOrder, step: int,
@@ -188,12 +287,17 @@ def _first_non_finite(ranks: Trajectory, single: Trajectory) -> dict[str, Any] |
 
 
 def _flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    return torch.cat([_whole(p.detach()).reshape(-1).cpu() for p in model.parameters()])
 
 
 def _flat_grads(model) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).cpu()
+    return torch.cat([_whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).cpu()
                       for p in model.parameters()])
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (FSDP2's DTensor) gathered whole, on every rank of its mesh (a collective); else itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:

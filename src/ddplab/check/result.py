@@ -8,8 +8,9 @@ from typing import Any, Literal
 from ddplab.check.config import CheckConfig
 from ddplab.serialize import finite
 
-Verdict = Literal["EQUIVALENT", "DIVERGES", "STOCHASTIC", "NON_FINITE"]
-Cause = Literal["SUM_REDUCTION", "GRADIENT_SCALE", "PADDING", "BATCHNORM", "PER_RANK_LOSS", "RANDOMNESS", "UNKNOWN"]
+Verdict = Literal["EQUIVALENT", "ROUNDING", "DIVERGES", "STOCHASTIC", "NON_FINITE"]
+Cause = Literal["SUM_REDUCTION", "GRADIENT_SCALE", "DIVIDE_FACTOR", "REDUCE_PRECISION", "PADDING", "BATCHNORM",
+                "PER_RANK_LOSS", "RANDOMNESS", "UNKNOWN"]
 Side = Literal["ranks", "single_process", "both"]
 
 
@@ -22,7 +23,9 @@ class CheckResult:
     explanation: str
     fix: str | None
     per_step: list[dict[str, float]]
-    """Per optimizer step: max_abs_diff, max_rel_diff and samples_per_rank."""
+    """Per optimizer step: max_abs_diff, max_rel_diff and samples_per_rank; under a reduce_dtype also
+    reduction_error_of_bound (the reduced gradient's largest difference from the exact average, as a fraction of the
+    reduce dtype's rounding bound)."""
     first_divergent_step: int | None
     has_padding: bool
     non_finite: dict[str, Any] | None = None
@@ -36,8 +39,8 @@ class CheckResult:
 
     @property
     def passed(self) -> bool:
-        """The ranks and the single process agree at every step."""
-        return self.verdict == "EQUIVALENT"
+        """The ranks and the single process agree at every step, or differ by a reduce_dtype's rounding only."""
+        return self.verdict in ("EQUIVALENT", "ROUNDING")
 
     @property
     def partial_steps(self) -> list[tuple[int, int]]:
@@ -48,7 +51,9 @@ class CheckResult:
     def to_json(self) -> dict[str, Any]:
         cfg = self.config
         return finite({"verdict": self.verdict, "cause": self.cause, "explanation": self.explanation, "fix": self.fix,
-                       "tolerance": cfg.tolerance, "world_size": cfg.world_size,
+                       "tolerance": cfg.tolerance, "strategy": cfg.strategy, "replicate": cfg.replicate,
+                       "reduce_dtype": cfg.reduce_dtype, "world_size": cfg.world_size,
+                       "data_parallel_size": cfg.world_size,
                        "per_device_batch_size": cfg.per_device_batch_size, "global_batch_size": cfg.global_batch_size,
                        "steps": cfg.steps, "seed": cfg.seed, "first_divergent_step": self.first_divergent_step,
                        "non_finite": self.non_finite, "unused_parameters": list(self.unused_parameters),

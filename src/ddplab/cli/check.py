@@ -13,13 +13,17 @@ from ddplab.text import count
 DESCRIPTION = f"""\
 Train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
 process on the ranks' batches concatenated in rank order (global batch W·b), both in float64;
-compare the parameters after every step.
+compare the parameters after every step. --strategy fsdp trains the ranks with FSDP2
+(fully_shard), --strategy hsdp on a 2-D mesh of --replicate replicas; sharded parameters and
+gradients are gathered whole to be compared.
 
 Verdicts: EQUIVALENT (within --tolerance); DIVERGES with the cause that a reproducing reference
-confirms (SUM_REDUCTION, GRADIENT_SCALE, PADDING, BATCHNORM, PER_RANK_LOSS, or UNKNOWN);
-STOCHASTIC when the model draws random numbers in training (dropout); NON_FINITE when inf or
-nan appears on either side (named: the ranks, the single process, or both) before any difference.
-The exit code is 0 whatever the verdict, unless --strict: then 3 for any verdict but EQUIVALENT.
+confirms (SUM_REDUCTION, GRADIENT_SCALE, DIVIDE_FACTOR, PADDING, BATCHNORM, PER_RANK_LOSS, or
+UNKNOWN); ROUNDING (REDUCE_PRECISION) when FSDP2 reduces in --reduce-dtype and the difference is
+that dtype's rounding, within its bound; STOCHASTIC when the model draws random numbers in
+training (dropout); NON_FINITE when inf or nan appears on either side (named: the ranks, the
+single process, or both) before any difference. The exit code is 0 whatever the verdict, unless
+--strict: then 3 for any verdict but EQUIVALENT and ROUNDING.
 
 Under torchrun (torchrun --nproc_per_node N -m ddplab check SPEC.py ...) the ranks are
 torchrun's: W is its WORLD_SIZE, and rank 0 runs the single-process reference and reports.
@@ -32,6 +36,8 @@ examples:
   ddplab check tests/specs/correct.py --batch-size 8                 # {DEFAULT_WORLD_SIZE} CPU ranks
   ddplab check spec.py --world-size 4 --batch-size 16 --steps 10 --json
   ddplab check spec.py --batch-size 8 --strict                       # exit 3 unless EQUIVALENT (CI)
+  ddplab check spec.py --batch-size 8 --strategy fsdp                # FSDP2 on 2 ranks
+  ddplab check spec.py --batch-size 8 --strategy hsdp --world-size 4 --replicate 2
   torchrun --nproc_per_node 4 -m ddplab check spec.py --batch-size 8
 """
 
@@ -40,7 +46,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("check", help="prove a model trains the same on N ranks as on one",
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser, CheckConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed", "tolerance"))
-    parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT")
+    add_fields(parser.add_argument_group("parallelism"), CheckConfig, ("strategy", "replicate", "reduce_dtype"))
+    parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT or ROUNDING")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_launch_flags(parser)
     parser.set_defaults(run=run)
@@ -68,12 +75,21 @@ def _print(result) -> None:
     cfg = result.config
     rows = [[str(i), f"{d['max_abs_diff']:.2e}", f"{d['max_rel_diff']:.2e}",
              "✓" if d["max_rel_diff"] <= cfg.tolerance else "✗"] for i, d in enumerate(result.per_step)]
-    title = (f"ddplab check: {count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size} vs one process × "
-             f"{cfg.global_batch_size}, float64, tolerance {cfg.tolerance:g}")
+    columns = ["step", "max |Δparam|", "relative", ""]
+    if cfg.reduce_dtype:
+        # How much of the reduce dtype's rounding bound the reduction's error took, per step.
+        columns.append("reduction error / bound")
+        for row, d in zip(rows, result.per_step):
+            row.append(f"{d['reduction_error_of_bound']:.2f}" if "reduction_error_of_bound" in d else "")
+    strategy = cfg.strategy_text(cfg.world_size)
+    reduced = f" (gradients reduced in {cfg.reduce_dtype})" if cfg.reduce_dtype else ""
+    title = (f"ddplab check: {count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size}"
+             f"{f' ({strategy})' if strategy else ''} vs one process × {cfg.global_batch_size}, float64{reduced}, "
+             f"tolerance {cfg.tolerance:g}")
     out = render.console()
-    out.print(render.table(title, ["step", "max |Δparam|", "relative", ""], rows))
-    style = {"EQUIVALENT": "bold green", "DIVERGES": "bold red", "STOCHASTIC": "bold yellow",
-             "NON_FINITE": "bold red"}[result.verdict]
+    out.print(render.table(title, columns, rows))
+    style = {"EQUIVALENT": "bold green", "ROUNDING": "bold green", "DIVERGES": "bold red",
+             "STOCHASTIC": "bold yellow", "NON_FINITE": "bold red"}[result.verdict]
     cause = f" ({result.cause})" if result.cause else ""
     out.print(f"[{style}]{result.verdict}[/]{cause}: {result.explanation}")
     if result.fix:
@@ -92,8 +108,11 @@ def _notes(result) -> list[str]:
                      f"{cfg.per_device_batch_size} samples per rank, as a DataLoader without drop_last does")
     if result.unused_parameters:
         names = ", ".join(result.unused_parameters[:5]) + (" …" if len(result.unused_parameters) > 5 else "")
-        notes.append(f"the forward does not use {names} (no gradient): DDP ran with find_unused_parameters=True, "
-                     "and those parameters are compared like the rest")
+        # FSDP2 reduce-scatters the gradients that exist: a parameter no rank used has none to reduce.
+        how = ("DDP ran with find_unused_parameters=True" if cfg.wraps_in_ddp
+               else f"{cfg.strategy.upper()} reduces no gradient for them")
+        notes.append(f"the forward does not use {names} (no gradient): {how}, and those parameters are compared like "
+                     "the rest")
     elif result.find_unused_parameters:
         notes.append("the forward left some parameter without a gradient on a later step: DDP ran again with "
                      "find_unused_parameters=True")

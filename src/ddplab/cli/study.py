@@ -78,7 +78,7 @@ def add_parser(subparsers) -> None:
     add_fields(parser, StudyOptions, ("out", "fresh", "verify_ddp", "verify_world_size", "verify_steps", "threads"),
                verify_ddp={"metavar": "K"})
     add_fields(parser.add_argument_group("engine"), StudyOptions,
-               ("engine", "world_size", "max_batch_size_per_device", "device"))
+               ("engine", "world_size", "strategy", "replicate", "reduce_dtype", "max_batch_size_per_device", "device"))
     add_fields(parser, StudyOptions, ("compare", "plots"), compare={"metavar": "STUDY.json"})
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)

@@ -85,3 +85,29 @@ def ddp_join_hook_class():
 
     hook = getattr(distributed, "_DDPJoinHook", None)
     return hook if hook is not None and callable(getattr(hook, "main_hook", None)) else None
+
+
+def fully_shard_api():
+    """``torch.distributed.fsdp`` when it has FSDP2's ``fully_shard`` (torch >= 2.6), else None."""
+    try:
+        from torch.distributed import fsdp
+
+        return fsdp if hasattr(fsdp, "fully_shard") and hasattr(fsdp, "FSDPModule") else None
+    except ImportError:
+        return None
+
+
+def fsdp_param_groups(module) -> list:
+    """The FSDP2 parameter groups ``fully_shard(module)`` made (its own, not its submodules'); [] where unreadable.
+
+    Older torches keep one group (``_fsdp_param_group``, None without parameters), newer ones a list.
+    """
+    try:
+        state = module._get_fsdp_state()
+    except AttributeError:
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Literal, get_args
 
-from ddplab.validation import at_least
+from ddplab.validation import at_least, one_of
 
 DEFAULT_WORLD_SIZE = 2
 """Ranks a command starts when none are asked for (under torchrun: torchrun's WORLD_SIZE)."""
@@ -29,3 +30,48 @@ class SpecRunConfig:
         for field in ("world_size", "per_device_batch_size", "steps"):
             at_least(field, getattr(self, field))
 
+
+
+StrategyName = Literal["ddp", "fsdp", "hsdp"]
+"""The parallelism strategies (``ddplab.runtime.strategies``, registered by these names)."""
+DEFAULT_STRATEGY: StrategyName = "ddp"
+"""The strategy a command trains with when none is asked for."""
+ReduceDtype = Literal["float32", "bfloat16"]
+"""A dtype FSDP2 may reduce gradients in below the parameters' own (MixedPrecisionPolicy's ``reduce_dtype``)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelismConfig:
+    """How the ranks hold the model and reduce its gradients: a strategy and its options."""
+
+    strategy: StrategyName = DEFAULT_STRATEGY
+    """ddp: each rank a whole replica, gradients all-reduced; fsdp: FSDP2, each rank a shard of every parameter,
+    gradients reduce-scattered; hsdp: FSDP2 on a 2-D mesh of ``replicate`` replicas, each sharded over the rest."""
+    replicate: int | None = None
+    """hsdp's replicas, the first dimension of its (replicate, shard) mesh: it must divide the world size."""
+    reduce_dtype: ReduceDtype | None = None
+    """fsdp and hsdp: reduce the gradients in this dtype (FSDP2's MixedPrecisionPolicy reduce_dtype; default: the
+    parameters' own)."""
+
+    def __post_init__(self):
+        one_of("strategy", self.strategy, get_args(StrategyName))
+        at_least("replicate", self.replicate)
+        if self.reduce_dtype is not None:
+            one_of("reduce_dtype", self.reduce_dtype, get_args(ReduceDtype))
+
+    @property
+    def wraps_in_ddp(self) -> bool:
+        """Whether the ranks train under DistributedDataParallel (whose find_unused_parameters a check may set)."""
+        return self.strategy == DEFAULT_STRATEGY
+
+    def strategy_text(self, world_size: int) -> str:
+        """The strategy in a title's words ("fsdp", "hsdp: 2 replicas × 2 shards"); empty for the default, DDP."""
+        if self.wraps_in_ddp:
+            return ""
+        if self.replicate and world_size % self.replicate == 0:
+            return f"{self.strategy}: {self.replicate} replicas × {world_size // self.replicate} shards"
+        return self.strategy
+
+    def strategy_options(self) -> dict[str, Any]:
+        """The strategy's options that were given (the strategy refuses one it does not have)."""
+        return {name: value for name in ("replicate", "reduce_dtype") if (value := getattr(self, name)) is not None}

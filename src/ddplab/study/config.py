@@ -8,6 +8,7 @@ import json
 from typing import Literal, get_args
 
 from ddplab.errors import UsageError
+from ddplab.runtime.config import ParallelismConfig
 from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
 FIXED_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "tuned")
@@ -189,8 +190,9 @@ def target_for(*, spec: str | None, accuracy: float | None = None, loss: float |
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StudyOptions:
-    """Where a study keeps its results and what it does besides training the grid."""
+class StudyOptions(ParallelismConfig):
+    """Where a study keeps its results, what trains the grid (the engine; on the DDP engine, the ranks' parallelism
+    strategy) and what it does besides."""
 
     out: str = "study-out"
     """Directory for the cache, plots, study.json and report.html."""
@@ -224,6 +226,7 @@ class StudyOptions:
     beside its rule's prediction (linear for SGD, square root for Adam)."""
 
     def __post_init__(self):
+        ParallelismConfig.__post_init__(self)
         one_of("engine", self.engine, get_args(Engine))
         one_of("device", self.device, get_args(Device))
         if not self.world_size >= 1 or not (self.max_batch_size_per_device or 1) >= 1:

@@ -13,6 +13,7 @@ import torch
 
 from ddplab.errors import UsageError, literal
 from ddplab.progress import Progress, silent
+from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch, world_size_for
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.serialize import write_json_atomic
@@ -135,7 +136,10 @@ def load_compared(path: str) -> dict:
 def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions) -> tuple[str, str]:
     """(engine, why): what trains the grid, and the reason in words."""
     if options.engine == "vmap" or (options.engine == "auto" and not workload.not_vectorized
-                                    and not under_torchrun()):
+                                    and not under_torchrun() and options.wraps_in_ddp):
+        if not options.wraps_in_ddp:
+            raise UsageError(f"{{strategy}} {options.strategy} wraps the model on ranks, which only the DDP engine "
+                             "starts: use {engine} ddp (or auto)")
         if workload.not_vectorized:
             raise UsageError(f"{{engine}} vmap cannot train {literal(workload.name)}: "
                              f"{literal(workload.not_vectorized)}; use {{engine}} ddp (or auto)")
@@ -153,6 +157,8 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
             raise UsageError(f"the rule {rule.name} trains in one process: drop it from {{rules}} under torchrun")
     if options.engine == "ddp":
         return "ddp", "asked for"
+    if not options.wraps_in_ddp:
+        return "ddp", f"the {options.strategy} strategy wraps the model on ranks"
     if under_torchrun():
         return "ddp", "under torchrun: the grid's runs train across the job's ranks"
     return "ddp", f"the spec cannot be vectorized: {workload.not_vectorized}"
@@ -185,7 +191,10 @@ def build_engine(name: str, device: torch.device, options: StudyOptions, launch_
                          "{device} cpu")
     launch_config = dataclasses.replace(launch_config or LaunchConfig(), world_size=world_size,
                                         backend="nccl" if device.type == "cuda" else "gloo")
-    on_ranks: Engine = DdpEngine(launch_config, max_per_device=options.max_batch_size_per_device, device=device)
+    strategy = strategies.get(options.strategy, **options.strategy_options())
+    strategy.check_runnable(world_size)
+    on_ranks: Engine = DdpEngine(launch_config, max_per_device=options.max_batch_size_per_device, device=device,
+                                 strategy=strategy)
     return on_ranks if name == "ddp" else engines.Auto([vectorized, on_ranks])
 
 

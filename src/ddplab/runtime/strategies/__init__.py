@@ -1,6 +1,6 @@
 """Parallelism strategies, registered by name: how a model is wrapped on the ranks and its gradients averaged.
 
-    strategy = strategies.get("ddp")
+    strategy = strategies.get("hsdp", replicate=2)
     model = strategy.wrap(model, ctx, facts)           # on the rank, inside a launch
     with strategy.no_sync(model):                      # accumulate without reducing
         loss_fn(model(x), y).backward()
@@ -16,15 +16,19 @@ import dataclasses
 from contextlib import AbstractContextManager
 
 from ddplab.errors import UsageError
+from ddplab.runtime.config import DEFAULT_STRATEGY
 from ddplab.runtime.strategies.base import GradientTap, Strategy
 from ddplab.runtime.strategies.ddp import DDPStrategy
+from ddplab.runtime.strategies.fsdp import FSDPStrategy
+from ddplab.runtime.strategies.hsdp import HSDPStrategy
 
 __all__ = ["DEFAULT", "STRATEGIES", "GradientTap", "Strategy", "get", "no_sync", "of"]
 
-STRATEGIES: dict[str, Strategy] = {strategy.name: strategy for strategy in (DDPStrategy(),)}
+STRATEGIES: dict[str, Strategy] = {strategy.name: strategy
+                                   for strategy in (DDPStrategy(), FSDPStrategy(), HSDPStrategy())}
 """Every strategy by name, each with its default options."""
 
-DEFAULT = "ddp"
+DEFAULT = DEFAULT_STRATEGY
 """The strategy a command trains with."""
 
 
@@ -33,6 +37,9 @@ def get(name: str = DEFAULT, **options) -> Strategy:
     strategy = STRATEGIES.get(name)
     if strategy is None:
         raise UsageError(f"the strategy must be one of {', '.join(sorted(STRATEGIES))}, got {name!r}")
+    known = {field.name for field in dataclasses.fields(strategy)}
+    for option in options.keys() - known:
+        raise UsageError(f"{{{option}}} is not an option of the {name} strategy")
     return dataclasses.replace(strategy, **options) if options else strategy
 
 

@@ -46,10 +46,16 @@ class GradientTap:
 
 
 class Strategy(abc.ABC):
-    """One way of training a model on several ranks (``ddp``; next ``fsdp``, ``hsdp``), as one value."""
+    """One way of training a model on several ranks (``ddp``, ``fsdp``, ``hsdp``), as one value."""
 
     name: ClassVar[str]
     """The name it is registered and chosen by."""
+    collective_forward: ClassVar[bool] = False
+    """Whether a forward through the user's module (:meth:`module`) is a collective, which every rank must run."""
+
+    def check_runnable(self, world_size: int) -> None:
+        """Raise UsageError, before any rank starts, where this strategy cannot train on ``world_size`` ranks here."""
+        return None  # any number of ranks, unless a strategy says otherwise
 
     @abc.abstractmethod
     def wrap(self, model: torch.nn.Module, ctx: RankContext, facts: SpecFacts | None = None) -> torch.nn.Module:
@@ -77,6 +83,10 @@ class Strategy(abc.ABC):
     def data_parallel_rank(self, model) -> int:
         """This rank's place in the data-parallel group (what a sampler splits the data by)."""
         return dist.get_rank(self.data_parallel_group(model))
+
+    def divide_factors(self, model) -> set[float]:
+        """What the reduction divides the sum of the ranks' gradients by: the data-parallel size for an average."""
+        return {float(self.data_parallel_size(model))}
 
     @abc.abstractmethod
     def no_sync(self, model) -> AbstractContextManager[None]:

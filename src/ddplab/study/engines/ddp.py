@@ -1,5 +1,8 @@
 """The DDP engine: each grid point trained as a real DDP run, one launch per global batch for all its runs.
 
+The ranks wrap the model with the engine's parallelism strategy: DDP by default, FSDP2 or HSDP when
+asked (:mod:`ddplab.runtime.strategies`); the rest of the loop is the same for all three.
+
 For what the vectorized engine cannot train: a spec's own ``step()``, an optimizer outside SGD,
 Adam and AdamW, a model that does not vmap, BatchNorm whose statistics must be per rank, or a
 study under torchrun across nodes. The launch layer (:mod:`ddplab.runtime.launch`) starts
@@ -58,7 +61,8 @@ def split(global_batch: int, world_size: int, max_per_device: int | None) -> Ddp
 
 
 def train_group_ddp(workload: workloads.Workload, config: StudyConfig, group: RunGroup,
-                    launch_config: LaunchConfig, *, max_per_device: int | None = None) -> list[RunResult]:
+                    launch_config: LaunchConfig, *, max_per_device: int | None = None,
+                    strategy: strategies.Strategy | None = None) -> list[RunResult]:
     """Train every run of ``group`` on ``launch_config.world_size`` DDP ranks, one after another.
 
     As in the vectorized engine, a run of an lr in ``group.sweep_only`` stops once it can no longer have the
@@ -69,13 +73,15 @@ def train_group_ddp(workload: workloads.Workload, config: StudyConfig, group: Ru
         raise UsageError("AdaScale on the DDP engine measures the noise scale across ranks: it needs {world_size} 2 "
                          "or more")
     config = dataclasses.replace(config, optimizer=group.optimizer)
+    strategy = strategy or strategies.get()
     # Every rank returns the same results (each stop is decided together): rank 0's serve. A spec's error in a
     # rank (its evaluate() raising, say) comes back as the one line it is in one process.
     with rank_errors():
-        return launch(_train_runs, launch_config, workload.source, config, group, plan)[0]
+        return launch(_train_runs, launch_config, workload.source, config, group, plan, strategy)[0]
 
 
-def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, plan: DdpPlan) -> list[RunResult]:
+def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, plan: DdpPlan,
+                strategy: strategies.Strategy) -> list[RunResult]:
     # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
     dtype = torch_dtype(config)
@@ -86,7 +92,7 @@ def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, 
     for key in sorted(group.runs, key=lambda run: run[0] in group.sweep_only):
         result = results[key]
         bound = _prune_bound(config, done, result.lr) if result.lr in group.sweep_only else math.inf
-        _train_one(ctx, workload, config, plan, inputs, targets, result, bound,
+        _train_one(ctx, workload, config, plan, inputs, targets, result, bound, strategy,
                    adascale=group.lr_scaling == "gain")
         done.append(result)
     return [results[key] for key in group.runs]
@@ -115,11 +121,11 @@ def run_optimizer(workload: workloads.Workload, config: StudyConfig, params, lr:
 
 
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
-               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult, bound: float = math.inf, *,
-               adascale: bool = False) -> None:
+               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult, bound: float = math.inf,
+               strategy: strategies.Strategy | None = None, *, adascale: bool = False) -> None:
     torch.manual_seed(result.seed)
     model = workload.model().to(torch_dtype(config)).to(ctx.device)
-    strategy = strategies.get(strategies.DEFAULT)
+    strategy = strategy or strategies.get()
     ddp = strategy.wrap(model, ctx)
     optimizer = run_optimizer(workload, config, ddp.parameters(), result.lr)
     shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
@@ -157,7 +163,8 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
         # A diverged step poisons every later one (its gradient is all-reduced), so checking the window's losses
         # at each evaluation stops the same runs; one collective per evaluation instead of one per step.
         if evaluation or step + 1 == config.max_steps:
-            if _evaluated(ctx, workload, config, model, result, step + 1, losses, noise, sums):
+            if _evaluated(ctx, workload, config, strategy.module(ddp), result, step + 1, losses, noise, sums,
+                          every_rank=strategy.collective_forward):
                 break
             if step + 1 > bound:
                 result.pruned = True
@@ -203,11 +210,14 @@ class Evaluation:
 
 
 def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: RunResult, steps: int,
-               losses: list[torch.Tensor], noise=None, sums: torch.Tensor | None = None) -> bool:
+               losses: list[torch.Tensor], noise=None, sums: torch.Tensor | None = None, *,
+               every_rank: bool = False) -> bool:
     """Rank 0 evaluates; one all-reduce (:class:`Evaluation`) tells every rank the metric, the mean of the last
     step's loss, whether any rank's losses since the last evaluation diverged, and the noise scale's sums of the
-    step. True when the run is finished (every rank decides alike)."""
-    metric = evaluate_model(workload, config, model) if ctx.is_main else 0.0
+    step. True when the run is finished (every rank decides alike). ``every_rank``: the model's forward is a
+    collective (FSDP2 all-gathers its parameters), so every rank runs the evaluation, and rank 0's counts."""
+    metric = evaluate_model(workload, config, model) if ctx.is_main or every_rank else 0.0
+    metric = metric if ctx.is_main else 0.0
     window = torch.stack(losses).to(torch.float64)
     last = torch.nan_to_num(window[-1], nan=0.0, posinf=0.0, neginf=0.0)
     mine = Evaluation(loss=float(last), metric=metric,
@@ -282,12 +292,14 @@ class DdpEngine:
     overhead = 1.5
 
     def __init__(self, launch_config: LaunchConfig, *, max_per_device: int | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", strategy: strategies.Strategy | None = None):
         self.launch_config, self.max_per_device, self.device = launch_config, max_per_device, torch.device(device)
+        self.strategy = strategy or strategies.get()
 
     def train(self, workload: workloads.Workload, config: StudyConfig, group: RunGroup,
               progress: Progress | None = None) -> list[RunResult]:
-        results = train_group_ddp(workload, config, group, self.launch_config, max_per_device=self.max_per_device)
+        results = train_group_ddp(workload, config, group, self.launch_config, max_per_device=self.max_per_device,
+                                  strategy=self.strategy)
         if progress:
             progress(config.max_steps)
         return results
