@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
 from ddplab.errors import UsageError
+from ddplab.study import rules
 from ddplab.study.fit import median
 from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
@@ -109,8 +110,7 @@ def scaled_lr(reference_lr: float, global_batch: int, reference_global_batch: in
     >>> scaled_lr(0.1, 128, 32, "linear"), scaled_lr(0.1, 128, 32, "sqrt")
     (0.4, 0.2)
     """
-    ratio = global_batch / reference_global_batch
-    return reference_lr * (ratio if rule == "linear" else math.sqrt(ratio))
+    return reference_lr * rules.get(rule).factor(global_batch / reference_global_batch)
 
 
 def sweep(lr: float, factor: float) -> tuple[float, ...]:
