@@ -147,3 +147,62 @@ def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_one
     assert not os.path.exists(tmp_path / "out" / "branched.json")
     assert main([*base, "--branch-from", str(tmp_path / "nothing.pt")]) == 2
     assert "nothing.pt does not exist" in capsys.readouterr().err
+
+
+SPEC_WITH_LOAD = '''
+import torch
+
+
+def _data(seed):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(512, 4, generator=generator)
+    return torch.utils.data.TensorDataset(inputs, (inputs[:, 0] + inputs[:, 1] > 0).long())
+
+
+def model():
+    return torch.nn.Linear(4, 2)
+
+
+def dataset():
+    return _data(0)
+
+
+def val_dataset():
+    return _data(1)
+
+
+def loss(output, target):
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def load(path, model, optimizer):
+    saved = torch.load(path)
+    model.load_state_dict(saved["net"])
+    optimizer.load_state_dict(saved["opt"])
+    return saved["tokens"]
+'''
+
+
+@pytest.mark.timeout(60)
+def test_a_specs_own_load_reads_its_checkpoints(tmp_path, capsys):
+    spec = tmp_path / "spec_with_load.py"
+    spec.write_text(SPEC_WITH_LOAD)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    sgd.step()
+    torch.save({"net": model.state_dict(), "opt": sgd.state_dict(), "tokens": 96}, tmp_path / "run.pt")
+    torch.save({"net": model.state_dict(), "opt": sgd.state_dict(), "tokens": "many"}, tmp_path / "odd.pt")
+    base = ["study", str(spec), "--target-loss", "0.1", "--ref-global-batch-size", "8", "--branch-doublings", "2",
+            "--branch-samples", "64", "--seeds", "2", "--out", str(tmp_path / "out"), "--json"]
+    assert main([*base, "--branch-from", str(tmp_path / "run.pt")]) == 0
+    found = json.loads(capsys.readouterr().out)["branches"][0]
+    assert found["samples_seen"] == 96 and found["source"] == str(tmp_path / "run.pt")
+    assert [row["global_batch_size"] for row in found["batches"]] == [8, 16, 32]
+    assert main([*base, "--branch-from", str(tmp_path / "odd.pt")]) == 2
+    assert "must return the samples the run had seen, an integer ≥ 0, got 'many'" in capsys.readouterr().err

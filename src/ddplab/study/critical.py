@@ -45,18 +45,18 @@ class BranchConfig:
 
     branch_at: tuple[float, ...] | None = None
     """Fractions of the reference run's steps to branch from, comma-separated (e.g. 0.1,0.3,0.6): the reference run
-    (``reference_global_batch_size``, ``reference_lr``, seed 0) trains to the target (or ``max_steps``) first."""
+    (the reference global batch and lr, seed 0) trains to the target (or the step budget) first."""
     branch_from: tuple[str, ...] | None = None
     """Checkpoints of your run to branch from: torch.save'd dicts with model, optimizer and samples_seen (or step,
-    counted in ``reference_global_batch_size`` samples), or what the spec's load(path, model, optimizer) reads."""
+    counted in reference global batches), or what the spec's load(path, model, optimizer) reads."""
     branch_samples: int | None = None
     """Samples every branch trains (the same at every batch; a multiple of the largest branched batch; default 8
     steps of it)."""
     branch_doublings: int = 5
-    """The branches' global batches: the reference's × 1, 2, 4, … 2^K."""
+    """How many times the branches double the reference global batch: × 1, 2, 4, … 2^this."""
     branch_lr_rule: LrRule = "auto"
-    """How a branch's lr scales from ``reference_lr`` (swept × 1/``sweep_factor``, 1, ``sweep_factor`` around it):
-    linear, sqrt, or auto (linear for SGD, sqrt for Adam and AdamW)."""
+    """How a branch's lr scales from the reference lr (then swept once down and once up by the sweep factor): linear,
+    sqrt, or auto (linear for SGD, sqrt for Adam and AdamW)."""
     branch_tolerance: float | None = None
     """How much higher than the reference batch's a batch's end loss may be and still match, in loss units
     (default: half the range of the reference batch's seeds)."""
