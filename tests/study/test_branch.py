@@ -38,8 +38,13 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
     workload = workloads.regression(dim=DIM)
     config = _regression_config()
     fractions = (0.1, 0.3, 0.6)
+    calls = []
     lagged = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256, branch_lag=0.5,
-                                                           branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)))
+                                                           branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)),
+                            progress=lambda done, total, status="": calls.append((done, total)))
+    # The progress bar moves forward to its total: the reference run's budget, then every branch step.
+    assert calls[-1][0] == calls[-1][1] == 2 * config.max_steps + 3 * sum(256 // b for b in (2, 4, 8, 16, 32, 64))
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
     values = lagged.to_json()
     batches = tuple(values["global_batch_sizes"])
     assert batches == (2, 4, 8, 16, 32, 64)
