@@ -18,6 +18,7 @@ from ddplab.study.config import (
     StudyConfig,
     StudyOptions,
 )
+from ddplab.study.critical import BranchConfig
 from ddplab.study.rules import REGISTRY as RULES
 
 DESCRIPTION = f"""\
@@ -60,6 +61,13 @@ examples:
   ddplab study spec.py --target-accuracy 0.9 --engine ddp --world-size 4 --max-batch-size-per-device 32
   torchrun --nnodes 2 --nproc-per-node 4 ... -m ddplab study spec.py --target-accuracy 0.9
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8 --batch-size 32
+
+The critical batch where a training is (Merrill et al. 2025): --branch-at trains the reference run
+and branches from fractions of it; --branch-from branches from your own checkpoints. Short branches
+at the reference global batch × 1, 2, 4, ... train the same samples with a small lr sweep, and the
+critical batch is the largest whose loss on the held-out split still matches the reference batch's:
+  ddplab study --workload digits --branch-at 0.1,0.3,0.6
+  ddplab study spec.py --branch-from ckpt-1000.pt ckpt-5000.pt --ref-global-batch-size 256 --ref-lr 3e-4
 """
 
 
@@ -80,6 +88,11 @@ def add_parser(subparsers) -> None:
     add_fields(parser.add_argument_group("engine"), StudyOptions,
                ("engine", "world_size", "strategy", "replicate", "reduce_dtype", "max_batch_size_per_device", "device"))
     add_fields(parser, StudyOptions, ("compare", "plots"), compare={"metavar": "STUDY.json"})
+    add_fields(parser.add_argument_group("the critical batch from checkpoints (Merrill et al. 2025), instead of the "
+                                         "grid"), BranchConfig,
+               ("branch_at", "branch_from", "branch_samples", "branch_doublings", "branch_lr_rule", "branch_tolerance",
+                "branch_lag"), branch_at={"type": _fractions, "metavar": "F,F,..."},
+               branch_from={"type": str, "nargs": "+", "metavar": "CKPT"})
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -92,7 +105,9 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
                              help="a built-in workload instead of a spec, each with its documented target and grid: "
                                   "digits (scikit-learn's digits, an MLP, accuracy 0.95), mnist1d (MNIST-1D built "
                                   "offline, an MLP, accuracy 0.6), charlm (a character-level transformer with "
-                                  "LayerNorm, dropout and AdamW on public-domain text, validation loss 2.1)"),
+                                  "LayerNorm, dropout and AdamW on public-domain text, validation loss 2.1), "
+                                  "regression (noiseless linear regression in 16 dimensions, where B_simple = 17 "
+                                  "exactly; plain SGD, validation loss 1e-4)"),
          "workload")
     target = parser.add_mutually_exclusive_group()
     mark(target.add_argument("--target-accuracy", type=number, dest="target.accuracy", metavar="TARGET_ACCURACY",
@@ -101,6 +116,19 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     mark(target.add_argument("--target-loss", type=number, dest="target.loss", metavar="TARGET_LOSS",
                              help="validation loss to reach"),
          "target.loss")
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fractions like 0.1,0.3,0.6, got {text!r}") from None
+
+
+def branch_config_from_args(args: argparse.Namespace) -> BranchConfig | None:
+    """The branches asked for (``--branch-at`` or ``--branch-from``), None for the grid."""
+    given = fields_given(args, BranchConfig)
+    return BranchConfig(**given) if given else None
 
 
 def _rules_help() -> str:
@@ -161,10 +189,13 @@ def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> Optimize
 
 def run(args: argparse.Namespace) -> int:
     config_from_args(args)  # bad flags are said before the spec is loaded (its optimizer guessed from the flags)
+    branches = branch_config_from_args(args)
     from ddplab.study.run import run_study, workload_defaults, workload_for
 
     workload = workload_for(args.spec, args.workload)
     config, options = config_from_args(args, workload_defaults(workload))
+    if branches is not None:
+        return _run_branches(args, workload, config, branches, options)
     report = run_study(workload, config, options, progress=render.ProgressBar("ddplab study"))
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the study
@@ -177,6 +208,56 @@ def run(args: argparse.Namespace) -> int:
               f"{config.max_steps}: lower the target or raise --max-steps (runs are cached)", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, options: StudyOptions) -> int:
+    from ddplab.study.branch import measure
+
+    report = measure(workload, config, branches, options, progress=render.ProgressBar("ddplab study"))
+    if args.json:
+        render.print_json(report)
+    else:
+        _print_branches(report.to_json())
+    return 0
+
+
+def _print_branches(values: dict) -> None:
+    from ddplab.study.report import optimizer_text
+
+    out = render.console()
+    reference = values["reference"]
+    out.print(f"optimizer: {optimizer_text(values['optimizer'])}; reference: global batch "
+              f"{reference['global_batch_size']} at lr {reference['lr']:.4g}")
+    run = values["reference_run"]
+    if run:
+        reached = "reached the target" if run["reached"] else "did not reach the target"
+        out.print(f"reference run: {run['steps']} steps ({run['samples']} samples), {reached}")
+    factor = values["sweep_factor"]
+    title = (f"ddplab study: {values['workload']}, critical batch from {len(values['branches'])} checkpoints, "
+             f"branches of {values['branch_samples']} samples at global batches "
+             f"{','.join(map(str, values['global_batch_sizes']))}, lrs ×{1 / factor:g},1,{factor:g} of the "
+             f"{values['lr_rule']} rule, {values['seeds']} seeds, tolerance: {values['tolerance']}, "
+             f"{values['seconds']:.0f} s")
+    rows = [[str(b["samples_seen"]), _num(b["critical_batch_size"]) + (" (edge)" if b["at_edge"] else ""),
+             f"[{_num(b['interval'][0])}, {_num(b['interval'][1])}]", _num(b["b_simple"]), _num(b["reference_loss"]),
+             _num(b["tolerance"])] for b in values["branches"]]
+    out.print(render.table(title, ["samples seen", "critical batch", "interval (seeds)", "B_simple",
+                                   "reference loss", "tolerance"], rows))
+    for b in values["branches"]:
+        losses = ", ".join(f"{r['global_batch_size']}: {_num(r['median_loss'])}{'' if r['matches'] else ' ✗'}"
+                           for r in b["batches"])
+        out.print(f"at {b['samples_seen']} samples, best median loss by global batch: {losses}")
+    out.print("batch schedule (double when the critical batch reaches twice the batch): " + ", ".join(
+        f"from {s['samples_seen']} samples: {s['global_batch_size']} (lr {_lr(s['lr'])})" for s in values["schedule"]))
+    out.print(f"Megatron-LM: --step-batch-size-schedule \"{values['step_batch_size_schedule']}\"")
+    cost = values["cost"]
+    relative = f" = {cost['relative']:.3g}× one reference run's {cost['reference_samples']}" \
+        if cost["relative"] is not None else ""
+    out.print(f"cost: {cost['branch_samples']} branch samples{relative}")
+
+
+def _lr(value) -> str:
+    return "—" if value is None else f"{value:.4g}"
 
 
 def _print(report) -> None:

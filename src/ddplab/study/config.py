@@ -22,7 +22,7 @@ Dtype = Literal["float32", "float64"]
 Engine = Literal["auto", "vmap", "ddp"]
 Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
-WORKLOADS = ("digits", "mnist1d", "charlm")
+WORKLOADS = ("digits", "mnist1d", "charlm", "regression")
 """The built-in workloads (``--workload``)."""
 DEFAULT_ACCURACY = 0.95
 """The built-in workload's target, when none is given."""

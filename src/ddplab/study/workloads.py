@@ -55,6 +55,8 @@ class Workload:
     its lrs by the grid's lr over ``lr``."""
     own_optimizer: dict | None = None
     """How the JSON names ``make_optimizer``'s optimizer (optim.describe), where the runs train with it."""
+    load: Callable[[str, torch.nn.Module, Any], Any] | None = None
+    """The spec's load(path, model, optimizer) -> samples seen: how branches read the spec's own checkpoints."""
 
     @property
     def train_size(self) -> int:
@@ -213,9 +215,14 @@ def regression(*, dim: int = 16, n_train: int = 4096, n_val: int = 4096, seed: i
     targets = inputs @ w_star
     kwargs = (("dim", dim), ("n_train", n_train), ("n_val", n_val), ("seed", seed))
     name = f"gaussian-regression-{dim}"
+    from ddplab.study.config import OptimizerConfig, Target
+
+    # Plain SGD, where the theory above holds; the lr is safe at small batches (the optimum is B / (2(B + dim + 1))).
+    defaults = (("target", Target(kind="loss", value=1e-4)), ("optimizer", OptimizerConfig(momentum=0.0)),
+                ("reference_lr", 0.05))
     return Workload(name=name, model=functools.partial(_zero_linear, dim), loss=torch.nn.functional.mse_loss,
                     train=(inputs[:n_train], targets[:n_train]), val=(inputs[n_train:], targets[n_train:]),
-                    source=("regression", kwargs), fingerprint=f"{name}-{n_train}-{n_val}-{seed}")
+                    source=("regression", kwargs), fingerprint=f"{name}-{n_train}-{n_val}-{seed}", defaults=defaults)
 
 
 def _zero_linear(dim: int) -> torch.nn.Module:
@@ -253,7 +260,8 @@ def from_spec(path: str) -> Workload:
     common = dict(name=os.path.basename(path), model=spec.model, loss=spec.loss, train=train,
                   source=("spec", (("path", spec.path),)), fingerprint=_file_fingerprint(spec.path),
                   optimizer=optimizer, lr=lr, not_vectorized=why, step=spec.step if spec.custom_step else None,
-                  make_optimizer=spec.optimizer if optimizer is None and lr is not None else None, own_optimizer=own)
+                  make_optimizer=spec.optimizer if optimizer is None and lr is not None else None, own_optimizer=own,
+                  load=_guarded_load(spec, module))
     if callable(evaluate):
         return Workload(evaluate=_guarded_evaluate(spec, evaluate), eval_dataset=eval_dataset, **common)
     return Workload(val=_as_tensors(spec, eval_dataset, "val_dataset()"), **common)
@@ -279,6 +287,18 @@ def _guarded_evaluate(spec, evaluate):
         with spec.guard("evaluate(model, dataset)"):
             value = float(evaluate(model, dataset))
         return value
+
+    return call
+
+
+def _guarded_load(spec, module):
+    load = getattr(module, "load", None)
+    if not callable(load):
+        return None
+
+    def call(path: str, model: torch.nn.Module, optimizer) -> Any:
+        with spec.guard("load(path, model, optimizer)"):
+            return load(path, model, optimizer)
 
     return call
 

@@ -1,0 +1,526 @@
+"""The critical batch where a training is: short branches from its checkpoints at larger global batches.
+
+From each checkpoint (a model, its optimizer state and the samples it has seen), branches train at
+the reference global batch × 1, 2, 4, … for the same number of samples, each batch with a small lr
+sweep around the rule's lr and a few seeds, all runs of one batch vectorized as in the study's
+engine (``torch.func.vmap`` over ``functional_call``, torch.optim's update as stacked foreach
+steps). Each branch continues the data where the checkpoint left it: seed s draws DistributedSampler's
+epoch permutations for s from the checkpoint's samples seen on, so at one seed every batch size
+trains on the very same samples, only grouped differently. What is compared is the training loss
+on the held-out split at the end of each branch; :mod:`ddplab.study.critical` judges it.
+
+``branch_at`` first trains the reference run itself (reference batch and lr, seed 0) to the target,
+then trains it again to the largest fraction, keeping its state (model and torch.optim's state) at each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from torch.func import functional_call, vmap
+
+from ddplab.errors import UsageError, literal
+from ddplab.noise import estimators
+from ddplab.progress import Progress, silent
+from ddplab.runtime.sharding import epoch_permutation
+from ddplab.serialize import finite, write_json_atomic
+from ddplab.study import critical, optim
+from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.critical import BranchConfig
+from ddplab.study.engines.vmap import cast, evaluate_model, runs_that_fit, torch_dtype
+from ddplab.study.fit import median
+from ddplab.study.workloads import Workload
+
+B_SIMPLE_BATCHES = 16
+"""Batches the noise scale is measured on at each checkpoint (two halves each, as two DDP ranks would see them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A state to branch from: the model's state_dict, torch.optim's state_dict (None: a fresh optimizer) and the
+    samples the run had seen."""
+
+    model: dict
+    optimizer: dict | None
+    samples_seen: int
+    source: str
+    """Where it came from: a file, or a step of the reference run."""
+
+
+class Stream:
+    """Each seed's samples from position ``start`` on: its DistributedSampler epoch permutations back to back.
+
+    Step k of a global batch B takes positions start + kB … start + kB + B − 1, so at one seed every batch size
+    trains on the same samples in the same order, only grouped into steps differently.
+    """
+
+    def __init__(self, dataset_size: int, global_batch: int, seeds: list[int], start: int = 0):
+        self.size, self.global_batch, self.seeds, self.start = dataset_size, global_batch, seeds, start
+        self._epochs: dict[int, torch.Tensor] = {}
+
+    def indices(self, step: int) -> torch.Tensor:
+        """(len(seeds), B) sample indices of optimizer ``step`` (0-based)."""
+        positions = torch.arange(self.start + step * self.global_batch, self.start + (step + 1) * self.global_batch)
+        epochs = positions // self.size
+        for epoch in list(self._epochs):
+            if epoch < int(epochs[0]):
+                del self._epochs[epoch]
+        out = torch.empty(len(self.seeds), self.global_batch, dtype=torch.long)
+        for epoch in epochs.unique().tolist():
+            if epoch not in self._epochs:
+                self._epochs[epoch] = torch.stack([epoch_permutation(self.size, seed=s, epoch=epoch)
+                                                   for s in self.seeds])
+            mask = epochs == epoch
+            out[:, mask] = self._epochs[epoch][:, positions[mask] % self.size]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def load_checkpoint(workload: Workload, config: StudyConfig, path: str) -> Checkpoint:
+    """A checkpoint file, checked against the workload's model and optimizer before anything trains."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{{branch_from}} {literal(path)} does not exist")
+    if workload.load is not None:
+        return _spec_loaded(workload, config, path)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same bad input
+        raise UsageError(f"{{branch_from}} {literal(path)} cannot be read by torch.load ({literal(exc)})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise UsageError(f"{{branch_from}} {literal(path)} has no key 'model' (a state_dict): save "
+                         "{{'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'samples_seen': n}}")
+    if "samples_seen" in saved:
+        samples = saved["samples_seen"]
+    elif "step" in saved:
+        samples = int(saved["step"]) * config.reference_global_batch_size
+    else:
+        raise UsageError(f"{{branch_from}} {literal(path)} has no key 'samples_seen' (nor 'step', counted in "
+                         "{reference_global_batch_size} samples)")
+    checkpoint = Checkpoint(model=saved["model"], optimizer=saved.get("optimizer"), samples_seen=int(samples),
+                            source=path)
+    check_checkpoint(workload, config, checkpoint)
+    return checkpoint
+
+
+def _spec_loaded(workload: Workload, config: StudyConfig, path: str) -> Checkpoint:
+    """What the spec's load(path, model, optimizer) puts into a fresh model and optimizer."""
+    model = workload.model().to(torch_dtype(config))
+    optimizer = optim.torch_optimizer(config.optimizer, model.parameters(), config.reference_lr)
+    samples = workload.load(path, model, optimizer)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        raise UsageError(f"{{branch_from}} {literal(path)}: the spec's load(path, model, optimizer) must return the "
+                         f"samples the run had seen, an integer ≥ 0, got {literal(repr(samples))}")
+    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    return Checkpoint(model=state, optimizer=copy.deepcopy(optimizer.state_dict()), samples_seen=samples,
+                      source=path)
+
+
+def check_checkpoint(workload: Workload, config: StudyConfig, checkpoint: Checkpoint) -> None:
+    """Every key of the model's state_dict present with its shape, and nothing else; the optimizer's state of the
+    study's family, one entry per parameter in ``model.parameters()`` order."""
+    where = literal(checkpoint.source)
+    expected = workload.model().state_dict()
+    for key, tensor in expected.items():
+        if key not in checkpoint.model:
+            raise UsageError(f"{{branch_from}} {where}: the model's state has no key {literal(repr(key))}")
+        got = checkpoint.model[key]
+        if not torch.is_tensor(got) or tuple(got.shape) != tuple(tensor.shape):
+            shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
+            raise UsageError(f"{{branch_from}} {where}: the model's key {literal(repr(key))} has shape "
+                             f"{literal(shape)}, the workload's model {literal(tuple(tensor.shape))}")
+    extra = [key for key in checkpoint.model if key not in expected]
+    if extra:
+        raise UsageError(f"{{branch_from}} {where}: the model's state has key {literal(repr(extra[0]))}, which the "
+                         "workload's model lacks")
+    _optimizer_state(workload, config, checkpoint)
+
+
+def _optimizer_state(workload: Workload, config: StudyConfig, checkpoint: Checkpoint) -> dict[str, dict] | None:
+    """{parameter name: its torch.optim state} of the checkpoint (None when it has none yet), checked."""
+    saved = checkpoint.optimizer
+    if not saved or not saved.get("state"):
+        return None
+    where = literal(checkpoint.source)
+    groups = saved.get("param_groups") or []
+    ids = [i for group in groups for i in group.get("params", [])]
+    names = [name for name, _ in workload.model().named_parameters()]
+    if len(ids) != len(names):
+        raise UsageError(f"{{branch_from}} {where}: the optimizer's key 'param_groups' holds {len(ids)} parameters, "
+                         f"the model has {len(names)}")
+    needs = ("exp_avg", "exp_avg_sq", "step") if config.optimizer.adam else \
+        ("momentum_buffer",) if config.optimizer.momentum else ()
+    out = {}
+    for index, name in zip(ids, names):
+        state = saved["state"].get(index, {})
+        for key in needs:
+            if state.get(key) is None:
+                raise UsageError(f"{{branch_from}} {where}: the optimizer's state of parameter {index} "
+                                 f"({literal(name)}) has no key {literal(repr(key))}, which "
+                                 f"{config.optimizer.name} keeps: give the run's optimizer ({{optimizer.family}})")
+        out[name] = state
+    return out
+
+
+def _load_optimizer(stacked: optim.StackedOptimizer, states: dict[str, dict] | None, runs: int,
+                    like: dict[str, torch.Tensor]) -> None:
+    """The checkpoint's torch.optim state, repeated for every run of a branch group."""
+    if states is None:
+        return
+
+    def stack(key: str) -> dict[str, torch.Tensor]:
+        return {name: states[name][key].to(like[name]).expand(runs, *like[name].shape[1:]).clone()
+                for name in stacked.names}
+
+    if isinstance(stacked, optim.StackedAdam):
+        stacked.state = {"m": stack("exp_avg"), "v": stack("exp_avg_sq")}
+        stacked.steps = int(states[stacked.names[0]]["step"])
+    elif stacked.config.momentum:
+        # torch.optim.SGD starts its buffer from the first gradient; a saved buffer means that step was taken.
+        stacked.state = {"buf": stack("momentum_buffer")}
+        stacked.steps = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference run
+
+
+def reference_checkpoints(workload: Workload, config: StudyConfig, fractions: tuple[float, ...],
+                          device: torch.device, advance: Callable[[int], None]) -> tuple[list[Checkpoint], dict]:
+    """The reference run's states at ``fractions`` of its steps to the target (or ``max_steps``), and the run."""
+    steps, reached = _reference_run(workload, config, device, {}, advance)
+    keep = sorted({round(f * steps) for f in fractions})
+    snapshots: dict[int, Checkpoint] = {step: None for step in keep}
+    _reference_run(workload, config, device, snapshots, advance)
+    run = {"steps": steps, "reached": reached, "samples": steps * config.reference_global_batch_size,
+           "global_batch_size": config.reference_global_batch_size, "lr": config.reference_lr}
+    return [snapshots[step] for step in keep], run
+
+
+def _reference_run(workload: Workload, config: StudyConfig, device: torch.device, snapshots: dict[int, Checkpoint],
+                   advance: Callable[[int], None]) -> tuple[int, bool]:
+    """Train the reference run (seed 0, as the study builds it) to the target, filling ``snapshots`` (step: state
+    after that many steps) and stopping after the last; (steps trained, reached)."""
+    dtype = torch_dtype(config)
+    torch.manual_seed(0)
+    model = workload.model().to(dtype).to(device)
+    optimizer = optim.torch_optimizer(config.optimizer, model.parameters(), config.reference_lr)
+    batch = config.reference_global_batch_size
+    stream = Stream(workload.train_size, batch, [0])
+    inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
+    last = max(snapshots, default=None)
+    for step in range(config.max_steps + 1):
+        if step in snapshots:
+            snapshots[step] = Checkpoint(model={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                                         optimizer=copy.deepcopy(optimizer.state_dict()), samples_seen=step * batch,
+                                         source=f"step {step} of the reference run")
+            if step == last:
+                return step, False
+        if step == config.max_steps:
+            break
+        index = stream.indices(step)[0].to(device)
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss(model(inputs[index]), targets[index]).backward()
+        optimizer.step()
+        advance(1)
+        if (step + 1) % config.eval_every == 0:
+            metric = evaluate_model(workload, config, model)
+            if not math.isfinite(metric):
+                raise UsageError(f"the reference run diverged by step {step + 1}: lower {{reference_lr}} "
+                                 f"({config.reference_lr:g})")
+            if config.target.reached(metric) and last is None:
+                return step + 1, True
+    return config.max_steps, False
+
+
+# ---------------------------------------------------------------------------------------------
+# Branches
+
+
+def held_out(workload: Workload) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out split every branch is scored on: the validation tensors (a spec's val_dataset() or dataset())."""
+    if workload.val is not None:
+        return workload.val
+    from torch.utils.data import default_collate
+
+    dataset = workload.eval_dataset
+    try:
+        inputs, targets = default_collate([dataset[i] for i in range(len(dataset))])
+    except (TypeError, RuntimeError, IndexError, ValueError):
+        raise UsageError("branches score the loss on val_dataset(): the spec's must hold (input, target) tensor "
+                         "pairs") from None
+    return inputs, targets
+
+
+def train_branches(workload: Workload, config: StudyConfig, checkpoint: Checkpoint, global_batch: int,
+                   runs: list[tuple[float, int]], samples: int, *, device: torch.device, record: set[int] = frozenset(),
+                   advance: Callable[[int], None] = lambda steps: None) -> dict[int, list[float]]:
+    """Train ``runs`` (lr, seed) from ``checkpoint`` at ``global_batch`` for ``samples``: {steps: each run's held-out
+    loss after them}, at the last step and at those in ``record``."""
+    fit = runs_that_fit(workload, config, global_batch, device)
+    if len(runs) > fit:
+        # A group too large for memory trains in parts, each a group of its own.
+        parts = [train_branches(workload, config, checkpoint, global_batch, runs[start:start + fit], samples,
+                                device=device, record=record, advance=advance) for start in range(0, len(runs), fit)]
+        return {step: [loss for part in parts for loss in part[step]] for step in parts[0]}
+    return _Branches(workload, config, checkpoint, global_batch, runs, device).train(samples, record, advance)
+
+
+class _Branches:
+    """Runs from one checkpoint at one global batch, as stacked parameters trained together."""
+
+    def __init__(self, workload: Workload, config: StudyConfig, checkpoint: Checkpoint, global_batch: int,
+                 runs: list[tuple[float, int]], device: torch.device):
+        dtype = torch_dtype(config)
+        self.workload, self.global_batch, self.device = workload, global_batch, device
+        self.model = workload.model().to(dtype).to(device)
+        named = dict(self.model.named_parameters())
+        state = {k: cast(v, dtype).to(device) for k, v in checkpoint.model.items()}
+        self.params = {n: state[n].expand(len(runs), *state[n].shape).clone() for n in named}
+        self.buffers = {n: state[n].expand(len(runs), *state[n].shape).clone() for n, _ in self.model.named_buffers()}
+        self.optimizer = optim.stacked(config.optimizer, self.params)
+        _load_optimizer(self.optimizer, _optimizer_state(workload, config, checkpoint), len(runs), self.params)
+        self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype, device=device)
+        seeds = sorted({seed for _, seed in runs})
+        self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
+        self.stream = Stream(workload.train_size, global_batch, seeds, start=checkpoint.samples_seen)
+        self.inputs, self.targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
+        val_inputs, val_targets = held_out(workload)
+        self.val = cast(val_inputs, dtype).to(device), cast(val_targets, dtype).to(device)
+        self._forward = vmap(lambda p, b, x: functional_call(self.model, (p, b), (x,)), randomness="different")
+        self._losses = vmap(workload.loss)
+
+    def train(self, samples: int, record: set[int], advance: Callable[[int], None]) -> dict[int, list[float]]:
+        steps = samples // self.global_batch
+        # Dropout draws its own mask for every run, the same for the same checkpoint and batch.
+        torch.manual_seed(self.global_batch)
+        out = {0: self.held_out_losses()} if 0 in record else {}
+        for step in range(steps):
+            self.step(step)
+            advance(1)
+            if step + 1 in record or step + 1 == steps:
+                out[step + 1] = self.held_out_losses()
+        return out
+
+    def step(self, step: int) -> None:
+        index = self.stream.indices(step)[self.seed_row].to(self.device)
+        leaves = {name: p.detach().requires_grad_() for name, p in self.params.items()}
+        losses = self._losses(self._forward(leaves, self.buffers, self.inputs[index]), self.targets[index])
+        # Runs share no parameters: one backward of the summed losses gives each run its own gradient.
+        grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+        with torch.no_grad():
+            self.optimizer.step(self.params, dict(zip(leaves, grads)), self.lr)
+
+    def held_out_losses(self) -> list[float]:
+        """Each run's training loss on the held-out split, in eval mode (a diverged run's is inf)."""
+        inputs, targets = self.val
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                outputs = vmap(lambda p, b: functional_call(self.model, (p, b), (inputs,)))(self.params, self.buffers)
+                losses = vmap(lambda output: self.workload.loss(output, targets))(outputs)
+        finally:
+            self.model.train()
+        return [x if math.isfinite(x) else math.inf for x in losses.double().tolist()]
+
+
+def b_simple_at(workload: Workload, config: StudyConfig, checkpoint: Checkpoint, global_batch: int,
+                device: torch.device, batches: int = B_SIMPLE_BATCHES) -> float | None:
+    """The noise scale B_simple = tr Σ / |G|² at the checkpoint's weights, from ``batches`` global batches each split
+    into two halves (``ddplab noise --world-size 2``'s estimator with its finite-dataset correction); None when
+    |G|² is not above 0."""
+    dtype = torch_dtype(config)
+    torch.manual_seed(0)
+    model = workload.model().to(dtype).to(device)
+    model.load_state_dict({k: cast(v, dtype) for k, v in checkpoint.model.items()})
+    half = min(global_batch, workload.train_size) // 2
+    stream = Stream(workload.train_size, 2 * half, [0], start=checkpoint.samples_seen)
+    inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
+    g2s, traces = [], []
+    for step in range(batches):
+        index = stream.indices(step)[0].to(device)
+        grads = [_flat_grad(workload, model, inputs[index[rank::2]], targets[index[rank::2]]) for rank in (0, 1)]
+        small = float((grads[0].pow(2).sum() + grads[1].pow(2).sum()) / 2)
+        big = float(((grads[0] + grads[1]) / 2).pow(2).sum())
+        g2, trace = estimators.unbiased_estimates(small, big, half, 2 * half, dataset_size=workload.train_size)
+        g2s.append(g2)
+        traces.append(trace)
+    value = estimators.summarize(g2s, traces).b_simple
+    return value if math.isfinite(value) else None
+
+
+def _flat_grad(workload: Workload, model: torch.nn.Module, inputs, targets) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(workload.loss(model(inputs), targets), params, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in zip(grads, params)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurement
+
+
+@dataclasses.dataclass(kw_only=True)
+class BranchReport:
+    """The critical batch at each checkpoint, the schedule it implies and what the measurement cost."""
+
+    workload: str
+    config: StudyConfig
+    branch: BranchConfig
+    lr_rule: str
+    samples: int
+    """Samples every branch trained."""
+    branches: list[dict]
+    schedule: list[dict]
+    reference_run: dict | None
+    """The reference run ``branch_at`` trained: its steps to the target, whether it reached it, its samples."""
+    branch_samples_total: int
+    out: str
+    seconds: float = 0.0
+
+    @property
+    def reference_samples(self) -> int | None:
+        """One reference run's samples: the one trained here, else the latest checkpoint's samples seen."""
+        if self.reference_run is not None:
+            return self.reference_run["samples"]
+        return max((b["samples_seen"] for b in self.branches), default=0) or None
+
+    def to_json(self) -> dict:
+        cfg = self.config
+        reference = self.reference_samples
+        return finite({
+            "workload": self.workload, "optimizer": cfg.optimizer.to_json(),
+            "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr},
+            "global_batch_sizes": list(self.branch.global_batch_sizes(cfg.reference_global_batch_size)),
+            "lr_rule": self.lr_rule, "sweep_factor": cfg.sweep_factor, "seeds": cfg.seeds,
+            "branch_samples": self.samples, "dtype": cfg.dtype,
+            "tolerance": ("given" if self.branch.branch_tolerance is not None else
+                          f"lag {self.branch.branch_lag:g}" if self.branch.branch_lag is not None else "seeds"),
+            "reference_run": self.reference_run, "branches": self.branches, "schedule": self.schedule,
+            "step_batch_size_schedule": critical.megatron_schedule(self.schedule),
+            "cost": {"branch_samples": self.branch_samples_total, "reference_samples": reference,
+                     "relative": self.branch_samples_total / reference if reference else None},
+            "out": self.out, "seconds": self.seconds,
+        })
+
+
+def check_branches(workload: Workload, config: StudyConfig, branch: BranchConfig) -> None:
+    """Refuse what the branches cannot train, before anything trains."""
+    if workload.not_vectorized:
+        raise UsageError(f"branches train vectorized, and {literal(workload.name)} cannot be: "
+                         f"{literal(workload.not_vectorized)}")
+    largest = branch.global_batch_sizes(config.reference_global_batch_size)[-1]
+    if largest > workload.train_size:
+        raise UsageError(f"the largest branched global batch {largest} is larger than the {workload.train_size} "
+                         "training samples: lower {branch_doublings} or {reference_global_batch_size}")
+    branch.samples(config.reference_global_batch_size)
+    held_out(workload)
+
+
+def measure(workload: Workload, config: StudyConfig, branch: BranchConfig, options: StudyOptions | None = None, *,
+            progress: Progress = silent) -> BranchReport:
+    """Branch from each checkpoint (``branch_from``) or from the reference run (``branch_at``), judge the critical
+    batch at each, and write ``branched.json`` under ``out``."""
+    from ddplab.study.run import check_out, resolve_device
+
+    started = time.monotonic()
+    options = options or StudyOptions()
+    check_branches(workload, config, branch)
+    check_out(options.out)
+    device = resolve_device(options.device)
+    # Every checkpoint is read and checked before the first branch trains.
+    checkpoints = [load_checkpoint(workload, config, path) for path in branch.branch_from or ()]
+    samples = branch.samples(config.reference_global_batch_size)
+    batches = branch.global_batch_sizes(config.reference_global_batch_size)
+    rule = branch.lr_rule(config.optimizer.adam)
+    per_checkpoint = sum(samples // b for b in batches)
+    reference_steps = config.max_steps * 2 if branch.branch_at else 0
+    total = reference_steps + per_checkpoint * (len(branch.branch_at or ()) or len(checkpoints))
+    advance = _Advance(progress, total)
+    with _threads(options.threads):
+        reference_run = None
+        if branch.branch_at:
+            checkpoints, reference_run = reference_checkpoints(workload, config, branch.branch_at, device, advance)
+            advance.skip_to(reference_steps)
+        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device, advance)
+                 for checkpoint in checkpoints]
+    advance.skip_to(total)
+    steps = critical.schedule([(f["samples_seen"], f["critical_batch_size"],
+                                {row["global_batch_size"]: row["lr"] for row in f["batches"]}) for f in found],
+                              config.reference_global_batch_size, config.reference_lr)
+    runs = len(critical.sweep(1.0, config.sweep_factor)) * config.seeds * len(batches) * len(found)
+    report = BranchReport(workload=workload.name, config=config, branch=branch, lr_rule=rule, samples=samples,
+                          branches=found, schedule=steps, reference_run=reference_run,
+                          branch_samples_total=runs * samples, out=options.out)
+    report.seconds = time.monotonic() - started
+    write_json_atomic(os.path.join(options.out, "branched.json"), report.to_json())
+    return report
+
+
+def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, checkpoint: Checkpoint, rule: str,
+                 samples: int, device: torch.device, advance) -> dict:
+    """One checkpoint's branches at every batch, judged."""
+    reference = config.reference_global_batch_size
+    losses, earlier = {}, {}
+    ref_steps = samples // reference
+    lag_step = round((1 - branch.branch_lag) * ref_steps) if branch.branch_lag is not None else None
+    for batch in branch.global_batch_sizes(reference):
+        lrs = critical.sweep(critical.scaled_lr(config.reference_lr, batch, reference, rule), config.sweep_factor)
+        runs = [(lr, seed) for lr in lrs for seed in range(config.seeds)]
+        record = {lag_step} if batch == reference and lag_step is not None else set()
+        trained = train_branches(workload, config, checkpoint, batch, runs, samples, device=device, record=record,
+                                 advance=advance)
+        losses[batch] = _by_lr(runs, trained[samples // batch])
+        if record:
+            earlier = _by_lr(runs, trained[lag_step])
+    tolerance = branch.branch_tolerance
+    if lag_step is not None:
+        lr, end = critical.best(losses[reference])
+        tolerance = critical.lag_tolerance(end, median(earlier[lr])) if lr is not None else 0.0
+    judged = critical.judge(losses, reference, tolerance)
+    b_simple = b_simple_at(workload, config, checkpoint, branch.global_batch_sizes(reference)[-1], device)
+    return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source,
+            "critical_batch_size": judged.critical_batch_size, "interval": list(judged.interval),
+            "at_edge": judged.at_edge, "b_simple": b_simple, "reference_loss": judged.reference_loss,
+            "tolerance": judged.tolerance, "batches": judged.rows}
+
+
+def _by_lr(runs: list[tuple[float, int]], losses: list[float]) -> dict[float, list[float]]:
+    out: dict[float, list[float]] = {}
+    for (lr, _), loss in zip(runs, losses):
+        out.setdefault(lr, []).append(loss)
+    return out
+
+
+class _Advance:
+    """The progress callback told of steps as they are trained, toward ``total``."""
+
+    def __init__(self, progress: Progress, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, steps: int) -> None:
+        self.done += steps
+        self.progress(min(self.done, self.total), self.total, "")
+
+    def skip_to(self, done: int) -> None:
+        """Steps budgeted but not needed (a reference run that reached its target early) count as done."""
+        if done > self.done:
+            self(done - self.done)
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

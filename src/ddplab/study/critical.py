@@ -1,0 +1,265 @@
+"""The critical batch from branches of a running training, and the batch schedule it implies (torch-free).
+
+Merrill et al. (2025, "Critical batch size revisited") measure the critical batch where a training
+is: from a checkpoint of the reference run (global batch B_ref), short branches train at B_ref·2^i
+for the same number of samples, each with a small lr sweep, and the critical batch is the largest
+batch whose branch still matches the reference batch's loss. Here, with each batch's best lr (the
+fewest median end loss over seeds; a diverged run counts as inf):
+
+- a batch *matches* when its best median end loss is at most the reference batch's plus the
+  tolerance; the reference batch matches itself;
+- the **critical batch** is the largest batch up to which every batch of the grid matches (a batch
+  that matches after one that did not is taken for noise: with the samples fixed, a larger batch
+  takes fewer steps);
+- its **interval** judges each batch by its worst seed (every seed matches: the low end) and by
+  its best seed (some seed matches: the high end), against the same reference loss and tolerance.
+  Worst ≥ median ≥ best, so low ≤ critical ≤ high;
+- the default **tolerance** is the reference batch's own seed spread: half the range of its best
+  lr's end losses over the seeds (what the reference itself cannot tell apart). ``tolerance`` gives
+  it in loss units; ``lag`` derives it from the reference's own progress (see :func:`lag_tolerance`).
+
+The schedule (Merrill et al.'s batch size warmup): start at the reference batch and double it
+whenever a checkpoint's critical batch reaches twice the batch then in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal, get_args
+
+from ddplab.errors import UsageError
+from ddplab.study import rules
+from ddplab.study.fit import median
+from ddplab.validation import at_least, one_of, positive, within, zero_or_more
+
+LrRule = Literal["auto", "linear", "sqrt"]
+Losses = Mapping[int, Mapping[float, Sequence[float]]]
+"""{global batch: {lr: each seed's loss at the end of its branch}}; a diverged run's loss is inf or nan."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BranchConfig:
+    """Where to branch from, and how the branches are trained and judged."""
+
+    branch_at: tuple[float, ...] | None = None
+    """Fractions of the reference run's steps to branch from, comma-separated (e.g. 0.1,0.3,0.6): the reference run
+    (the reference global batch and lr, seed 0) trains to the target (or the step budget) first."""
+    branch_from: tuple[str, ...] | None = None
+    """Checkpoints of your run to branch from: torch.save'd dicts with model, optimizer and samples_seen (or step,
+    counted in reference global batches), or what the spec's load(path, model, optimizer) reads."""
+    branch_samples: int | None = None
+    """Samples every branch trains (the same at every batch; a multiple of the largest branched batch; default 8
+    steps of it)."""
+    branch_doublings: int = 5
+    """How many times the branches double the reference global batch: × 1, 2, 4, … 2^this."""
+    branch_lr_rule: LrRule = "auto"
+    """How a branch's lr scales from the reference lr (then swept once down and once up by the sweep factor): linear,
+    sqrt, or auto (linear for SGD, sqrt for Adam and AdamW)."""
+    branch_tolerance: float | None = None
+    """How much higher than the reference batch's a batch's end loss may be and still match, in loss units
+    (default: half the range of the reference batch's seeds)."""
+    branch_lag: float | None = None
+    """Instead of a tolerance in loss: a batch matches when its end loss is no worse than where the reference batch
+    was this fraction of the budget earlier (0.5: half the samples behind, McCandlish et al.'s B_crit)."""
+
+    def __post_init__(self):
+        if (self.branch_at is None) == (self.branch_from is None):
+            raise UsageError("give one of {branch_at} and {branch_from}")
+        if self.branch_at is not None:
+            if not self.branch_at or not all(0 <= f < 1 for f in self.branch_at):
+                raise UsageError(f"{{branch_at}} must be fractions in [0, 1), got {self.branch_at}")
+            object.__setattr__(self, "branch_at", tuple(sorted(set(self.branch_at))))
+        if self.branch_from is not None:
+            if not self.branch_from:
+                raise UsageError("{branch_from} needs at least one checkpoint file")
+            object.__setattr__(self, "branch_from", tuple(self.branch_from))
+        positive("branch_samples", self.branch_samples, integer=True)
+        at_least("branch_doublings", self.branch_doublings)
+        one_of("branch_lr_rule", self.branch_lr_rule, get_args(LrRule))
+        zero_or_more("branch_tolerance", self.branch_tolerance)
+        if self.branch_lag is not None:
+            within("branch_lag", self.branch_lag, "(0, 1)")
+        if self.branch_tolerance is not None and self.branch_lag is not None:
+            raise UsageError("give {branch_tolerance} or {branch_lag}, not both")
+
+    def global_batch_sizes(self, reference_global_batch_size: int) -> tuple[int, ...]:
+        """The branches' batches: B_ref·2^i for i = 0 … ``branch_doublings``."""
+        return tuple(reference_global_batch_size << i for i in range(self.branch_doublings + 1))
+
+    def samples(self, reference_global_batch_size: int) -> int:
+        """Samples per branch: ``branch_samples``, else 8 steps of the largest batch; a multiple of it."""
+        largest = self.global_batch_sizes(reference_global_batch_size)[-1]
+        samples = self.branch_samples or 8 * largest
+        if samples % largest:
+            raise UsageError(f"{{branch_samples}} {samples} must be a multiple of the largest branched global batch "
+                             f"{largest}, so that every batch trains on the same samples")
+        return samples
+
+    def lr_rule(self, adam: bool) -> Literal["linear", "sqrt"]:
+        """The lr rule in force: auto is sqrt for Adam and AdamW, linear for SGD."""
+        if self.branch_lr_rule == "auto":
+            return "sqrt" if adam else "linear"
+        return self.branch_lr_rule
+
+
+def scaled_lr(reference_lr: float, global_batch: int, reference_global_batch: int, rule: str) -> float:
+    """The rule's lr at ``global_batch``.
+
+    >>> scaled_lr(0.1, 128, 32, "linear"), scaled_lr(0.1, 128, 32, "sqrt")
+    (0.4, 0.2)
+    """
+    return reference_lr * rules.get(rule).factor(global_batch / reference_global_batch)
+
+
+def sweep(lr: float, factor: float) -> tuple[float, ...]:
+    """The lrs tried at a batch: the rule's lr divided and multiplied by ``factor`` once.
+
+    >>> sweep(0.2, 2.0)
+    (0.1, 0.2, 0.4)
+    """
+    return tuple(float(f"{x:.12g}") for x in (lr / factor, lr, lr * factor))
+
+
+def seed_tolerance(seed_losses: Sequence[float]) -> float:
+    """Half the range of the reference batch's seeds: a difference its own seeds show (0 with one seed).
+
+    >>> seed_tolerance([1.0, 1.5, 1.2])
+    0.25
+    """
+    finite = [x for x in seed_losses if math.isfinite(x)]
+    return (max(finite) - min(finite)) / 2 if finite else 0.0
+
+
+def lag_tolerance(loss_at_end: float, loss_earlier: float) -> float:
+    """The tolerance that ``lag`` means: what the reference batch's loss fell over the budget's last fraction, so a
+    batch matches when it is no further behind than that many samples (never below 0).
+
+    >>> lag_tolerance(0.5, 0.8)
+    0.30000000000000004
+    """
+    return max(loss_earlier - loss_at_end, 0.0)
+
+
+def _clean(values: Sequence[float]) -> list[float]:
+    # A diverged run (nan or inf) counts as the worst loss there is.
+    return [x if math.isfinite(x) else math.inf for x in values]
+
+
+Statistic = Literal["median", "worst", "best"]
+
+
+def best(by_lr: Mapping[float, Sequence[float]], statistic: Statistic = "median") -> tuple[float | None, float]:
+    """(lr, loss) of the lr with the lowest ``statistic`` of its seeds' end losses; (None, inf) when all diverged.
+
+    >>> best({0.1: [3.0, 2.0, 4.0], 0.2: [2.5, 2.6, float("nan")]})
+    (0.2, 2.6)
+    >>> best({0.1: [3.0, 2.0, 4.0], 0.2: [2.5, 2.6, float("nan")]}, "worst")
+    (0.1, 4.0)
+    """
+    pick = {"median": median, "worst": max, "best": min}[statistic]
+    scored = sorted((pick(_clean(losses)), lr) for lr, losses in by_lr.items() if losses)
+    if not scored or not math.isfinite(scored[0][0]):
+        return None, math.inf
+    return scored[0][1], scored[0][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """The critical batch at one checkpoint, as judged from its branches' end losses."""
+
+    critical_batch_size: int | None
+    """None when the reference batch's own branches all diverged."""
+    interval: tuple[int | None, int | None]
+    reference_loss: float
+    """The reference batch's best median end loss."""
+    tolerance: float
+    rows: list[dict]
+    """Per batch: its best lr, median end loss, seeds' losses at that lr, and whether it matches."""
+
+    @property
+    def at_edge(self) -> bool:
+        """The critical batch is the largest branched batch: it may lie above the grid."""
+        return self.critical_batch_size is not None and self.critical_batch_size == self.rows[-1]["global_batch_size"]
+
+
+def judge(losses: Losses, reference_global_batch: int, tolerance: float | None = None) -> Judgement:
+    """The critical batch, its interval from the seeds and the tolerance used (see the module's docstring).
+
+    >>> losses = {8: {0.1: [1.00, 1.10, 1.20]}, 16: {0.2: [1.05, 1.12, 1.30]}, 32: {0.4: [1.20, 1.25, 1.40]},
+    ...           64: {0.8: [1.25, 1.30, 1.50]}}
+    >>> found = judge(losses, 8)
+    >>> found.critical_batch_size, found.interval, round(found.tolerance, 3)
+    (16, (8, 32), 0.1)
+    >>> [row["matches"] for row in found.rows]
+    [True, True, False, False]
+    """
+    batches = sorted(b for b in losses if b >= reference_global_batch)
+    if not batches or batches[0] != reference_global_batch:
+        raise UsageError(f"the branches need the reference global batch {reference_global_batch} itself "
+                         "({reference_global_batch_size})")
+    ref_lr, ref_loss = best(losses[reference_global_batch])
+    if tolerance is None:
+        tolerance = seed_tolerance(losses[reference_global_batch].get(ref_lr, [])) if ref_lr is not None else 0.0
+    bound = ref_loss + tolerance
+    rows = []
+    for batch in batches:
+        lr, loss = best(losses[batch])
+        seeds = _clean(losses[batch][lr]) if lr is not None else []
+        rows.append({"global_batch_size": batch, "lr": lr, "median_loss": loss, "seed_losses": seeds,
+                     "matches": batch == reference_global_batch or loss <= bound})
+    if not math.isfinite(ref_loss):
+        return Judgement(None, (None, None), ref_loss, tolerance, rows)
+    critical = _largest_matching(batches, [row["matches"] for row in rows])
+    low, high = (_largest_matching(batches, [b == reference_global_batch or best(losses[b], s)[1] <= bound
+                                             for b in batches]) for s in ("worst", "best"))
+    return Judgement(critical, (low, high), ref_loss, tolerance, rows)
+
+
+def _largest_matching(batches: list[int], matches: list[bool]) -> int:
+    """The largest batch up to which every batch matches (the first, the reference, always does)."""
+    critical = batches[0]
+    for batch, ok in zip(batches, matches):
+        if not ok:
+            break
+        critical = batch
+    return critical
+
+
+ScheduleStep = dict
+"""{"samples_seen": n, "global_batch_size": B, "lr": lr}: from n samples on, train at B with lr."""
+
+
+def schedule(checkpoints: Sequence[tuple[int, int | None, Mapping[int, float]]], reference_global_batch: int,
+             reference_lr: float) -> list[ScheduleStep]:
+    """Merrill et al.'s batch size warmup from measured critical batches: start at the reference batch and, at each
+    checkpoint (samples seen, critical batch, {batch: its best lr there}) in order, double the batch as many times
+    as the critical batch is at least twice it (so it never passes the critical batch). The lr of a step is the
+    best the branches found at that batch there.
+
+    >>> steps = schedule([(0, 8, {}), (1000, 16, {16: 0.2}), (3000, 64, {32: 0.3, 64: 0.5})], 8, 0.1)
+    >>> [(s["samples_seen"], s["global_batch_size"], s["lr"]) for s in steps]
+    [(0, 8, 0.1), (1000, 16, 0.2), (3000, 64, 0.5)]
+    """
+    steps = [{"samples_seen": 0, "global_batch_size": reference_global_batch, "lr": reference_lr}]
+    for samples_seen, critical, best_lrs in sorted(checkpoints, key=lambda c: c[0]):
+        batch = steps[-1]["global_batch_size"]
+        while critical is not None and critical >= 2 * batch:
+            batch *= 2
+        if batch != steps[-1]["global_batch_size"]:
+            step = {"samples_seen": samples_seen, "global_batch_size": batch, "lr": best_lrs.get(batch)}
+            # A doubling at the very start replaces the reference batch rather than adding a second threshold 0.
+            steps[-1:] = [step] if samples_seen == steps[-1]["samples_seen"] else [steps[-1], step]
+    return steps
+
+
+def megatron_schedule(steps: Sequence[ScheduleStep]) -> str:
+    """The schedule as Megatron-LM's ``--step-batch-size-schedule`` reads it: space-separated ``SAMPLES:BATCH``
+    pairs, thresholds in samples (no ``--seq-length``), the first at 0, strictly increasing.
+
+    >>> megatron_schedule([{"samples_seen": 0, "global_batch_size": 8, "lr": 0.1},
+    ...                    {"samples_seen": 1000, "global_batch_size": 16, "lr": 0.2}])
+    '0:8 1000:16'
+    """
+    return " ".join(f"{step['samples_seen']}:{step['global_batch_size']}" for step in steps)

@@ -1,0 +1,213 @@
+"""Branches from checkpoints: the known answer on noiseless regression, torch.optim's trajectory from a saved
+state, checkpoint files against the reference run's own states, and bad checkpoints refused before anything trains."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ddplab.cli.main import main
+from ddplab.study import branch, optim, workloads
+from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
+from ddplab.study.critical import BranchConfig
+
+DIM, REFERENCE = 16, 2
+
+
+def _regression_config(**fields) -> StudyConfig:
+    # Plain SGD at the reference batch's best lr B/(2(B + d + 1)), where the regression's theory holds.
+    return StudyConfig(target=Target(kind="loss", value=1e-4), reference_global_batch_size=REFERENCE,
+                       reference_lr=REFERENCE / (2 * (REFERENCE + DIM + 1)), optimizer=OptimizerConfig(momentum=0.0),
+                       seeds=3, dtype="float64", **fields)
+
+
+def _efficiency_critical_batch(dim: int, lag: float, batches: tuple[int, ...]) -> int:
+    """The exact answer for a lag tolerance: at the best lr, E|e|² falls by (d + 1)/(B + d + 1) per step, so per
+    sample at the rate log(1 + B/(d + 1))/B; a batch matches while its rate is at least (1 − lag) × the reference's."""
+    rate = {b: math.log(1 + b / (dim + 1)) / b for b in batches}
+    return max(b for b in batches if rate[b] >= (1 - lag) * rate[batches[0]])
+
+
+@pytest.mark.timeout(60)
+def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_near_b_simple(tmp_path):
+    workload = workloads.regression(dim=DIM)
+    config = _regression_config()
+    fractions = (0.1, 0.3, 0.6)
+    calls = []
+    lagged = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256, branch_lag=0.5,
+                                                           branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)),
+                            progress=lambda done, total, status="": calls.append((done, total)))
+    # The progress bar moves forward to its total: the reference run's budget, then every branch step.
+    assert calls[-1][0] == calls[-1][1] == 2 * config.max_steps + 3 * sum(256 // b for b in (2, 4, 8, 16, 32, 64))
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
+    values = lagged.to_json()
+    batches = tuple(values["global_batch_sizes"])
+    assert batches == (2, 4, 8, 16, 32, 64)
+    exact = _efficiency_critical_batch(DIM, 0.5, batches)
+    assert exact == 32
+    run = values["reference_run"]
+    assert run["reached"] and [b["samples_seen"] for b in values["branches"]] == \
+        [round(f * run["steps"]) * REFERENCE for f in fractions]
+    for found in values["branches"]:
+        # The grid's resolution: the exact answer within one doubling, B_simple = d + 1 within a factor 2.
+        assert exact / 2 <= found["critical_batch_size"] <= exact * 2, found
+        assert (DIM + 1) / 2 <= found["critical_batch_size"] <= 2 * (DIM + 1), found
+        low, high = found["interval"]
+        assert low <= found["critical_batch_size"] <= high
+        assert found["b_simple"] == pytest.approx(DIM + 1, rel=0.25)
+    # What the measurement cost: every batch × 3 lrs × 3 seeds × 256 samples, at each checkpoint.
+    assert values["cost"]["branch_samples"] == 3 * 6 * 3 * 3 * 256
+    assert values["cost"]["relative"] == pytest.approx(values["cost"]["branch_samples"] / run["samples"])
+    assert json.load(open(os.path.join(tmp_path, "branched.json")))["branches"] == json.loads(
+        json.dumps(values["branches"]))
+    # The seeds' own spread as the tolerance asks for no degradation beyond the seeds' noise. On this problem a
+    # doubling costs per-sample progress from the first one (the rate above falls 5% from 2 to 4), compounded over
+    # the branch: the judgement stops at the reference or one doubling above, far below B_simple.
+    seeds = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
+                                                          branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)))
+    for strict, lenient in zip(seeds.branches, lagged.branches):
+        assert strict["critical_batch_size"] <= 2 * REFERENCE < DIM + 1
+        assert strict["critical_batch_size"] <= lenient["critical_batch_size"]
+        # The same branches (the same seeds, samples and lrs), judged twice.
+        assert [{**row, "matches": None} for row in strict["batches"]] == \
+            [{**row, "matches": None} for row in lenient["batches"]]
+        assert [row["matches"] for row in strict["batches"]] == \
+            [row["global_batch_size"] == REFERENCE or row["median_loss"] <= strict["reference_loss"]
+             + strict["tolerance"] for row in strict["batches"]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer", [OptimizerConfig(momentum=0.9, nesterov=True),
+                                       OptimizerConfig(family="adamw", weight_decay=0.1)])
+def test_a_branch_continues_as_torch_optim_would_from_the_saved_optimizer_state(optimizer):
+    workload = workloads.regression(dim=8)
+    config = StudyConfig(target=Target(kind="loss", value=1e-3), reference_global_batch_size=4, reference_lr=0.02,
+                         optimizer=optimizer, dtype="float64", max_steps=40)
+    [checkpoint], _ = branch.reference_checkpoints(workload, config, (0.5,), torch.device("cpu"), lambda steps: None)
+    assert checkpoint.optimizer["state"]  # the run had stepped: its moments or buffer travel with it
+    runs, global_batch, samples = [(0.01, 0), (0.04, 1)], 8, 80
+    got = branch.train_branches(workload, config, checkpoint, global_batch, runs, samples,
+                                device=torch.device("cpu"))[samples // global_batch]
+    inputs, targets = workload.train
+    for (lr, seed), loss in zip(runs, got):
+        model = workload.model().double()
+        model.load_state_dict(checkpoint.model)
+        torch_optimizer = optim.torch_optimizer(optimizer, model.parameters(), lr)
+        # torch.optim takes the saved tensors as they are and steps them in place: a copy keeps the checkpoint.
+        torch_optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer))
+        for group in torch_optimizer.param_groups:
+            group["lr"] = lr
+        stream = branch.Stream(workload.train_size, global_batch, [seed], start=checkpoint.samples_seen)
+        for step in range(samples // global_batch):
+            index = stream.indices(step)[0]
+            torch_optimizer.zero_grad()
+            workload.loss(model(inputs[index].double()), targets[index].double()).backward()
+            torch_optimizer.step()
+        val_inputs, val_targets = workload.val
+        with torch.no_grad():
+            expected = float(workload.loss(model(val_inputs.double()), val_targets.double()))
+        assert loss == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.timeout(60)
+def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_ones_are_refused(tmp_path, capsys):
+    workload = workloads.regression(dim=DIM)
+    config = _regression_config(max_steps=200)
+    [state], _ = branch.reference_checkpoints(workload, config, (0.3,), torch.device("cpu"), lambda steps: None)
+    good = tmp_path / "good.pt"
+    torch.save({"model": state.model, "optimizer": state.optimizer, "step": state.samples_seen // REFERENCE}, good)
+    base = ["study", "--workload", "regression", "--ref-global-batch-size", str(REFERENCE), "--ref-lr",
+            str(config.reference_lr), "--dtype", "float64", "--seeds", "2", "--branch-doublings", "2",
+            "--branch-samples", "32", "--out", str(tmp_path / "out"), "--json"]
+    assert main([*base, "--branch-from", str(good)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert main([*base, "--branch-at", "0.3", "--max-steps", "200"]) == 0
+    from_run = json.loads(capsys.readouterr().out)
+    assert from_file["branches"][0]["samples_seen"] == from_run["branches"][0]["samples_seen"] == state.samples_seen
+    assert from_file["branches"][0]["batches"] == from_run["branches"][0]["batches"]
+    assert from_file["reference_run"] is None and from_file["cost"]["reference_samples"] == state.samples_seen
+    # Each bad file: one line that names the file and the key, exit 2, before any branch trains.
+    os.remove(tmp_path / "out" / "branched.json")
+    weight = state.model["weight"]
+    bad = {"missing.pt": ({"model": {}, "samples_seen": 10}, "has no key 'weight'"),
+           "shape.pt": ({"model": {"weight": torch.zeros(1, DIM + 1)}, "samples_seen": 10},
+                        "key 'weight' has shape (1, 17), the workload's model (1, 16)"),
+           "extra.pt": ({"model": {"weight": weight, "bias": torch.zeros(1)}, "samples_seen": 10}, "key 'bias'"),
+           "unseen.pt": ({"model": {"weight": weight}}, "has no key 'samples_seen' (nor 'step', counted in "
+                                                      "--ref-global-batch-size samples)"),
+           "adam.pt": ({"model": {"weight": weight}, "samples_seen": 10,
+                        "optimizer": {"state": {0: {"momentum_buffer": None}}, "param_groups": [{"params": [0]}]}},
+                       "has no key 'exp_avg', which Adam keeps")}
+    for name, (saved, key) in bad.items():
+        torch.save(saved, tmp_path / name)
+        extra = ["--optimizer", "adam"] if name == "adam.pt" else []
+        assert main([*base, *extra, "--branch-from", str(good), str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--branch-from {tmp_path / name}" in err and key in err, err
+    assert not os.path.exists(tmp_path / "out" / "branched.json")
+    assert main([*base, "--branch-from", str(tmp_path / "nothing.pt")]) == 2
+    assert "nothing.pt does not exist" in capsys.readouterr().err
+
+
+SPEC_WITH_LOAD = '''
+import torch
+
+
+def _data(seed):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(512, 4, generator=generator)
+    return torch.utils.data.TensorDataset(inputs, (inputs[:, 0] + inputs[:, 1] > 0).long())
+
+
+def model():
+    return torch.nn.Linear(4, 2)
+
+
+def dataset():
+    return _data(0)
+
+
+def val_dataset():
+    return _data(1)
+
+
+def loss(output, target):
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def load(path, model, optimizer):
+    saved = torch.load(path)
+    model.load_state_dict(saved["net"])
+    optimizer.load_state_dict(saved["opt"])
+    return saved["tokens"]
+'''
+
+
+@pytest.mark.timeout(60)
+def test_a_specs_own_load_reads_its_checkpoints(tmp_path, capsys):
+    spec = tmp_path / "spec_with_load.py"
+    spec.write_text(SPEC_WITH_LOAD)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    sgd.step()
+    torch.save({"net": model.state_dict(), "opt": sgd.state_dict(), "tokens": 96}, tmp_path / "run.pt")
+    torch.save({"net": model.state_dict(), "opt": sgd.state_dict(), "tokens": "many"}, tmp_path / "odd.pt")
+    base = ["study", str(spec), "--target-loss", "0.1", "--ref-global-batch-size", "8", "--branch-doublings", "2",
+            "--branch-samples", "64", "--seeds", "2", "--out", str(tmp_path / "out"), "--json"]
+    assert main([*base, "--branch-from", str(tmp_path / "run.pt")]) == 0
+    found = json.loads(capsys.readouterr().out)["branches"][0]
+    assert found["samples_seen"] == 96 and found["source"] == str(tmp_path / "run.pt")
+    assert [row["global_batch_size"] for row in found["batches"]] == [8, 16, 32]
+    assert main([*base, "--branch-from", str(tmp_path / "odd.pt")]) == 2
+    assert "must return the samples the run had seen, an integer ≥ 0, got 'many'" in capsys.readouterr().err

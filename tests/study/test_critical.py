@@ -1,0 +1,108 @@
+"""The critical batch from branches and the schedule it implies: the pure arithmetic, on hand-made numbers."""
+
+from __future__ import annotations
+
+import doctest
+import math
+
+import pytest
+
+from ddplab.errors import UsageError
+from ddplab.study import critical
+from ddplab.study.critical import BranchConfig, judge, megatron_schedule, schedule
+
+INF, NAN = math.inf, math.nan
+
+
+def test_the_modules_doctests_hold_their_hand_computed_values():
+    result = doctest.testmod(critical)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+def test_each_batch_is_judged_by_its_best_lr_and_the_default_tolerance_is_half_the_reference_seeds_range():
+    losses = {
+        4: {0.05: [2.0, 2.2, 2.4], 0.1: [1.9, 2.0, 2.3], 0.2: [INF, INF, INF]},  # best: 0.1, median 2.0
+        8: {0.1: [2.3, 2.1, 2.2], 0.2: [2.05, 2.1, NAN]},  # 0.2's diverged seed is its worst: median 2.1
+        16: {0.2: [2.5, 2.6, 2.7], 0.4: [2.3, 2.35, 2.4]},  # median 2.35 > 2.0 + 0.2
+        32: {0.4: [2.0, 2.0, 2.0]},  # matches again, after a miss: noise, not the critical batch
+    }
+    found = judge(losses, 4)
+    assert found.tolerance == pytest.approx(0.2)  # (2.3 - 1.9) / 2
+    assert found.reference_loss == 2.0
+    assert [(r["global_batch_size"], r["lr"], r["median_loss"]) for r in found.rows] == [
+        (4, 0.1, 2.0), (8, 0.2, 2.1), (16, 0.4, 2.35), (32, 0.4, 2.0)]
+    assert [r["matches"] for r in found.rows] == [True, True, False, True]
+    assert found.rows[1]["seed_losses"] == [2.05, 2.1, INF]
+    assert found.critical_batch_size == 8
+    # Worst seeds: 8's best worst-seed lr is 0.1 (2.3 > 2.2): no match. Best seeds: 16's 2.3 > 2.2 stops it.
+    assert found.interval == (4, 8)
+    assert not found.at_edge
+
+
+def test_a_given_tolerance_replaces_the_seeds_and_the_interval_brackets_the_critical_batch():
+    losses = {2: {0.1: [1.0, 1.0]}, 4: {0.1: [1.05, 1.3]}, 8: {0.2: [1.08, 1.5]}, 16: {0.3: [1.2, 1.4]}}
+    assert judge(losses, 2).critical_batch_size == 2  # two equal seeds: tolerance 0, any loss above fails
+    found = judge(losses, 2, tolerance=0.2)
+    assert found.tolerance == 0.2
+    assert found.critical_batch_size == 4  # medians 1.175, 1.29, 1.3 against 1.2
+    assert found.interval == (2, 16)  # worst seeds 1.3 fail at 4; best seeds 1.05, 1.08, 1.2 all match
+    low, high = found.interval
+    assert low <= found.critical_batch_size <= high
+    assert judge(losses, 2, tolerance=1.0).at_edge
+
+
+def test_diverged_batches_never_match_and_a_diverged_reference_has_no_critical_batch():
+    found = judge({8: {0.1: [1.0, 1.2]}, 16: {0.2: [NAN, NAN], 0.1: [INF, 5.0]}, 32: {0.4: [1.0, 1.0]}}, 8)
+    assert found.rows[1]["lr"] is None and found.rows[1]["median_loss"] == INF
+    assert found.critical_batch_size == 8 and found.interval == (8, 8)
+    nothing = judge({8: {0.1: [NAN, NAN]}, 16: {0.2: [1.0, 1.0]}}, 8)
+    assert nothing.critical_batch_size is None and nothing.interval == (None, None)
+    with pytest.raises(UsageError, match="reference global batch 8"):
+        judge({16: {0.1: [1.0]}}, 8)
+
+
+def test_a_lag_tolerance_is_the_references_own_progress_over_the_budgets_last_fraction():
+    # An exponential decay at rate r per sample: a batch whose rate is at least half the reference's is at most half
+    # the budget behind, and matches under lag 0.5 whatever the budget.
+    rate = {2: 0.10, 4: 0.09, 8: 0.075, 16: 0.06, 32: 0.045}
+    for budget in (64, 256):
+        losses = {b: {0.1: [math.exp(-r * budget)]} for b, r in rate.items()}
+        tolerance = critical.lag_tolerance(math.exp(-0.10 * budget), math.exp(-0.10 * budget * 0.5))
+        assert judge(losses, 2, tolerance).critical_batch_size == 16
+    assert critical.lag_tolerance(1.0, 0.9) == 0.0
+
+
+def test_the_schedule_doubles_when_the_critical_batch_reaches_twice_the_batch_and_never_shrinks():
+    checkpoints = [(5000, 64, {16: 0.15, 32: 0.2, 64: 0.3}), (1000, 16, {16: 0.12}), (3000, 8, {}),
+                   (8000, 40, {})]  # given out of order; 40 < 2 × 64 keeps 64
+    steps = schedule(checkpoints, 8, 0.1)
+    assert steps == [{"samples_seen": 0, "global_batch_size": 8, "lr": 0.1},
+                     {"samples_seen": 1000, "global_batch_size": 16, "lr": 0.12},
+                     {"samples_seen": 5000, "global_batch_size": 64, "lr": 0.3}]
+    assert megatron_schedule(steps) == "0:8 1000:16 5000:64"
+    # A checkpoint at 0 samples whose critical batch is already larger replaces the start: one threshold 0.
+    early = schedule([(0, 32, {32: 0.4})], 8, 0.1)
+    assert early == [{"samples_seen": 0, "global_batch_size": 32, "lr": 0.4}]
+    assert megatron_schedule(early) == "0:32"
+    assert schedule([(100, None, {})], 8, 0.1) == [{"samples_seen": 0, "global_batch_size": 8, "lr": 0.1}]
+
+
+def test_the_branch_config_checks_its_fields_and_derives_the_grid_and_budget():
+    config = BranchConfig(branch_at=(0.6, 0.1, 0.3, 0.1))
+    assert config.branch_at == (0.1, 0.3, 0.6)
+    assert config.global_batch_sizes(8) == (8, 16, 32, 64, 128, 256)
+    assert config.samples(8) == 8 * 256
+    assert config.lr_rule(adam=False) == "linear" and config.lr_rule(adam=True) == "sqrt"
+    assert BranchConfig(branch_from=("a.pt",), branch_lr_rule="sqrt").lr_rule(adam=False) == "sqrt"
+    assert critical.sweep(critical.scaled_lr(0.1, 32, 8, "sqrt"), 2.0) == (0.1, 0.2, 0.4)
+    for bad, field in (({}, "branch_at"), ({"branch_at": (0.1,), "branch_from": ("a",)}, "branch_at"),
+                       ({"branch_at": (1.0,)}, "branch_at"), ({"branch_at": (0.1,), "branch_doublings": 0},
+                                                               "branch_doublings"),
+                       ({"branch_at": (0.1,), "branch_lag": 1.0}, "branch_lag"),
+                       ({"branch_at": (0.1,), "branch_lag": 0.5, "branch_tolerance": 0.1}, "branch_tolerance"),
+                       ({"branch_at": (0.1,), "branch_samples": 0}, "branch_samples")):
+        with pytest.raises(UsageError) as error:
+            BranchConfig(**bad)
+        assert field in error.value.fields
+    with pytest.raises(UsageError, match="multiple of the largest branched global batch 64"):
+        BranchConfig(branch_at=(0.1,), branch_samples=100, branch_doublings=3).samples(8)
