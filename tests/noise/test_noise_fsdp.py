@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.cli.main import main
+from ddplab.errors import UsageError
 from ddplab.noise.scale import GradientNoiseScale
 from ddplab.runtime.launch import LaunchConfig, launch
 
@@ -71,6 +72,23 @@ def test_fsdp_refuses_one_rank_and_hsdp_a_replicate_that_does_not_divide(capsys)
     assert main(["noise", LINEAR_SPEC, "--batch-size", "8", "--strategy", "hsdp", "--world-size", "3",
                  "--replicate", "2"]) == 2
     assert "hsdp needs --replicate" in capsys.readouterr().err
+
+
+def _one_sharded_rank(ctx) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Linear(3, 1), mesh=init_device_mesh("cpu", (1,)))
+    try:
+        GradientNoiseScale(model, per_device_batch_size=4, accumulation_steps=2)
+    except UsageError as exc:
+        return str(exc)
+    return "measured"
+
+
+def test_one_sharded_rank_is_refused_not_measured_wrong():
+    # The micro-step path's hooks would never fire on a sharded parameter: |g_small|² would read 0.
+    assert "measure on 2 or more ranks" in launch(_one_sharded_rank, LaunchConfig(world_size=1))[0]
 
 
 def _model() -> torch.nn.Module:
