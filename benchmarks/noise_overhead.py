@@ -2,11 +2,13 @@
 
     python benchmarks/noise_overhead.py [--rounds 80] [--steps-per-round 1] \
 [--out benchmarks/results/noise_overhead.json]
+    python benchmarks/noise_overhead.py --strategy fsdp --repeats 3    # FSDP2 (fully_shard) instead of DDP
 
 Two ranks (gloo on CPU, or NCCL with a GPU per rank), a 10.5M-parameter MLP, per-rank batch 64.
-The variants are separate DDP wrappers over equal models in one launch; they take turns step by
+The variants are separate wrappers over equal models in one launch; they take turns step by
 step, so drift in the machine's speed falls on all of them alike. Reported: the median step
-time of each, and its overhead over plain DDP.
+time of each, and its overhead over the plain loop; with ``--repeats N``, N launches and the median
+of their overheads.
 """
 
 import argparse
@@ -24,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddplab.adapt.adascale import AdaScale
 from ddplab.noise.scale import GradientNoiseScale
+from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, launch
 
 # name → None (plain DDP), ("hook",) (torch's own Python allreduce hook: what any Python comm hook costs),
@@ -33,6 +36,9 @@ VARIANTS = {"plain DDP": None, "torch's Python allreduce hook": ("hook",),
             "noise scale via comm hook, every step": (1, "comm_hook"),
             "AdaScale, noise every step": (1, "auto", "adascale"),
             "AdaScale, noise every 4th step": (4, "auto", "adascale")}
+# Under FSDP2 (--strategy fsdp): the plain loop, and the noise scale at its default (every 4th step) and every step.
+FSDP_VARIANTS = {"plain FSDP2": None, "noise scale (default), every 4th step": (4, "auto"),
+                 "noise scale (default), every step": (1, "auto")}
 
 
 def _model():
@@ -41,10 +47,16 @@ def _model():
                                torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
 
 
-def _bench(ctx, rounds: int, steps_per_round: int, batch: int):
+def _wrap(ctx, strategy: str):
+    if strategy == "fsdp":
+        return strategies.get("fsdp").wrap(_model().to(ctx.device), ctx)
+    return DistributedDataParallel(_model().to(ctx.device), device_ids=ctx.device_ids)
+
+
+def _bench(ctx, rounds: int, steps_per_round: int, batch: int, strategy: str = "ddp"):
     runs = {}
-    for name, every in VARIANTS.items():
-        ddp = DistributedDataParallel(_model().to(ctx.device), device_ids=ctx.device_ids)
+    for name, every in (FSDP_VARIANTS if strategy == "fsdp" else VARIANTS).items():
+        ddp = _wrap(ctx, strategy)
         gns = None
         if every == ("hook",):
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -90,26 +102,53 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--steps-per-round", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "noise_overhead.json"))
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--repeats", type=int, default=1, help="launches; the overheads reported are their median")
+    parser.add_argument("--out", help="default benchmarks/results/noise_overhead.json (noise_overhead_fsdp.json)")
     args = parser.parse_args()
-    times, params = launch(_bench, LaunchConfig(world_size=2, deadline_s=3000), args.rounds, args.steps_per_round,
-                           args.batch_size)[0]
+    name = "noise_overhead.json" if args.strategy == "ddp" else f"noise_overhead_{args.strategy}.json"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+    repeats = [_one_launch(args) for _ in range(args.repeats)]
     record = {"machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}",
-              "backend": "nccl" if torch.cuda.device_count() >= 2 else "gloo", "world_size": 2,
-              "per_device_batch_size": args.batch_size, "parameters": params,
-              "steps_timed_per_variant": len(times["plain DDP"]), "variants": {}}
-    base_wall = statistics.median(w for w, _ in times["plain DDP"])
-    base_cpu = statistics.median(c for _, c in times["plain DDP"])
+              "backend": "nccl" if torch.cuda.device_count() >= 2 else "gloo", "strategy": args.strategy,
+              "world_size": 2, "per_device_batch_size": args.batch_size, "parameters": repeats[0][1],
+              "steps_timed_per_variant": len(next(iter(repeats[0][0].values()))), "repeats": [], "variants": {}}
+    for times, _ in repeats:
+        record["repeats"].append(_medians(times))
+    for variant in record["repeats"][0]:
+        rows = [repeat[variant] for repeat in record["repeats"]]
+        record["variants"][variant] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    if args.repeats > 1:
+        print(f"median over {args.repeats} launches:")
+        for variant, row in record["variants"].items():
+            _print(variant, row)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(record, fh, indent=2)
+
+
+def _one_launch(args):
+    return launch(_bench, LaunchConfig(world_size=2, deadline_s=3000), args.rounds, args.steps_per_round,
+                  args.batch_size, args.strategy)[0]
+
+
+def _medians(times: dict) -> dict:
+    """Per variant: median wall and rank-0 CPU time per step, and their overheads over the first (plain) variant."""
+    plain = next(iter(times.values()))
+    base_wall = statistics.median(w for w, _ in plain)
+    base_cpu = statistics.median(c for _, c in plain)
+    out = {}
     for name, values in times.items():
         wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
-        record["variants"][name] = {"median_step_ms": 1000 * wall, "overhead_percent": 100 * (wall / base_wall - 1),
-                                    "median_cpu_ms": 1000 * cpu, "cpu_overhead_percent": 100 * (cpu / base_cpu - 1)}
-        print(f"{name:30} {wall * 1000:7.1f} ms/step ({100 * (wall / base_wall - 1):+5.2f}%)   "
-              f"rank-0 CPU {cpu * 1000:7.1f} ms/step ({100 * (cpu / base_cpu - 1):+5.2f}%)")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(record, fh, indent=2)
+        out[name] = {"median_step_ms": 1000 * wall, "overhead_percent": 100 * (wall / base_wall - 1),
+                     "median_cpu_ms": 1000 * cpu, "cpu_overhead_percent": 100 * (cpu / base_cpu - 1)}
+        _print(name, out[name])
+    return out
+
+
+def _print(name: str, row: dict) -> None:
+    print(f"{name:38} {row['median_step_ms']:7.1f} ms/step ({row['overhead_percent']:+5.2f}%)   "
+          f"rank-0 CPU {row['median_cpu_ms']:7.1f} ms/step ({row['cpu_overhead_percent']:+5.2f}%)")
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def test_every_help_teaches_with_examples_and_states_its_defaults(path, capsys):
     text = capsys.readouterr().out
     assert "examples:" in text and "ddplab " + path[0] in text.split("examples:")[1]
     if path[0] in ("check", "noise"):
-        assert "DDP ranks (default 2; under torchrun its WORLD_SIZE)" in " ".join(text.split())
+        assert "ranks (default 2; under torchrun its WORLD_SIZE)" in " ".join(text.split())
     if path == ("sandbox", "multi"):
         assert "else 8 CPU ranks" in " ".join(text.split())
     if path == ("study",):

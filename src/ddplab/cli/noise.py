@@ -20,6 +20,9 @@ Train SPEC.py on W DDP ranks and measure the gradient noise scale B_simple = tr(
 (McCandlish et al. 2018) from DDP's own all-reduce: each rank's gradient over its batch b
 before it, the averaged gradient over W·b after it. B_simple predicts the critical batch size:
 past it, a larger global batch B buys little: steps fall only as 1 + B_simple/B.
+--strategy fsdp trains the ranks with FSDP2 (fully_shard) and reads each rank's gradient before
+the reduce-scatter and the shards of the averaged one after it; --strategy hsdp does so on a
+2-D mesh of --replicate replicas (each shard, held by every replica, counted once).
 
 Batches come from one shuffled pass over the dataset's N samples per epoch, so the estimates are
 corrected for sampling without replacement (Σ the per-sample covariance with 1/N). The 95%
@@ -36,6 +39,8 @@ examples:
   ddplab noise spec.py --world-size 4 --batch-size 32 --json --plot gns.png
   ddplab noise spec.py --batch-size 32 --steps 5000 --json-file gns.json   # Ctrl-C keeps what was measured
   ddplab noise spec.py --world-size 1 --batch-size 16 --accumulation 4          # one process, 4 micro-batches
+  ddplab noise spec.py --batch-size 16 --strategy fsdp                           # FSDP2 on 2 ranks
+  ddplab noise spec.py --batch-size 16 --strategy hsdp --world-size 4 --replicate 2
   torchrun --nproc_per_node 8 -m ddplab noise spec.py --batch-size 64
 """
 
@@ -45,6 +50,7 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser, NoiseConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed",
                                      "accumulation_steps", "every"))
+    add_fields(parser.add_argument_group("parallelism"), NoiseConfig, ("strategy", "replicate", "reduce_dtype"))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     mark(parser.add_argument("--json-file", metavar="PATH",
                              help="also write the JSON object to PATH (what was measured, even when the run is "
@@ -146,7 +152,8 @@ def _print(report) -> None:
         rows.append(["skipped steps", str(values["skipped_steps"]),
                      "measured steps left out: non-finite gradients (e.g. an fp16 overflow)"])
     out = render.console()
-    out.print(render.table(_title(values), ["", "value", "meaning"], rows))
+    out.print(render.table(_title(values, report.config.strategy_text(values["world_size"])), ["", "value", "meaning"],
+                           rows))
     if values["note"]:
         out.print(f"note: {values['note']}")
 
@@ -162,14 +169,16 @@ def _b_simple_cells(values: dict) -> list[str]:
     return [value, f"no interval: {measured} measured step{'s' if measured != 1 else ''}"]
 
 
-def _title(values: dict) -> str:
+def _title(values: dict, strategy: str) -> str:
     lr = ", ".join(f"{v:g}" for v in values["lr"] or []) or "?"
     motion = "weights move: B_simple averages over the trajectory" if values["weights_moved"] else "weights fixed"
     size = values["dataset_size"]
     samples = f"; {size} samples, corrected for drawing without replacement" if size else ""
     ranks = count(values["world_size"], "rank")
+    reduced = f", gradients reduced in {values['reduce_dtype']}" if values["reduce_dtype"] else ""
     return (f"ddplab noise: {ranks} × {values['per_device_batch_size']} per device "
-            f"(global {values['global_batch_size']}), {values['steps']} steps\nlr {lr}, {motion}{samples}")
+            f"(global {values['global_batch_size']}){f', {strategy}' if strategy else ''}{reduced}, "
+            f"{values['steps']} steps\nlr {lr}, {motion}{samples}")
 
 
 def _plot(report, path: str) -> None:

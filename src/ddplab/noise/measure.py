@@ -40,6 +40,8 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
     error is raised (a signal acts as it would have). ``progress`` is called in rank 0 after every step.
     """
     config = dataclasses.replace(config, world_size=world_size_for(config.world_size, default=DEFAULT_WORLD_SIZE))
+    # A strategy that cannot run here (its options, the world size, this torch) says so before anything starts.
+    strategy_of(config).check_runnable(config.world_size)
     deadline = Deadline.of(launch_config)
     with deadline.guard("loading the spec (its model() and dataset())"):
         # The spec's mistakes surface here, in one sentence, before any rank starts.
@@ -63,12 +65,17 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
     return results[0]
 
 
+def strategy_of(config: NoiseConfig) -> strategies.Strategy:
+    """The strategy the ranks train with, its options given; UsageError naming an option it does not have."""
+    return strategies.get(config.strategy, **config.strategy_options())
+
+
 def _measure_on_rank(ctx: RankContext, job: tuple[NoiseConfig, Progress], facts: rank_tools.SpecFacts):
     config, progress = job
     spec = load_spec(config.spec_path)
     dataset = spec.dataset()
     model = rank_tools.seeded_model(spec, config.seed, device=ctx.device)
-    strategy = strategies.get(strategies.DEFAULT)
+    strategy = strategy_of(config)
     wrapped = strategy.wrap(model, ctx, facts)
     gns = GradientNoiseScale(wrapped, per_device_batch_size=config.per_device_batch_size, every=config.every,
                              accumulation_steps=config.accumulation_steps, dataset_size=len(dataset))
@@ -109,7 +116,7 @@ class _Run:
         self.ctx, self.config, self.spec, self.gns = ctx, config, spec, gns
         self.model, self.optimizer = model, optimizer
         self.dataset_size, self.interval_s = dataset_size, interval_s
-        self.start = [p.detach().clone() for p in model.parameters()]
+        self.start = [p.clone() for p in _local(model.parameters())]
         self.history: list[dict] = []
         self.journaled, self.last = 0, None
 
@@ -120,7 +127,7 @@ class _Run:
 
     def _fields(self, completed_steps: int) -> dict:
         # Weights that move make B_simple an average over the trajectory, not one point's value.
-        moved = any(not torch.equal(a, p.detach()) for a, p in zip(self.start, self.model.parameters()))
+        moved = any(not torch.equal(a, b) for a, b in zip(self.start, _local(self.model.parameters())))
         lrs = sorted({float(group["lr"]) for group in self.optimizer.param_groups if "lr" in group})
         return {"b_small": self.gns.b_small, "b_big": self.gns.b_big, "dataset_size": self.dataset_size,
                 "skipped_steps": self.gns.skipped_steps, "weights_moved": moved, "lr": lrs,
@@ -148,6 +155,11 @@ class _Run:
         fields = self._fields(completed_steps)
         return noise_report.NoiseReport(config=self.config, summary=self.gns.summary(), history=self.history,
                                         **fields)
+
+
+def _local(params) -> list[torch.Tensor]:
+    """This rank's values of ``params``: a sharded parameter's own shard (rank 0 alone reads them: no collective)."""
+    return [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in params]
 
 
 def _partial_report(config: NoiseConfig, exc: LaunchError) -> noise_report.NoiseReport:

@@ -48,10 +48,13 @@ class StepEstimate:
 
 
 class GradientNoiseScale:
-    """Gradient noise scale (B_simple) of a DDP model, measured from its own all-reduce.
+    """Gradient noise scale (B_simple) of a data-parallel model, measured from its own gradient reduction.
 
     The model's strategy (:func:`ddplab.runtime.strategies.of`) says where the local gradient can be
-    seen. For DDP, two ways, chosen by ``via``:
+    seen. On a model sharded with FSDP2's ``fully_shard`` (a 1-D mesh, or HSDP's 2-D one), hooks on the
+    unsharded parameters read it before the reduce-scatter, and each rank's shard of the averaged
+    gradient gives its share of |G_big|² after it (``via`` "auto" or "grad_hooks"). For DDP, two ways,
+    chosen by ``via``:
 
     - ``"grad_hooks"`` (the default without a user hook): per-parameter post-accumulate-grad
       hooks read ``.grad`` while it still holds the local gradient (DDP copies it into its
@@ -114,7 +117,7 @@ class GradientNoiseScale:
     def _attach(self, model, via: Via) -> str:
         """Hook where the local gradients can be seen; the path taken."""
         # The parameters (or the wrapper) hold the hooks: a weak reference keeps them from holding this object.
-        if _one_process(via, self.comm_hook, self._strategy, self.world_size):
+        if _one_process(via, self.comm_hook, self._strategy, self.world_size, self._params):
             ready = _WeakHook(self, GradientNoiseScale._micro_grad_ready)
             self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self._params]
             return "micro_steps"
@@ -264,13 +267,18 @@ def _validate(world_size: int, per_device_batch_size: int, accumulation_steps: i
                          "or gradient accumulation with at least 2 micro-steps on one process")
 
 
-def _one_process(via: str, comm_hook, strategy, world_size: int) -> bool:
+def _one_process(via: str, comm_hook, strategy, world_size: int, params: list[torch.Tensor]) -> bool:
     """True on one process (micro-steps are the batches); else the strategy taps its reduction, which it must have."""
     if via not in ("auto", "grad_hooks", "comm_hook"):
         raise UsageError(f"{{via}} must be auto, grad_hooks or comm_hook, got {via!r}")
     if world_size == 1:
         if comm_hook is not None or via == "comm_hook":
             raise UsageError("on one process there is no all-reduce to hook: drop {comm_hook} / {via}='comm_hook'")
+        if any(hasattr(p, "placements") for p in params):
+            # FSDP2 writes a sharded parameter's .grad after its reduce-scatter: no hook sees each micro-batch there.
+            raise UsageError("on one process the noise scale compares micro-batches in each parameter's .grad, which "
+                             "a sharded (fully_shard) model writes only after its reduction: measure on 2 or more "
+                             "ranks")
         return True
     if strategy is None:
         raise UsageError(f"on {world_size} processes the noise scale reads the gradient reduction of a data-parallel "
