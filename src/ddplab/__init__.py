@@ -24,7 +24,7 @@ def __getattr__(name):
         from ddplab.noise.scale import GradientNoiseScale
 
         return GradientNoiseScale
-    if name in ("AdaScale", "BatchRamp"):
+    if name in ("AdaScale", "BatchRamp", "BatchSchedule"):
         from ddplab import adapt
 
         return getattr(adapt, name)

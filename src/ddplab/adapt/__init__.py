@@ -1,11 +1,14 @@
 """Acting on the measurement while training runs: AdaScale's lr gain and a batch ramp, on plain DDP.
 
 gain (the pure arithmetic) · adascale (the lr adapter over any torch optimizer and scheduler) ·
-ramp (a global batch that grows with the measured noise scale, by accumulation steps).
-Importing this package imports no torch; :class:`AdaScale` and :class:`BatchRamp` load it on first use.
+accumulation (what a batch changed by accumulation steps shares) · ramp (a global batch that grows with the
+measured noise scale) · thresholds (a batch schedule read and looked up, pure) · schedule (a global batch that
+follows a schedule of samples seen, as ``ddplab study --branch-at`` writes one).
+Importing this package imports no torch; :class:`AdaScale`, :class:`BatchRamp` and :class:`BatchSchedule` load it
+on first use.
 """
 
-__all__ = ["AdaScale", "BatchRamp"]
+__all__ = ["AdaScale", "BatchRamp", "BatchSchedule"]
 
 
 def __getattr__(name):
@@ -17,4 +20,8 @@ def __getattr__(name):
         from ddplab.adapt.ramp import BatchRamp
 
         return BatchRamp
+    if name == "BatchSchedule":
+        from ddplab.adapt.schedule import BatchSchedule
+
+        return BatchSchedule
     raise AttributeError(f"module 'ddplab.adapt' has no attribute {name!r}")

@@ -30,16 +30,13 @@ the rule scales from included).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import weakref
-from collections.abc import Iterator
 from typing import Literal
 
-from ddplab.adapt.during_step import LrDuringStep, require_optimizer
+from ddplab.adapt.accumulation import AccumulatedBatch
+from ddplab.adapt.during_step import require_optimizer
 from ddplab.errors import UsageError
-from ddplab.runtime import strategies
 from ddplab.validation import positive
 
 RampRule = Literal["linear", "sqrt", "none"]
@@ -59,7 +56,7 @@ class RampChange:
     """The rule's lr factor at this global batch, relative to the starting one."""
 
 
-class BatchRamp:
+class BatchRamp(AccumulatedBatch):
     """Grow ``ddp_model``'s global batch with ``noise_scale``'s B_simple, and ``optimizer``'s lr with it.
 
     Args:
@@ -99,60 +96,21 @@ class BatchRamp:
             if not (isinstance(value, int) and value >= low):
                 raise UsageError(f"{{{name}}} must be an integer ≥ {low}, got {value}")
         positive("target_ratio", target_ratio)
-        # The model weakly: the optimizer's hooks hold this object, which must not keep the model (and its process
-        # group) alive past the user's loop.
-        self._ddp_model = weakref.ref(ddp_model)
-        self.optimizer, self.noise_scale = optimizer, noise_scale
+        self.noise_scale = noise_scale
         self.max_accumulation_steps, self.rule = max_accumulation_steps, rule
-        self.warmup_steps, self.target_ratio, self.interval = warmup_steps, target_ratio, interval
+        self.target_ratio, self.interval = target_ratio, interval
         self.grow_after_step = grow_after_step
-        self.start_accumulation_steps = self.accumulation_steps = start
-        self.samples_per_micro_step = micro
-        self.steps, self.micro_steps = 0, 0
+        self.start_accumulation_steps = start
         self.changes: list[RampChange] = []
         self._measured_at_change = len(noise_scale.history)
-        self._from_factor = self._to_factor = 1.0
-        self._changed_at = 0
-        self._during_step = LrDuringStep(optimizer, self.lr_factor, self._after)
-
-    @property
-    def ddp_model(self):
-        """The model whose batch this ramp grows (None once the training loop has let it go)."""
-        return self._ddp_model()
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.samples_per_micro_step * self.accumulation_steps
-
-    @contextlib.contextmanager
-    def accumulate(self) -> Iterator[None]:
-        """One micro-step: under ``no_sync`` unless it closes the window (then DDP all-reduces)."""
-        last = self.micro_steps + 1 >= self.accumulation_steps
-        with contextlib.nullcontext() if last else strategies.no_sync(self.ddp_model):
-            yield
-        self.micro_steps += 1
-
-    def should_step(self) -> bool:
-        """True once the window's micro-steps are done: measure, step and zero the gradients now."""
-        if self.micro_steps < self.accumulation_steps:
-            return False
-        self.micro_steps = 0
-        return True
-
-    def lr_factor(self) -> float:
-        """The factor on the optimizer's lr for the next update: the rule's, warmed up after a jump."""
-        if self.warmup_steps == 0 or self.steps - self._changed_at + 1 >= self.warmup_steps:
-            return self._to_factor
-        # The first update after a jump is 1/warmup_steps of the way; the warmup_steps-th is at the new lr.
-        done = (self.steps - self._changed_at + 1) / self.warmup_steps
-        return self._from_factor + (self._to_factor - self._from_factor) * done
+        super().__init__(ddp_model, optimizer, accumulation_steps=start, samples_per_micro_step=micro,
+                         warmup_steps=warmup_steps)
 
     def _rule_factor(self, accumulation_steps: int) -> float:
         k = accumulation_steps / self.start_accumulation_steps
         return {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[self.rule]
 
-    def _after(self, lr: float) -> None:
-        self.steps += 1
+    def _stepped(self) -> None:
         if self.grow_after_step:
             self.grow()
 
@@ -166,10 +124,7 @@ class BatchRamp:
         grown = min(max(wanted, self.accumulation_steps), self.max_accumulation_steps)
         if grown == self.accumulation_steps:
             return False
-        # The lr starts its ramp from wherever it is now (a jump during a warmup continues from there).
-        self._from_factor, self._to_factor = self.lr_factor(), self._rule_factor(grown)
-        self._changed_at = self.steps
-        self.accumulation_steps = grown
+        self._change(grown, self._rule_factor(grown))
         self.noise_scale.set_accumulation_steps(grown)
         self._measured_at_change = len(self.noise_scale.history)
         self.changes.append(RampChange(self.steps - 1, grown, self.global_batch_size, b_simple, self._to_factor))
@@ -177,10 +132,9 @@ class BatchRamp:
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume the same batch, lr factor and warmup."""
-        return {"accumulation_steps": self.accumulation_steps, "steps": self.steps, "changed_at": self._changed_at,
+        return {"accumulation_steps": self.accumulation_steps, **self._warmup_state(),
                 "start_accumulation_steps": self.start_accumulation_steps,
                 "samples_per_micro_step": self.samples_per_micro_step,
-                "from_factor": self._from_factor, "to_factor": self._to_factor,
                 "changes": [dataclasses.asdict(c) for c in self.changes]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -189,12 +143,6 @@ class BatchRamp:
         self.samples_per_micro_step = state["samples_per_micro_step"]
         self.accumulation_steps = state["accumulation_steps"]
         self.noise_scale.set_accumulation_steps(self.accumulation_steps)
-        self.steps, self._changed_at = state["steps"], state["changed_at"]
-        self._from_factor, self._to_factor = state["from_factor"], state["to_factor"]
+        self._load_warmup_state(state)
         self.changes = [RampChange(**c) for c in state["changes"]]
         self._measured_at_change = len(self.noise_scale.history)
-        self.micro_steps = 0
-
-    def remove(self) -> None:
-        """Stop adapting: the optimizer's own lr from here on (the batch stays where it is)."""
-        self._during_step.remove()
