@@ -202,6 +202,27 @@ def test_lightning_batch_ramp_grows_the_accumulation_at_epoch_starts_with_the_lr
     assert result["same_weights"] and result["complete"] == [True] * len(accumulation)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_batch_schedule_follows_the_thresholds_at_epoch_starts_with_the_schedules_lrs(in_scripts):
+    pytest.importorskip("lightning")
+    done = subprocess.run([sys.executable, "lightning_schedule.py"], capture_output=True, text=True, timeout=280,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(in_scripts.read_text())
+    # 2048 samples an epoch at 16, 32, 32, 64: the thresholds 1000 and 5000 are passed mid-epoch (at 2048 and
+    # 6144 samples seen by the next epoch's start), and each takes effect there.
+    assert result["accumulation"] == [1, 2, 2, 4] and result["samples_seen"] == 4 * 2048
+    assert [(c["step"], c["samples_seen"], c["entry"], c["global_batch_size"], c["lr_factor"])
+            for c in result["changes"]] == [(127, 2048, 1, 32, 2.0), (255, 6144, 2, 64, 3.0)]
+    assert result["steps"] == 128 + 64 + 64 + 32 == len(result["lrs"]) == result["state"]["steps"]
+    # Every update at 0.02 × the entry's lr over the first's (0.02, 0.04, 0.06), warmed up over 5 steps.
+    expected = [0.02] * 128 + [0.02 + 0.02 * min(1, k / 5) for k in range(1, 129)] + \
+        [0.04 + 0.02 * min(1, k / 5) for k in range(1, 33)]
+    assert result["lrs"] == pytest.approx(expected, rel=1e-12)
+    assert result["complete"] == [True] * 4 and result["same_weights"]
+
+
 # --- Accelerate ---
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@
     ])
 
 or, to grow the global batch with the measured noise scale (instead of ScaleLearningRate):
-``noise = GradientNoiseScale(every=1)`` and ``callbacks=[noise, BatchRamp(noise, max_accumulation_steps=16)]``.
+``noise = GradientNoiseScale(every=1)`` and ``callbacks=[noise, BatchRamp(noise, max_accumulation_steps=16)]``;
+or to follow the batch schedule ``ddplab study --branch-at`` wrote: ``callbacks=[BatchSchedule("branched.json")]``.
 
 Needs ``pip install ddplab[lightning]``. Lightning ignores ``DDPStrategy(ddp_comm_hook=...)`` on CPU;
 the noise scale does not need a comm hook (it reads the local gradient from post-accumulate-grad hooks).
@@ -122,6 +123,59 @@ class BatchRamp(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.ramp is not None:
             self.ramp.remove()
+
+
+class BatchSchedule(Callback):
+    """Follow a batch schedule of samples seen: ``trainer.accumulate_grad_batches`` at each epoch's start.
+
+    Args:
+        schedule: what :class:`ddplab.adapt.schedule.BatchSchedule` reads: a list of ``{"samples_seen",
+            "global_batch_size", "lr"}`` entries, a ``branched.json`` path, or a Megatron-style string.
+        per_device_batch_size: samples per process per micro-step (default: the training loader's batch_size).
+        warmup_steps: optimizer steps over which the lr moves to its new value after each change.
+
+    Each update runs at the optimizer's own lr × the entry's lr over the first entry's (build the
+    optimizer at the schedule's first lr), during the optimizer step only, so schedulers keep their own
+    lr. As for :class:`BatchRamp`, the accumulation changes only when an epoch starts, to the entry the
+    samples seen have reached by then: a threshold passed mid-epoch takes effect at the next epoch. The
+    samples are counted as the global batch of each optimizer step (an epoch's shorter last window
+    counts as a whole one). ``schedule`` is the underlying :class:`ddplab.adapt.schedule.BatchSchedule`;
+    ``schedule.changes`` lists each change.
+    """
+
+    def __init__(self, schedule, *, per_device_batch_size: int | None = None, warmup_steps: int = 0):
+        from ddplab.adapt import thresholds
+
+        thresholds.parse(schedule)  # a bad schedule is refused when the callback is built, before the trainer runs
+        self.entries, self.per_device_batch_size, self.warmup_steps = schedule, per_device_batch_size, warmup_steps
+        self.schedule = None
+        self._resumed: dict | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from ddplab.adapt.schedule import BatchSchedule as Schedule
+
+        self.schedule = Schedule(trainer.strategy.model, trainer.optimizers[0], self.entries,
+                                 per_device_batch_size=_per_device_batch_size(trainer, self.per_device_batch_size),
+                                 warmup_steps=self.warmup_steps, advance_after_step=False)
+        if self._resumed is not None:
+            self.schedule.load_state_dict(self._resumed)
+        trainer.accumulate_grad_batches = self.schedule.accumulation_steps
+
+    def state_dict(self) -> dict:
+        """The schedule's state in Lightning's checkpoints (samples seen, batch, warmup)."""
+        return self.schedule.state_dict() if self.schedule is not None else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Lightning restores callbacks before training starts: applied once the schedule exists.
+        self._resumed = state_dict or None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.schedule is not None and self.schedule.advance():
+            trainer.accumulate_grad_batches = self.schedule.accumulation_steps
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.schedule is not None:
+            self.schedule.remove()
 
 
 class ScaleLearningRate(Callback):
