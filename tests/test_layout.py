@@ -14,7 +14,9 @@ PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "r
                # ddplab.adapt.AdaScale's arguments: a library API with no command of its own.
                "optimizer", "noise_scale", "scheduler", "reference_batch_size", "reference_steps", "smoothing",
                # ddplab.adapt.BatchRamp's.
-               "max_accumulation_steps", "rule", "warmup_steps", "target_ratio", "interval"}
+               "max_accumulation_steps", "rule", "warmup_steps", "target_ratio", "interval",
+               # ddplab.adapt.BatchSchedule's.
+               "schedule", "samples_seen"}
 # The auditor's voice inside the user's program, where there is no command line to print for it.
 MAY_PRINT = {"auditor/exchange.py", "auditor/bootstrap/sitecustomize.py", "integrations/lightning.py"}
 FIELD = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}")
