@@ -1,10 +1,11 @@
-"""AdaScale and the batch ramp on the meta device: in a training loop they make no tensor off the model's device.
+"""AdaScale, the batch ramp and the batch schedule on the meta device: they make no tensor off the model's device.
 
 Both hold no tensors: their state is Python numbers read from the noise scale's history, and what they do to
 the device's work is scale each param group's lr during ``optimizer.step()``. On meta (shapes, no data) a
 tensor made on the CPU would show here as it would raise on a GPU. The loop leaves out ``gns.step()``, the
 one read of a value (covered in tests/noise/test_noise_devices.py), so the gain stays 1 and the ramp never grows:
 what they compute from the estimates is tested on the CPU (test_adascale.py, test_ramp.py) and in tests/gpu.
+The batch schedule reads no measurement, so here it crosses a threshold: a larger window and a warmed-up lr.
 """
 
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ddplab import AdaScale, BatchRamp, GradientNoiseScale
+from ddplab import AdaScale, BatchRamp, BatchSchedule, GradientNoiseScale
 
 STEPS = 3
 
@@ -76,3 +77,20 @@ def test_the_batch_ramp_keeps_the_loop_on_the_models_device():
     assert len(state) == 4 and {t.device.type for t in state} == {"meta"}
     assert ramp.steps == STEPS and ramp.global_batch_size == 8 and ramp.lr_factor() == 1.0
     assert isinstance(optimizer.param_groups[0]["lr"], float) and not _tensors(ramp.state_dict())
+
+
+def test_the_batch_schedule_keeps_the_loop_on_the_models_device_across_a_threshold():
+    model, optimizer, _, (inputs, targets) = _meta_loop()
+    with TensorDevices() as devices:
+        schedule = BatchSchedule(model, optimizer, [{"samples_seen": 0, "global_batch_size": 4, "lr": 0.1},
+                                                    {"samples_seen": 8, "global_batch_size": 8, "lr": 0.2}],
+                                 per_device_batch_size=4, warmup_steps=2)
+        while schedule.steps < 2 * STEPS:
+            with schedule.accumulate():
+                (F.mse_loss(model(inputs), targets) / schedule.accumulation_steps).backward()
+            if schedule.should_step():
+                optimizer.step()
+                optimizer.zero_grad()
+    assert devices.ops.keys() == {"meta"}
+    assert schedule.samples_seen == 2 * 4 + 4 * 8 and schedule.accumulation_steps == 2 and schedule.lr_factor() == 2
+    assert isinstance(optimizer.param_groups[0]["lr"], float) and not _tensors(schedule.state_dict())

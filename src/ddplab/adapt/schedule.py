@@ -22,7 +22,9 @@ during ``optimizer.step()`` only, moving linearly from the old factor to the new
 ``warmup_steps`` steps after each change. Build the optimizer at the schedule's first lr and the
 updates run at exactly the schedule's lrs; a scheduler on the optimizer keeps shaping its own lr
 (a decay, a warmup) underneath. An entry without an lr keeps the one before (a Megatron string:
-the optimizer's own lr throughout). Checkpoints: ``state_dict()`` beside the optimizer's.
+the optimizer's own lr throughout). Checkpoints: ``state_dict()`` beside the optimizer's. A step
+GradScaler skips (an overflow) never reaches the optimizer's hooks, so its samples are not counted:
+the schedule runs on the samples the model was updated with.
 """
 
 from __future__ import annotations
