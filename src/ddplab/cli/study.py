@@ -74,7 +74,7 @@ def add_parser(subparsers) -> None:
     add_fields(opt, OptimizerConfig, ("family", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"),
                prefix="optimizer")
     add_fields(parser, StudyConfig, ("patience", "max_steps", "eval_every", "sweep_factor", "sweep_margin",
-                                     "max_runs", "dtype"))
+                                     "max_runs", "dtype", "noise_scale"))
     add_fields(parser, StudyOptions, ("out", "fresh", "verify_ddp", "verify_world_size", "verify_steps", "threads"),
                verify_ddp={"metavar": "K"})
     add_fields(parser.add_argument_group("engine"), StudyOptions,
@@ -197,9 +197,12 @@ def _print(report) -> None:
     else:
         out.print(f"[bold]{title}[/]: no rule reached the target at two batch sizes, so nothing was fitted")
     if values["tuned_lr"]:
-        tuned = ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in values["tuned_lr"])
+        tuned = ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" + (f" ({p['variant']}'s settings)"
+                                                                          if p.get("variant") else "")
+                          for p in values["tuned_lr"])
         out.print(f"best tuned lr by global batch: {tuned}")
     _print_b_simple(out, values["b_simple"])
+    _print_scorecard(out, values)
     if values.get("adascale"):
         out.print("AdaScale from the reference lr, untuned: median steps vs the best tuned lr's at each global batch: "
                   + ", ".join(f"{p['global_batch_size']} (S={p['scale']:g}): {_num(p['median_steps'])} vs "
@@ -226,6 +229,34 @@ def _print(report) -> None:
         out.print(f"[bold yellow]warning:[/] {warning}")
     if values.get("report"):
         out.print(f"report: {values['report']}")
+
+
+def _print_scorecard(out, values: dict) -> None:
+    """Per rule: how far its lr is from the best tuned lr, and its steps over the best's, with the seeds' range."""
+    card = values.get("scorecard") or {}
+    if not card:
+        return
+    rows = [[rule, _num(row["median_abs_log2_lr_gap"]), _num(row["median_steps_ratio"]),
+             "—" if row["steps_ratio_seed_range"] is None else
+             f"{_num(row['steps_ratio_seed_range'][0])} to {_num(row['steps_ratio_seed_range'][1])}",
+             str(row["batches"])] for rule, row in card.items()]
+    out.print(render.table("scorecard: medians over the global batches, against the best tuned setting",
+                           ["rule", "|log₂(lr / best lr)|", "steps ÷ tuned", "seeds' range", "batches"], rows))
+    surge = values.get("surge")
+    if surge:
+        source = "given" if surge["source"] == "given" else "B_simple at the reference batch"
+        out.print(f"surge rule: B_noise {_num(surge['noise_scale'])} ({source}); lr by global batch: "
+                  + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in surge["by_batch"]))
+    for p in values.get("adamw_tau") or []:
+        out.print(f"adamw-tau at global batch {p['global_batch_size']}: lr {p['lr']:.4g}, betas "
+                  f"({p['betas'][0]:g}, {p['betas'][1]:.6g}), eps {p['eps']:.3g}, weight decay {p['weight_decay']:.4g}")
+    peak = values.get("lr_peak")
+    if peak is not None:
+        where = (f"peaks inside the measured range, at global batch {peak['global_batch_size']}"
+                 if peak["global_batch_size"] else "does not peak inside the measured range")
+        out.print(f"the best tuned lr {where}; B_simple at the reference batch "
+                  f"{values['reference']['global_batch_size']}: {_num(peak['b_simple'])} (Li et al. 2024 put Adam's "
+                  "peak at B_noise)")
 
 
 def _print_b_simple(out, b_simple: dict | None) -> None:

@@ -51,7 +51,8 @@ class StudyReport:
             "engine": self.engine, "engine_reason": self.engine_reason, "device": self.device,
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
-            "unreached": analysis.unreached, **analysis.sections,
+            "unreached": analysis.unreached, "scorecard": analysis.scorecard, "lr_peak": analysis.lr_peak,
+            **analysis.sections,
             "plots": self.plots, "report": self.report, "out": self.out,
         }
         if self.verify_ddp is not None:
