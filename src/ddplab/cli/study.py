@@ -236,9 +236,9 @@ def _print_scorecard(out, values: dict) -> None:
     card = values.get("scorecard") or {}
     if not card:
         return
-    rows = [[rule, _num(row["median_abs_log2_lr_gap"]), _num(row["median_steps_ratio"]),
+    rows = [[rule, _short(row["median_abs_log2_lr_gap"]), _short(row["median_steps_ratio"]),
              "—" if row["steps_ratio_seed_range"] is None else
-             f"{_num(row['steps_ratio_seed_range'][0])} to {_num(row['steps_ratio_seed_range'][1])}",
+             f"{_short(row['steps_ratio_seed_range'][0])} to {_short(row['steps_ratio_seed_range'][1])}",
              str(row["batches"])] for rule, row in card.items()]
     out.print(render.table("scorecard: medians over the global batches, against the best tuned setting",
                            ["rule", "|log₂(lr / best lr)|", "steps ÷ tuned", "seeds' range", "batches"], rows))
@@ -247,9 +247,11 @@ def _print_scorecard(out, values: dict) -> None:
         source = "given" if surge["source"] == "given" else "B_simple at the reference batch"
         out.print(f"surge rule: B_noise {_num(surge['noise_scale'])} ({source}); lr by global batch: "
                   + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in surge["by_batch"]))
-    for p in values.get("adamw_tau") or []:
-        out.print(f"adamw-tau at global batch {p['global_batch_size']}: lr {p['lr']:.4g}, betas "
-                  f"({p['betas'][0]:g}, {p['betas'][1]:.6g}), eps {p['eps']:.3g}, weight decay {p['weight_decay']:.4g}")
+    tau = values.get("adamw_tau")
+    if tau:
+        out.print(f"adamw-tau by global batch, lr / β₂ / ε / weight decay (β₁ {tau[0]['betas'][0]:g} kept): "
+                  + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g} / {p['betas'][1]:.6g} / {p['eps']:.3g} / "
+                              f"{p['weight_decay']:.4g}" for p in tau))
     peak = values.get("lr_peak")
     if peak is not None:
         where = (f"peaks inside the measured range, at global batch {peak['global_batch_size']}"
@@ -290,3 +292,8 @@ def _fit_row(rule: str, fit: dict) -> list[str]:
 
 def _num(value) -> str:
     return "—" if value is None else render.num(value)
+
+
+def _short(value) -> str:
+    """A ratio or a gap in octaves to three figures: the seeds' spread makes a fourth noise."""
+    return "—" if value is None else f"{value:.3g}"

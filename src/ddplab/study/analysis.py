@@ -260,10 +260,11 @@ def _unreached(config: StudyConfig, batches: dict[int, BatchRuns]) -> list[dict]
 
 
 def _median_steps(runs: list[RunResult]) -> float:
-    """The fewest median steps over the runs' lrs (inf when no lr's median run reached the target)."""
-    by_lr: dict[float, list[float]] = {}
+    """The fewest median steps over the runs' settings, (lr, variant) (inf when no setting's median run reached the
+    target)."""
+    by_lr: dict[tuple[float, str], list[float]] = {}
     for run in runs:
-        by_lr.setdefault(run.lr, []).append(steps(run))
+        by_lr.setdefault((run.lr, run.variant), []).append(steps(run))
     best = fit.best_lr(by_lr)
     return best[1] if best else math.inf
 

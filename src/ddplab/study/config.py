@@ -137,7 +137,7 @@ class StudyConfig:
     dtype: Dtype = "float32"
     """Training precision."""
     noise_scale: float | None = None
-    """B_noise for the surge rule, in samples (default: the B_simple the study measures along the best tuned runs at
+    """the surge rule's B_noise, in samples (default: the B_simple the study measures along the best tuned runs at
     the reference batch)."""
 
     def __post_init__(self):

@@ -61,6 +61,10 @@ class Surge(OwnGroupRule):
         return RunGroup(global_batch_size=global_batch, runs=tuple((lr, seed) for seed in range(config.seeds)),
                         rule=self.name, optimizer=config.optimizer)
 
+    def stretches(self, config: StudyConfig) -> int:
+        # A group at every batch (unless B_noise turns out unmeasurable: then the bar ends short of its total).
+        return len(config.global_batch_sizes)
+
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
         if self.name not in config.rules:
             return {}
