@@ -87,7 +87,10 @@ def test_the_scorecard_from_hand_made_runs():
     assert surge["median_abs_log2_lr_gap"] == pytest.approx(abs(math.log2(0.016 / 0.02)))
     # The best lr is highest at 32, above both ends: a peak inside the range; B_simple at the reference 10.
     assert found.lr_peak == {"global_batch_size": 32, "b_simple": 10.0}
+    results = _hand_made(config)
     report = StudyReport(workload="hand-made", config=config, train_size=1000, analysis=found, out="").to_json()
+    # Every run counted once, the sweep's runs with another rule's settings included.
+    assert report["trained_runs"] == sum(len(runs) for runs in results.values())
     assert report["scorecard"]["surge"]["median_steps_ratio"] is None
     assert report["scorecard"]["constant"]["median_steps_ratio"] == 1.0
     assert report["lr_peak"] == {"global_batch_size": 32, "b_simple": 10.0}
@@ -143,3 +146,23 @@ def test_a_small_real_study_reports_the_scorecard_and_trains_each_rule_with_its_
     assert {r["variant"] for r in swept} == {"", "adamw-tau"}
     assert {r["lr"] for r in swept if r["variant"]} == {r["lr"] for r in swept if not r["variant"]}
     assert {r["variant"] for r in runs if r["rule"] == "tuned" and r["global_batch_size"] == 16} == {""}
+
+
+def test_an_adaptive_rule_is_scored_by_its_mean_lr_and_never_said_to_beat_the_sweep():
+    """AdaScale's lr is the reference lr × its mean recorded gain; its steps may beat a fixed lr's, which is no
+    sign that the sweep missed a fixed setting."""
+    config = StudyConfig(target=Target(kind="loss", value=0.1), global_batch_sizes=(32, 64), seeds=2,
+                         rules=("tuned", "adascale"), reference_global_batch_size=32, reference_lr=0.1,
+                         sweep_margin=1.0)
+    results: dict[int, list[RunResult]] = {}
+    for b in config.global_batch_sizes:
+        results[b] = [_arrive(run, 100) for run in grid_group(config, b, rules.grid_runs(config, b)).results()]
+        for run in rules.get("adascale").group(config, b, results).results():
+            run.gains = [[5, 1.0, 1.0], [10, 1.0, 2.0]] if b == 32 else [[5, 1.5, 1.5], [10, 2.0, 3.5]]
+            results[b].append(_arrive(run, 10 + run.seed))
+    found = analysis.analyze(config, results)
+    scores = found.scorecard["adascale"]
+    # At 32 its mean gain is 1 (lr 0.1, the best); at 64 it is 1.75 against the best 0.1 (a tie goes to the lower).
+    assert scores["median_abs_log2_lr_gap"] == pytest.approx(math.log2(1.75) / 2)
+    assert scores["median_steps_ratio"] == pytest.approx(10.5 / 100)
+    assert scores["beats_tuned"] == [] and not any("beat the best tuned" in w for w in found.warnings)

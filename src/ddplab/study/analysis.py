@@ -311,7 +311,9 @@ def scorecard(config: StudyConfig, batches: dict[int, BatchRuns]) -> dict[str, d
             lows.append(low / best)
             highs.append(high / best)
             tuned = fit.spread([steps(r) for r in view.seeds_at(view.best.lr, view.best.variant)])
-            if not rule.sweeps and high < tuned[0]:
+            # Only a fixed lr at a fixed batch is a setting the sweep could have tried (not AdaScale's, nor the ramp's).
+            comparable = not rule.sweeps and rule.fitted and rule.lr_scaling == "fixed"
+            if comparable and high < tuned[0]:
                 beats.append({"global_batch_size": b, "steps": [low, high], "tuned_steps": [tuned[0], tuned[2]],
                               "tuned_lr": view.best.lr, "tuned_variant": view.best.variant, "lr": lr})
         ratio = fit.median(ratios) if ratios else math.inf
