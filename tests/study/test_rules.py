@@ -146,9 +146,21 @@ def test_the_stacked_update_is_torch_optims_bit_for_bit_with_per_run_settings(fa
     for row in range(len(lrs)):
         for tensor, name in zip(alone[row], params):
             assert torch.equal(params[name][row], tensor), (row, name)
-    # A run that stops leaves the others their settings.
-    stacked.keep(torch.tensor([2, 0]), [2, 0])
+    # A run that stops leaves the others their settings and state: they go on as torch.optim's.
+    kept = [2, 0]
+    stacked.keep(torch.tensor(kept), kept)
     assert stacked.configs == [settings[2], settings[0]]
+    params = {n: p[kept].clone() for n, p in params.items()}
+    for _ in range(5):
+        grads = {n: torch.randn_like(p) for n, p in params.items()}
+        for row, run in enumerate(kept):
+            for tensor, name in zip(alone[run], params):
+                tensor.grad = grads[name][row].clone()
+            optimizers[run].step()
+        stacked.step(params, grads, lr[kept])
+    for row, run in enumerate(kept):
+        for tensor, name in zip(alone[run], params):
+            assert torch.equal(params[name][row], tensor), (run, name)
 
 
 def test_adamw_tau_scales_every_setting_as_ddplab_plan_does():

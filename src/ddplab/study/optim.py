@@ -27,6 +27,8 @@ class StackedOptimizer:
         self.state: dict[str, Tensors] = {}
         first = next(iter(params.values()))
         self.dtype, self.device = first.dtype, first.device
+        # Per-run columns that change only with the runs or their lrs, made once (a host-to-device copy each).
+        self._columns: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
 
     def step(self, params: Tensors, grads: Tensors, lr: torch.Tensor) -> None:
         """Update ``params`` in place from ``grads``, run i at ``lr[i]`` (float64 on the host: torch.optim's lr is a
@@ -37,12 +39,20 @@ class StackedOptimizer:
         """Only the runs ``rows`` go on (``index``: the same on the runs' device): their state and settings."""
         self.state = {key: {n: t[index] for n, t in tensors.items()} for key, tensors in self.state.items()}
         self.configs = [self.configs[row] for row in rows]
+        self._columns = {}
 
     def _per_run(self, params: Tensors, values: list[float]) -> list[torch.Tensor]:
         """One value per run, computed in Python floats (as torch.optim computes its scalars) and rounded once to
         the runs' dtype, shaped to broadcast over each parameter's slices."""
         column = torch.tensor(values, dtype=torch.float64).to(self.dtype).to(self.device)
         return [column.view(-1, *[1] * (params[n].dim() - 1)) for n in self.names]
+
+    def _constant(self, params: Tensors, name: str, values, key: tuple = ()) -> list[torch.Tensor]:
+        """:meth:`_per_run` of ``values()`` under ``name``, made again only when the runs or ``key`` (the lrs,
+        which AdaScale changes every step) change."""
+        if name not in self._columns or self._columns[name][0] != key:
+            self._columns[name] = (key, self._per_run(params, values()))
+        return self._columns[name][1]
 
 
 class StackedSGD(StackedOptimizer):
@@ -67,7 +77,8 @@ class StackedSGD(StackedOptimizer):
                 torch._foreach_add_(buf, g, alpha=1 - cfg.dampening)
             buf = [self.state["buf"][n] for n in names]
             g = torch._foreach_add(g, buf, alpha=cfg.momentum) if cfg.nesterov else buf
-        torch._foreach_addcmul_(p, self._per_run(params, lr.tolist()), g, value=-1)
+        lrs = tuple(lr.tolist())
+        torch._foreach_addcmul_(p, self._constant(params, "lr", lambda: list(lrs), lrs), g, value=-1)
         self.steps += 1
 
 
@@ -85,16 +96,18 @@ class StackedAdam(StackedOptimizer):
 
     def step(self, params: Tensors, grads: Tensors, lr: torch.Tensor) -> None:
         self.steps += 1
-        t, cfgs, lrs = self.steps, self.configs, lr.tolist()
+        t, cfgs, lrs = self.steps, self.configs, tuple(lr.tolist())
         beta1, beta2 = [c.betas[0] for c in cfgs], [c.betas[1] for c in cfgs]
         decoupled = cfgs[0].family == "adamw"
         # Every scalar as torch.optim computes it, in Python floats, before one rounding to the runs' dtype.
-        shrink = self._per_run(params, [1 - r * c.weight_decay for r, c in zip(lrs, cfgs)])
-        decay = self._per_run(params, [c.weight_decay for c in cfgs])
-        lerp = self._per_run(params, [1 - b for b in beta1])
-        keep2, add2 = self._per_run(params, beta2), self._per_run(params, [1 - b for b in beta2])
+        shrink = self._constant(params, "1 - lr·wd", lambda: [1 - r * c.weight_decay for r, c in zip(lrs, cfgs)], lrs)
+        decay = self._constant(params, "wd", lambda: [c.weight_decay for c in cfgs])
+        lerp = self._constant(params, "1 - β₁", lambda: [1 - b for b in beta1])
+        keep2 = self._constant(params, "β₂", lambda: beta2)
+        add2 = self._constant(params, "1 - β₂", lambda: [1 - b for b in beta2])
+        eps = self._constant(params, "ε", lambda: [c.eps for c in cfgs])
+        # The bias corrections change every step.
         root2 = self._per_run(params, [(1 - b ** t) ** 0.5 for b in beta2])
-        eps = self._per_run(params, [c.eps for c in cfgs])
         step_size = self._per_run(params, [-(r / (1 - b ** t)) for r, b in zip(lrs, beta1)])
         for i, name in enumerate(self.names):
             p, g = params[name], grads[name]
