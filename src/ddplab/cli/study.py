@@ -27,7 +27,9 @@ perfect scaling (S ∝ 1/B) below B_crit, diminishing returns around it, no furt
 (Shallue et al. 2019). Rules scale the reference lr: constant, linear (× B/B_ref), sqrt
 (× √(B/B_ref)); tuned sweeps lrs at every batch size and keeps the best: the ground truth the
 rules are judged against. B_simple (the gradient noise scale, as in ddplab noise) is measured
-along the best tuned runs and printed beside B_crit.
+along the best tuned runs and printed beside B_crit. With Adam or AdamW the sweep also trains
+every lr with each Adam rule's betas, eps and weight decay; a scorecard gives each rule's distance
+from the best tuned lr and its steps over the best tuned runs'.
 
 Every batch size here is a global batch: per-device batch × devices × nodes × accumulation.
 A global batch B trains the same on W DDP ranks as in one process with B, so by default the grid
@@ -57,6 +59,7 @@ examples:
   ddplab study --rules tuned,adascale,ramp
   ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
   ddplab study spec.py --target-loss 1.5 --optimizer adamw --weight-decay 0.1 --rules tuned,adam-sqrt
+  ddplab study --optimizer adamw --ref-lr 0.02 --rules sqrt,adam-sqrt,adamw-tau,surge,tuned
   ddplab study spec.py --target-accuracy 0.9 --engine ddp --world-size 4 --max-batch-size-per-device 32
   torchrun --nnodes 2 --nproc-per-node 4 ... -m ddplab study spec.py --target-accuracy 0.9
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8 --batch-size 32
