@@ -183,8 +183,10 @@ def test_a_group_keeps_every_tensor_on_its_device(family):
     group.keep([0, 2])
     losses = group.step(2, measure=False)
     state = [t for tensors in group.optimizer.state.values() for t in tensors.values()]
-    tensors = [losses, group.lr, group.inputs, group.targets, *group.params.values(), *group.buffers.values(), *state]
+    tensors = [losses, group.inputs, group.targets, *group.params.values(), *group.buffers.values(), *state]
     assert state and {t.device.type for t in tensors} == {"meta"} and losses.shape == (2,)
+    # The lrs stay on the host in float64, as torch.optim's Python-float lr: the optimizer derives its scalars there.
+    assert group.lr.device.type == "cpu" and group.lr.dtype == torch.float64 and group.lr.tolist() == [1e-2, 1e-2]
     for read in (lambda: group.step(3, measure=True), group.metrics):
         with pytest.raises(NotImplementedError, match="meta tensor"):
             read()

@@ -1,116 +1,240 @@
 """Study rules as values: a new rule is one class and one registration, and the grid, the engines, the cache and
-the analysis take it without another change. The rule here is the next one the study gains (AdamW's weight decay
-at a constant timescale, Wang & Aitchison 2024), written as a user of the registry would, in this file alone."""
+the analysis take it without another change. The first rule here is a test-only one (Adam with a cube-root lr),
+written as a user of the registry would, in this file alone; adamw-tau, surge and the tuned sweep's Adam variants are
+real rules, tested below."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 import pytest
 import torch
 
 from ddplab.errors import UsageError
+from ddplab.plan import scaling
 from ddplab.study import analysis, grid, optim, rules, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target, round_lr
 from ddplab.study.engines import vmap
 from ddplab.study.report import StudyReport
 from ddplab.study.rules.base import OwnGroupRule
+from ddplab.study.runs import grid_group
 
 
-class AdamWTau(OwnGroupRule):
-    """lr × √k, and AdamW's weight decay scaled to keep its timescale B/(η·λ·N) in epochs: λ' = λ·k·η/η' = λ√k."""
+class AdamCbrt(OwnGroupRule):
+    """lr × k^(1/3) with β₂' = β₂^k (a rule no paper proposes: it only has to be a rule)."""
 
-    name = "adamw-tau"
-    summary = "lr × √k with weight decay λ√k (a constant AdamW timescale)"
+    name = "adam-cbrt"
+    summary = "lr × k^(1/3) with β₂' = β₂^k"
     adam_only = True
 
     def check(self, config: StudyConfig) -> None:
-        if config.optimizer.family != "adamw":
-            raise UsageError("the adamw-tau rule scales AdamW's decoupled weight decay: it needs {optimizer.family} "
-                             "adamw")
+        if not config.optimizer.adam:
+            raise UsageError("the adam-cbrt rule scales Adam's β₂: it needs {optimizer.family} adam or adamw")
 
     def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
         k = global_batch / config.reference_global_batch_size
-        return [(round_lr(config.reference_lr * math.sqrt(k)), seed) for seed in range(config.seeds)]
+        return [(round_lr(config.reference_lr * k ** (1 / 3)), seed) for seed in range(config.seeds)]
 
     def optimizer(self, config: StudyConfig, global_batch: int) -> OptimizerConfig:
         k = global_batch / config.reference_global_batch_size
-        return dataclasses.replace(config.optimizer, weight_decay=config.optimizer.weight_decay * math.sqrt(k))
+        beta1, beta2 = config.optimizer.betas
+        return dataclasses.replace(config.optimizer, betas=(beta1, beta2 ** k))
 
 
 @pytest.fixture
-def adamw_tau(monkeypatch):
-    rule = AdamWTau()
+def adam_cbrt(monkeypatch):
+    rule = AdamCbrt()
     monkeypatch.setitem(rules.REGISTRY, rule.name, rule)
     return rule
 
 
 def _config(**fields) -> StudyConfig:
     return StudyConfig(**{"target": Target(kind="loss", value=0.05), "global_batch_sizes": (16, 64),
-                          "rules": ("tuned", "adamw-tau"), "reference_global_batch_size": 16, "reference_lr": 0.02,
+                          "rules": ("tuned", "adam-cbrt"), "reference_global_batch_size": 16, "reference_lr": 0.02,
                           "optimizer": OptimizerConfig(family="adamw", weight_decay=0.1), "seeds": 2,
                           "max_steps": 300, "dtype": "float64", "sweep_margin": 2.0, **fields})
 
 
-def test_a_rule_registered_in_one_file_trains_caches_and_is_fitted(adamw_tau, tmp_path):
+def test_a_rule_registered_in_one_file_trains_caches_and_is_fitted(adam_cbrt, tmp_path):
     workload = workloads.regression(dim=8, n_train=512, n_val=128)
     config = _config()
     cache = grid.Cache(str(tmp_path), config.fingerprint(workload.fingerprint), fresh=False)
     results = grid.run_grid(workload, config, cache, vmap.VmapEngine())
     for b in config.global_batch_sizes:
-        own = [r for r in results[b] if r.rule == "adamw-tau"]
-        assert [(r.lr, r.seed) for r in own] == adamw_tau.runs(config, b)
+        own = [r for r in results[b] if r.rule == "adam-cbrt"]
+        assert [(r.lr, r.seed) for r in own] == adam_cbrt.runs(config, b)
+        assert all(r.optimizer["betas"] == list(adam_cbrt.optimizer(config, b).betas) for r in own)
     # Its group's cache file is named for it; a second study reads it back and trains nothing.
-    assert {"batch-16-adamw-tau.json", "batch-64-adamw-tau.json"} <= set(os.listdir(tmp_path / "runs"))
+    assert {"batch-16-adam-cbrt.json", "batch-64-adam-cbrt.json"} <= set(os.listdir(tmp_path / "runs"))
     again = grid.run_grid(workload, config, cache, _NoTraining())
     assert {b: [r.to_json() for r in rs] for b, rs in again.items()} == \
         {b: [r.to_json() for r in rs] for b, rs in results.items()}
     found = analysis.analyze(config, results)
-    assert set(found.steps_by_rule) == {"tuned", "adamw-tau"}
-    assert all(len(steps) == config.seeds for steps in found.steps_by_rule["adamw-tau"].values())
-    assert {r["rule"] for r in found.runs} == {"tuned", "adamw-tau"}
+    assert set(found.steps_by_rule) == {"tuned", "adam-cbrt"}
+    assert all(len(steps) == config.seeds for steps in found.steps_by_rule["adam-cbrt"].values())
+    assert {r["rule"] for r in found.runs} == {"tuned", "adam-cbrt"}
+    assert set(found.scorecard) == {"tuned", "adam-cbrt"}
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
                          out=str(tmp_path)).to_json()
     # Every run counted once: the grid's (its sweep's extensions too), and each of the rule's own.
     assert report["trained_runs"] == sum(len(rs) for rs in results.values())
-    assert sum(r.rule == "adamw-tau" for rs in results.values() for r in rs) == 2 * config.seeds
+    assert sum(r.rule == "adam-cbrt" for rs in results.values() for r in rs) == 2 * config.seeds
     # Its runs are drawn in every plot, in a colour of its own.
     from ddplab.study import plots
 
-    assert plots.color("adamw-tau") not in {plots.color(name) for name in rules.REGISTRY if name != "adamw-tau"}
+    assert plots.color("adam-cbrt") not in {plots.color(name) for name in rules.REGISTRY if name != "adam-cbrt"}
     assert all(os.path.getsize(path) for path in plots.plots(report, results, str(tmp_path)))
-    with pytest.raises(UsageError, match="adamw-tau rule scales AdamW"):
-        _config(optimizer=OptimizerConfig(family="adam"))
+    with pytest.raises(UsageError, match="adam-cbrt rule scales Adam"):
+        _config(optimizer=OptimizerConfig(family="sgd"))
 
 
-def test_the_vectorized_engine_applies_the_rules_weight_decay_as_torch_adamw(adamw_tau):
+def test_the_vectorized_engine_trains_each_run_with_its_own_settings_as_torch_adamw():
+    """One vectorized group of runs with the study's, adam-sqrt's and adamw-tau's settings (the tuned sweep's
+    variants): each run's weights after 12 steps are those of torch.optim.AdamW alone with that run's settings."""
     workload = workloads.regression(dim=8, n_train=512, n_val=128)
-    config, b, steps = _config(), 64, 12
-    group = adamw_tau.group(config, b, [])
-    assert group.optimizer.weight_decay == pytest.approx(0.2) and group.cache_key == "-adamw-tau"
+    config = _config(rules=("tuned", "adam-sqrt", "adamw-tau"), optimizer=OptimizerConfig(family="adamw",
+                                                                                          weight_decay=0.1))
+    b, steps = 64, 12
+    variants = rules.variants(config, b)
+    assert set(variants) == {"adam-sqrt", "adamw-tau"}
+    assert variants["adamw-tau"].weight_decay == pytest.approx(0.2)
+    group = grid_group(config, b, [(0.02, 0, ""), (0.02, 1, "adam-sqrt"), (0.04, 1, "adamw-tau")], variants)
     trained = vmap.Group(workload, config, group)
     for step in range(steps):
         trained.step(step, measure=False)
-    lr, seed = group.runs[1]
-    model = workload.model().to(torch.float64)
-    model.load_state_dict(vmap.seeded_state(workload, seed, torch.float64)[0])
-    optimizer = optim.torch_optimizer(group.optimizer, model.parameters(), lr)
-    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["weight_decay"] == 0.2
-    order = vmap.Batches(workload.train_size, b, [seed])
     inputs, targets = workload.train
-    for step in range(steps):
-        index = order.indices(step)[0]
-        optimizer.zero_grad()
-        workload.loss(model(inputs[index].to(torch.float64)), targets[index].to(torch.float64)).backward()
-        optimizer.step()
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(trained.params[name][1], param.detach(), rtol=1e-10, atol=1e-12)
+    for row, ((lr, seed), settings) in enumerate(zip(group.runs, group.run_optimizers())):
+        model = workload.model().to(torch.float64)
+        model.load_state_dict(vmap.seeded_state(workload, seed, torch.float64)[0])
+        optimizer = optim.torch_optimizer(settings, model.parameters(), lr)
+        assert isinstance(optimizer, torch.optim.AdamW)
+        order = vmap.Batches(workload.train_size, b, [seed])
+        for step in range(steps):
+            index = order.indices(step)[0]
+            optimizer.zero_grad()
+            workload.loss(model(inputs[index].to(torch.float64)), targets[index].to(torch.float64)).backward()
+            optimizer.step()
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(trained.params[name][row], param.detach(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["adamw", "adam"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_stacked_update_is_torch_optims_bit_for_bit_with_per_run_settings(family, dtype):
+    """Given the same gradients, every run of a stacked group (its own lr, betas, eps and weight decay) ends bit for
+    bit where torch.optim's Adam or AdamW takes that run alone: the same operations in the same order, every scalar
+    computed in Python floats and rounded once."""
+    torch.manual_seed(0)
+    shapes = [(64, 33), (17,), (1,), (5, 3)]
+    settings = [OptimizerConfig(family=family, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+                OptimizerConfig(family=family, betas=(0.8, 0.99), eps=5e-9, weight_decay=0.0),
+                OptimizerConfig(family=family, betas=(0.95, 0.999 ** 4), eps=1e-7, weight_decay=0.37)]
+    lrs = [1e-3, 3e-3, 2e-2]
+    params = {f"p{i}": torch.randn(len(lrs), *shape, dtype=dtype) for i, shape in enumerate(shapes)}
+    alone = [[params[n][row].clone() for n in params] for row in range(len(lrs))]
+    optimizers = [optim.torch_optimizer(s, ps, lr) for s, ps, lr in zip(settings, alone, lrs)]
+    stacked = optim.stacked(settings, params)
+    lr = torch.tensor(lrs, dtype=torch.float64)
+    for _ in range(30):
+        grads = {n: torch.randn_like(p) for n, p in params.items()}
+        for row, optimizer in enumerate(optimizers):
+            for tensor, name in zip(alone[row], params):
+                tensor.grad = grads[name][row].clone()
+            optimizer.step()
+        stacked.step(params, grads, lr)
+    for row in range(len(lrs)):
+        for tensor, name in zip(alone[row], params):
+            assert torch.equal(params[name][row], tensor), (row, name)
+    # A run that stops leaves the others their settings and state: they go on as torch.optim's.
+    kept = [2, 0]
+    stacked.keep(torch.tensor(kept), kept)
+    assert stacked.configs == [settings[2], settings[0]]
+    params = {n: p[kept].clone() for n, p in params.items()}
+    for _ in range(5):
+        grads = {n: torch.randn_like(p) for n, p in params.items()}
+        for row, run in enumerate(kept):
+            for tensor, name in zip(alone[run], params):
+                tensor.grad = grads[name][row].clone()
+            optimizers[run].step()
+        stacked.step(params, grads, lr[kept])
+    for row, run in enumerate(kept):
+        for tensor, name in zip(alone[run], params):
+            assert torch.equal(params[name][row], tensor), (run, name)
+
+
+def test_adamw_tau_scales_every_setting_as_ddplab_plan_does():
+    config = _config(rules=("tuned", "adamw-tau"), optimizer=OptimizerConfig(family="adamw", betas=(0.9, 0.99),
+                                                                            weight_decay=0.1))
+    rule = rules.get("adamw-tau")
+    assert rule.runs(config, 64) == [(0.04, 0), (0.04, 1)]
+    scaled = rule.optimizer(config, 64)
+    # k = 4: β₁ kept, β₂ at a constant half-life (β₂⁴), ε/√k, λ·k·(η/η') = λ√k: plan's own functions.
+    assert scaled.betas == (0.9, 0.99 ** 4) == scaling.adam_betas(4, (0.9, 0.99))
+    assert scaled.eps == 5e-9 and scaled.weight_decay == pytest.approx(0.2)
+    assert rule.variant(config, 16) is None and rule.variant(config, 64) == scaled
+    # The timescale 1/(η·λ) in samples and β₂'s half-life in samples are the reference's at every batch.
+    rows = rule.report(config, {}, [])["adamw_tau"]
+    assert [r["timescale_samples"] for r in rows] == pytest.approx([16 / (0.02 * 0.1)] * 2)
+    assert [r["beta2_half_life_samples"] for r in rows] == pytest.approx([scaling.half_life_steps(0.99) * 16] * 2)
+    with pytest.raises(UsageError, match="adamw-tau rule scales AdamW"):
+        _config(rules=("adamw-tau",), optimizer=OptimizerConfig(family="adam"))
+
+
+def test_the_tuned_sweep_trains_every_lr_with_each_adam_rules_settings():
+    config = _config(rules=("constant", "adam-sqrt", "adamw-tau", "surge", "tuned"), noise_scale=100.0,
+                     optimizer=OptimizerConfig(family="adamw", weight_decay=0.1))
+    swept = rules.get("tuned").grid_lrs(config, 64)
+    # At the reference nothing is scaled: one setting per lr.
+    assert rules.variants(config, 16) == {}
+    assert {v for _, _, v in rules.grid_runs(config, 16)} == {""}
+    variants = rules.variants(config, 64)
+    assert variants == {"adam-sqrt": rules.get("adam-sqrt").optimizer(config, 64),
+                        "adamw-tau": rules.get("adamw-tau").optimizer(config, 64)}
+    runs = rules.grid_runs(config, 64)
+    assert {(lr, seed, v) for lr in swept for seed in range(2) for v in ("", "adam-sqrt", "adamw-tau")} <= set(runs)
+    assert len(runs) == len(set(runs))
+    # The variants serve the sweep alone: a run of theirs may stop once it cannot be the best.
+    assert {(lr, v) for lr in swept for v in ("adam-sqrt", "adamw-tau")} <= rules.sweep_only(config, 64)
+    assert (0.02, "") not in rules.sweep_only(config, 64)  # the constant rule's lr
+    # Without a sweep, or with SGD, there is nothing to vary.
+    assert rules.variants(dataclasses.replace(config, rules=("adam-sqrt",)), 64) == {}
+    sgd = _config(rules=("sqrt", "tuned"), optimizer=OptimizerConfig())
+    assert rules.variants(sgd, 64) == {}
+
+
+def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_says_when_it_cannot():
+    adamw = OptimizerConfig(family="adamw")
+    rule = rules.get("surge")
+    config = _config(rules=("tuned", "surge"), optimizer=adamw, noise_scale=64.0)
+    # From B_noise/4 to the peak: η*(64)/η*(16) = 1/0.8.
+    assert rule.group(config, 64, {}).runs == ((0.025, 0), (0.025, 1))
+    assert rule.lr(config, 16, 64.0) == 0.02
+    for bad, match in (({"noise_scale": None, "global_batch_sizes": (32, 64)}, "surge rule needs B_noise"),
+                       ({"noise_scale": None, "rules": ("surge", "constant")}, "surge rule needs B_noise"),
+                       ({"optimizer": OptimizerConfig()}, "surge rule describes Adam")):
+        with pytest.raises(UsageError, match=match):
+            _config(**{"rules": ("tuned", "surge"), "optimizer": adamw, "noise_scale": 64.0, **bad})
+    # Measured: B_simple along the best tuned runs at the reference batch (here tr Σ / |G|² = 20 / 2 = 10).
+    config = _config(rules=("tuned", "surge"), optimizer=adamw, sweep_margin=1.0)
+    reference = grid_group(config, 16, rules.grid_runs(config, 16)).results()
+    for run in reference:
+        run.steps_to_target, run.noise_g2, run.noise_trace = 50, [2.0, 2.0], [10.0, 30.0]
+    assert analysis.b_simple_at(config, 16, reference) == 10.0
+    group = rule.group(config, 64, {16: reference})
+    assert group.runs[0][0] == round_lr(0.02 * scaling.surge_lr_multiplier(16, 64, 10.0))
+    # Not measurable (the reference's runs never arrived): the rule is skipped, and the warning says why.
+    for run in reference:
+        run.steps_to_target = None
+    assert rule.group(config, 64, {16: reference}) is None
+    batches = {16: rules.view(config, 16, reference)}
+    assert rule.report(config, batches, []) == {"surge": None}
+    assert "surge rule did not run" in rule.warnings(config, batches)[0]
 
 
 def test_the_registry_holds_every_rule_once_and_each_says_what_it_is():
-    assert list(rules.REGISTRY) == ["constant", "linear", "sqrt", "adam-sqrt", "tuned", "adascale", "ramp"]
+    assert list(rules.REGISTRY) == ["constant", "linear", "sqrt", "adam-sqrt", "adamw-tau", "surge", "tuned",
+                                    "adascale", "ramp"]
     assert [rule.name for rule in rules.REGISTRY.values() if rule.sweeps] == ["tuned"]
     assert {rule.name for rule in rules.REGISTRY.values() if rule.shares_grid} == {"constant", "linear", "sqrt",
                                                                                    "tuned"}

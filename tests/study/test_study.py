@@ -205,7 +205,7 @@ def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
     config = StudyConfig(target=Target(kind="loss", value=1e-12), global_batch_sizes=(16, 64), rules=("adascale",),
                          reference_global_batch_size=16, reference_lr=0.02, dtype="float64")
     batch, half, steps = 64, 32, 40
-    group = engine.Group(workload, config, rules.get("adascale").group(config, batch, []))
+    group = engine.Group(workload, config, rules.get("adascale").group(config, batch, {}))
     for step in range(steps):
         group.step(step, measure=True)
 
@@ -483,7 +483,7 @@ def test_pruning_slow_sweep_lrs_keeps_the_best(seeds):
                                global_batch_sizes=(16, 32), max_steps=120, eval_every=2, dtype="float64")
     runs = [(lr, s) for lr in (0.01, 0.04, 0.16) for s in range(seeds)]
     full = engine.train_group(workload, config, grid_group(config, 16, runs))
-    sweep_only = frozenset({0.01, 0.04, 0.16})
+    sweep_only = frozenset({(0.01, ""), (0.04, ""), (0.16, "")})
     pruned = engine.train_group(workload, config, grid_group(config, 16, runs, sweep_only=sweep_only))
 
     def best(results):

@@ -28,7 +28,9 @@ perfect scaling (S ∝ 1/B) below B_crit, diminishing returns around it, no furt
 (Shallue et al. 2019). Rules scale the reference lr: constant, linear (× B/B_ref), sqrt
 (× √(B/B_ref)); tuned sweeps lrs at every batch size and keeps the best: the ground truth the
 rules are judged against. B_simple (the gradient noise scale, as in ddplab noise) is measured
-along the best tuned runs and printed beside B_crit.
+along the best tuned runs and printed beside B_crit. With Adam or AdamW the sweep also trains
+every lr with each Adam rule's betas, eps and weight decay; a scorecard gives each rule's distance
+from the best tuned lr and its steps over the best tuned runs'.
 
 Every batch size here is a global batch: per-device batch × devices × nodes × accumulation.
 A global batch B trains the same on W DDP ranks as in one process with B, so by default the grid
@@ -58,6 +60,7 @@ examples:
   ddplab study --rules tuned,adascale,ramp
   ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
   ddplab study spec.py --target-loss 1.5 --optimizer adamw --weight-decay 0.1 --rules tuned,adam-sqrt
+  ddplab study --optimizer adamw --ref-lr 0.02 --rules sqrt,adam-sqrt,adamw-tau,surge,tuned
   ddplab study spec.py --target-accuracy 0.9 --engine ddp --world-size 4 --max-batch-size-per-device 32
   torchrun --nnodes 2 --nproc-per-node 4 ... -m ddplab study spec.py --target-accuracy 0.9
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8 --batch-size 32
@@ -82,7 +85,7 @@ def add_parser(subparsers) -> None:
     add_fields(opt, OptimizerConfig, ("family", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"),
                prefix="optimizer")
     add_fields(parser, StudyConfig, ("patience", "max_steps", "eval_every", "sweep_factor", "sweep_margin",
-                                     "max_runs", "dtype"))
+                                     "max_runs", "dtype", "noise_scale"))
     add_fields(parser, StudyOptions, ("out", "fresh", "verify_ddp", "verify_world_size", "verify_steps", "threads"),
                verify_ddp={"metavar": "K"})
     add_fields(parser.add_argument_group("engine"), StudyOptions,
@@ -278,9 +281,12 @@ def _print(report) -> None:
     else:
         out.print(f"[bold]{title}[/]: no rule reached the target at two batch sizes, so nothing was fitted")
     if values["tuned_lr"]:
-        tuned = ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in values["tuned_lr"])
+        tuned = ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" + (f" ({p['variant']}'s settings)"
+                                                                          if p.get("variant") else "")
+                          for p in values["tuned_lr"])
         out.print(f"best tuned lr by global batch: {tuned}")
     _print_b_simple(out, values["b_simple"])
+    _print_scorecard(out, values)
     if values.get("adascale"):
         out.print("AdaScale from the reference lr, untuned: median steps vs the best tuned lr's at each global batch: "
                   + ", ".join(f"{p['global_batch_size']} (S={p['scale']:g}): {_num(p['median_steps'])} vs "
@@ -307,6 +313,36 @@ def _print(report) -> None:
         out.print(f"[bold yellow]warning:[/] {warning}")
     if values.get("report"):
         out.print(f"report: {values['report']}")
+
+
+def _print_scorecard(out, values: dict) -> None:
+    """Per rule: how far its lr is from the best tuned lr, and its steps over the best's, with the seeds' range."""
+    card = values.get("scorecard") or {}
+    if not card:
+        return
+    rows = [[rule, _short(row["median_abs_log2_lr_gap"]), _short(row["median_steps_ratio"]),
+             "—" if row["steps_ratio_seed_range"] is None else
+             f"{_short(row['steps_ratio_seed_range'][0])} to {_short(row['steps_ratio_seed_range'][1])}",
+             str(row["batches"])] for rule, row in card.items()]
+    out.print(render.table("scorecard: medians over the global batches, against the best tuned setting",
+                           ["rule", "|log₂(lr / best lr)|", "steps ÷ tuned", "seeds' range", "batches"], rows))
+    surge = values.get("surge")
+    if surge:
+        source = "given" if surge["source"] == "given" else "B_simple at the reference batch"
+        out.print(f"surge rule: B_noise {_num(surge['noise_scale'])} ({source}); lr by global batch: "
+                  + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in surge["by_batch"]))
+    tau = values.get("adamw_tau")
+    if tau:
+        out.print(f"adamw-tau by global batch, lr / β₂ / ε / weight decay (β₁ {tau[0]['betas'][0]:g} kept): "
+                  + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g} / {p['betas'][1]:.6g} / {p['eps']:.3g} / "
+                              f"{p['weight_decay']:.4g}" for p in tau))
+    peak = values.get("lr_peak")
+    if peak is not None:
+        where = (f"peaks inside the measured range, at global batch {peak['global_batch_size']}"
+                 if peak["global_batch_size"] else "does not peak inside the measured range")
+        out.print(f"the best tuned lr {where}; B_simple at the reference batch "
+                  f"{values['reference']['global_batch_size']}: {_num(peak['b_simple'])} (Li et al. 2024 put Adam's "
+                  "peak at B_noise)")
 
 
 def _print_b_simple(out, b_simple: dict | None) -> None:
@@ -340,3 +376,8 @@ def _fit_row(rule: str, fit: dict) -> list[str]:
 
 def _num(value) -> str:
     return "—" if value is None else render.num(value)
+
+
+def _short(value) -> str:
+    """A ratio or a gap in octaves to three figures: the seeds' spread makes a fourth noise."""
+    return "—" if value is None else f"{value:.3g}"

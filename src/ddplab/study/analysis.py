@@ -33,6 +33,12 @@ class StudyAnalysis:
     steps_by_rule: dict[str, dict[int, list[float]]]
     sections: dict = dataclasses.field(default_factory=dict)
     """The rules' sections of their own in the JSON (AdaScale's per batch, the ramp's against the tuned runs, …)."""
+    scorecard: dict[str, dict] = dataclasses.field(default_factory=dict)
+    """Per rule, medians over the batches: how far its lr is from the best tuned lr (|log₂|) and its steps over the
+    best tuned runs', with the seeds' range of that ratio and where it beat the tuned runs beyond it."""
+    lr_peak: dict | None = None
+    """Adam-family studies: the batch where the best tuned lr peaks inside the measured range (None where it does
+    not), and B_simple at the reference batch."""
 
     @property
     def reached(self) -> bool:
@@ -50,8 +56,11 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     sweep = rules.sweeping(config)
     for b, view in batches.items():
         if view.best is not None:
-            tuned.append({"global_batch_size": b, "lr": view.best[0], "median_steps": view.best[1],
-                          "sweep": sorted(lr for lr, names in view.lrs.items() if sweep.name in names)})
+            best = view.seeds_at(view.best.lr, view.best.variant)
+            tuned.append({"global_batch_size": b, "lr": view.best.lr, "median_steps": view.best.median_steps,
+                          "variant": view.best.variant, "optimizer": best[0].optimizer,
+                          "sweep": sorted(lr for lr, names in view.lrs.items() if sweep.name in names),
+                          "variants": list(view.variants)})
         runs += _grid_rows(view, sweep)
         for rule in asked:
             runs += rule.rows(view)
@@ -62,26 +71,34 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     warnings += _edge_warnings(tuned)
     for rule in asked:
         warnings += rule.warnings(config, batches)
-    best_runs = [batches[p["global_batch_size"]].fixed[(p["lr"], s)] for p in tuned for s in range(config.seeds)]
+    best_runs = [run for p in tuned for run in batches[p["global_batch_size"]].seeds_at(p["lr"], p["variant"])]
     warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get(sweep.name, {})
                                                                          if sweep else {})
     # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
     best_runs = [r for r in best_runs if r.steps_to_target is not None]
     sections = {key: value for rule in rules.REGISTRY.values() for key, value in
                 rule.report(config, batches, tuned).items()}
-    return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits,
-                         b_simple=_b_simple(best_runs, fits.get(sweep.name) if sweep else None),
+    card = scorecard(config, batches)
+    warnings += _beats_tuned_warnings(card)
+    b_simple = _b_simple(best_runs, fits.get(sweep.name) if sweep else None)
+    return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
-                         sections=sections)
+                         sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple))
 
 
 def _grid_rows(view: BatchRuns, sweep: rules.Rule | None) -> list[dict]:
-    """The shared grid's runs, lr by lr, once for every rule each lr serves; the sweep's best starred."""
+    """The shared grid's runs, lr by lr, once for every rule each lr serves (the sweep's with each of its variants);
+    the sweep's best starred."""
     out = []
     for lr, names in view.lrs.items():
         for name in names:
-            best = sweep is not None and name == sweep.name and view.best is not None and lr == view.best[0]
-            out += [row(name, view.global_batch_size, run, best=best) for run in view.seeds_at(lr)]
+            swept = sweep is not None and name == sweep.name
+            for variant in ("", *view.variants) if swept else ("",):
+                runs = [view.fixed.get((lr, seed, variant)) for seed in range(view.config.seeds)]
+                if None in runs:
+                    continue
+                best = swept and view.best is not None and (lr, variant) == (view.best.lr, view.best.variant)
+                out += [row(name, view.global_batch_size, run, best=best) for run in runs]
     return out
 
 
@@ -243,10 +260,11 @@ def _unreached(config: StudyConfig, batches: dict[int, BatchRuns]) -> list[dict]
 
 
 def _median_steps(runs: list[RunResult]) -> float:
-    """The fewest median steps over the runs' lrs (inf when no lr's median run reached the target)."""
-    by_lr: dict[float, list[float]] = {}
+    """The fewest median steps over the runs' settings, (lr, variant) (inf when no setting's median run reached the
+    target)."""
+    by_lr: dict[tuple[float, str], list[float]] = {}
     for run in runs:
-        by_lr.setdefault(run.lr, []).append(steps(run))
+        by_lr.setdefault((run.lr, run.variant), []).append(steps(run))
     best = fit.best_lr(by_lr)
     return best[1] if best else math.inf
 
@@ -256,3 +274,82 @@ def _best_metric(config: StudyConfig, runs: list[RunResult]) -> float | None:
     if not metrics:
         return None
     return max(metrics) if config.target.kind == "accuracy" else min(metrics)
+
+
+def b_simple_at(config: StudyConfig, global_batch: int, runs: list[RunResult]) -> float | None:
+    """B_simple along the best tuned runs at one batch (its seeds that reached the target), as ``b_simple``'s
+    ``by_batch`` gives it: what the surge rule takes for B_noise at the reference batch. None where not measured."""
+    best = rules.tuned_best(config, global_batch, runs)
+    if best is None:
+        return None
+    fixed = {r.key: r for r in runs if r.fixed}
+    arrived = [fixed[(best.lr, seed, best.variant)] for seed in range(config.seeds)]
+    summary = _summary([r for r in arrived if r.steps_to_target is not None])
+    return summary["value"] if summary else None
+
+
+def scorecard(config: StudyConfig, batches: dict[int, BatchRuns]) -> dict[str, dict]:
+    """Per rule, over the batches where the tuned sweep has a best: the median |log₂(lr / best lr)|, the median of
+    its median steps over the best's (inf where its median run never arrived; None once that is the median), that
+    ratio's seed range (medians of its fewest and most seeds' steps over the best's), and the batches where every
+    seed of it beat every seed of the best (the sweep missed a better setting there)."""
+    out = {}
+    for rule in rules.of(config):
+        gaps, ratios, lows, highs, beats = [], [], [], [], []
+        for b, view in batches.items():
+            if view.best is None:
+                continue
+            lr = rule.lr_at(view)
+            if lr is not None and lr > 0:
+                gaps.append(abs(math.log2(lr / view.best.lr)))
+            runs = rule.seeds_at(view)
+            if not runs:
+                continue
+            best = view.best.median_steps
+            low, median, high = fit.spread([steps(r) for r in runs])
+            ratios.append(median / best)
+            lows.append(low / best)
+            highs.append(high / best)
+            tuned = fit.spread([steps(r) for r in view.seeds_at(view.best.lr, view.best.variant)])
+            # Only a fixed lr at a fixed batch is a setting the sweep could have tried (not AdaScale's, nor the ramp's).
+            comparable = not rule.sweeps and rule.fitted and rule.lr_scaling == "fixed"
+            if comparable and high < tuned[0]:
+                beats.append({"global_batch_size": b, "steps": [low, high], "tuned_steps": [tuned[0], tuned[2]],
+                              "tuned_lr": view.best.lr, "tuned_variant": view.best.variant, "lr": lr})
+        ratio = fit.median(ratios) if ratios else math.inf
+        out[rule.name] = {"median_abs_log2_lr_gap": fit.median(gaps) if gaps else None,
+                          "median_steps_ratio": ratio if math.isfinite(ratio) else None,
+                          "steps_ratio_seed_range": [fit.median(lows), fit.median(highs)] if ratios else None,
+                          "batches": len(ratios), "beats_tuned": beats}
+    return out
+
+
+def _beats_tuned_warnings(card: dict[str, dict]) -> list[str]:
+    """Where a rule's every seed reached the target before every seed of the best tuned setting."""
+    out = []
+    for rule, scores in card.items():
+        for beat in scores["beats_tuned"]:
+            variant = f" with {beat['tuned_variant']}'s settings" if beat["tuned_variant"] else ""
+            out.append(f"rule {rule} beat the best tuned setting at global batch {beat['global_batch_size']} beyond "
+                       f"the seeds' spread ({beat['steps'][0]:g} to {beat['steps'][1]:g} steps against "
+                       f"{beat['tuned_steps'][0]:g} to {beat['tuned_steps'][1]:g} at lr {beat['tuned_lr']:g}"
+                       f"{variant}): the sweep missed a better setting there, so tuned is no ground truth at that "
+                       "batch; a finer --sweep-factor would tell")
+    return out
+
+
+def lr_peak(config: StudyConfig, tuned: list[dict], b_simple: dict | None) -> dict | None:
+    """Adam-family studies: the smallest batch where the best tuned lr is highest, where that is inside the measured
+    range (the best lrs at the smallest and the largest batch are both lower; else None), and B_simple at the
+    reference batch (Li et al. 2024 place the peak at B_noise). None for SGD."""
+    if not config.optimizer.adam:
+        return None
+    points = sorted((p["global_batch_size"], p["lr"]) for p in tuned)
+    peak = None
+    if len(points) >= 3:
+        top = max(lr for _, lr in points)
+        if points[0][1] < top and points[-1][1] < top:
+            peak = next(b for b, lr in points if lr == top)
+    reference = next((at["value"] for at in (b_simple or {}).get("by_batch", [])
+                      if at["global_batch_size"] == config.reference_global_batch_size), None)
+    return {"global_batch_size": peak, "b_simple": reference}

@@ -107,9 +107,12 @@ class StudyConfig:
     """Global batch sizes to measure, comma-separated."""
     rules: tuple[str, ...] | None = None
     """lr rules, comma-separated (default constant,linear,sqrt,tuned for SGD, constant,linear,sqrt,adam-sqrt,tuned
-    for Adam/AdamW); adam-sqrt is Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adascale adds
-    AdaScale runs from ``reference_lr``, untuned, at every batch from the reference up; ramp adds one BatchRamp run
-    per seed from the smallest batch, growing with the measured noise scale."""
+    for Adam/AdamW); adam-sqrt is Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adamw-tau is lr ×
+    √k with β₂' = β₂^k, ε' = ε/√k and AdamW's weight decay at a constant timescale (λ' = λ√k); surge is Li et al.'s
+    lr peaking at B_noise (``noise_scale``, else the B_simple measured at the reference batch); with Adam the tuned
+    sweep trains each lr with every Adam rule's settings too; adascale adds AdaScale runs from ``reference_lr``,
+    untuned, at every batch from the reference up; ramp adds one BatchRamp run per seed from the smallest batch,
+    growing with the measured noise scale."""
     reference_global_batch_size: int = 32
     """The reference's global batch, which the rules scale from."""
     reference_lr: float = 0.1
@@ -134,6 +137,9 @@ class StudyConfig:
     past it (``sweep_factor`` at a time, until the best is interior) only while they last."""
     dtype: Dtype = "float32"
     """Training precision."""
+    noise_scale: float | None = None
+    """the surge rule's B_noise, in samples (default: the B_simple the study measures along the best tuned runs at
+    the reference batch)."""
 
     def __post_init__(self):
         if self.rules is None:
@@ -145,6 +151,8 @@ class StudyConfig:
             at_least(field, getattr(self, field))
         zero_or_more("patience", self.patience)
         positive("reference_lr", self.reference_lr)
+        if self.noise_scale is not None:
+            positive("noise_scale", self.noise_scale)
         if not self.sweep_factor > 1 or not self.sweep_margin >= 1:
             raise UsageError("{sweep_factor} must be above 1 and {sweep_margin} at least 1")
         if self.dtype not in get_args(Dtype):
@@ -152,8 +160,9 @@ class StudyConfig:
 
     def settings(self, workload_fingerprint: str) -> dict:
         """What a cached run depends on, by field: the workload (its content) and every training setting."""
+        # The surge rule's lrs follow noise_scale, and its cached runs are found by lr: the grid's stay valid.
         fields = {k: v for k, v in dataclasses.asdict(self).items()
-                  if k not in ("global_batch_sizes", "rules", "max_runs")}
+                  if k not in ("global_batch_sizes", "rules", "max_runs", "noise_scale")}
         return json.loads(json.dumps({"workload": workload_fingerprint, **fields}, sort_keys=True, default=str))
 
     def fingerprint(self, workload_fingerprint: str) -> str:

@@ -16,7 +16,7 @@ from ddplab.serialize import write_json_atomic
 from ddplab.study import rules
 from ddplab.study.config import StudyConfig, round_lr
 from ddplab.study.engines import Engine, Progress
-from ddplab.study.runs import RunGroup, RunResult, grid_group
+from ddplab.study.runs import RunGroup, RunKey, RunResult, grid_group
 from ddplab.study.workloads import Workload
 
 
@@ -44,7 +44,7 @@ class RankZeroCache:
         dist.broadcast_object_list(found, src=0)
         return found[0]
 
-    def load_any(self, global_batch: int, kind: str) -> dict[tuple[float, int], RunResult]:
+    def load_any(self, global_batch: int, kind: str) -> dict[RunKey, RunResult]:
         import torch.distributed as dist
 
         found = [self.cache.load_any(global_batch, kind) if self.rank == 0 else None]
@@ -104,17 +104,17 @@ class Cache:
         """The cached runs of one group, or None."""
         cached = self.load_any(group.global_batch_size, group.cache_key)
         # A cached group serves when it holds every run asked for (a grid may shrink, not grow).
-        if not cached or not all(key in cached for key in group.runs):
+        if not cached or not all(key in cached for key in group.keys()):
             return None
-        return [cached[key] for key in group.runs]
+        return [cached[key] for key in group.keys()]
 
-    def load_any(self, global_batch: int, kind: str) -> dict[tuple[float, int], RunResult]:
-        """Every cached run of one file, by (lr, seed)."""
+    def load_any(self, global_batch: int, kind: str) -> dict[RunKey, RunResult]:
+        """Every cached run of one file, by (lr, seed, variant)."""
         path = self._path(global_batch, kind)
         if not os.path.exists(path):
             return {}
         try:
-            return {(r["lr"], r["seed"]): RunResult.from_json(r) for r in self._read(path)}
+            return {run.key: run for run in map(RunResult.from_json, self._read(path))}
         except (TypeError, KeyError):
             raise UsageError(f"the study cache file {literal(path)} holds no runs ddplab wrote: pass {{fresh}} to "
                              "start over") from None
@@ -139,8 +139,10 @@ def _changed(key: str, old, new) -> list[str]:
 
 def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine,
              advance: Progress | None = None) -> dict[int, list[RunResult]]:
-    """Every batch size's groups, from the cache when they are there, else trained and cached at once: the shared
-    grid of fixed lrs, the sweep's extensions past its edge, then each rule's group of its own.
+    """Every batch size's groups, from the cache when they are there, else trained and cached at once: at every
+    batch the shared grid of fixed lrs (with the tuned sweep's Adam variants) and the sweep's extensions past its
+    edge; then each rule's group of its own, which may read the grid at any batch (the surge rule's B_simple at the
+    reference).
 
     ``advance(steps)`` is told each stretch of the step budget as it is used (or skipped).
     """
@@ -148,13 +150,15 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engin
     budget = _Budget(config)
     for global_batch in sorted(config.global_batch_sizes):
         runs = rules.grid_runs(config, global_batch)
-        grid = grid_group(config, global_batch, runs, sweep_only=rules.sweep_only(config, global_batch))
+        grid = grid_group(config, global_batch, runs, rules.variants(config, global_batch),
+                          sweep_only=rules.sweep_only(config, global_batch))
         results[global_batch] = _trained(workload, config, cache, engine, grid, advance) if runs else []
         results[global_batch] += _extend_sweep(workload, config, cache, engine, global_batch, results[global_batch],
                                                budget)
-        # Then the groups of rules with runs of their own (another update, an lr another rule may share).
+    # Then the groups of rules with runs of their own (another update, an lr another rule may share).
+    for global_batch in sorted(config.global_batch_sizes):
         for rule in rules.of(config):
-            group = rule.group(config, global_batch, results[global_batch])
+            group = rule.group(config, global_batch, results)
             if group is not None:
                 results[global_batch] += _trained(workload, config, cache, engine, group, advance, rule)
     return results
@@ -194,22 +198,25 @@ def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, 
     if sweep is None:
         return []
     cached = cache.load_any(global_batch, "-extension") if cache else {}
+    variants = rules.variants(config, global_batch)
     added: list[RunResult] = []
     while True:
         best = rules.tuned_best(config, global_batch, runs + added)
         lrs = sorted(lr for lr, names in rules.sweep_lrs(config, global_batch, runs + added).items()
                      if sweep.name in names)
-        if best is None or best[0] not in (lrs[0], lrs[-1]):
+        if best is None or best.lr not in (lrs[0], lrs[-1]):
             return added
-        lr = round_lr(best[0] * config.sweep_factor if best[0] == lrs[-1] else best[0] / config.sweep_factor)
-        new = [(lr, seed) for seed in range(config.seeds)]
+        lr = round_lr(best.lr * config.sweep_factor if best.lr == lrs[-1] else best.lr / config.sweep_factor)
+        # The new lr with every setting the sweep tries, as each of its lrs.
+        new = [(lr, seed, variant) for _, variant in rules.sweep_points(config, global_batch, [lr])
+               for seed in range(config.seeds)]
         if all(key in cached for key in new):
             trained = [cached[key] for key in new]
         elif budget.left < len(new):
             return added
         else:
             budget.left -= len(new)
-            trained = engine.train(workload, config, grid_group(config, global_batch, new, extension=True))
+            trained = engine.train(workload, config, grid_group(config, global_batch, new, variants, extension=True))
         added += trained
         if cache:
             cache.save(global_batch, added, "-extension")

@@ -11,8 +11,9 @@ from ddplab.study import rules
 from ddplab.study.report import optimizer_text
 
 COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "adam-sqrt": "tab:brown",
-          "tuned": "tab:green", "adascale": "tab:red", "ramp": "tab:purple"}
-SPARE = ("tab:pink", "tab:olive", "tab:cyan", "black")
+          "adamw-tau": "tab:olive", "surge": "tab:cyan", "tuned": "tab:green", "adascale": "tab:red",
+          "ramp": "tab:purple"}
+SPARE = ("tab:pink", "gold", "navy", "black")
 
 
 def color(rule: str) -> str:
@@ -316,7 +317,8 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
     cmap = plt.get_cmap("viridis")
     for i, point in enumerate(picks):
         b, lr = point["global_batch_size"], point["lr"]
-        run = next((r for r in results.get(b, []) if r.lr == lr and r.seed == 0 and r.fixed), None)
+        key = (lr, 0, point.get("variant", ""))
+        run = next((r for r in results.get(b, []) if r.key == key and r.fixed), None)
         if run is None or not run.history:
             continue
         steps, losses, metrics = zip(*run.history)
@@ -344,6 +346,37 @@ def _fit_row(rule: str, f: dict) -> str:
             f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>")
 
 
+def _settings(optimizer: dict | None) -> str:
+    """A run's Adam settings in the runs table: betas, eps, weight decay ("" for SGD)."""
+    if not optimizer:
+        return ""
+    betas = ", ".join(f"{b:.6g}" for b in optimizer["betas"])
+    return f"β ({betas}), ε {optimizer['eps']:.3g}, λ {optimizer['weight_decay']:.4g}"
+
+
+def _scorecard_html(report: dict) -> str:
+    """The scorecard: per rule its lr's distance from the best tuned lr and its steps over the best's."""
+    card = report.get("scorecard") or {}
+    rows = "".join(
+        f"<tr><td>{html_escape(rule)}</td><td>{_n(row['median_abs_log2_lr_gap'])}</td>"
+        f"<td>{_n(row['median_steps_ratio'])}</td>"
+        f"<td>{_n((row['steps_ratio_seed_range'] or [None, None])[0])} to "
+        f"{_n((row['steps_ratio_seed_range'] or [None, None])[1])}</td><td>{row['batches']}</td></tr>"
+        for rule, row in card.items())
+    if not rows:
+        return ""
+    peak, peak_text = report.get("lr_peak"), ""
+    if peak is not None:
+        where = (f"peaks inside the measured range at global batch {peak['global_batch_size']}"
+                 if peak["global_batch_size"] else "does not peak inside the measured range")
+        peak_text = (f"<p>The best tuned lr {where}; B_simple at the reference batch: {_n(peak['b_simple'])} "
+                     "(Li et al. 2024 put Adam's peak at B_noise).</p>")
+    return ("<h2>Scorecard</h2><p>Medians over the global batches: |log₂(rule's lr / best tuned lr)|, and the rule's "
+            "median steps to the target over the best tuned setting's (the range: its fewest and most seeds').</p>"
+            "<table><tr><th>rule</th><th>|log₂ lr gap|</th><th>steps ÷ tuned</th><th>seeds' range</th>"
+            f"<th>batches</th></tr>{rows}</table>{peak_text}")
+
+
 def write_html(report: dict, path: str) -> str:
     """One HTML file: the plots embedded, the fits, B_simple and a table of every run."""
     images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{_b64(p)}">'
@@ -351,7 +384,8 @@ def write_html(report: dict, path: str) -> str:
     fits = "".join(_fit_row(rule, f) for rule, f in report["fit"].items())
     runs = "".join(
         f"<tr><td>{r['rule']}{' ★' if r.get('best') else ''}</td><td>{r['global_batch_size']}</td>"
-        f"<td>{r['lr']:.4g}</td>"
+        f"<td>{r['lr']:.4g}</td><td>{html_escape(_settings(r.get('optimizer')))}"
+        f"{html_escape(' (' + r['variant'] + ')') if r.get('variant') else ''}</td>"
         f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
     b_simple = report.get("b_simple") or {}
     adascale = "".join(
@@ -393,11 +427,13 @@ steps barely fall while the samples (compute) grow. B_simple = tr Σ / |G|² is 
 along the best runs (McCandlish et al. 2018): the batch at which one step's noise equals its signal. The two are \
 predicted to agree within a small factor; B_simple grows as the loss falls, so its per-batch values \
 (b_simple.png) rise along each run.</p>
+{_scorecard_html(report)}
 {''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
 {adascale}
 {images}
 <h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>
-<table><tr><th>rule</th><th>global batch</th><th>lr</th><th>seed</th><th>steps to target</th></tr>{runs}</table>
+<table><tr><th>rule</th><th>global batch</th><th>lr</th><th>Adam settings (variant)</th><th>seed</th>\
+<th>steps to target</th></tr>{runs}</table>
 </body></html>"""
     with open(path + ".tmp", "w") as fh:
         fh.write(body)

@@ -33,11 +33,11 @@ class StudyReport:
 
     @property
     def trained_runs(self) -> int:
-        """Runs trained (or read from the cache): one per (batch, lr, seed), whichever rules it serves."""
+        """Runs trained (or read from the cache): one per (batch, lr, seed, variant), whichever rules it serves."""
         from ddplab.study import rules
 
-        return len({(r["global_batch_size"], r["lr"], r["seed"], "" if rules.get(r["rule"]).shares_grid else r["rule"])
-                    for r in self.analysis.runs})
+        return len({(r["global_batch_size"], r["lr"], r["seed"], r.get("variant", ""),
+                     "" if rules.get(r["rule"]).shares_grid else r["rule"]) for r in self.analysis.runs})
 
     def to_json(self) -> dict[str, Any]:
         cfg, analysis = self.config, self.analysis
@@ -51,7 +51,8 @@ class StudyReport:
             "engine": self.engine, "engine_reason": self.engine_reason, "device": self.device,
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
-            "unreached": analysis.unreached, **analysis.sections,
+            "unreached": analysis.unreached, "scorecard": analysis.scorecard, "lr_peak": analysis.lr_peak,
+            **analysis.sections,
             "plots": self.plots, "report": self.report, "out": self.out,
         }
         if self.verify_ddp is not None:

@@ -19,36 +19,71 @@ LrScaling = Literal["fixed", "gain"]
 """How a group's runs set each update's lr: their own lr throughout, or that lr times AdaScale's measured gain."""
 
 
+RunKey = tuple[float, int, str]
+"""(lr, seed, variant) of one run of a group: its identity in the cache."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunGroup:
-    """Runs trained together: one global batch, one way of setting the lr, one optimizer."""
+    """Runs trained together: one global batch, one way of setting the lr, one optimizer family."""
 
     global_batch_size: int
     runs: tuple[tuple[float, int], ...]
     """(lr, seed) of each run."""
     optimizer: OptimizerConfig
-    """The optimizer every run of the group steps with (its lr is the run's)."""
+    """The optimizer the group's runs step with (its lr is the run's), where ``optimizers`` does not say otherwise."""
+    variants: tuple[str, ...] = ()
+    """Each run's variant, in the order of ``runs`` (empty: every run's is ""): "" steps with ``optimizer``; a
+    rule's name, with that rule's Adam settings at this batch (the tuned sweep trains every lr with each)."""
+    optimizers: tuple[OptimizerConfig, ...] = ()
+    """Each run's optimizer, in the order of ``runs``, where the runs differ (empty: every run's is ``optimizer``)."""
     rule: str = ""
     """The rule whose group of its own this is; "" for the grid of fixed lrs that several rules share."""
     lr_scaling: LrScaling = "fixed"
-    sweep_only: frozenset[float] = frozenset()
-    """lrs that serve the tuned sweep alone: their runs stop once they can no longer be the best."""
+    sweep_only: frozenset[tuple[float, str]] = frozenset()
+    """(lr, variant) of the runs that serve the tuned sweep alone: they stop once they can no longer be the best."""
     extension: bool = False
     """Sweep lrs past the configured sweep's edge, added because the best lr sat on it."""
+
+    def __post_init__(self):
+        for name in ("variants", "optimizers"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.runs):
+                raise ValueError(f"RunGroup.{name} must hold one entry per run")
 
     @property
     def cache_key(self) -> str:
         """The suffix of the group's cache file beside its batch size."""
         return f"-{self.rule}" if self.rule else "-extension" if self.extension else ""
 
+    def run_variants(self) -> list[str]:
+        return list(self.variants) or [""] * len(self.runs)
+
+    def run_optimizers(self) -> list[OptimizerConfig]:
+        """Each run's optimizer."""
+        return list(self.optimizers) or [self.optimizer] * len(self.runs)
+
+    def keys(self) -> list[RunKey]:
+        """Each run's (lr, seed, variant)."""
+        return [(lr, seed, variant) for (lr, seed), variant in zip(self.runs, self.run_variants())]
+
     def results(self) -> list[RunResult]:
         """A fresh result per run, for an engine to fill in."""
         return [RunResult(global_batch_size=self.global_batch_size, lr=lr, seed=seed, rule=self.rule,
-                          extension=self.extension) for lr, seed in self.runs]
+                          extension=self.extension, variant=variant, optimizer=settings(optimizer))
+                for (lr, seed, variant), optimizer in zip(self.keys(), self.run_optimizers())]
 
     def part(self, start: int, stop: int) -> RunGroup:
         """The runs ``start`` to ``stop`` as a group of their own (a group split to fit in memory)."""
-        return dataclasses.replace(self, runs=self.runs[start:stop])
+        return dataclasses.replace(self, runs=self.runs[start:stop], variants=self.variants[start:stop],
+                                   optimizers=self.optimizers[start:stop])
+
+
+def settings(optimizer: OptimizerConfig) -> dict | None:
+    """The Adam settings a run stepped with (betas, eps, weight decay), as its result records them; None for SGD
+    (the rules scale no SGD setting)."""
+    if not optimizer.adam:
+        return None
+    return {"betas": list(optimizer.betas), "eps": optimizer.eps, "weight_decay": optimizer.weight_decay}
 
 
 @dataclasses.dataclass
@@ -79,6 +114,14 @@ class RunResult:
     """Stopped early: no better metric for ``StudyConfig.patience`` evaluations."""
     extension: bool = False
     """A tuned-sweep lr past the configured sweep's edge, added because the best lr sat on it."""
+    variant: str = ""
+    """"" for the study's optimizer; a rule's name for a tuned-sweep run with that rule's Adam settings."""
+    optimizer: dict | None = None
+    """The Adam settings it stepped with (betas, eps, weight_decay); None for SGD or a run cached before."""
+
+    @property
+    def key(self) -> RunKey:
+        return self.lr, self.seed, self.variant
 
     @property
     def fixed(self) -> bool:
@@ -122,13 +165,13 @@ def stalled(config: StudyConfig, history: list) -> bool:
     return max(sign * h[2] for h in history[-patience:]) <= before
 
 
-def settled_best(results) -> tuple[float | None, float]:
-    """(lr, median steps) of the fewest median steps among the lrs whose median is settled: n//2 + 1 of its n
-    seeds reached the target, and the rest can only be slower (still running behind them, or never arriving).
-    (None, inf) when no lr's median is settled."""
-    by_lr: dict[float, list[RunResult]] = {}
+def settled_best(results) -> tuple[tuple[float, str] | None, float]:
+    """((lr, variant), median steps) of the fewest median steps among the settings whose median is settled: n//2 + 1
+    of its n seeds reached the target, and the rest can only be slower (still running behind them, or never
+    arriving). (None, inf) when no median is settled."""
+    by_lr: dict[tuple[float, str], list[RunResult]] = {}
     for result in results:
-        by_lr.setdefault(result.lr, []).append(result)
+        by_lr.setdefault((result.lr, result.variant), []).append(result)
     best_lr, best = None, math.inf
     for lr, runs in by_lr.items():
         reached = sorted(r.steps_to_target for r in runs if r.steps_to_target is not None)
@@ -150,6 +193,14 @@ def steps(run: RunResult) -> float:
     return float(run.steps_to_target) if run.steps_to_target is not None else math.inf
 
 
-def grid_group(config: StudyConfig, global_batch: int, runs, **fields) -> RunGroup:
-    """A group of the shared grid: ``runs`` (lr, seed) at ``global_batch`` with the study's optimizer."""
-    return RunGroup(global_batch_size=global_batch, runs=tuple(runs), optimizer=config.optimizer, **fields)
+def grid_group(config: StudyConfig, global_batch: int, runs, variants: dict[str, OptimizerConfig] | None = None,
+               **fields) -> RunGroup:
+    """A group of the shared grid at ``global_batch``: ``runs`` (lr, seed) with the study's optimizer, or (lr, seed,
+    variant) with ``variants[variant]`` where the variant is not ""."""
+    keys = [(run[0], run[1], run[2] if len(run) > 2 else "") for run in runs]
+    pairs = tuple((lr, seed) for lr, seed, _ in keys)
+    if not any(variant for _, _, variant in keys):
+        return RunGroup(global_batch_size=global_batch, runs=pairs, optimizer=config.optimizer, **fields)
+    optimizers = tuple(variants[v] if v else config.optimizer for _, _, v in keys)
+    return RunGroup(global_batch_size=global_batch, runs=pairs, optimizer=config.optimizer,
+                    variants=tuple(v for _, _, v in keys), optimizers=optimizers, **fields)

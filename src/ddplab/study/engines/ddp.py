@@ -72,7 +72,6 @@ def train_group_ddp(workload: workloads.Workload, config: StudyConfig, group: Ru
     if group.lr_scaling == "gain" and launch_config.world_size < 2:
         raise UsageError("AdaScale on the DDP engine measures the noise scale across ranks: it needs {world_size} 2 "
                          "or more")
-    config = dataclasses.replace(config, optimizer=group.optimizer)
     strategy = strategy or strategies.get()
     # Every rank returns the same results (each stop is decided together): rank 0's serve. A spec's error in a
     # rank (its evaluate() raising, say) comes back as the one line it is in one process.
@@ -87,26 +86,30 @@ def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, 
     dtype = torch_dtype(config)
     inputs = cast(workload.train[0], dtype).to(ctx.device)
     targets = cast(workload.train[1], dtype).to(ctx.device)
-    results = dict(zip(group.runs, group.results()))
+    results = dict(zip(group.keys(), group.results()))
+    optimizers = dict(zip(group.keys(), group.run_optimizers()))
     done: list[RunResult] = []
-    for key in sorted(group.runs, key=lambda run: run[0] in group.sweep_only):
+    for key in sorted(group.keys(), key=lambda key: (key[0], key[2]) in group.sweep_only):
         result = results[key]
-        bound = _prune_bound(config, done, result.lr) if result.lr in group.sweep_only else math.inf
-        _train_one(ctx, workload, config, plan, inputs, targets, result, bound, strategy,
-                   adascale=group.lr_scaling == "gain")
+        setting = (result.lr, result.variant)
+        bound = _prune_bound(config, done, setting) if setting in group.sweep_only else math.inf
+        # Each run steps with its own optimizer (the tuned sweep's Adam variants share a group).
+        _train_one(ctx, workload, dataclasses.replace(config, optimizer=optimizers[key]), plan, inputs, targets,
+                   result, bound, strategy, adascale=group.lr_scaling == "gain")
         done.append(result)
-    return [results[key] for key in group.runs]
+    return [results[key] for key in group.keys()]
 
 
-def _prune_bound(config: StudyConfig, finished, lr: float) -> float:
-    """Steps past which a run of ``lr`` can no longer be its batch's best (every rank computes the same)."""
-    by_lr: dict[float, list[RunResult]] = {}
+def _prune_bound(config: StudyConfig, finished, setting: tuple[float, str]) -> float:
+    """Steps past which a run of ``setting`` (lr, variant) can no longer be its batch's best (every rank computes
+    the same)."""
+    by_lr: dict[tuple[float, str], list[RunResult]] = {}
     for result in finished:
-        by_lr.setdefault(result.lr, []).append(result)
+        by_lr.setdefault((result.lr, result.variant), []).append(result)
     # Seeds train one after another here: only an lr whose seeds have all finished is settled.
     complete = [r for runs in by_lr.values() if len(runs) == config.seeds for r in runs]
     best_lr, best = settled_best(complete)
-    return math.inf if best_lr is None or best_lr == lr else loser_bound(best, config.seeds)
+    return math.inf if best_lr is None or best_lr == setting else loser_bound(best, config.seeds)
 
 
 def run_optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
@@ -268,7 +271,7 @@ def seconds_per_step(workload: workloads.Workload, config: StudyConfig, group: R
     lr, seed = group.runs[0]
     dtype = torch_dtype(config)
     model = workload.model().to(dtype).to(device)
-    optimizer = torch_optimizer(group.optimizer, model.parameters(), lr)
+    optimizer = torch_optimizer(group.run_optimizers()[0], model.parameters(), lr)
     order = Batches(workload.train_size, group.global_batch_size, [seed])
     inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
     for step in range(steps + 1):

@@ -82,10 +82,12 @@ class Group:
         # Buffers (BatchNorm's running statistics) are per run too: each run's forward updates its own slice.
         self.buffers = {name: torch.stack([init[seed][1][name] for _, seed in runs]).to(self.device)
                         for name in init[seeds[0]][1]}
-        self.optimizer = optim.stacked(group.optimizer, self.params)
+        # Each run steps with its own optimizer settings (the tuned sweep's Adam variants share a group).
+        self.optimizer = optim.stacked(group.run_optimizers(), self.params)
         # Dropout draws a different mask for every run (vmap's randomness="different"), the same for the same grid.
         torch.manual_seed(global_batch)
-        self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype, device=self.device)
+        # In Python's precision on the host, as torch.optim holds an lr: the optimizer rounds what it derives once.
+        self.lr = torch.tensor([lr for lr, _ in runs], dtype=torch.float64)
         self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
         self.active = list(range(len(runs)))
         self.results = group.results()
@@ -167,7 +169,7 @@ class Group:
             gains.append(gain)
             if record:
                 self.results[run].gains.append([step + 1, gain, self.tau[run]])
-        return torch.tensor(gains, dtype=self.lr.dtype, device=self.device)
+        return torch.tensor(gains, dtype=self.lr.dtype)
 
     def metrics(self) -> list[float]:
         """Each active run's evaluation: vectorized on the validation split, or the spec's evaluate per run."""
@@ -200,8 +202,8 @@ class Group:
         index = host.to(self.device)
         self.params = {n: p[index] for n, p in self.params.items()}
         self.buffers = {n: b[index] for n, b in self.buffers.items()}
-        self.optimizer.keep(index)
-        self.lr, self.seed_row = self.lr[index], self.seed_row[host]
+        self.optimizer.keep(index, rows)
+        self.lr, self.seed_row = self.lr[host], self.seed_row[host]
         self.active = [self.active[r] for r in rows]
 
 
@@ -307,7 +309,7 @@ def train_group(workload: Workload, config: StudyConfig, group: RunGroup, progre
                 device: torch.device | str = "cpu") -> list[RunResult]:
     """Train every run of ``group`` until it reaches the target, diverges or runs out of steps.
 
-    Runs of an lr in ``group.sweep_only`` (serving the tuned sweep alone) stop once that lr can no longer
+    Runs of an (lr, variant) in ``group.sweep_only`` (serving the tuned sweep alone) stop once it can no longer
     have the fewest median steps: they only had to lose to the best. With AdaScale's lr scaling each run's
     updates use lr × the gain measured at every step.
     """
@@ -338,16 +340,17 @@ def train_group(workload: Workload, config: StudyConfig, group: RunGroup, progre
     return trained.results
 
 
-def _prune(group: Group, sweep_only: set[float], steps: int, finished: set[int]) -> set[int]:
+def _prune(group: Group, sweep_only: frozenset[tuple[float, str]], steps: int, finished: set[int]) -> set[int]:
     if not sweep_only:
         return set()
-    best_lr, best = settled_best(group.results)
+    best_setting, best = settled_best(group.results)
     if steps <= loser_bound(best, group.config.seeds):
         return set()
     pruned = set()
     for run in group.active:
         result = group.results[run]
-        if run not in finished and result.lr in sweep_only and result.lr != best_lr:
+        setting = (result.lr, result.variant)
+        if run not in finished and setting in sweep_only and setting != best_setting:
             result.pruned = True
             pruned.add(run)
     return pruned

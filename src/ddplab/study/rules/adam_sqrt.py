@@ -38,6 +38,10 @@ class AdamSqrt(OwnGroupRule):
     def optimizer(self, config: StudyConfig, global_batch: int) -> OptimizerConfig:
         return self.scaled(config, global_batch)[0]
 
+    def variant(self, config: StudyConfig, global_batch: int) -> OptimizerConfig | None:
+        # At the reference there is nothing to scale (1 − (1 − β) may differ from β by a rounding).
+        return None if global_batch == config.reference_global_batch_size else self.optimizer(config, global_batch)
+
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
         if self.name not in config.rules:
             return {}

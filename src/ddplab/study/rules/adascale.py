@@ -21,6 +21,12 @@ class AdaScale(OwnGroupRule):
             return []
         return [(config.reference_lr, seed) for seed in range(config.seeds)]
 
+    def lr_at(self, view: BatchRuns) -> float | None:
+        """The lr its updates took on average: the reference lr × the mean gain recorded at its evaluations."""
+        runs = self.seeds_at(view)
+        gains = [g[1] for r in runs or [] for g in r.gains]
+        return runs[0].lr * sum(gains) / len(gains) if gains else None
+
     def rows(self, view: BatchRuns) -> list[dict]:
         return [row(self.name, view.global_batch_size, run, gains=run.gains) for run in self.seeds_at(view) or []]
 

@@ -7,13 +7,22 @@ and nothing else looks at its name.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
 from ddplab.study.runs import LrScaling, RunGroup, RunResult
 
 if TYPE_CHECKING:
     from ddplab.study.workloads import Workload
+
+
+class Best(NamedTuple):
+    """The tuned sweep's best setting at one batch."""
+
+    lr: float
+    median_steps: float
+    variant: str = ""
+    """"" for the study's optimizer, else the rule whose Adam settings the best runs stepped with."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,16 +32,18 @@ class BatchRuns:
     config: StudyConfig
     global_batch_size: int
     lrs: dict[float, list[str]]
-    """Each fixed lr trained here and the rules it serves."""
-    fixed: dict[tuple[float, int], RunResult]
-    """The shared grid's runs by (lr, seed)."""
+    """Each fixed lr trained here with the study's optimizer and the rules it serves."""
+    fixed: dict[tuple[float, int, str], RunResult]
+    """The shared grid's runs by (lr, seed, variant)."""
     own: dict[str, dict[int, RunResult]]
     """The runs of each rule with a group of its own, by seed."""
-    best: tuple[float, float] | None
-    """(lr, median steps) of the tuned sweep's best lr; None without a sweep or when no median arrived."""
+    best: Best | None
+    """The tuned sweep's best setting; None without a sweep or when no median arrived."""
+    variants: tuple[str, ...] = ()
+    """The rules whose Adam settings the tuned sweep also trained here, each at every lr of the sweep."""
 
-    def seeds_at(self, lr: float) -> list[RunResult]:
-        return [self.fixed[(lr, seed)] for seed in range(self.config.seeds)]
+    def seeds_at(self, lr: float, variant: str = "") -> list[RunResult]:
+        return [self.fixed[(lr, seed, variant)] for seed in range(self.config.seeds)]
 
 
 class Rule:
@@ -68,8 +79,15 @@ class Rule:
         """The optimizer its runs step with at ``global_batch``."""
         return config.optimizer
 
-    def group(self, config: StudyConfig, global_batch: int, trained: list[RunResult]) -> RunGroup | None:
-        """Its group of its own at ``global_batch`` (after the grid's runs there, ``trained``), or None."""
+    def variant(self, config: StudyConfig, global_batch: int) -> OptimizerConfig | None:
+        """Settings of its own the tuned sweep must try at ``global_batch`` (Adam's betas, eps, weight decay scaled
+        with the batch), each lr of the sweep trained with them too: so a rule can only beat the ground truth by
+        its lr falling between the sweep's. None where it keeps the study's optimizer."""
+        return None
+
+    def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
+        """Its group of its own at ``global_batch``, or None; ``trained`` holds the shared grid's runs at every batch
+        (and the rules' own groups trained before)."""
         return None
 
     def train(self, workload: Workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
@@ -87,6 +105,12 @@ class Rule:
     def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
         """The runs, one per seed, this rule is judged by at the view's batch; None where it has none."""
         return None
+
+    def lr_at(self, view: BatchRuns) -> float | None:
+        """The lr it trains at the view's batch (the scorecard's lr gap); None where it has no runs there or its lr
+        changes as it trains."""
+        runs = self.seeds_at(view)
+        return runs[0].lr if runs and self.fitted and self.lr_scaling == "fixed" else None
 
     def rows(self, view: BatchRuns) -> list[dict]:
         """Its runs at the view's batch in its own groups, as the runs table lists them."""
@@ -126,7 +150,7 @@ class GridRule(Rule):
         return []
 
     def serves(self, run: RunResult, lrs: dict[float, list[str]]) -> bool:
-        return not run.rule and self.name in lrs.get(run.lr, [])
+        return not run.rule and not run.variant and self.name in lrs.get(run.lr, [])
 
 
 class OwnGroupRule(Rule):
@@ -135,7 +159,7 @@ class OwnGroupRule(Rule):
     def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
         raise NotImplementedError
 
-    def group(self, config: StudyConfig, global_batch: int, trained: list[RunResult]) -> RunGroup | None:
+    def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
         runs = self.runs(config, global_batch)
         if not runs:
             return None
@@ -155,7 +179,8 @@ class OwnGroupRule(Rule):
 
 def row(rule: str, global_batch: int, run: RunResult, *, best: bool = False, **extra) -> dict:
     """One run as the runs table lists it (a run serving several rules is listed once per rule)."""
-    return {"rule": rule, "global_batch_size": global_batch, "lr": run.lr, "seed": run.seed,
+    return {"rule": rule, "global_batch_size": global_batch, "lr": run.lr, "seed": run.seed, "variant": run.variant,
+            "optimizer": run.optimizer,
             "steps_to_target": run.steps_to_target, "samples_to_target": samples(run, global_batch),
             "diverged": run.diverged, "stalled": run.stalled, "pruned": run.pruned, "extension": run.extension,
             "best": best, **extra}

@@ -40,10 +40,10 @@ class Ramp(Rule):
         """The global batch ramp runs start from (the grid's smallest), or None without the rule."""
         return min(config.global_batch_sizes) if self.name in config.rules else None
 
-    def group(self, config: StudyConfig, global_batch: int, trained: list[RunResult]) -> RunGroup | None:
+    def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
         if global_batch != self.start(config):
             return None
-        lr = start_lr(config, global_batch, trained)
+        lr = start_lr(config, global_batch, trained.get(global_batch, []))
         return RunGroup(global_batch_size=global_batch, runs=tuple((lr, seed) for seed in range(config.seeds)),
                         rule=self.name, optimizer=config.optimizer)
 
@@ -89,7 +89,7 @@ def start_lr(config: StudyConfig, start: int, trained: list[RunResult]) -> float
     from ddplab.study import rules
 
     best = rules.tuned_best(config, start, trained)
-    return best[0] if best else round_lr(config.reference_lr * start / config.reference_global_batch_size)
+    return best.lr if best else round_lr(config.reference_lr * start / config.reference_global_batch_size)
 
 
 def train_ramp(workload, config: StudyConfig, lr: float, seed: int) -> RunResult:

@@ -1,4 +1,8 @@
-"""``tuned``: a sweep of lrs at every batch, the best kept: the ground truth the other rules are judged against."""
+"""``tuned``: a sweep of lrs at every batch, the best kept: the ground truth the other rules are judged against.
+
+With Adam or AdamW each lr of the sweep is also trained with every Adam rule's betas, eps and weight decay at that
+batch (:func:`ddplab.study.rules.variants`): the best is over lr and those settings, so a rule that changes them
+cannot beat the ground truth by a setting the sweep never tried."""
 
 from __future__ import annotations
 
@@ -28,4 +32,8 @@ class Tuned(GridRule):
         return [round_lr(config.reference_lr * config.sweep_factor ** i) for i in range(first, last + 1)]
 
     def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
-        return view.seeds_at(view.best[0]) if view.best is not None else None
+        return view.seeds_at(view.best.lr, view.best.variant) if view.best is not None else None
+
+    def serves(self, run: RunResult, lrs: dict[float, list[str]]) -> bool:
+        # Its sweep trains each lr with the study's optimizer and with each Adam rule's settings.
+        return not run.rule and self.name in lrs.get(run.lr, [])
