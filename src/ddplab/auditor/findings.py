@@ -93,6 +93,13 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "(and the groups' initial_lr) keep the old lr",
         "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
         "(ddplab.integrations' ScaleLearningRate does all three)"),
+    "LR_SCALED_BY_WORLD_SIZE": (
+        WARNING,
+        "the lr was scaled by the world size, but under a device mesh only the data-parallel ranks add samples to "
+        "the global batch (the ranks of a tensor-parallel group share theirs): the lr is world/dp times (or its "
+        "square root) what the scaling rule gives",
+        "scale the lr by the data-parallel size (mesh['dp'].size(), or the product of the data-parallel "
+        "dimensions), not dist.get_world_size(); `ddplab plan --tp` computes it"),
     "LOSS_NORMALISED_PER_DEVICE": (
         WARNING,
         "each rank divided its token-level loss by its own token count, and DDP averages those means: with "
@@ -324,8 +331,11 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
     for record in records:
         for wrapper, batches in record.get(field, {}).items():
             by_wrapper.setdefault(wrapper, {})[record["rank"]] = batches
+    # Each wrapper's (or data-parallel group's) ranks among themselves; the ranks of every group alike are named.
+    found: set[int] = set()
+    shared_total = 0
     for ranks in by_wrapper.values():
-        involved, shared_total = set(), 0
+        involved = set()
         for rank, batches in ranks.items():
             distinct = set(batches)
             # One batch repeated is a fixed-batch benchmark or an overfitting test, not unsharded data.
@@ -337,15 +347,17 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
                 involved.add(rank)
                 shared_total = max(shared_total, len(shared))
         if len(involved) >= 2:
-            detail = (f"up to {shared_total} distinct training batches of one rank also reached another rank during "
-                      "the audited window") if field == "batches" else (
-                f"up to {shared_total} distinct training batches of one rank were loaded from the same indices of the "
-                "same dataset as batches of another rank during the audited window (the tensors differ, e.g. by "
-                "random augmentation, but the samples are the same: a sampler seeded alike on every rank)")
-            finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(involved), detail)
-            finding.ranks = sorted(involved)
-            return finding
-    return None
+            found |= involved
+    if not found:
+        return None
+    detail = (f"up to {shared_total} distinct training batches of one rank also reached another rank during "
+              "the audited window") if field == "batches" else (
+        f"up to {shared_total} distinct training batches of one rank were loaded from the same indices of the "
+        "same dataset as batches of another rank during the audited window (the tensors differ, e.g. by "
+        "random augmentation, but the samples are the same: a sampler seeded alike on every rank)")
+    finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(found), detail)
+    finding.ranks = sorted(found)
+    return finding
 
 
 # Training batches of a tensor-parallel group compared one for one: differing in at least this many, and in at
@@ -360,8 +372,8 @@ def _tensor_parallel_batches(records: list[dict[str, Any]]) -> Finding | None:
     for record in records:
         for group, spec in record.get("tp_groups", {}).items():
             groups.setdefault(group, {})[record["rank"]] = {
-                "index_batches": record.get("index_batches", {}).get(spec["batches"], []),
-                "batches": record.get("batches", {}).get(spec["batches"], []), **spec}
+                **spec, "index_batches": record.get("index_batches", {}).get(spec["batches"], []),
+                "batches": record.get("batches", {}).get(spec["batches"], [])}
     involved: set[int] = set()
     details: list[str] = []
     for by_rank in groups.values():

@@ -42,6 +42,7 @@ def uninstall() -> None:
     audit = state.current()
     if audit is not None:
         audit.remove_module_hook()
+        audit.remove_mesh_hook()
     if _PATCHES is not None:
         _PATCHES.undo()
         _PATCHES = None

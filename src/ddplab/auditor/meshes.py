@@ -123,7 +123,6 @@ class _Tables:
     def __init__(self):
         self.roots: WeakIdKeyDictionary = WeakIdKeyDictionary()  # root FSDPModule → its WrapperInfo
         self.inner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FSDPModule inside a root → True
-        self.hook = None
         self.optimizer_steps = 0
 
 
@@ -153,8 +152,8 @@ def _watched_mesh_init(original_init):
 @state.guarded("watching device meshes")
 def _mesh_built(audit: AuditState) -> None:
     # Global module hooks are never stored on the user's modules; this one lives for the data window only.
-    if _TABLES.hook is None and _PATCHES is not None and _TABLES.optimizer_steps < _window(audit):
-        _TABLES.hook = _PATCHES.hook(register_module_forward_pre_hook(_module_forward))
+    if audit.mesh_hook is None and _PATCHES is not None and _TABLES.optimizer_steps < _window(audit):
+        audit.mesh_hook = _PATCHES.hook(register_module_forward_pre_hook(_module_forward))
 
 
 def _window(audit: AuditState) -> int:
@@ -163,13 +162,8 @@ def _window(audit: AuditState) -> int:
 
 def watching() -> bool:
     """Whether the program built a device mesh and FSDP2 forwards are being watched for."""
-    return _TABLES.hook is not None
-
-
-def _remove_hook() -> None:
-    if _TABLES.hook is not None:
-        _TABLES.hook.remove()
-        _TABLES.hook = None
+    audit = state.current()
+    return audit is not None and audit.mesh_hook is not None
 
 
 def _fsdp_module_class() -> type | None:
@@ -286,8 +280,8 @@ def _syncs_gradients(module, fsdp_module: type) -> bool:
 def on_optimizer_step(audit: AuditState) -> None:
     """Every optimizer step: the forward hook goes once the data window is over."""
     _TABLES.optimizer_steps += 1
-    if _TABLES.optimizer_steps >= _window(audit) or audit.disabled is not None:
-        _remove_hook()
+    if _TABLES.optimizer_steps >= _window(audit):
+        audit.remove_mesh_hook()
 
 
 def step_evidence(audit: AuditState, info: WrapperInfo) -> None:

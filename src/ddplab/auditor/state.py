@@ -92,6 +92,7 @@ class AuditState:
         self.peers: list[dict] = []
         self.interim = None  # the findings rank 0 printed during the run
         self.module_hook = None
+        self.mesh_hook = None  # the forward hook that looks for FSDP2 roots (ddplab.auditor.meshes)
         self.rank, self.world_size = 0, 1
         # Optimizer steps with no DDP model, and the collectives issued by the first of them (NOT_DISTRIBUTED).
         self.alone_steps, self.alone_collectives, self.synchronised = 0, None, False
@@ -139,12 +140,18 @@ class AuditState:
         if self.disabled is None:
             self.disabled = reason
             self.remove_module_hook()
+            self.remove_mesh_hook()
             self.add("AUDIT_INCOMPLETE", f"the auditor turned itself off on rank {self.rank}: {reason}")
 
     def remove_module_hook(self) -> None:
         if self.module_hook is not None:
             self.module_hook.remove()
             self.module_hook = None
+
+    def remove_mesh_hook(self) -> None:
+        if self.mesh_hook is not None:
+            self.mesh_hook.remove()
+            self.mesh_hook = None
 
     def window(self, info: WrapperInfo) -> dict:
         """This wrapper's record for its current step, created on first use."""

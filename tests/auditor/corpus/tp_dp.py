@@ -15,6 +15,8 @@ size: the two ranks of a tp group load different batches, and each parallelised 
 different samples. Nothing fails; training learns less (TP_RANKS_SEE_DIFFERENT_DATA).
 """
 
+import logging
+
 import _harness
 import torch
 import torch.distributed as dist
@@ -116,6 +118,8 @@ def evaluate(model, loader, dp_group):
 
 
 def train(rank, world_size, args):
+    # DTensor warns at every redistribution over two mesh dimensions (the norms, the checksum): a log, not output.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = init_device_mesh("cpu", (world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"]
     stream = torch.randint(VOCAB, (512 * BLOCK + 128 + 1,), generator=torch.Generator().manual_seed(0))
