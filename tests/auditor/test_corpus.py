@@ -3,7 +3,8 @@
 A correct program must run under the audit exactly as it runs alone (same exit code, same stdout lines) and get
 no warning or error; each planted mistake must get exactly its own finding. The default matrix runs every
 two-rank correct program under torchrun and a few under spawn and fork, and each mistake once (about 3.5 minutes
-on two idle cores); DDPLAB_FULL_CORPUS=1 runs every program and mistake under every launcher.
+on two idle cores, and 1.5 more for the FSDP2 and tp × dp programs, which run under torchrun only, at 2 and 4
+ranks); DDPLAB_FULL_CORPUS=1 runs every program and mistake under every launcher, FSDP2 at 4 ranks and HSDP too.
 """
 
 from __future__ import annotations
