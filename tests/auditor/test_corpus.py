@@ -3,7 +3,8 @@
 A correct program must run under the audit exactly as it runs alone (same exit code, same stdout lines) and get
 no warning or error; each planted mistake must get exactly its own finding. The default matrix runs every
 two-rank correct program under torchrun and a few under spawn and fork, and each mistake once (about 3.5 minutes
-on two idle cores); DDPLAB_FULL_CORPUS=1 runs every program and mistake under every launcher.
+on two idle cores, and 1.5 more for the FSDP2 and tp × dp programs, which run under torchrun only, at 2 and 4
+ranks); DDPLAB_FULL_CORPUS=1 runs every program and mistake under every launcher, FSDP2 at 4 ranks and HSDP too.
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ CORRECT = {
     "augmented_vision": Case("augmented_vision.py"),
     "augmented_vision_per_rank_files": Case("augmented_vision.py", ("--data", "per-rank-files")),
     "gpu_only_ddp_on_cpu": Case("gpu_only_ddp.py", launchers=("torchrun",)),
+    # FSDP2 and device meshes read torchrun's environment, as their own tutorials do.
+    "fsdp_trainer": Case("fsdp_trainer.py", launchers=("torchrun",)),
+    "fsdp_trainer_4": Case("fsdp_trainer.py", world_size=4, launchers=("torchrun",)),
+    "hsdp_reduce_every_micro_batch": Case("fsdp_trainer.py", ("--mesh", "hsdp", "--sync", "every-micro-batch"),
+                                          world_size=4, launchers=("torchrun",)),
+    "tp_dp": Case("tp_dp.py", world_size=4, launchers=("torchrun",)),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -105,7 +112,7 @@ DEFAULT_CORRECT = [
     ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"), ("uneven_join", "torchrun"),
     ("accumulate_mean", "fork"), ("accumulate_mean_accum_1", "fork"), ("accumulate_sum_per_sample", "fork"),
     ("step_budget_two_passes", "fork"), ("augmented_vision", "torchrun"), ("augmented_vision_per_rank_files", "fork"),
-    ("gpu_only_ddp_on_cpu", "torchrun"),
+    ("gpu_only_ddp_on_cpu", "torchrun"), ("fsdp_trainer", "torchrun"), ("tp_dp", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -145,6 +152,12 @@ MISTAKES = {
     # A group joined but never used, in a run shorter than the audit window.
     "gpu_only_unused_group": (Case("gpu_only_ddp.py", ("--distributed-when", "cuda-model"), launchers=("torchrun",)),
                               {"NOT_DISTRIBUTED": "error"}, {}, "torchrun"),
+    # cross_entropy(reduction='sum') / accumulation steps in an FSDP2 trainer under AdamW.
+    "fsdp_sum": (Case("fsdp_trainer.py", ("--loss", "sum"), launchers=("torchrun",)), {"SUM_REDUCTION": "warning"}, {},
+                 "torchrun"),
+    # tp × dp with DistributedSampler(dataset): split by the world size, so a tp group's two ranks differ.
+    "tp_dp_world_sampler": (Case("tp_dp.py", ("--mistake", "world-sampler"), world_size=4, launchers=("torchrun",)),
+                            {"TP_RANKS_SEE_DIFFERENT_DATA": "error"}, {}, "torchrun"),
 }
 
 # id → (finding, words its message must hold): what the finding says happened.
@@ -157,12 +170,27 @@ MESSAGES = {
     "gpu_only_no_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2), but this process stepped"),
     "gpu_only_unused_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2); they joined a process "
                                                  "group"),
+    "fsdp_sum": ("SUM_REDUCTION", "divided by 2, the 2 micro-batches accumulated per optimizer step: each of a "
+                                  "micro-batch's 8 samples weighs 1/2 in the gradient where a mean would weigh it "
+                                  "1/16, so the loss still grows with the per-device batch (dividing by the "
+                                  "accumulation steps does not make a sum a mean); FSDP2 (fsdp) averages the gradients "
+                                  "over the data-parallel ranks, so W here is the data-parallel size 2"),
+    "tp_dp_world_sampler": ("TP_RANKS_SEE_DIFFERENT_DATA", "in the tp group of ranks 0, 1, "),
 }
 
 # id → the lr the report's header must show: the configured (peak) lr, not the last audited step's.
 CONFIGURED_LR = {"step_budget_two_passes": 0.02, "nanogpt_eval_all": 3e-3}
 # The samples the loader feeds one optimizer step on all ranks (a GAN's generated batch is no part of it).
-GLOBAL_BATCH = {"gan_freeze": 64, "gan_plain": 64, "trainer_class": 32}
+GLOBAL_BATCH = {"gan_freeze": 64, "gan_plain": 64, "trainer_class": 32,
+                # Micro-batch × accumulation steps × the data-parallel size: never the world size when tp > 1.
+                "fsdp_trainer": 8 * 2 * 2, "fsdp_trainer_4": 8 * 2 * 4, "hsdp_reduce_every_micro_batch": 8 * 2 * 4,
+                "tp_dp": 4 * 2}
+# The run under a mesh: (data-parallel size, strategy, mesh); DDP runs report their group's size and no mesh.
+SETTING = {"fsdp_trainer": (2, "fsdp", {"dp": 2}), "fsdp_trainer_4": (4, "fsdp", {"dp": 4}),
+           "hsdp_reduce_every_micro_batch": (4, "hsdp", {"dp_replicate": 2, "dp_shard": 2}),
+           "tp_dp": (2, "fsdp+tp", {"dp": 2, "tp": 2}), "trainer_class": (2, "ddp", None)}
+# Information a correct program must get (and no other, in these programs).
+INFO = {"hsdp_reduce_every_micro_batch": {"ACCUMULATION_REDUCES_EVERY_STEP"}, "fsdp_trainer": set(), "tp_dp": set()}
 
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"
@@ -289,6 +317,12 @@ def _audit(command: list[str], steps: int | None = None) -> tuple[Run, dict | No
     return run, report
 
 
+@functools.cache
+def _audited(case: Case, launcher: str) -> tuple[Run, dict | None]:
+    """A mistake's audited run, once for every test that reads it."""
+    return _audit(case.command(launcher), steps=case.audit_steps)
+
+
 def _program_lines(stdout: str) -> list[str]:
     """The program's own stdout lines, sorted (ranks interleave): the audit's report lines removed."""
     lines = stdout.splitlines()
@@ -335,6 +369,12 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     if name in GLOBAL_BATCH:
         assert report["global_batch_size"] == GLOBAL_BATCH[name], \
             _why(f"GLOBAL BATCH: {report['global_batch_size']}", audited, report)
+    if name in SETTING:
+        setting = (report["data_parallel_size"], report["strategy"], report["mesh"])
+        assert setting == SETTING[name], _why(f"SETTING: {setting}", audited, report)
+    if name in INFO:
+        infos = {f["code"] for f in report["findings"] if f["severity"] == "info"} - {"RUN_INFO"}
+        assert infos == INFO[name], _why(f"INFO: {infos}", audited, report)
     if name in CONFIGURED_LR:
         assert report["lr"] == pytest.approx(CONFIGURED_LR[name]), _why(f"LR: {report['lr']}", audited, report)
     if case.script == "epochs_and_exit.py":
@@ -349,7 +389,7 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
                                             for launcher in (case.launchers if FULL else (default,))])
 def test_a_planted_mistake_gets_exactly_its_finding(name, launcher):
     case, expected, consequences, _ = MISTAKES[name]
-    audited, report = _audit(case.command(launcher), steps=case.audit_steps)
+    audited, report = _audited(case, launcher)
     assert audited.returncode == 0, _why(f"CRASH: exit code {audited.returncode} under audit", audited, report)
     assert report is not None, _why("NO REPORT: the audit wrote no report", audited, report)
     serious = _serious(report)
@@ -360,6 +400,26 @@ def test_a_planted_mistake_gets_exactly_its_finding(name, launcher):
         code, words = MESSAGES[name]
         message = next(f["message"] for f in report["findings"] if f["code"] == code)
         assert words in message, _why(f"MESSAGE: {words!r} not in {message!r}", audited, report)
+
+
+def _first_grad_norm(run: Run) -> float:
+    return float(re.search(r"^step 0 grad norm (\S+)$", run.stdout, re.MULTILINE).group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)
+def test_a_summed_loss_under_fsdp2_makes_the_gradient_the_data_parallel_size_times_smaller():
+    """What SUM_REDUCTION says, measured: one process summing the same global batch (the first step's 32 samples:
+    2 micro-batches of 16, which 2 ranks' DistributedSampler split into 8 each) gets exactly dp = 2 times the
+    gradient FSDP2 averages; with a mean the two agree."""
+    alone = {loss: _run(Case("fsdp_trainer.py", ("--loss", loss, "--batch-size", "16"), world_size=1,
+                             launchers=("torchrun",)).command("torchrun")) for loss in ("sum", "mean")}
+    for run in alone.values():
+        assert run.returncode == 0, _why("the program fails on one rank", run, None)
+    summed, _ = _audited(MISTAKES["fsdp_sum"][0], "torchrun")
+    mean = _plain(CORRECT["fsdp_trainer"], "torchrun")
+    assert _first_grad_norm(alone["sum"]) / _first_grad_norm(summed) == pytest.approx(2, rel=1e-5)
+    assert _first_grad_norm(alone["mean"]) / _first_grad_norm(mean) == pytest.approx(1, rel=1e-5)
 
 
 def test_report_lines_are_told_apart_from_the_programs_own():

@@ -1,9 +1,9 @@
 """Find the DDP mistakes that silently change training: in any launcher (``ddplab audit``) or from code.
 
 state (side tables, the guard) · patches (every change, undoable) · hooks (DDP, modules, optimizers) ·
-losses · data (samplers) · schedulers · frameworks · exchange (records between ranks, no collective) ·
-findings (the catalogue, merging, pure) · tensors (digests) · install · runner (``ddplab audit``) ·
-bootstrap (the injected sitecustomize).
+meshes (FSDP2 and device meshes) · losses · data (samplers) · schedulers · frameworks ·
+exchange (records between ranks, no collective) · findings (the catalogue, merging, pure) · tensors (digests) ·
+install · runner (``ddplab audit``) · bootstrap (the injected sitecustomize).
 """
 
 from __future__ import annotations

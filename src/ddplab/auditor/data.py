@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddplab.auditor import state, tensors
+from ddplab.auditor import meshes, state, tensors
 from ddplab.auditor.patches import Patches
 
 # Training batches per wrapper whose indices are kept: the window of hooks.DATA_WINDOW_FACTOR × the audited steps.
@@ -200,9 +200,10 @@ def _watched_next(original_next):
 
 
 def _collecting(audit) -> bool:
-    """Index batches are collected once a DDP model exists, for as long as its training batches are (the data
-    window: a bounded number of optimizer steps), never for a whole run."""
-    collecting = (audit.disabled is None and audit.wrapper_count > 0
+    """Index batches are collected once a DDP model (or a device mesh) exists, for as long as its training batches
+    are (the data window: a bounded number of optimizer steps), never for a whole run."""
+    # An FSDP2 model is found at its first forward, after the loader drew that batch: a mesh announces it.
+    collecting = (audit.disabled is None and (audit.wrapper_count > 0 or meshes.watching())
                   and audit.total_steps < DATA_WINDOW_FACTOR * audit.steps_to_audit)
     if not collecting:
         audit.loaded.clear()
@@ -255,7 +256,7 @@ def training_forward(audit, key: str, inputs, window: int) -> bool:
 def _first_tensor(value) -> torch.Tensor | None:
     """A batch's first tensor (a model's input comes first), if it is a dense one that digests can read."""
     first = next(tensors.iter_tensors(value), None)
-    return first if first is not None and first.layout == torch.strided and not first.is_meta else None
+    return first if first is not None and tensors.is_plain(first) else None
 
 
 def _index_fingerprint(signature: str, index) -> str:

@@ -35,6 +35,14 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "1/W of the data it should",
         "give the DataLoader sampler=DistributedSampler(dataset) (and shuffle=False on the loader), or seed each "
         "rank's random batches differently (e.g. seed + rank)"),
+    "TP_RANKS_SEE_DIFFERENT_DATA": (
+        ERROR,
+        "ranks of one tensor-parallel group were fed different batches: each holds a shard of every parallelised "
+        "layer and computes it on its own inputs, so the activations and gradients its group combines mix different "
+        "samples; nothing fails, training just learns less",
+        "split the data by the data-parallel mesh dimension only: DistributedSampler(dataset, "
+        "num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()), the same on every rank of a "
+        "tensor-parallel group (and seed their random batches alike)"),
     "SET_EPOCH_MISSING": (
         WARNING,
         "a shuffling DistributedSampler fed training the same sample order in two passes over the data: unless "
@@ -57,6 +65,14 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "performance: gradient accumulation all-reduces on every micro-step; the result is unchanged but "
         "communication is accumulation-steps times larger",
         "wrap every micro-step but the last in `with ddp_model.no_sync():`"),
+    "ACCUMULATION_REDUCES_EVERY_STEP": (
+        INFO,
+        "FSDP2 reduced the gradients of every micro-batch accumulated into one optimizer step: the result is "
+        "unchanged, the communication accumulation-steps times larger, and the gradients stay sharded between "
+        "micro-batches (the memory this saves is why it is FSDP2's default)",
+        "where memory allows, model.set_requires_gradient_sync(False) before every micro-batch but the last "
+        "(True before the last); under HSDP, set_requires_all_reduce(False) defers only the all-reduce across "
+        "replicas"),
     "NOT_DISTRIBUTED": (
         ERROR,
         "several processes were started but each trains a model of its own: W separate runs, each learning only "
@@ -77,6 +93,13 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "(and the groups' initial_lr) keep the old lr",
         "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
         "(ddplab.integrations' ScaleLearningRate does all three)"),
+    "LR_SCALED_BY_WORLD_SIZE": (
+        WARNING,
+        "the lr was scaled by the world size, but under a device mesh only the data-parallel ranks add samples to "
+        "the global batch (the ranks of a tensor-parallel group share theirs): the lr is world/dp times (or its "
+        "square root) what the scaling rule gives",
+        "scale the lr by the data-parallel size (mesh['dp'].size(), or the product of the data-parallel "
+        "dimensions), not dist.get_world_size(); `ddplab plan --tp` computes it"),
     "LOSS_NORMALISED_PER_DEVICE": (
         WARNING,
         "each rank divided its token-level loss by its own token count, and DDP averages those means: with "
@@ -126,6 +149,12 @@ class Report:
     findings: list[Finding]
     why_nothing: str | None = None
     """Why nothing could be audited (no DDP model, the auditor never loaded); None when something was."""
+    data_parallel_size: int | None = None
+    """Ranks that split the data and average the gradients: the factor from the per-rank to the global batch."""
+    strategy: str | None = None
+    """``ddp``, ``fsdp`` or ``hsdp``, with the mesh's other dimensions after a '+' (``fsdp+tp``)."""
+    mesh: dict[str, int] | None = None
+    """The device mesh the model's parameters live on, dimension name → size (FSDP2); None for DDP."""
 
     @property
     def has_error(self) -> bool:
@@ -143,16 +172,17 @@ class Report:
         steps = f"{self.steps_audited} optimizer steps audited"
         if self.steps_requested and self.steps_audited < self.steps_requested:
             steps += f" (the run made fewer than the {self.steps_requested} asked for)"
-        return (f"world size {self.world_size}, global batch {self.global_batch_size}, lr {format_lr(self.lr)}, "
-                f"{steps}")
+        setting = describe_setting(self.world_size, self.data_parallel_size, self.strategy, self.mesh)
+        return f"{setting}, global batch {self.global_batch_size}, lr {format_lr(self.lr)}, {steps}"
 
     def signature(self) -> list[list]:
         """What a reader would see change between two reports of one run (JSON-shaped)."""
         return sorted([f.code, f.severity, sorted(f.ranks)] for f in self.problems)
 
     def to_json(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "global_batch_size": self.global_batch_size, "lr": self.lr,
-                "steps_audited": self.steps_audited, "steps_requested": self.steps_requested,
+        return {"world_size": self.world_size, "data_parallel_size": self.data_parallel_size,
+                "global_batch_size": self.global_batch_size, "strategy": self.strategy, "mesh": self.mesh,
+                "lr": self.lr, "steps_audited": self.steps_audited, "steps_requested": self.steps_requested,
                 "findings": [f.to_json() for f in self.findings], "audited": self.why_nothing is None}
 
 
@@ -172,7 +202,24 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
     main = records[0] if records else {}
     findings = sorted(merged.values(), key=lambda f: (SEVERITY_ORDER[f.severity], f.code))
     return Report(main.get("world_size"), main.get("global_batch_size"), main.get("lr"),
-                  max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings)
+                  max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings,
+                  data_parallel_size=main.get("data_parallel_size"), strategy=main.get("strategy"),
+                  mesh=main.get("mesh"))
+
+
+def describe_setting(world_size: int | None, data_parallel_size: int | None, strategy: str | None,
+                     mesh: dict[str, int] | None) -> str:
+    """The run's ranks as a report's first words: the world size, and under a mesh its shape and data-parallel size.
+
+    >>> describe_setting(4, 2, "fsdp+tp", {"dp": 2, "tp": 2})
+    'world size 4, fsdp+tp on mesh dp 2 × tp 2 (data-parallel size 2)'
+    >>> describe_setting(2, 2, "ddp", None)
+    'world size 2'
+    """
+    if not mesh:
+        return f"world size {world_size}"
+    shape = " × ".join(f"{name} {size}" for name, size in mesh.items())
+    return f"world size {world_size}, {strategy} on mesh {shape} (data-parallel size {data_parallel_size})"
 
 
 def format_lr(lr: float | None) -> str:
@@ -211,6 +258,9 @@ def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
     duplicate = _duplicate_batches(records, "batches") or _duplicate_batches(records, "index_batches")
     if duplicate is not None:
         out.append(duplicate)
+    different = _tensor_parallel_batches(records)
+    if different is not None:
+        out.append(different)
     return out
 
 
@@ -281,8 +331,11 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
     for record in records:
         for wrapper, batches in record.get(field, {}).items():
             by_wrapper.setdefault(wrapper, {})[record["rank"]] = batches
+    # Each wrapper's (or data-parallel group's) ranks among themselves; the ranks of every group alike are named.
+    found: set[int] = set()
+    shared_total = 0
     for ranks in by_wrapper.values():
-        involved, shared_total = set(), 0
+        involved = set()
         for rank, batches in ranks.items():
             distinct = set(batches)
             # One batch repeated is a fixed-batch benchmark or an overfitting test, not unsharded data.
@@ -294,14 +347,68 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
                 involved.add(rank)
                 shared_total = max(shared_total, len(shared))
         if len(involved) >= 2:
-            detail = (f"up to {shared_total} distinct training batches of one rank also reached another rank during "
-                      "the audited window") if field == "batches" else (
-                f"up to {shared_total} distinct training batches of one rank were loaded from the same indices of the "
-                "same dataset as batches of another rank during the audited window (the tensors differ, e.g. by "
-                "random augmentation, but the samples are the same: a sampler seeded alike on every rank)")
-            finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(involved), detail)
-            finding.ranks = sorted(involved)
-            return finding
+            found |= involved
+    if not found:
+        return None
+    detail = (f"up to {shared_total} distinct training batches of one rank also reached another rank during "
+              "the audited window") if field == "batches" else (
+        f"up to {shared_total} distinct training batches of one rank were loaded from the same indices of the "
+        "same dataset as batches of another rank during the audited window (the tensors differ, e.g. by "
+        "random augmentation, but the samples are the same: a sampler seeded alike on every rank)")
+    finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(found), detail)
+    finding.ranks = sorted(found)
+    return finding
+
+
+# Training batches of a tensor-parallel group compared one for one: differing in at least this many, and in at
+# least half of those compared, is evidence (ranks of a tensor-parallel group run every forward together).
+TP_EVIDENCE = 2
+
+
+def _tensor_parallel_batches(records: list[dict[str, Any]]) -> Finding | None:
+    """Evidence that ranks of one tensor-parallel group were fed different batches: their i-th training batches
+    came from different dataset indices (or, without a DataLoader's indices, are different tensors)."""
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    for record in records:
+        for group, spec in record.get("tp_groups", {}).items():
+            groups.setdefault(group, {})[record["rank"]] = {
+                **spec, "index_batches": record.get("index_batches", {}).get(spec["batches"], []),
+                "batches": record.get("batches", {}).get(spec["batches"], [])}
+    involved: set[int] = set()
+    details: list[str] = []
+    for by_rank in groups.values():
+        evidence = _differing_batches(by_rank)
+        if evidence is not None:
+            involved |= set(by_rank)
+            details.append(evidence)
+    if not involved:
+        return None
+    finding = Finding.make("TP_RANKS_SEE_DIFFERENT_DATA", min(involved), details[0] + (
+        f" ({len(details)} groups alike)" if len(details) > 1 else ""))
+    finding.ranks = sorted(involved)
+    return finding
+
+
+def _differing_batches(by_rank: dict[int, dict[str, Any]]) -> str | None:
+    """How one group's ranks' batches differ, compared with its lowest rank's; None without evidence."""
+    reference_rank = min(by_rank)
+    reference = by_rank[reference_rank]
+    dims = "/".join(reference.get("dims", [])) or "tensor-parallel"
+    for field, what in (("index_batches", "were loaded from different dataset indices"),
+                        ("batches", "were different tensors")):
+        # Under context parallelism each rank holds its own slice of every sequence: only indices can be compared.
+        if field == "batches" and any(r.get("sharded_inputs") for r in by_rank.values()):
+            return None
+        for rank, theirs in sorted(by_rank.items()):
+            compared = list(zip(reference[field], theirs[field]))
+            if rank == reference_rank or len(compared) < TP_EVIDENCE:
+                continue
+            differing = sum(a != b for a, b in compared)
+            if differing >= TP_EVIDENCE and differing * 2 >= len(compared):
+                return (f"in the {dims} group of ranks {', '.join(map(str, sorted(by_rank)))}, {differing} of the "
+                        f"first {len(compared)} training batches of rank {rank} and rank {reference_rank} {what}")
+        if any(len(r[field]) >= TP_EVIDENCE for r in by_rank.values()):
+            return None  # the indices agree: whatever the tensors show (augmentation), the samples are the same
     return None
 
 

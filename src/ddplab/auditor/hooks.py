@@ -31,7 +31,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddplab.auditor import data, exchange, frameworks, losses, schedulers, state, tensors
+from ddplab.auditor import data, exchange, frameworks, losses, meshes, schedulers, state, tensors
 from ddplab.auditor import findings as fnd
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
@@ -85,7 +85,9 @@ def attach(audit: AuditState, ddp: DistributedDataParallel) -> None:
     group = dist.get_process_group_ranks(strategy.data_parallel_group(ddp))
     key = f"ddp{audit.wrapper_count}-{'.'.join(map(str, group))}"
     audit.wrapper_count += 1
-    info = audit.wrappers[ddp] = WrapperInfo(ddp, key, group)
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+    info = audit.wrappers[ddp] = WrapperInfo(ddp.module, key, group, params)
     audit.batches[key] = info.batches
     audit.modules[strategy.module(ddp)] = info
     for _, param in info.params():
@@ -130,7 +132,7 @@ def _before_ddp_forward(audit: AuditState, ddp, args, kwargs) -> None:
     info.in_backward = False
     # Read before DDP's own pre-forward: whether it is about to broadcast rank 0's buffers.
     info.syncs_buffers = strategies.of(ddp).syncs_buffers(ddp)
-    _record_training_batch(audit, info, (args, kwargs))
+    record_training_batch(audit, info, (args, kwargs))
 
 
 def _leave_ddp_forward() -> None:
@@ -154,7 +156,8 @@ def _after_ddp_forward(audit: AuditState, ddp, output) -> None:
     info.pending = info.pending or bool(nodes)
 
 
-def _record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None:
+def record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None:
+    """A training forward of ``info``'s model: its batch's fingerprint, size and indices."""
     if len(info.batches) < DATA_WINDOW_FACTOR * audit.steps_to_audit:
         fingerprint = tensors.fingerprint(inputs)
         if fingerprint is not None:
@@ -209,7 +212,7 @@ def _module_pre_forward(audit: AuditState, module, args) -> None:
         if torch.is_grad_enabled():
             # A training forward that skipped the wrapper: DDP will not reduce what it computes.
             info.bypassed = True
-            _record_training_batch(audit, info, args)
+            record_training_batch(audit, info, args)
         return
     if info.syncs_buffers:
         # DDP has just broadcast rank 0's buffers: they must now be equal everywhere.
@@ -246,6 +249,7 @@ def _after_optimizer_step(audit: AuditState, optimizer, args, kwargs) -> None:
 def _optimizer_stepped(audit: AuditState, optimizer) -> None:
     info = _owner(audit, optimizer)
     frameworks.on_optimizer_step(audit)
+    meshes.on_optimizer_step(audit)
     if info is None:
         # A probe or auxiliary optimizer beside a DDP model is no part of the audit; with no DDP model at all,
         # ranks that each train alone are, and so is their schedule.
@@ -259,6 +263,21 @@ def _optimizer_stepped(audit: AuditState, optimizer) -> None:
         _audit_step(audit, info, optimizer)
     elif audit.disabled is None:
         exchange.poll_peers(audit)
+
+
+def _ddp_step_evidence(audit: AuditState, info: WrapperInfo) -> None:
+    params = info.params()
+    stepped = [(n, p) for n, p in params if p.grad is not None]
+    if stepped and info.reductions == 0 and info.bypassed:
+        # Without the bypass, differing gradient digests across ranks are the evidence (findings.merge).
+        audit.add("NO_ALLREDUCE", "the optimizer stepped on gradients DDP never all-reduced: a training forward "
+                                  "reached the module DDP wraps without passing through the wrapper")
+    if info.accumulated_reductions >= 2:
+        audit.add("ACCUMULATION_SYNCS_EVERY_STEP",
+                  f"{info.accumulated_reductions} all-reduces of micro-batches accumulated into one optimizer step")
+    window = audit.window(info)
+    window["grads"] = tensors.named_digests([(n, p.grad) for n, p in stepped])
+    window["params"] = tensors.named_digests(params)
 
 
 def _owner(audit: AuditState, optimizer) -> WrapperInfo | None:
@@ -275,24 +294,19 @@ def _owner(audit: AuditState, optimizer) -> WrapperInfo | None:
 
 
 def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
-    params = info.params()
-    stepped = [(n, p) for n, p in params if p.grad is not None]
-    if stepped and info.reductions == 0 and info.bypassed:
-        # Without the bypass, differing gradient digests across ranks are the evidence (findings.merge).
-        audit.add("NO_ALLREDUCE", "the optimizer stepped on gradients DDP never all-reduced: a training forward "
-                                  "reached the module DDP wraps without passing through the wrapper")
-    if info.accumulated_reductions >= 2:
-        audit.add("ACCUMULATION_SYNCS_EVERY_STEP",
-                  f"{info.accumulated_reductions} all-reduces of micro-batches accumulated into one optimizer step")
-    window = audit.window(info)
-    window["grads"] = tensors.named_digests([(n, p.grad) for n, p in stepped])
-    window["params"] = tensors.named_digests(params)
+    if info.layout is None:
+        _ddp_step_evidence(audit, info)
+    else:
+        # FSDP2's parameters and gradients are shards, different on every rank by design: nothing to compare.
+        meshes.step_evidence(audit, info)
     losses.check_step(audit, info.forward_batch)
     audit.lr = schedulers.configured_lr(optimizer, audit.lr)
     audit.optimizer = type(optimizer).__name__
+    meshes.note_setting(audit, info)
     # Samples the loader fed: a GAN's discriminator also sees a generated batch, which is no part of the data.
     per_rank_batch = info.loader_batch or info.forward_batch
     if per_rank_batch:
+        # The data-parallel ranks, not the world: tensor-parallel ranks share their batch.
         audit.global_batch_size = per_rank_batch * len(info.group)
     info.steps += 1
     info.reductions = info.accumulated_reductions = info.forward_batch = info.loader_batch = 0

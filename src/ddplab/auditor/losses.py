@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ddplab.auditor import state
+from ddplab.auditor import state, tensors
 from ddplab.auditor.patches import Patches
 
 LOSS_FUNCTIONS = ("l1_loss", "mse_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
@@ -79,7 +79,9 @@ def _weighed(micro_batch: int, grad_outputs):
 @state.guarded("weighing a summed loss")
 def _note_weight(audit, micro_batch: int, grad_outputs) -> None:
     grad = grad_outputs[0] if grad_outputs else None
-    if isinstance(grad, torch.Tensor) and grad.numel() and len(audit.loss_weights) < MAX_WEIGHTS:
+    # A DTensor loss (loss parallelism) is left alone: reading it could run a collective.
+    if isinstance(grad, torch.Tensor) and tensors.is_plain(grad) and grad.numel() and \
+            len(audit.loss_weights) < MAX_WEIGHTS:
         # The mean over the terms: 'none' terms summed by hand or masked weigh what a sum over them gives each.
         audit.loss_weights.append((float(grad.detach().double().mean()), micro_batch))
 
@@ -97,7 +99,7 @@ def check_step(audit, samples: int) -> None:
         divisor = 1 / weight if weight > 0 else math.inf
         # Divided by nothing, or by exactly the accumulation steps: a sum; any other scale is no evidence.
         if weight * micro_batch >= GROWTH and any(math.isclose(divisor, d, rel_tol=1e-3) for d in {1, accumulation}):
-            audit.add("SUM_REDUCTION", _grown_detail(micro_batch, accumulation, round(divisor)))
+            audit.add("SUM_REDUCTION", _grown_detail(micro_batch, accumulation, round(divisor)) + _factor_note(audit))
             return
 
 
@@ -132,7 +134,18 @@ def _check_loss(audit, loss: torch.Tensor) -> None:
     if node is None or not summed(loss):
         return
     if node.metadata.get(TAG) == "sum":
-        audit.add("SUM_REDUCTION", "a loss computed with reduction='sum' reached backward as it is")
+        audit.add("SUM_REDUCTION",
+                  "a loss computed with reduction='sum' reached backward as it is" + _factor_note(audit))
     else:
         audit.add("SUM_REDUCTION", "per-sample losses (reduction='none') were summed with .sum() and reached "
-                                   "backward without division by a count")
+                                   "backward without division by a count" + _factor_note(audit))
+
+
+def _factor_note(audit) -> str:
+    """Under a device mesh, what W is: the data-parallel size, which FSDP2 divides the reduced gradient by."""
+    if audit.mesh is None or audit.data_parallel_size is None:
+        return ""
+    size = audit.data_parallel_size
+    world = f", not the world size {audit.world_size}" if size != audit.world_size else ""
+    return (f"; FSDP2 ({audit.strategy}) averages the gradients over the data-parallel ranks, so W here is the "
+            f"data-parallel size {size}{world}")

@@ -4,10 +4,14 @@
   steps a prepared scheduler once per process); a warning once the lr reaches 0 while training
   goes on, which is watched for the whole run (one float read per optimizer step), not only the
   audited window.
-- ``LR_SCALED_NOT_SCHEDULE``: the optimizer's lr was scaled by W or √W after its scheduler was
-  built. A warning where the scheduler recomputes every lr from its ``base_lrs`` (LambdaLR,
-  OneCycleLR, CyclicLR), so its next step brings the unscaled schedule back; information where it
-  multiplies the current lr (StepLR, ExponentialLR, ...), which keeps the scaling.
+- ``LR_SCALED_NOT_SCHEDULE``: the optimizer's lr was scaled by W or √W (under a device mesh, also by
+  the data-parallel size D or √D) after its scheduler was built. A warning where the scheduler
+  recomputes every lr from its ``base_lrs`` (LambdaLR, OneCycleLR, CyclicLR), so its next step
+  brings the unscaled schedule back; information where it multiplies the current lr (StepLR,
+  ExponentialLR, ...), which keeps the scaling.
+- ``LR_SCALED_BY_WORLD_SIZE``: under a device mesh with model-parallel ranks, that scaling was by the
+  world size, where the global batch grows with the data-parallel size only (a ratio that D or √D
+  also explains is no evidence: on a 2 × 2 mesh √W is D).
 """
 
 from __future__ import annotations
@@ -230,10 +234,29 @@ def _check_lr_scaled(audit, watch: OptimizerWatch, optimizer) -> None:
             if not scheduled or group["lr"] == scheduled or built is None or built.base_lrs != scheduler.base_lrs:
                 continue
             ratio = group["lr"] / scheduled
-            for name, factor in (("W", world_size), ("sqrt(W)", math.sqrt(world_size))):
+            for name, factor, size in _scalings(world_size, audit.data_parallel_size):
                 if math.isclose(ratio, factor, rel_tol=1e-6):
                     _scaled_finding(audit, scheduler, index, group["lr"], scheduled, name, factor)
+                    if size == world_size and audit.mesh and audit.data_parallel_size < world_size:
+                        _scaled_by_world(audit, index, ratio, name, audit.data_parallel_size)
                     return
+
+
+def _scalings(world_size: int, data_parallel_size: int | None) -> list[tuple[str, float, int]]:
+    """(name, factor, the rank count it scales by): W and √W, and under a mesh the data-parallel size D and √D."""
+    # D first: a ratio that the data-parallel size explains is the right scaling, whatever W also explains.
+    sizes = ([("D", data_parallel_size)] if data_parallel_size and data_parallel_size != world_size else [])
+    return [(label, factor, size) for name, size in [*sizes, ("W", world_size)]
+            for label, factor in ((name, float(size)), (f"sqrt({name})", math.sqrt(size))) if factor > 1]
+
+
+def _scaled_by_world(audit, index: int, ratio: float, name: str, data_parallel_size: int) -> None:
+    # The batch grows with the data-parallel ranks only: scaling by the world multiplies the rule's lr by W/D (or √).
+    right = data_parallel_size if name == "W" else math.sqrt(data_parallel_size)
+    audit.add("LR_SCALED_BY_WORLD_SIZE",
+              f"param group {index}: the lr was multiplied by {name} = {ratio:.4g} (the world size {audit.world_size}) "
+              f"on a {audit.strategy} mesh whose data-parallel size is {data_parallel_size}: the same rule over the "
+              f"data-parallel ranks multiplies it by {right:.4g}, so the lr is {ratio / right:.4g} times too high")
 
 
 def _scaled_finding(audit, scheduler, index: int, lr: float, scheduled: float, name: str, factor: float) -> None:

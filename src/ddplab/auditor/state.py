@@ -19,14 +19,15 @@ from ddplab.auditor import guard
 
 
 class WrapperInfo:
-    """What the auditor knows about one DDP wrapper (held weakly: it dies with the wrapper)."""
+    """What the auditor knows about one data-parallel model: a DDP wrapper, or an FSDP2 root module (held weakly:
+    it dies with the model)."""
 
-    def __init__(self, ddp, key: str, group: list[int]):
-        self.key, self.group = key, group
-        ignored = getattr(ddp, "parameters_to_ignore", set())
+    def __init__(self, module: torch.nn.Module, key: str, group: list[int],
+                 params: list[tuple[str, torch.Tensor]], layout=None):
+        self.key, self.group = key, group  # group: the data-parallel ranks, which split the data and average
         # Weak: a script that builds many models must not keep their parameters alive through the audit.
-        self.param_refs = [(n, weakref.ref(p)) for n, p in ddp.module.named_parameters()
-                           if p.requires_grad and n not in ignored]
+        self.param_refs = [(n, weakref.ref(p)) for n, p in params]
+        self.layout = layout  # the device mesh under FSDP2 (:class:`ddplab.auditor.meshes.Layout`); None for DDP
         self.steps = 0  # optimizer steps that updated this wrapper's parameters
         self.reductions = 0  # backward passes through a synchronising forward since the last step
         self.accumulated_reductions = 0  # of those, the ones that started on gradients already accumulated
@@ -38,7 +39,9 @@ class WrapperInfo:
         self.bypassed = False
         self.syncs_buffers = False
         self.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
-                                    for m in ddp.module.modules())
+                                    for m in module.modules())
+        self.micro_steps = 0  # training forwards since the last optimizer step
+        self.synced_micro_steps = 0  # of those, the ones whose backward reduces (FSDP2's gradient sync on)
 
     def params(self) -> list[tuple[str, torch.Tensor]]:
         return [(name, p) for name, ref in self.param_refs if (p := ref()) is not None]
@@ -71,6 +74,14 @@ class AuditState:
         self.ddp_forward_depth = 0
         self.stepping: set[int] = set()
         self.global_batch_size = None
+        # The data-parallel degree (the factor from the per-rank to the global batch), the parallelism and the device
+        # mesh ({dim name: size}, FSDP2 only), as of the newest audited step.
+        self.data_parallel_size: int | None = None
+        self.strategy: str | None = None
+        self.mesh: dict[str, int] | None = None
+        # Groups of ranks that must be fed the same batches (one tensor-parallel group each): group key → the key
+        # of this rank's batches in ``batches`` and ``index_batches``, and whether its inputs are split (cp).
+        self.tp_groups: dict[str, dict] = {}
         self.lr = None
         self.optimizer = None
         self.attached_pid = None
@@ -81,6 +92,7 @@ class AuditState:
         self.peers: list[dict] = []
         self.interim = None  # the findings rank 0 printed during the run
         self.module_hook = None
+        self.mesh_hook = None  # the forward hook that looks for FSDP2 roots (ddplab.auditor.meshes)
         self.rank, self.world_size = 0, 1
         # Optimizer steps with no DDP model, and the collectives issued by the first of them (NOT_DISTRIBUTED).
         self.alone_steps, self.alone_collectives, self.synchronised = 0, None, False
@@ -98,15 +110,17 @@ class AuditState:
 
     def record(self) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "global_batch_size": self.global_batch_size,
-                "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
+                "data_parallel_size": self.data_parallel_size, "strategy": self.strategy, "mesh": self.mesh,
+                "tp_groups": self.tp_groups, "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
                 "index_batches": self.index_batches, "joined": self.joined,
                 "peers": self.peers, "interim": self.interim}
 
     def _with_info(self) -> list[fnd.Finding]:
-        info = fnd.Finding.make("RUN_INFO", self.rank, f"world size {self.world_size}, global batch "
-                                f"{self.global_batch_size}, lr {fnd.format_lr(self.lr)}")
+        setting = fnd.describe_setting(self.world_size, self.data_parallel_size, self.strategy, self.mesh)
+        info = fnd.Finding.make("RUN_INFO", self.rank, f"{setting}, global batch {self.global_batch_size}, "
+                                f"lr {fnd.format_lr(self.lr)}")
         return list(self.findings.values()) + [info]
 
     def write(self) -> None:
@@ -126,12 +140,18 @@ class AuditState:
         if self.disabled is None:
             self.disabled = reason
             self.remove_module_hook()
+            self.remove_mesh_hook()
             self.add("AUDIT_INCOMPLETE", f"the auditor turned itself off on rank {self.rank}: {reason}")
 
     def remove_module_hook(self) -> None:
         if self.module_hook is not None:
             self.module_hook.remove()
             self.module_hook = None
+
+    def remove_mesh_hook(self) -> None:
+        if self.mesh_hook is not None:
+            self.mesh_hook.remove()
+            self.mesh_hook = None
 
     def window(self, info: WrapperInfo) -> dict:
         """This wrapper's record for its current step, created on first use."""

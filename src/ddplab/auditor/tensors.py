@@ -47,9 +47,14 @@ def named_digests(named: list[tuple[str, torch.Tensor]]) -> list[list]:
     return out
 
 
+def is_plain(tensor: torch.Tensor) -> bool:
+    """A dense tensor whose bits live here: an operation on a DTensor (or another subclass) may run a collective."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided and not tensor.is_meta
+
+
 def fingerprint(value) -> str | None:
-    """A short digest of every tensor in a batch (args, kwargs, nested lists and dicts); None without tensors."""
-    parts = [digest(t) for t in iter_tensors(value)]
+    """A short digest of every plain tensor in a batch (args, kwargs, nested lists and dicts); None without any."""
+    parts = [digest(t) for t in iter_tensors(value) if is_plain(t)]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest() if parts else None
 
 

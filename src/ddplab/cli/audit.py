@@ -16,7 +16,9 @@ the DDP mistakes that silently change training:
 
   NO_ALLREDUCE (error)             the optimizer stepped on gradients DDP never all-reduced
   PARAMS_DIVERGED (error)          parameters or broadcast buffers differ across ranks
-  SAME_DATA_ON_ALL_RANKS (error)   ranks trained on the same batches
+  SAME_DATA_ON_ALL_RANKS (error)   ranks trained on the same batches (under a mesh: data-parallel ranks)
+  TP_RANKS_SEE_DIFFERENT_DATA      error: ranks of one tensor-parallel group were fed different batches
+                                   (a DistributedSampler split by the world size in a tp x dp run)
   NOT_DISTRIBUTED (error)          several processes started, each training alone: no process group,
                                    Accelerate on CPU without cpu=True, or a group in which optimizer
                                    steps pass with no collective at all (a model never wrapped in DDP)
@@ -24,11 +26,14 @@ the DDP mistakes that silently change training:
   SUM_REDUCTION (warning)          backward from a summed loss (reduction='sum', or 'none' then .sum())
   BATCHNORM_NOT_SYNCED (info)      BatchNorm statistics are per rank (SyncBatchNorm makes them global)
   ACCUMULATION_SYNCS_EVERY_STEP    warning (performance): micro-batches all-reduced before they accumulate
+  ACCUMULATION_REDUCES_EVERY_STEP  info: FSDP2 reduced every micro-batch (set_requires_gradient_sync on)
   SCHEDULER_STEPS_PER_PROCESS      the lr scheduler steps several times per optimizer step (Accelerate):
                                    warning once the lr reaches 0 while training goes on, info otherwise
   LR_SCALED_NOT_SCHEDULE           the lr was scaled by W or sqrt(W) after its scheduler was built:
                                    warning where the scheduler recomputes from base_lrs (LambdaLR,
                                    OneCycleLR), info where it keeps the scaling (StepLR, ExponentialLR)
+  LR_SCALED_BY_WORLD_SIZE          warning: that scaling was by the world size on a mesh whose
+                                   data-parallel size is smaller (tensor parallelism)
   LOSS_NORMALISED_PER_DEVICE       warning: the Trainer divided each rank's token loss by its own,
                                    different token count (average_tokens_across_devices off)
   AUDIT_INCOMPLETE (info)          the auditor turned itself off somewhere; training went on unchanged
@@ -41,7 +46,9 @@ audited (its RUN_INFO says why). Ctrl-C or SIGTERM reach the whole command, and 
 follows. The command keeps its own Python environment: only ddplab itself is put on its path.
 
 Lightning, Accelerate and the Transformers Trainer are audited through the DDP wrapper they build:
-run the command you would run anyway.
+run the command you would run anyway. FSDP2 (fully_shard) and tensor parallelism on a device mesh
+are audited in the script's own torchrun run; the report then shows the mesh, the strategy and the
+data-parallel size, by which the global batch is counted.
 
 examples:
   ddplab audit -- torchrun --nproc_per_node 2 train.py --epochs 1
