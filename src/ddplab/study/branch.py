@@ -184,7 +184,7 @@ def _load_optimizer(stacked: optim.StackedOptimizer, states: dict[str, dict] | N
     if isinstance(stacked, optim.StackedAdam):
         stacked.state = {"m": stack("exp_avg"), "v": stack("exp_avg_sq")}
         stacked.steps = int(states[stacked.names[0]]["step"])
-    elif stacked.config.momentum:
+    elif stacked.configs[0].momentum:
         # torch.optim.SGD starts its buffer from the first gradient; a saved buffer means that step was taken.
         stacked.state = {"buf": stack("momentum_buffer")}
         stacked.steps = 1
@@ -287,9 +287,10 @@ class _Branches:
         state = {k: cast(v, dtype).to(device) for k, v in checkpoint.model.items()}
         self.params = {n: state[n].expand(len(runs), *state[n].shape).clone() for n in named}
         self.buffers = {n: state[n].expand(len(runs), *state[n].shape).clone() for n, _ in self.model.named_buffers()}
-        self.optimizer = optim.stacked(config.optimizer, self.params)
+        self.optimizer = optim.stacked([config.optimizer] * len(runs), self.params)
         _load_optimizer(self.optimizer, _optimizer_state(workload, config, checkpoint), len(runs), self.params)
-        self.lr = torch.tensor([lr for lr, _ in runs], dtype=dtype, device=device)
+        # float64 on the host, as the stacked optimizers take it (torch.optim's lr is a Python float).
+        self.lr = torch.tensor([lr for lr, _ in runs], dtype=torch.float64)
         seeds = sorted({seed for _, seed in runs})
         self.seed_row = torch.tensor([seeds.index(seed) for _, seed in runs])
         self.stream = Stream(workload.train_size, global_batch, seeds, start=checkpoint.samples_seen)
