@@ -47,8 +47,23 @@ def _set(obj, name: str, value) -> None:
     object.__setattr__(obj, name, value)
 
 
+class _Mesh:
+    """What the reference and the target share: tensor, pipeline and context-parallel sizes."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    context_parallel_size: int
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp × pp × cp: ranks that share one data-parallel rank's samples."""
+        return mesh.model_parallel_size(tensor_parallel_size=self.tensor_parallel_size,
+                                        pipeline_parallel_size=self.pipeline_parallel_size,
+                                        context_parallel_size=self.context_parallel_size)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Reference:
+class Reference(_Mesh):
     """The setup whose results you trust: its batch as per-device batch × devices × nodes × accumulation,
     or only its global batch."""
 
@@ -154,13 +169,6 @@ class Reference:
         return 1 if self.wrapper != "ddp" else self.devices * self.nodes
 
     @property
-    def model_parallel_size(self) -> int:
-        """tp × pp × cp: ranks that share one data-parallel rank's samples."""
-        return mesh.model_parallel_size(tensor_parallel_size=self.tensor_parallel_size,
-                                        pipeline_parallel_size=self.pipeline_parallel_size,
-                                        context_parallel_size=self.context_parallel_size)
-
-    @property
     def data_parallel_size(self) -> int:
         """Loader batches behind one micro-step: DDP's data-parallel ranks; DataParallel's one process per node."""
         if self.wrapper != "ddp":
@@ -180,7 +188,7 @@ class Reference:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Target:
+class Target(_Mesh):
     """The new hardware (one process per device, in a mesh of data, tensor, pipeline and context parallel ranks) and
     what to hold fixed."""
 
@@ -264,13 +272,6 @@ class Target:
     @property
     def world_size(self) -> int:
         return self.devices * self.nodes
-
-    @property
-    def model_parallel_size(self) -> int:
-        """tp × pp × cp: ranks that share one data-parallel rank's samples."""
-        return mesh.model_parallel_size(tensor_parallel_size=self.tensor_parallel_size,
-                                        pipeline_parallel_size=self.pipeline_parallel_size,
-                                        context_parallel_size=self.context_parallel_size)
 
     @property
     def data_parallel_size(self) -> int:

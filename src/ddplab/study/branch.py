@@ -15,7 +15,6 @@ then trains it again to the largest fraction, keeping its state (model and torch
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -34,7 +33,7 @@ from ddplab.serialize import finite, write_json_atomic
 from ddplab.study import critical, optim
 from ddplab.study.config import StudyConfig, StudyOptions
 from ddplab.study.critical import BranchConfig
-from ddplab.study.engines.vmap import cast, evaluate_model, runs_that_fit, torch_dtype
+from ddplab.study.engines.vmap import cast, evaluate_model, runs_that_fit, threads, torch_dtype
 from ddplab.study.fit import median
 from ddplab.study.workloads import Workload
 
@@ -446,7 +445,7 @@ def measure(workload: Workload, config: StudyConfig, branch: BranchConfig, optio
     reference_steps = config.max_steps * 2 if branch.branch_at else 0
     total = reference_steps + per_checkpoint * (len(branch.branch_at or ()) or len(checkpoints))
     advance = _Advance(progress, total)
-    with _threads(options.threads):
+    with threads(options.threads):
         reference_run = None
         if branch.branch_at:
             checkpoints, reference_run = reference_checkpoints(workload, config, branch.branch_at, device, advance)
@@ -515,13 +514,3 @@ class _Advance:
         """Steps budgeted but not needed (a reference run that reached its target early) count as done."""
         if done > self.done:
             self(done - self.done)
-
-
-@contextlib.contextmanager
-def _threads(count: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -21,7 +19,7 @@ from ddplab.study import analysis, engines, grid, rules, workloads
 from ddplab.study.config import StudyConfig, StudyOptions
 from ddplab.study.engines.base import Engine
 from ddplab.study.engines.ddp import DdpEngine
-from ddplab.study.engines.vmap import VmapEngine
+from ddplab.study.engines.vmap import VmapEngine, threads
 from ddplab.study.report import StudyReport
 from ddplab.study.verify import verify_ddp
 from ddplab.study.workloads import Workload
@@ -96,7 +94,7 @@ def _study(setup: _Setup, progress, launch_config, *, rank) -> StudyReport:
     if rank is not None:
         cache = grid.RankZeroCache(cache, rank)
     engine = build_engine(setup.engine, setup.device, options, launch_config)
-    with _threads(options.threads if setup.engine == "vmap" else torch.get_num_threads()):
+    with threads(options.threads if setup.engine == "vmap" else torch.get_num_threads()):
         results = grid.run_grid(workload, config, cache, engine, _advance(progress, config))
     name, why = engine.summary() if isinstance(engine, engines.Auto) else (setup.engine, setup.why)
     found = analysis.analyze(config, results)
@@ -214,14 +212,6 @@ def _advance(progress: Progress, config: StudyConfig):
     return advance
 
 
-@contextlib.contextmanager
-def _threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def check_out(directory: str) -> None:

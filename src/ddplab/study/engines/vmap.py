@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch.func import functional_call, vmap
@@ -264,6 +265,17 @@ def seconds_per_step(workload: Workload, config: StudyConfig, group: RunGroup, d
         trained.step(step, measure=False)
     synchronize(trained.device)
     return (time.perf_counter() - start) / steps
+
+
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block (an in-process engine's share of the machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def synchronize(device: torch.device | str) -> None:
