@@ -234,7 +234,7 @@ def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_say
 
 def test_the_registry_holds_every_rule_once_and_each_says_what_it_is():
     assert list(rules.REGISTRY) == ["constant", "linear", "sqrt", "adam-sqrt", "adamw-tau", "surge", "tuned",
-                                    "adascale", "ramp"]
+                                    "adascale", "ramp", "schedule"]
     assert [rule.name for rule in rules.REGISTRY.values() if rule.sweeps] == ["tuned"]
     assert {rule.name for rule in rules.REGISTRY.values() if rule.shares_grid} == {"constant", "linear", "sqrt",
                                                                                    "tuned"}

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import statistics
 
 import pytest
 import torch
@@ -373,6 +374,74 @@ def test_the_ramp_rule_grows_from_the_smallest_batch_and_is_judged_against_the_t
     # An odd smallest batch cannot be two micro-batches.
     assert main(_study(tmp_path, "--rules", "ramp", "--global-batch-sizes", "15,64", "--fresh")) == 2
     assert "the ramp starts from the smallest of --global-batch-sizes, 15: it must be even" in capsys.readouterr().err
+
+
+def _follows(run: dict, schedule: str | list, lr: float) -> int:
+    """Assert the run trained at each step the batch and lr its schedule sets for the samples seen before it (every
+    step evaluated), and return the samples it trained."""
+    from ddplab.adapt import thresholds as th
+
+    entries = th.parse(schedule)
+    factors = th.lr_factors(entries)
+    assert [t[0] for t in run["trajectory"]] == list(range(1, len(run["trajectory"]) + 1))
+    seen = entries[0].global_batch_size  # the first step's batch, the schedule's first
+    for step, batch, step_lr in run["trajectory"]:
+        # What the trajectory records after a step: the batch and lr of the next, from the samples seen so far.
+        entry = th.index_at(entries, seen)
+        assert batch == entries[entry].global_batch_size
+        assert step_lr == pytest.approx(lr * factors[entry], rel=1e-12)
+        if step < len(run["trajectory"]):
+            seen += batch
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_runs_and_the_ramp(tmp_path, capsys):
+    megatron = "0:16 320:32 960:64"
+    argv = _study(tmp_path, "--json", "--rules", "tuned,ramp,schedule", "--global-batch-sizes", "16,64",
+                  "--eval-every", "1", "--no-plots")
+    assert main([*argv, "--schedule", megatron]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tuned = {p["global_batch_size"]: p for p in report["tuned_lr"]}
+    runs = [r for r in report["runs"] if r["rule"] == "schedule"]
+    # One run per seed from the schedule's first batch; a schedule without lrs runs at the best tuned lr there.
+    assert [r["seed"] for r in runs] == [0, 1] and {r["global_batch_size"] for r in runs} == {16}
+    for run in runs:
+        assert run["lr"] == tuned[16]["lr"] and run["steps_to_target"] is not None
+        assert _follows(run, megatron, run["lr"]) == run["samples_to_target"]
+        assert {t[1] for t in run["trajectory"]} == {16, 32, 64}
+    adaptive = report["adaptive"]
+    assert set(adaptive) == {"ramp", "schedule"}
+    for name, summary in adaptive.items():
+        own = [r for r in report["runs"] if r["rule"] == name]
+        assert summary == {"median_steps": statistics.median(r["steps_to_target"] for r in own),
+                           "median_samples": statistics.median(r["samples_to_target"] for r in own),
+                           "start_global_batch_size": 16, "fixed_median_steps": tuned[16]["median_steps"],
+                           "fixed_median_samples": 16 * tuned[16]["median_steps"]}
+    assert adaptive["ramp"]["median_steps"] == report["ramp"]["median_steps"] and "schedule" not in report["fit"]
+    cached = [n for n in os.listdir(tmp_path / "out" / "runs") if n.startswith("batch-16-schedule-")]
+    # A schedule with lrs, on the same grid (cached): each entry's lr exactly, its runs cached apart.
+    schedule = [{"samples_seen": 0, "global_batch_size": 16, "lr": 0.05},
+                {"samples_seen": 320, "global_batch_size": 32, "lr": 0.1},
+                {"samples_seen": 960, "global_batch_size": 64, "lr": 0.2}]
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(schedule))
+    assert main([*argv, "--schedule", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tuned_lr"] == list(tuned.values())
+    for run in [r for r in report["runs"] if r["rule"] == "schedule"]:
+        assert run["lr"] == 0.05 and _follows(run, schedule, 0.05) == run["samples_to_target"]
+        assert sorted({round(t[2], 12) for t in run["trajectory"]}) == [0.05, 0.1, 0.2]
+    assert len([n for n in os.listdir(tmp_path / "out" / "runs") if n.startswith("batch-16-schedule-")]) == 2
+    assert len(cached) == 1
+    # Refused before anything trains: no schedule, or one that starts off the grid.
+    for extra, message in (([], "the schedule rule follows --schedule: give a branched.json, a schedule.json or a "
+                                "Megatron-style string such as '0:32 416:64'"),
+                           (["--schedule", "0:8 64:16"], "--schedule starts at global batch 8, which "
+                                                         "--global-batch-sizes does not hold: add it")):
+        out = tmp_path / "refused"
+        assert main([*_study(tmp_path, "--rules", "tuned,schedule"), "--out", str(out), *extra]) == 2
+        assert message in capsys.readouterr().err and not out.exists()
 
 
 @pytest.mark.timeout(120)

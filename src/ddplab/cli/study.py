@@ -85,7 +85,7 @@ def add_parser(subparsers) -> None:
     add_fields(opt, OptimizerConfig, ("family", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"),
                prefix="optimizer")
     add_fields(parser, StudyConfig, ("patience", "max_steps", "eval_every", "sweep_factor", "sweep_margin",
-                                     "max_runs", "dtype", "noise_scale"))
+                                     "max_runs", "dtype", "noise_scale", "schedule"))
     add_fields(parser, StudyOptions, ("out", "fresh", "verify_ddp", "verify_world_size", "verify_steps", "threads"),
                verify_ddp={"metavar": "K"})
     add_fields(parser.add_argument_group("engine"), StudyOptions,
@@ -303,6 +303,14 @@ def _print(report) -> None:
         out.print(f"ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}: median "
                   f"{_num(ramp['median_steps'])} steps and {_num(ramp['median_samples'])} samples{versus}{ratios}; "
                   f"final global batches {', '.join(map(str, ramp['final_global_batch_sizes']))}")
+    for name, summary in (values.get("adaptive") or {}).items():
+        if values.get(name):
+            continue  # a rule with a section of its own printed it above, with more
+        versus = "" if summary["fixed_median_steps"] is None else (
+            f" vs the best tuned fixed lr's {_num(summary['fixed_median_steps'])} steps and "
+            f"{_num(summary['fixed_median_samples'])} samples there")
+        out.print(f"{name} from global batch {summary['start_global_batch_size']}: median "
+                  f"{_num(summary['median_steps'])} steps and {_num(summary['median_samples'])} samples{versus}")
     for miss in values["unreached"]:
         best = "no finite metric" if miss["best_metric"] is None else \
             f"its runs' best {target['kind']}: {miss['best_metric']:.4g}"

@@ -76,14 +76,25 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
                                                                          if sweep else {})
     # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
     best_runs = [r for r in best_runs if r.steps_to_target is not None]
-    sections = {key: value for rule in rules.REGISTRY.values() for key, value in
-                rule.report(config, batches, tuned).items()}
+    sections = _sections([rule.report(config, batches, tuned) for rule in rules.REGISTRY.values()])
     card = scorecard(config, batches)
     warnings += _beats_tuned_warnings(card)
     b_simple = _b_simple(best_runs, fits.get(sweep.name) if sweep else None)
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
                          sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple))
+
+
+def _sections(reports: list[dict]) -> dict:
+    """The rules' sections, a key several rules report (``adaptive``) merged into one dict."""
+    out: dict = {}
+    for report in reports:
+        for key, value in report.items():
+            if isinstance(out.get(key), dict) and isinstance(value, dict):
+                out[key] = {**out[key], **value}
+            else:
+                out[key] = value
+    return out
 
 
 def _grid_rows(view: BatchRuns, sweep: rules.Rule | None) -> list[dict]:

@@ -24,6 +24,9 @@ Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 WORKLOADS = ("digits", "mnist1d", "charlm", "regression")
 """The built-in workloads (``--workload``)."""
+UNCACHED_FIELDS = ("global_batch_sizes", "rules", "max_runs", "noise_scale", "schedule")
+"""The StudyConfig fields a cached run does not depend on: the surge rule's lrs follow noise_scale and its runs are
+found by lr; the schedule rule's runs are cached by the schedule's digest."""
 DEFAULT_ACCURACY = 0.95
 """The built-in workload's target, when none is given."""
 
@@ -112,7 +115,7 @@ class StudyConfig:
     lr peaking at B_noise (``noise_scale``, else the B_simple measured at the reference batch); with Adam the tuned
     sweep trains each lr with every Adam rule's settings too; adascale adds AdaScale runs from ``reference_lr``,
     untuned, at every batch from the reference up; ramp adds one BatchRamp run per seed from the smallest batch,
-    growing with the measured noise scale."""
+    growing with the measured noise scale; schedule adds one BatchSchedule run per seed following ``schedule``."""
     reference_global_batch_size: int = 32
     """The reference's global batch, which the rules scale from."""
     reference_lr: float = 0.1
@@ -140,6 +143,9 @@ class StudyConfig:
     noise_scale: float | None = None
     """the surge rule's B_noise, in samples (default: the B_simple the study measures along the best tuned runs at
     the reference batch)."""
+    schedule: str | None = None
+    """the schedule rule's batch schedule: a branched.json or schedule.json path, or a Megatron-style string such as
+    '0:32 416:64' (samples seen:global batch)."""
 
     def __post_init__(self):
         if self.rules is None:
@@ -160,9 +166,7 @@ class StudyConfig:
 
     def settings(self, workload_fingerprint: str) -> dict:
         """What a cached run depends on, by field: the workload (its content) and every training setting."""
-        # The surge rule's lrs follow noise_scale, and its cached runs are found by lr: the grid's stay valid.
-        fields = {k: v for k, v in dataclasses.asdict(self).items()
-                  if k not in ("global_batch_sizes", "rules", "max_runs", "noise_scale")}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in UNCACHED_FIELDS}
         return json.loads(json.dumps({"workload": workload_fingerprint, **fields}, sort_keys=True, default=str))
 
     def fingerprint(self, workload_fingerprint: str) -> str:

@@ -44,6 +44,8 @@ class RunGroup:
     """(lr, variant) of the runs that serve the tuned sweep alone: they stop once they can no longer be the best."""
     extension: bool = False
     """Sweep lrs past the configured sweep's edge, added because the best lr sat on it."""
+    cache_tag: str = ""
+    """Settings of its rule's own that its runs depend on beyond the study's (a schedule's digest): cached apart."""
 
     def __post_init__(self):
         for name in ("variants", "optimizers"):
@@ -53,7 +55,7 @@ class RunGroup:
     @property
     def cache_key(self) -> str:
         """The suffix of the group's cache file beside its batch size."""
-        return f"-{self.rule}" if self.rule else "-extension" if self.extension else ""
+        return f"-{self.rule}{self.cache_tag}" if self.rule else "-extension" if self.extension else ""
 
     def run_variants(self) -> list[str]:
         return list(self.variants) or [""] * len(self.runs)

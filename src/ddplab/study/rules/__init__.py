@@ -15,6 +15,7 @@ from ddplab.study.rules.adascale import AdaScale
 from ddplab.study.rules.base import BatchRuns, Best, Rule
 from ddplab.study.rules.fixed import Constant, Linear, Sqrt
 from ddplab.study.rules.ramp import Ramp
+from ddplab.study.rules.schedule import Schedule
 from ddplab.study.rules.surge import Surge
 from ddplab.study.rules.tuned import Tuned
 from ddplab.study.runs import RunResult, steps
@@ -28,7 +29,8 @@ def register(rule: Rule) -> Rule:
     return rule
 
 
-for _rule in (Constant(), Linear(), Sqrt(), AdamSqrt(), AdamWTau(), Surge(), Tuned(), AdaScale(), Ramp()):
+for _rule in (Constant(), Linear(), Sqrt(), AdamSqrt(), AdamWTau(), Surge(), Tuned(), AdaScale(), Ramp(),
+              Schedule()):
     register(_rule)
 
 

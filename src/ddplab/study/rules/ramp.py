@@ -12,13 +12,12 @@ judged against the best tuned fixed lr at its starting batch, not fitted.
 
 from __future__ import annotations
 
-import math
-
 from ddplab.errors import UsageError
 from ddplab.study import fit
 from ddplab.study.config import StudyConfig, round_lr
+from ddplab.study.rules import changing
 from ddplab.study.rules.base import BatchRuns, Rule, row
-from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle, steps
+from ddplab.study.runs import RunGroup, RunResult
 
 WARMUP_STEPS = 10
 
@@ -59,29 +58,28 @@ class Ramp(Rule):
         return out
 
     def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
-        own = view.own.get(self.name, {})
-        return [own[seed] for seed in sorted(own)] or None
+        return changing.own_runs(view, self.name)
 
     def rows(self, view: BatchRuns) -> list[dict]:
         return [row(self.name, view.global_batch_size, run, trajectory=run.trajectory)
                 for run in self.seeds_at(view) or []]
 
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
-        """Median steps and samples of the ramp runs over those of the best-tuned fixed lr at their starting batch."""
+        """Median steps and samples of the ramp runs over those of the best-tuned fixed lr at their starting batch
+        (``ramp``), and the same as every rule whose batch changes reports them (``adaptive``)."""
         start = self.start(config)
         runs = self.seeds_at(batches[start]) if start in batches else None
         if not runs:
             return {"ramp": None}
-        median_steps = fit.median([steps(r) for r in runs])
-        samples = fit.median([float(r.samples_to_target) if r.samples_to_target is not None else math.inf
-                              for r in runs])
+        median_steps, samples = changing.medians(runs)
         fixed = next((p["median_steps"] for p in tuned if p["global_batch_size"] == start), None)
         fixed_samples = fixed * start if fixed is not None else None
         return {"ramp": {"start_global_batch_size": start, "lr": runs[0].lr, "median_steps": median_steps,
                          "median_samples": samples, "tuned_median_steps": fixed, "tuned_median_samples": fixed_samples,
                          "steps_over_tuned": fit.ratio(median_steps, fixed),
                          "samples_over_tuned": fit.ratio(samples, fixed_samples),
-                         "final_global_batch_sizes": [r.trajectory[-1][1] if r.trajectory else start for r in runs]}}
+                         "final_global_batch_sizes": [r.trajectory[-1][1] if r.trajectory else start for r in runs]},
+                "adaptive": {self.name: changing.adaptive(start, runs, tuned)}}
 
 
 def start_lr(config: StudyConfig, start: int, trained: list[RunResult]) -> float:
@@ -97,47 +95,17 @@ def train_ramp(workload, config: StudyConfig, lr: float, seed: int) -> RunResult
     steps."""
     from ddplab.adapt.ramp import BatchRamp
     from ddplab.noise.scale import GradientNoiseScale
-    from ddplab.study.engines import vmap
-    from ddplab.study.engines.ddp import run_optimizer
 
     start = min(config.global_batch_sizes)
     micro = start // 2
-    dtype = vmap.torch_dtype(config)
-    model = workload.model().to(dtype)
-    params, buffers = vmap.seeded_state(workload, seed, dtype)
-    model.load_state_dict({**params, **buffers}, strict=False)
-    optimizer = run_optimizer(workload, config, model.parameters(), lr)
-    noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
-                               dataset_size=workload.train_size)
-    largest = min(max(config.global_batch_sizes), workload.train_size)
-    ramp = BatchRamp(model, optimizer, noise, max_accumulation_steps=max(2, largest // micro), rule="linear",
-                     warmup_steps=WARMUP_STEPS)
-    result = RunResult(global_batch_size=start, lr=lr, seed=seed, rule=Ramp.name)
-    batches = vmap.Batches(workload.train_size, micro, [seed])
-    inputs, targets = vmap.cast(workload.train[0], dtype), vmap.cast(workload.train[1], dtype)
-    drawn = samples = 0
-    for step in range(config.max_steps):
-        window, loss_sum = ramp.accumulation_steps, 0.0
-        for _ in range(window):
-            index = batches.indices(drawn)[0]
-            drawn, samples = drawn + 1, samples + micro
-            loss = workload.step_fn(model, (inputs[index], targets[index]), workload.loss)
-            (loss / window).backward()
-            loss_sum += float(loss.detach())
-        loss = loss_sum / window
-        if not math.isfinite(loss) or abs(loss) > DIVERGED_LOSS:
-            result.diverged = True
-            break
-        noise.step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % config.eval_every == 0:
-            metric = vmap.evaluate_model(workload, config, model)
-            result.history.append([step + 1, loss, metric])
-            result.trajectory.append([step + 1, ramp.global_batch_size, lr * ramp.lr_factor()])
-            if settle(config, result, step + 1, metric):
-                if result.steps_to_target is not None:
-                    result.samples_to_target = samples
-                break
-    ramp.remove()
-    return result
+
+    def adapter(model, optimizer):
+        noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
+                                   dataset_size=workload.train_size)
+        largest = min(max(config.global_batch_sizes), workload.train_size)
+        ramp = BatchRamp(model, optimizer, noise, max_accumulation_steps=max(2, largest // micro), rule="linear",
+                         warmup_steps=WARMUP_STEPS)
+        return ramp, noise.step
+
+    return changing.train_changing(workload, config, rule=Ramp.name, global_batch=start, lr=lr, seed=seed,
+                                   micro=micro, adapter=adapter)

@@ -1,0 +1,104 @@
+"""``schedule``: ``ddplab.BatchSchedule`` following a batch schedule from scratch, one run per seed.
+
+The schedule is ``StudyConfig.schedule``: a ``branched.json`` (what ``--branch-at/--branch-from``
+writes), a ``schedule.json`` list of ``{"samples_seen", "global_batch_size", "lr"}`` entries, or a
+Megatron-style ``"0:32 416:64"`` string. Each seed's run starts at the schedule's first global batch
+(a batch of the grid) from the grid's initial weights for that seed, and trains as the ramp does
+(:mod:`ddplab.study.rules.changing`) with the batch and lr the schedule sets, without a warmup: at
+the first entry's lr, so every update runs at exactly its entry's lr; a schedule without lrs (a
+Megatron string) at the best tuned lr at its first batch throughout (else the linear rule's). It is
+judged against the best tuned fixed lr at its starting batch, not fitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+from ddplab.adapt import thresholds as th
+from ddplab.errors import UsageError
+from ddplab.study.config import StudyConfig
+from ddplab.study.rules import changing
+from ddplab.study.rules.base import BatchRuns, Rule, row
+from ddplab.study.rules.ramp import start_lr
+from ddplab.study.runs import RunGroup, RunResult
+
+
+class Schedule(Rule):
+    name = "schedule"
+    summary = "ddplab.BatchSchedule following {schedule} from scratch, from its first global batch"
+    fitted = False
+    single_process = True
+    trains_itself = True
+
+    def check(self, config: StudyConfig) -> None:
+        if config.schedule is None:
+            raise UsageError("the schedule rule follows {schedule}: give a branched.json, a schedule.json or a "
+                             "Megatron-style string such as '0:32 416:64'")
+        first = thresholds(config)[0].global_batch_size
+        if first not in config.global_batch_sizes:
+            raise UsageError(f"{{schedule}} starts at global batch {first}, which {{global_batch_sizes}} does not "
+                             "hold: add it, as the schedule is judged against the tuned runs there")
+
+    def start(self, config: StudyConfig) -> int | None:
+        """The global batch schedule runs start from (the schedule's first), or None without the rule."""
+        return thresholds(config)[0].global_batch_size if self.name in config.rules else None
+
+    def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
+        if global_batch != self.start(config):
+            return None
+        first = thresholds(config)[0].lr
+        lr = first if first is not None else start_lr(config, global_batch, trained.get(global_batch, []))
+        return RunGroup(global_batch_size=global_batch, runs=tuple((lr, seed) for seed in range(config.seeds)),
+                        rule=self.name, optimizer=config.optimizer, cache_tag=digest(config))
+
+    def stretches(self, config: StudyConfig) -> int:
+        return config.seeds if self.name in config.rules else 0
+
+    def train(self, workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
+        out = []
+        for lr, seed in group.runs:
+            out.append(train_schedule(workload, config, lr, seed))
+            if progress:
+                progress(config.max_steps)
+        return out
+
+    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
+        return changing.own_runs(view, self.name)
+
+    def rows(self, view: BatchRuns) -> list[dict]:
+        return [row(self.name, view.global_batch_size, run, trajectory=run.trajectory)
+                for run in self.seeds_at(view) or []]
+
+    def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
+        """Median steps and samples of the schedule's runs beside the best-tuned fixed lr's at its first batch."""
+        start = self.start(config)
+        runs = self.seeds_at(batches[start]) if start in batches else None
+        return {"adaptive": {self.name: changing.adaptive(start, runs, tuned)}} if runs else {}
+
+
+def thresholds(config: StudyConfig) -> tuple[th.Threshold, ...]:
+    return th.parse(config.schedule)
+
+
+def digest(config: StudyConfig) -> str:
+    """A short hash of the schedule's entries: its runs are cached apart from another schedule's."""
+    text = ";".join(f"{t.samples_seen}:{t.global_batch_size}:{t.lr!r}" for t in thresholds(config))
+    return "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def train_schedule(workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
+    """One run following the schedule at ``lr`` (its first entry's) until it reaches the target, diverges or runs
+    out of steps."""
+    from ddplab.adapt.schedule import BatchSchedule
+
+    entries = thresholds(config)
+    # Micro-batches that divide every entry's global batch.
+    micro = math.gcd(*(t.global_batch_size for t in entries))
+
+    def adapter(model, optimizer):
+        return BatchSchedule(model, optimizer, config.schedule, per_device_batch_size=micro), lambda: None
+
+    return changing.train_changing(workload, config, rule=Schedule.name, global_batch=entries[0].global_batch_size,
+                                   lr=lr, seed=seed, micro=micro, adapter=adapter)
+
