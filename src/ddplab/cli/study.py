@@ -68,7 +68,9 @@ examples:
 The critical batch where a training is (Merrill et al. 2025): --branch-at trains the reference run
 and branches from fractions of it; --branch-from branches from your own checkpoints. Short branches
 at the reference global batch × 1, 2, 4, ... train the same samples with a small lr sweep, and the
-critical batch is the largest whose loss on the held-out split still matches the reference batch's:
+critical batch is the largest whose loss on the held-out split still matches the reference batch's.
+The branches train vectorized where the spec allows it; with --engine ddp, a sharding --strategy,
+under torchrun, or for what cannot be vectorized, on real ranks, one launch per checkpoint:
   ddplab study --workload digits --branch-at 0.1,0.3,0.6
   ddplab study spec.py --branch-from ckpt-1000.pt ckpt-5000.pt --ref-global-batch-size 256 --ref-lr 3e-4
 """
@@ -217,6 +219,8 @@ def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, o
     from ddplab.study.branch import measure
 
     report = measure(workload, config, branches, options, progress=render.ProgressBar("ddplab study"))
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun, rank 0 speaks for the branches
     if args.json:
         render.print_json(report)
     else:
@@ -229,8 +233,10 @@ def _print_branches(values: dict) -> None:
 
     out = render.console()
     reference = values["reference"]
+    ranks = f" on {values['world_size']} ranks, strategy {values['strategy']}" if values["world_size"] else ""
     out.print(f"optimizer: {optimizer_text(values['optimizer'])}; reference: global batch "
-              f"{reference['global_batch_size']} at lr {reference['lr']:.4g}")
+              f"{reference['global_batch_size']} at lr {reference['lr']:.4g}; engine: {values['engine']}{ranks} "
+              f"({values['engine_reason']})")
     run = values["reference_run"]
     if run:
         reached = "reached the target" if run["reached"] else "did not reach the target"

@@ -11,6 +11,11 @@ on the held-out split at the end of each branch; :mod:`ddplab.study.critical` ju
 
 ``branch_at`` first trains the reference run itself (reference batch and lr, seed 0) to the target,
 then trains it again to the largest fraction, keeping its state (model and torch.optim's state) at each.
+
+What cannot be vectorized (a spec's own ``step()``, another optimizer, a model that does not vmap), a sharding
+strategy, ``--engine ddp`` and torchrun train the branches on real ranks instead
+(:mod:`ddplab.study.engines.ddp_branches`), one launch per checkpoint; the reference run and B_simple stay in this
+process (under torchrun: in every rank, and rank 0's checkpoints are everyone's).
 """
 
 from __future__ import annotations
@@ -21,24 +26,37 @@ import math
 import os
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch.func import functional_call, vmap
 
 from ddplab.errors import UsageError, literal
 from ddplab.noise import estimators
 from ddplab.progress import Progress, silent
+from ddplab.runtime.launch import LaunchConfig, RankContext, launch, world_size_for
+from ddplab.runtime.launch_config import under_torchrun
 from ddplab.runtime.sharding import epoch_permutation
 from ddplab.serialize import finite, write_json_atomic
 from ddplab.study import critical, optim
 from ddplab.study.config import StudyConfig, StudyOptions
 from ddplab.study.critical import BranchConfig
+from ddplab.study.engines.ddp import run_optimizer
 from ddplab.study.engines.vmap import cast, evaluate_model, runs_that_fit, threads, torch_dtype
 from ddplab.study.fit import median
 from ddplab.study.workloads import Workload
 
 B_SIMPLE_BATCHES = 16
 """Batches the noise scale is measured on at each checkpoint (two halves each, as two DDP ranks would see them)."""
+
+Runs = list[tuple[float, int]]
+"""(lr, seed) of each run of one global batch."""
+Groups = dict[int, tuple[Runs, set[int]]]
+"""{global batch: (its runs, the steps besides the last after which each run's held-out loss is kept)}."""
+Trained = dict[int, dict[int, list[float]]]
+"""{global batch: {steps: each run's held-out loss after them}}."""
+BranchEngine = Literal["vmap", "ddp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +132,7 @@ def load_checkpoint(workload: Workload, config: StudyConfig, path: str) -> Check
 def _spec_loaded(workload: Workload, config: StudyConfig, path: str) -> Checkpoint:
     """What the spec's load(path, model, optimizer) puts into a fresh model and optimizer."""
     model = workload.model().to(torch_dtype(config))
-    optimizer = optim.torch_optimizer(config.optimizer, model.parameters(), config.reference_lr)
+    optimizer = run_optimizer(workload, config, model.parameters(), config.reference_lr)
     samples = workload.load(path, model, optimizer)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
         raise UsageError(f"{{branch_from}} {literal(path)}: the spec's load(path, model, optimizer) must return the "
@@ -156,8 +174,9 @@ def _optimizer_state(workload: Workload, config: StudyConfig, checkpoint: Checkp
     if len(ids) != len(names):
         raise UsageError(f"{{branch_from}} {where}: the optimizer's key 'param_groups' holds {len(ids)} parameters, "
                          f"the model has {len(names)}")
-    needs = ("exp_avg", "exp_avg_sq", "step") if config.optimizer.adam else \
-        ("momentum_buffer",) if config.optimizer.momentum else ()
+    # A spec's own optimizer (trained on ranks) keeps what it keeps: torch.optim reads its state as it is.
+    needs = () if workload.make_optimizer is not None else ("exp_avg", "exp_avg_sq", "step") \
+        if config.optimizer.adam else ("momentum_buffer",) if config.optimizer.momentum else ()
     out = {}
     for index, name in zip(ids, names):
         state = saved["state"].get(index, {})
@@ -212,7 +231,7 @@ def _reference_run(workload: Workload, config: StudyConfig, device: torch.device
     dtype = torch_dtype(config)
     torch.manual_seed(0)
     model = workload.model().to(dtype).to(device)
-    optimizer = optim.torch_optimizer(config.optimizer, model.parameters(), config.reference_lr)
+    optimizer = run_optimizer(workload, config, model.parameters(), config.reference_lr)
     batch = config.reference_global_batch_size
     stream = Stream(workload.train_size, batch, [0])
     inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
@@ -228,7 +247,7 @@ def _reference_run(workload: Workload, config: StudyConfig, device: torch.device
             break
         index = stream.indices(step)[0].to(device)
         optimizer.zero_grad(set_to_none=True)
-        workload.loss(model(inputs[index]), targets[index]).backward()
+        workload.step_fn(model, (inputs[index], targets[index]), workload.loss).backward()
         optimizer.step()
         advance(1)
         if (step + 1) % config.eval_every == 0:
@@ -360,7 +379,7 @@ def b_simple_at(workload: Workload, config: StudyConfig, checkpoint: Checkpoint,
 
 def _flat_grad(workload: Workload, model: torch.nn.Module, inputs, targets) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(workload.loss(model(inputs), targets), params, allow_unused=True)
+    grads = torch.autograd.grad(workload.step_fn(model, (inputs, targets), workload.loss), params, allow_unused=True)
     return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in zip(grads, params)])
 
 
@@ -384,6 +403,15 @@ class BranchReport:
     """The reference run ``branch_at`` trained: its steps to the target, whether it reached it, its samples."""
     branch_samples_total: int
     out: str
+    engine: BranchEngine = "vmap"
+    """What trained the branches: vmap (vectorized, in this process) or ddp (real ranks)."""
+    engine_reason: str = ""
+    world_size: int | None = None
+    """The ranks the ddp engine trained the branches on (None: vectorized)."""
+    strategy: str | None = None
+    """Their parallelism strategy: ddp, fsdp or hsdp (None: vectorized)."""
+    own_optimizer: dict | None = None
+    """The spec's own optimizer, where the branches trained with it instead of the config's (optim.describe)."""
     seconds: float = 0.0
 
     @property
@@ -397,7 +425,9 @@ class BranchReport:
         cfg = self.config
         reference = self.reference_samples
         return finite({
-            "workload": self.workload, "optimizer": cfg.optimizer.to_json(),
+            "workload": self.workload, "optimizer": self.own_optimizer or cfg.optimizer.to_json(),
+            "engine": self.engine, "engine_reason": self.engine_reason, "world_size": self.world_size,
+            "strategy": self.strategy,
             "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr},
             "global_batch_sizes": list(self.branch.global_batch_sizes(cfg.reference_global_batch_size)),
             "lr_rule": self.lr_rule, "sweep_factor": cfg.sweep_factor, "seeds": cfg.seeds,
@@ -412,77 +442,182 @@ class BranchReport:
         })
 
 
-def check_branches(workload: Workload, config: StudyConfig, branch: BranchConfig) -> None:
-    """Refuse what the branches cannot train, before anything trains."""
+def engine_for(workload: Workload, options: StudyOptions) -> tuple[BranchEngine, str]:
+    """(engine, why): vectorized where the spec allows it and nothing asks for ranks, else on real ranks."""
+    ranks = _needs_ranks(workload, options)
+    if options.engine == "ddp":
+        return "ddp", "asked for"
+    if ranks and options.engine == "vmap":
+        raise UsageError(f"{{engine}} vmap cannot train these branches: {ranks}; use {{engine}} ddp (or auto)")
+    if ranks:
+        return "ddp", ranks
+    return "vmap", ("asked for" if options.engine == "vmap" else
+                    "the model and optimizer vectorize: every run of a batch trains at once in this process")
+
+
+def _needs_ranks(workload: Workload, options: StudyOptions) -> str:
+    """Why the branches must train on ranks ('' when nothing says so)."""
+    if under_torchrun():
+        return "under torchrun the branches train across the job's ranks"
+    if not options.wraps_in_ddp:
+        return f"the {options.strategy} strategy wraps the model on ranks"
     if workload.not_vectorized:
-        raise UsageError(f"branches train vectorized, and {literal(workload.name)} cannot be: "
-                         f"{literal(workload.not_vectorized)}")
-    largest = branch.global_batch_sizes(config.reference_global_batch_size)[-1]
+        return f"the spec cannot be vectorized: {workload.not_vectorized}"
+    return ""
+
+
+def check_branches(workload: Workload, config: StudyConfig, branch: BranchConfig,
+                   world_size: int | None = None) -> None:
+    """Refuse what the branches cannot train, before anything trains (``world_size``: the ranks they train on,
+    None when vectorized)."""
+    reference = config.reference_global_batch_size
+    largest = branch.global_batch_sizes(reference)[-1]
     if largest > workload.train_size:
         raise UsageError(f"the largest branched global batch {largest} is larger than the {workload.train_size} "
                          "training samples: lower {branch_doublings} or {reference_global_batch_size}")
-    branch.samples(config.reference_global_batch_size)
+    # Every branched batch is the reference × 2^i: the reference splitting evenly is enough.
+    if world_size is not None and reference % world_size:
+        raise UsageError(f"the reference global batch {reference} does not split evenly over {world_size} ranks "
+                         f"({{world_size}}): give a {{reference_global_batch_size}} that is a multiple of {world_size}")
+    branch.samples(reference)
     held_out(workload)
 
 
-def measure(workload: Workload, config: StudyConfig, branch: BranchConfig, options: StudyOptions | None = None, *,
-            progress: Progress = silent) -> BranchReport:
-    """Branch from each checkpoint (``branch_from``) or from the reference run (``branch_at``), judge the critical
-    batch at each, and write ``branched.json`` under ``out``."""
-    from ddplab.study.run import check_out, resolve_device
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Setup:
+    """What the branches train on, decided (and every checkpoint file read) before anything trains."""
 
-    started = time.monotonic()
+    workload: Workload
+    config: StudyConfig
+    branch: BranchConfig
+    options: StudyOptions
+    engine: BranchEngine
+    why: str
+    world_size: int | None
+    device: torch.device
+    checkpoints: list[Checkpoint]
+
+
+def measure(workload: Workload, config: StudyConfig, branch: BranchConfig, options: StudyOptions | None = None, *,
+            progress: Progress = silent, launch_config: LaunchConfig | None = None) -> BranchReport:
+    """Branch from each checkpoint (``branch_from``) or from the reference run (``branch_at``), judge the critical
+    batch at each, and write ``branched.json`` under ``out``.
+
+    Under torchrun every process calls this: the branches train across the job's ranks, and rank 0 alone writes
+    branched.json (every rank returns the same report)."""
+    from ddplab.study.run import resolve_device
+
     options = options or StudyOptions()
-    check_branches(workload, config, branch)
-    check_out(options.out)
-    device = resolve_device(options.device)
+    engine, why = engine_for(workload, options)
+    world_size = world_size_for(None, default=options.world_size) if engine == "ddp" else None
+    check_branches(workload, config, branch, world_size)
     # Every checkpoint is read and checked before the first branch trains.
     checkpoints = [load_checkpoint(workload, config, path) for path in branch.branch_from or ()]
+    setup = _Setup(workload=workload, config=config, branch=branch, options=options, engine=engine, why=why,
+                   world_size=world_size, device=resolve_device(options.device), checkpoints=checkpoints)
+    if under_torchrun():
+        return launch(_measure_in_group, launch_config or LaunchConfig(), setup, progress)[0]
+    return _measure(setup, progress, launch_config, None)
+
+
+def _measure_in_group(ctx: RankContext, setup: _Setup, progress: Progress) -> BranchReport:
+    # The group stays up for the whole measurement: each checkpoint's launch joins it.
+    return _measure(setup, progress if ctx.is_main else silent, LaunchConfig(), ctx)
+
+
+def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | None,
+             ctx: RankContext | None) -> BranchReport:
+    from ddplab.study.run import check_out
+
+    started = time.monotonic()
+    workload, config, branch, options = setup.workload, setup.config, setup.branch, setup.options
+    main = ctx is None or ctx.is_main
+    if main:
+        check_out(options.out)
+    # Under torchrun what trains in-process (the reference run, B_simple) does so on the rank's own device.
+    device = ctx.device if ctx is not None and setup.device.type == "cuda" else setup.device
     samples = branch.samples(config.reference_global_batch_size)
     batches = branch.global_batch_sizes(config.reference_global_batch_size)
     rule = branch.lr_rule(config.optimizer.adam)
     per_checkpoint = sum(samples // b for b in batches)
     reference_steps = config.max_steps * 2 if branch.branch_at else 0
-    total = reference_steps + per_checkpoint * (len(branch.branch_at or ()) or len(checkpoints))
+    total = reference_steps + per_checkpoint * (len(branch.branch_at or ()) or len(setup.checkpoints))
     advance = _Advance(progress, total)
+    train = _trainer(setup, device, launch_config, advance)
     with threads(options.threads):
-        reference_run = None
+        checkpoints, reference_run = setup.checkpoints, None
         if branch.branch_at:
             checkpoints, reference_run = reference_checkpoints(workload, config, branch.branch_at, device, advance)
+            if ctx is not None and ctx.world_size > 1:
+                checkpoints, reference_run = _rank_zeros(checkpoints, reference_run)
             advance.skip_to(reference_steps)
-        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device, advance)
+        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device, train)
                  for checkpoint in checkpoints]
     advance.skip_to(total)
     steps = critical.schedule([(f["samples_seen"], f["critical_batch_size"],
                                 {row["global_batch_size"]: row["lr"] for row in f["batches"]}) for f in found],
                               config.reference_global_batch_size, config.reference_lr)
     runs = len(critical.sweep(1.0, config.sweep_factor)) * config.seeds * len(batches) * len(found)
+    on_ranks = setup.engine == "ddp"
     report = BranchReport(workload=workload.name, config=config, branch=branch, lr_rule=rule, samples=samples,
                           branches=found, schedule=steps, reference_run=reference_run,
-                          branch_samples_total=runs * samples, out=options.out)
+                          branch_samples_total=runs * samples, out=options.out, engine=setup.engine,
+                          engine_reason=setup.why, world_size=setup.world_size,
+                          strategy=options.strategy if on_ranks else None,
+                          own_optimizer=workload.own_optimizer)
     report.seconds = time.monotonic() - started
-    write_json_atomic(os.path.join(options.out, "branched.json"), report.to_json())
+    if main:
+        write_json_atomic(os.path.join(options.out, "branched.json"), report.to_json())
     return report
 
 
+def _rank_zeros(checkpoints: list[Checkpoint], run: dict) -> tuple[list[Checkpoint], dict]:
+    """Rank 0's reference checkpoints on every rank: each trained its own, and the branches must start alike."""
+    shared = [checkpoints, run]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0], shared[1]
+
+
+Trainer = Callable[[Checkpoint, Groups, int], Trained]
+"""Trains one checkpoint's branches: (checkpoint, groups, samples) -> each run's held-out losses."""
+
+
+def _trainer(setup: _Setup, device: torch.device, launch_config: LaunchConfig | None, advance) -> Trainer:
+    """The engine's way of training one checkpoint's branches at every batch."""
+    workload, config = setup.workload, setup.config
+    if setup.engine == "vmap":
+        def vectorized(checkpoint: Checkpoint, groups: Groups, samples: int) -> Trained:
+            return {batch: train_branches(workload, config, checkpoint, batch, runs, samples, device=device,
+                                          record=record, advance=advance) for batch, (runs, record) in groups.items()}
+
+        return vectorized
+    from ddplab.study.engines.ddp_branches import train_branches_ddp
+    from ddplab.study.run import build_engine
+
+    engine = build_engine("ddp", device, setup.options, launch_config)
+
+    def on_ranks(checkpoint: Checkpoint, groups: Groups, samples: int) -> Trained:
+        return train_branches_ddp(workload, config, checkpoint, groups, samples, engine=engine, advance=advance)
+
+    return on_ranks
+
+
 def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, checkpoint: Checkpoint, rule: str,
-                 samples: int, device: torch.device, advance) -> dict:
+                 samples: int, device: torch.device, train: Trainer) -> dict:
     """One checkpoint's branches at every batch, judged."""
     reference = config.reference_global_batch_size
-    losses, earlier = {}, {}
     ref_steps = samples // reference
     lag_step = round((1 - branch.branch_lag) * ref_steps) if branch.branch_lag is not None else None
+    groups: Groups = {}
     for batch in branch.global_batch_sizes(reference):
         lrs = critical.sweep(critical.scaled_lr(config.reference_lr, batch, reference, rule), config.sweep_factor)
         runs = [(lr, seed) for lr in lrs for seed in range(config.seeds)]
-        record = {lag_step} if batch == reference and lag_step is not None else set()
-        trained = train_branches(workload, config, checkpoint, batch, runs, samples, device=device, record=record,
-                                 advance=advance)
-        losses[batch] = _by_lr(runs, trained[samples // batch])
-        if record:
-            earlier = _by_lr(runs, trained[lag_step])
+        groups[batch] = (runs, {lag_step} if batch == reference and lag_step is not None else set())
+    trained = train(checkpoint, groups, samples)
+    losses = {batch: _by_lr(runs, trained[batch][samples // batch]) for batch, (runs, _) in groups.items()}
     tolerance = branch.branch_tolerance
     if lag_step is not None:
+        earlier = _by_lr(groups[reference][0], trained[reference][lag_step])
         lr, end = critical.best(losses[reference])
         tolerance = critical.lag_tolerance(end, median(earlier[lr])) if lr is not None else 0.0
     judged = critical.judge(losses, reference, tolerance)
