@@ -60,8 +60,11 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
         low, high = found["interval"]
         assert low <= found["critical_batch_size"] <= high
         assert found["b_simple"] == pytest.approx(DIM + 1, rel=0.25)
-    # What the measurement cost: every batch × 3 lrs × 3 seeds × 256 samples, at each checkpoint.
-    assert values["cost"]["branch_samples"] == 3 * 6 * 3 * 3 * 256
+    # What the measurement cost: every batch it trained × 3 lrs × 3 seeds × 256 samples, at each checkpoint.
+    trained = [6 - len(found["untrained_global_batch_sizes"]) for found in values["branches"]]
+    assert [found["branch_samples"] for found in values["branches"]] == [n * 3 * 3 * 256 for n in trained]
+    assert values["cost"]["branch_samples"] == sum(trained) * 3 * 3 * 256
+    assert values["cost"]["per_checkpoint_relative"] == pytest.approx([n * 9 * 256 / run["samples"] for n in trained])
     assert values["cost"]["relative"] == pytest.approx(values["cost"]["branch_samples"] / run["samples"])
     assert json.load(open(os.path.join(tmp_path, "branched.json")))["branches"] == json.loads(
         json.dumps(values["branches"]))
@@ -70,12 +73,25 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
     # the branch: the judgement stops at the reference or one doubling above, far below B_simple.
     seeds = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
                                                           branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)))
+    every = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
+                                                          branch_lr_rule="sqrt", branch_every_batch=True),
+                           StudyOptions(out=str(tmp_path)))
+    for strict, full in zip(seeds.branches, every.branches):
+        # Every batch trained: the same critical batch, interval and judged rows, at the full cost.
+        assert full["untrained_global_batch_sizes"] == [] and full["branch_samples"] == 6 * 9 * 256
+        assert (strict["critical_batch_size"], strict["interval"]) == (full["critical_batch_size"], full["interval"])
+        assert strict["batches"] == full["batches"][:len(strict["batches"])]
     for strict, lenient in zip(seeds.branches, lagged.branches):
         assert strict["critical_batch_size"] <= 2 * REFERENCE < DIM + 1
         assert strict["critical_batch_size"] <= lenient["critical_batch_size"]
-        # The same branches (the same seeds, samples and lrs), judged twice.
+        # The same branches (the same seeds, samples and lrs), judged twice; the strict judgement stops doubling at
+        # the first batch that misses with every seed, so it trains fewer.
+        judged = len(strict["batches"])
+        assert strict["untrained_global_batch_sizes"] == list(batches[judged:]) and judged < len(batches)
+        assert max(strict["batches"][-1]["seed_losses"]) >= min(strict["batches"][-1]["seed_losses"]) > \
+            strict["reference_loss"] + strict["tolerance"]
         assert [{**row, "matches": None} for row in strict["batches"]] == \
-            [{**row, "matches": None} for row in lenient["batches"]]
+            [{**row, "matches": None} for row in lenient["batches"][:judged]]
         assert [row["matches"] for row in strict["batches"]] == \
             [row["global_batch_size"] == REFERENCE or row["median_loss"] <= strict["reference_loss"]
              + strict["tolerance"] for row in strict["batches"]]
@@ -208,6 +224,7 @@ def test_a_specs_own_load_reads_its_checkpoints(tmp_path, capsys):
     assert main([*base, "--branch-from", str(tmp_path / "run.pt")]) == 0
     found = json.loads(capsys.readouterr().out)["branches"][0]
     assert found["samples_seen"] == 96 and found["source"] == str(tmp_path / "run.pt")
-    assert [row["global_batch_size"] for row in found["batches"]] == [8, 16, 32]
+    trained = [row["global_batch_size"] for row in found["batches"]]
+    assert trained + found["untrained_global_batch_sizes"] == [8, 16, 32] and len(trained) >= 2
     assert main([*base, "--branch-from", str(tmp_path / "odd.pt")]) == 2
     assert "must return the samples the run had seen, an integer ≥ 0, got 'many'" in capsys.readouterr().err

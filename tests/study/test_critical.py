@@ -61,6 +61,34 @@ def test_diverged_batches_never_match_and_a_diverged_reference_has_no_critical_b
         judge({16: {0.1: [1.0]}}, 8)
 
 
+def test_stopping_the_doubling_once_the_judgement_is_settled_changes_nothing_it_reports():
+    # Random branch losses, some diverged: judged on every batch, and on the batches up to the first at which
+    # the ladder would stop, the critical batch, its interval, the tolerance and the judged rows agree.
+    import random
+
+    rng = random.Random(0)
+    stopped_early = 0
+    for _ in range(500):
+        batches = [4 << i for i in range(rng.randint(1, 6))]
+        losses = {b: {lr: [rng.choice([INF, 1.0 + rng.random() * (1 + i / 3)]) if rng.random() < 0.05 else
+                           1.0 + rng.random() * (1 + i / 3) for _ in range(3)] for lr in (0.1, 0.2, 0.4)}
+                  for i, b in enumerate(batches)}
+        tolerance = rng.choice([None, 0.0, 0.3])
+        full = judge(losses, 4, tolerance)
+        for end in range(1, len(batches) + 1):
+            partial = judge({b: losses[b] for b in batches[:end]}, 4, tolerance)
+            if critical.settled(partial) or end == len(batches):
+                break
+        stopped_early += end < len(batches)
+        assert (partial.critical_batch_size, partial.interval, partial.tolerance) == \
+            (full.critical_batch_size, full.interval, full.tolerance)
+        assert partial.rows == full.rows[:end]
+        # Settled means the largest batch judged misses with its every seed, which an unsettled one never does.
+        if end < len(batches) and partial.critical_batch_size is not None:
+            assert not partial.rows[-1]["matches"] and partial.interval[1] < batches[end - 1]
+    assert stopped_early > 50
+
+
 def test_a_lag_tolerance_is_the_references_own_progress_over_the_budgets_last_fraction():
     # An exponential decay at rate r per sample: a batch whose rate is at least half the reference's is at most half
     # the budget behind, and matches under lag 0.5 whatever the budget.

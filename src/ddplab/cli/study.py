@@ -96,7 +96,7 @@ def add_parser(subparsers) -> None:
     add_fields(parser.add_argument_group("the critical batch from checkpoints (Merrill et al. 2025), instead of the "
                                          "grid"), BranchConfig,
                ("branch_at", "branch_from", "branch_samples", "branch_doublings", "branch_lr_rule", "branch_tolerance",
-                "branch_lag"), branch_at={"type": _fractions, "metavar": "F,F,..."},
+                "branch_lag", "branch_every_batch"), branch_at={"type": _fractions, "metavar": "F,F,..."},
                branch_from={"type": str, "nargs": "+", "metavar": "CKPT"})
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
@@ -255,6 +255,9 @@ def _print_branches(values: dict) -> None:
     for b in values["branches"]:
         losses = ", ".join(f"{r['global_batch_size']}: {_num(r['median_loss'])}{'' if r['matches'] else ' ✗'}"
                            for r in b["batches"])
+        skipped = b["untrained_global_batch_sizes"]
+        if skipped:
+            losses += f"; not trained: {', '.join(map(str, skipped))} (a smaller batch missed with every seed)"
         out.print(f"at {b['samples_seen']} samples, best median loss by global batch: {losses}")
     out.print("batch schedule (double when the critical batch reaches twice the batch): " + ", ".join(
         f"from {s['samples_seen']} samples: {s['global_batch_size']} (lr {_lr(s['lr'])})" for s in values["schedule"]))
@@ -262,7 +265,9 @@ def _print_branches(values: dict) -> None:
     cost = values["cost"]
     relative = f" = {cost['relative']:.3g}× one reference run's {cost['reference_samples']}" \
         if cost["relative"] is not None else ""
-    out.print(f"cost: {cost['branch_samples']} branch samples{relative}")
+    each = "" if cost["relative"] is None or len(values["branches"]) < 2 else \
+        "; per checkpoint " + ", ".join(f"{x:.3g}×" for x in cost["per_checkpoint_relative"])
+    out.print(f"cost: {cost['branch_samples']} branch samples{relative}{each}")
 
 
 def _lr(value) -> str:

@@ -437,7 +437,9 @@ class BranchReport:
             "reference_run": self.reference_run, "branches": self.branches, "schedule": self.schedule,
             "step_batch_size_schedule": critical.megatron_schedule(self.schedule),
             "cost": {"branch_samples": self.branch_samples_total, "reference_samples": reference,
-                     "relative": self.branch_samples_total / reference if reference else None},
+                     "relative": self.branch_samples_total / reference if reference else None,
+                     "per_checkpoint_relative": [b["branch_samples"] / reference if reference else None
+                                                 for b in self.branches]},
             "out": self.out, "seconds": self.seconds,
         })
 
@@ -557,11 +559,11 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
     steps = critical.schedule([(f["samples_seen"], f["critical_batch_size"],
                                 {row["global_batch_size"]: row["lr"] for row in f["batches"]}) for f in found],
                               config.reference_global_batch_size, config.reference_lr)
-    runs = len(critical.sweep(1.0, config.sweep_factor)) * config.seeds * len(batches) * len(found)
     on_ranks = setup.engine == "ddp"
     report = BranchReport(workload=workload.name, config=config, branch=branch, lr_rule=rule, samples=samples,
                           branches=found, schedule=steps, reference_run=reference_run,
-                          branch_samples_total=runs * samples, out=options.out, engine=setup.engine,
+                          branch_samples_total=sum(f["branch_samples"] for f in found), out=options.out,
+                          engine=setup.engine,
                           engine_reason=setup.why, world_size=setup.world_size,
                           strategy=options.strategy if on_ranks else None,
                           own_optimizer=workload.own_optimizer)
@@ -578,17 +580,25 @@ def _rank_zeros(checkpoints: list[Checkpoint], run: dict) -> tuple[list[Checkpoi
     return shared[0], shared[1]
 
 
-Trainer = Callable[[Checkpoint, Groups, int], Trained]
-"""Trains one checkpoint's branches: (checkpoint, groups, samples) -> each run's held-out losses."""
+Trainer = Callable[[Checkpoint, Groups, int, "Stop | None"], Trained]
+"""Trains one checkpoint's branches: (checkpoint, groups, samples, stop) -> each run's held-out losses, the batches in
+order and none after the first at which ``stop`` says the judgement is settled."""
+Stop = Callable[[Trained], bool]
 
 
 def _trainer(setup: _Setup, device: torch.device, launch_config: LaunchConfig | None, advance) -> Trainer:
-    """The engine's way of training one checkpoint's branches at every batch."""
+    """The engine's way of training one checkpoint's branches, batch after batch."""
     workload, config = setup.workload, setup.config
     if setup.engine == "vmap":
-        def vectorized(checkpoint: Checkpoint, groups: Groups, samples: int) -> Trained:
-            return {batch: train_branches(workload, config, checkpoint, batch, runs, samples, device=device,
-                                          record=record, advance=advance) for batch, (runs, record) in groups.items()}
+        def vectorized(checkpoint: Checkpoint, groups: Groups, samples: int, stop: Stop | None) -> Trained:
+            trained: Trained = {}
+            for batch, (runs, record) in groups.items():
+                trained[batch] = train_branches(workload, config, checkpoint, batch, runs, samples, device=device,
+                                                record=record, advance=advance)
+                if stop is not None and stop(trained):
+                    break
+            advance(_untrained_steps(groups, trained, samples))
+            return trained
 
         return vectorized
     from ddplab.study.engines.ddp_branches import train_branches_ddp
@@ -596,15 +606,21 @@ def _trainer(setup: _Setup, device: torch.device, launch_config: LaunchConfig | 
 
     engine = build_engine("ddp", device, setup.options, launch_config)
 
-    def on_ranks(checkpoint: Checkpoint, groups: Groups, samples: int) -> Trained:
-        return train_branches_ddp(workload, config, checkpoint, groups, samples, engine=engine, advance=advance)
+    def on_ranks(checkpoint: Checkpoint, groups: Groups, samples: int, stop: Stop | None) -> Trained:
+        return train_branches_ddp(workload, config, checkpoint, groups, samples, engine=engine, stop=stop,
+                                  advance=advance)
 
     return on_ranks
 
 
+def _untrained_steps(groups: Groups, trained: Trained, samples: int) -> int:
+    """The steps of the batches the ladder left out: the progress bar counts them done."""
+    return sum(samples // batch for batch in groups if batch not in trained)
+
+
 def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, checkpoint: Checkpoint, rule: str,
                  samples: int, device: torch.device, train: Trainer) -> dict:
-    """One checkpoint's branches at every batch, judged."""
+    """One checkpoint's branches, batch after batch up the grid (until the judgement is settled), judged."""
     reference = config.reference_global_batch_size
     ref_steps = samples // reference
     lag_step = round((1 - branch.branch_lag) * ref_steps) if branch.branch_lag is not None else None
@@ -613,19 +629,41 @@ def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, 
         lrs = critical.sweep(critical.scaled_lr(config.reference_lr, batch, reference, rule), config.sweep_factor)
         runs = [(lr, seed) for lr in lrs for seed in range(config.seeds)]
         groups[batch] = (runs, {lag_step} if batch == reference and lag_step is not None else set())
-    trained = train(checkpoint, groups, samples)
-    losses = {batch: _by_lr(runs, trained[batch][samples // batch]) for batch, (runs, _) in groups.items()}
-    tolerance = branch.branch_tolerance
-    if lag_step is not None:
-        earlier = _by_lr(groups[reference][0], trained[reference][lag_step])
-        lr, end = critical.best(losses[reference])
-        tolerance = critical.lag_tolerance(end, median(earlier[lr])) if lr is not None else 0.0
-    judged = critical.judge(losses, reference, tolerance)
+    judge = Judge(groups=groups, reference=reference, samples=samples, tolerance=branch.branch_tolerance,
+                  lag_step=lag_step)
+    trained = train(checkpoint, groups, samples, None if branch.branch_every_batch else judge.settled)
+    judged = judge(trained)
     b_simple = b_simple_at(workload, config, checkpoint, branch.global_batch_sizes(reference)[-1], device)
     return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source,
             "critical_batch_size": judged.critical_batch_size, "interval": list(judged.interval),
             "at_edge": judged.at_edge, "b_simple": b_simple, "reference_loss": judged.reference_loss,
-            "tolerance": judged.tolerance, "batches": judged.rows}
+            "tolerance": judged.tolerance, "batches": judged.rows,
+            "untrained_global_batch_sizes": [batch for batch in groups if batch not in trained],
+            "branch_samples": sum(len(groups[batch][0]) for batch in trained) * samples}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Judge:
+    """How one checkpoint's branches are judged, from the batches trained so far (picklable: ranks call it too)."""
+
+    groups: Groups
+    reference: int
+    samples: int
+    tolerance: float | None
+    lag_step: int | None
+
+    def __call__(self, trained: Trained) -> critical.Judgement:
+        losses = {batch: _by_lr(self.groups[batch][0], trained[batch][self.samples // batch]) for batch in trained}
+        tolerance = self.tolerance
+        if self.lag_step is not None:
+            earlier = _by_lr(self.groups[self.reference][0], trained[self.reference][self.lag_step])
+            lr, end = critical.best(losses[self.reference])
+            tolerance = critical.lag_tolerance(end, median(earlier[lr])) if lr is not None else 0.0
+        return critical.judge(losses, self.reference, tolerance)
+
+    def settled(self, trained: Trained) -> bool:
+        """No larger batch can change the judgement (:func:`critical.settled`)."""
+        return critical.settled(self(trained))
 
 
 def _by_lr(runs: list[tuple[float, int]], losses: list[float]) -> dict[float, list[float]]:

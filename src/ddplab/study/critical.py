@@ -63,6 +63,9 @@ class BranchConfig:
     branch_lag: float | None = None
     """Instead of a tolerance in loss: a batch matches when its end loss is no worse than where the reference batch
     was this fraction of the budget earlier (0.5: half the samples behind, McCandlish et al.'s B_crit)."""
+    branch_every_batch: bool = False
+    """Train every batch of the grid. By default the doubling stops at the first batch that misses with every seed:
+    no larger batch can change the critical batch or its interval, so their branches would only cost samples."""
 
     def __post_init__(self):
         if (self.branch_at is None) == (self.branch_from is None):
@@ -215,6 +218,20 @@ def judge(losses: Losses, reference_global_batch: int, tolerance: float | None =
     low, high = (_largest_matching(batches, [b == reference_global_batch or best(losses[b], s)[1] <= bound
                                              for b in batches]) for s in ("worst", "best"))
     return Judgement(critical, (low, high), ref_loss, tolerance, rows)
+
+
+def settled(judgement: Judgement) -> bool:
+    """Whether larger batches than those judged can no longer change the critical batch or its interval: the
+    largest one judged misses even with its best seed (the interval's high end lies below it), or the reference
+    batch's own branches all diverged.
+
+    >>> losses = {8: {0.1: [1.00, 1.10, 1.20]}, 16: {0.2: [1.05, 1.12, 1.30]}, 32: {0.4: [1.25, 1.30, 1.40]}}
+    >>> settled(judge(losses, 8)), settled(judge({b: losses[b] for b in (8, 16)}, 8))
+    (True, False)
+    """
+    if judgement.critical_batch_size is None:
+        return True
+    return judgement.interval[1] < judgement.rows[-1]["global_batch_size"]
 
 
 def _largest_matching(batches: list[int], matches: list[bool]) -> int:

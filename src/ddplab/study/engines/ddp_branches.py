@@ -33,25 +33,27 @@ from ddplab.study.engines.vmap import cast, torch_dtype
 
 
 def train_branches_ddp(workload: workloads.Workload, config: StudyConfig, checkpoint: Checkpoint, groups: Groups,
-                       samples: int, *, engine: DdpEngine,
+                       samples: int, *, engine: DdpEngine, stop: Callable[[Trained], bool] | None = None,
                        advance: Callable[[int], None] = lambda steps: None) -> Trained:
     """Train every batch's runs of ``groups`` from ``checkpoint`` for ``samples`` on the engine's ranks, in one
-    launch: {global batch: {steps: each run's held-out loss after them}}, as :func:`branch.train_branches`."""
+    launch: {global batch: {steps: each run's held-out loss after them}}, as :func:`branch.train_branches`. The batches
+    train in order, and none after one at which ``stop`` (every rank holds the same losses, so every rank decides
+    alike) says the judgement is settled."""
     world_size = engine.launch_config.world_size
     plans = {batch: split(batch, world_size, engine.max_per_device) for batch in groups}
     # Under torchrun this process is rank 0 and moves the bar step by step; a forked rank's copy of it must not.
     in_process = under_torchrun()
     with rank_errors():
         trained = launch(_on_rank, engine.launch_config, workload.source, config, checkpoint, groups, samples, plans,
-                         engine.strategy, advance if in_process else None)[0]
-    if not in_process:
-        advance(sum(samples // batch for batch in groups))
+                         engine.strategy, stop, advance if in_process else None)[0]
+    # Spawned ranks' steps, and the steps of batches the ladder left out, count as done here.
+    advance(sum(samples // batch for batch in groups if not in_process or batch not in trained))
     return trained
 
 
 def _on_rank(ctx: RankContext, source: workloads.Source, config: StudyConfig, checkpoint: Checkpoint, groups: Groups,
              samples: int, plans: dict[int, DdpPlan], strategy: strategies.Strategy,
-             advance: Callable[[int], None] | None) -> Trained:
+             stop: Callable[[Trained], bool] | None, advance: Callable[[int], None] | None) -> Trained:
     # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
     dtype = torch_dtype(config)
@@ -63,6 +65,8 @@ def _on_rank(ctx: RankContext, source: workloads.Source, config: StudyConfig, ch
         branch = _Branch(ctx, workload, config, checkpoint, batch, plans[batch], strategy, train, val)
         losses = [branch.train(lr, seed, samples // batch, record, advance) for lr, seed in runs]
         out[batch] = {step: [run[step] for run in losses] for step in losses[0]}
+        if stop is not None and stop(out):
+            break
     return out
 
 
