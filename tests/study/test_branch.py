@@ -42,10 +42,14 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
     lagged = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256, branch_lag=0.5,
                                                            branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)),
                             progress=lambda done, total, status="": calls.append((done, total)))
-    # The progress bar moves forward to its total: the reference run's budget, then every branch step.
-    assert calls[-1][0] == calls[-1][1] == 2 * config.max_steps + 3 * sum(256 // b for b in (2, 4, 8, 16, 32, 64))
-    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
     values = lagged.to_json()
+    # The progress bar moves forward to its total: the reference run's budget, then every branch step, and those of
+    # the lrs past a sweep's edge.
+    extended = sum((len(row["lrs"]) - 3) * 256 // row["global_batch_size"] for found in values["branches"]
+                   for row in found["batches"])
+    assert calls[-1][0] == calls[-1][1] == \
+        2 * config.max_steps + 3 * sum(256 // b for b in (2, 4, 8, 16, 32, 64)) + extended
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
     batches = tuple(values["global_batch_sizes"])
     assert batches == (2, 4, 8, 16, 32, 64)
     exact = _efficiency_critical_batch(DIM, 0.5, batches)
@@ -60,11 +64,15 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
         low, high = found["interval"]
         assert low <= found["critical_batch_size"] <= high
         assert found["b_simple"] == pytest.approx(DIM + 1, rel=0.25)
-    # What the measurement cost: every batch it trained × 3 lrs × 3 seeds × 256 samples, at each checkpoint.
-    trained = [6 - len(found["untrained_global_batch_sizes"]) for found in values["branches"]]
-    assert [found["branch_samples"] for found in values["branches"]] == [n * 3 * 3 * 256 for n in trained]
-    assert values["cost"]["branch_samples"] == sum(trained) * 3 * 3 * 256
-    assert values["cost"]["per_checkpoint_relative"] == pytest.approx([n * 9 * 256 / run["samples"] for n in trained])
+    # What the measurement cost: every lr it tried at every batch it trained × 3 seeds × 256 samples, at each
+    # checkpoint; past a sweep's edge the lrs go on until the best is interior.
+    trained = [sum(len(row["lrs"]) for row in found["batches"]) for found in values["branches"]]
+    assert all(b / a == pytest.approx(2.0) for found in values["branches"] for row in found["batches"]
+               for a, b in zip(row["lrs"], row["lrs"][1:]))
+    assert not any(row["lr_at_edge"] for found in values["branches"] for row in found["batches"])
+    assert [found["branch_samples"] for found in values["branches"]] == [n * 3 * 256 for n in trained]
+    assert values["cost"]["branch_samples"] == sum(trained) * 3 * 256
+    assert values["cost"]["per_checkpoint_relative"] == pytest.approx([n * 3 * 256 / run["samples"] for n in trained])
     assert values["cost"]["relative"] == pytest.approx(values["cost"]["branch_samples"] / run["samples"])
     assert json.load(open(os.path.join(tmp_path, "branched.json")))["branches"] == json.loads(
         json.dumps(values["branches"]))
@@ -78,7 +86,8 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
                            StudyOptions(out=str(tmp_path)))
     for strict, full in zip(seeds.branches, every.branches):
         # Every batch trained: the same critical batch, interval and judged rows, at the full cost.
-        assert full["untrained_global_batch_sizes"] == [] and full["branch_samples"] == 6 * 9 * 256
+        assert full["untrained_global_batch_sizes"] == [] and \
+            full["branch_samples"] == sum(len(row["lrs"]) for row in full["batches"]) * 3 * 256
         assert (strict["critical_batch_size"], strict["interval"]) == (full["critical_batch_size"], full["interval"])
         assert strict["batches"] == full["batches"][:len(strict["batches"])]
     for strict, lenient in zip(seeds.branches, lagged.branches):

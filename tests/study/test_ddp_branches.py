@@ -150,8 +150,10 @@ def test_a_spec_with_its_own_step_branches_on_ranks_and_what_still_cannot_is_one
     [found] = values["branches"]
     assert [row["global_batch_size"] for row in found["batches"]] == [8, 16, 32]
     assert all(0 < loss < 1 for row in found["batches"] for loss in row["seed_losses"])
-    # The progress bar moves forward to its total: the reference run's budget, then every branch step.
-    assert calls[-1][0] == calls[-1][1] == 2 * 60 + 64 // 8 + 64 // 16 + 64 // 32
+    # The progress bar moves forward to its total: the reference run's budget, then every branch step, and those of
+    # the lrs past a sweep's edge.
+    extended = sum((len(row["lrs"]) - 3) * 64 // row["global_batch_size"] for row in found["batches"])
+    assert calls[-1][0] == calls[-1][1] == 2 * 60 + 64 // 8 + 64 // 16 + 64 // 32 + extended
     assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
     base = ["study", spec, "--target-accuracy", "0.85", "--branch-at", "0.5", "--branch-doublings", "2",
             "--branch-samples", "64", "--max-steps", "60", "--out", str(tmp_path / "refused")]

@@ -553,7 +553,7 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
             if ctx is not None and ctx.world_size > 1:
                 checkpoints, reference_run = _rank_zeros(checkpoints, reference_run)
             advance.skip_to(reference_steps)
-        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device, train)
+        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device, train, advance.grow)
                  for checkpoint in checkpoints]
     advance.skip_to(total)
     steps = critical.schedule([(f["samples_seen"], f["critical_batch_size"],
@@ -619,19 +619,33 @@ def _untrained_steps(groups: Groups, trained: Trained, samples: int) -> int:
 
 
 def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, checkpoint: Checkpoint, rule: str,
-                 samples: int, device: torch.device, train: Trainer) -> dict:
-    """One checkpoint's branches, batch after batch up the grid (until the judgement is settled), judged."""
+                 samples: int, device: torch.device, train: Trainer, grow: Callable[[int], None]) -> dict:
+    """One checkpoint's branches, batch after batch up the grid until the judgement is settled, each batch's sweep
+    extended past an edge its best lr sits on; judged."""
     reference = config.reference_global_batch_size
     ref_steps = samples // reference
     lag_step = round((1 - branch.branch_lag) * ref_steps) if branch.branch_lag is not None else None
     groups: Groups = {}
     for batch in branch.global_batch_sizes(reference):
         lrs = critical.sweep(critical.scaled_lr(config.reference_lr, batch, reference, rule), config.sweep_factor)
-        runs = [(lr, seed) for lr in lrs for seed in range(config.seeds)]
-        groups[batch] = (runs, {lag_step} if batch == reference and lag_step is not None else set())
+        groups[batch] = ([(lr, seed) for lr in lrs for seed in range(config.seeds)],
+                         {lag_step} if batch == reference and lag_step is not None else set())
     judge = Judge(groups=groups, reference=reference, samples=samples, tolerance=branch.branch_tolerance,
                   lag_step=lag_step)
-    trained = train(checkpoint, groups, samples, None if branch.branch_every_batch else judge.settled)
+    trained: Trained = {}
+    while True:
+        remaining = {batch: group for batch, group in groups.items() if batch not in trained}
+        if remaining and (branch.branch_every_batch or not trained or not judge.settled(trained)):
+            stop = None if branch.branch_every_batch else dataclasses.replace(judge, prior=trained).settled
+            trained.update(train(checkpoint, remaining, samples, stop))
+        extra = _extensions(groups, trained, samples, config)
+        if not extra:
+            break
+        # An lr past the edge may turn a miss into a match: the loop then goes on up the grid.
+        grow(sum(samples // batch for batch in extra))
+        for batch, losses in train(checkpoint, extra, samples, None).items():
+            groups[batch] = (groups[batch][0] + extra[batch][0], groups[batch][1])
+            trained[batch] = {step: trained[batch][step] + losses[step] for step in trained[batch]}
     judged = judge(trained)
     b_simple = b_simple_at(workload, config, checkpoint, branch.global_batch_sizes(reference)[-1], device)
     return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source,
@@ -640,6 +654,17 @@ def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, 
             "tolerance": judged.tolerance, "batches": judged.rows,
             "untrained_global_batch_sizes": [batch for batch in groups if batch not in trained],
             "branch_samples": sum(len(groups[batch][0]) for batch in trained) * samples}
+
+
+def _extensions(groups: Groups, trained: Trained, samples: int, config: StudyConfig) -> Groups:
+    """Each trained batch's next lr past the edge of its sweep (:func:`critical.next_lr`), with every seed."""
+    extra: Groups = {}
+    for batch in trained:
+        runs, record = groups[batch]
+        lr = critical.next_lr(_by_lr(runs, trained[batch][samples // batch]), config.sweep_factor)
+        if lr is not None:
+            extra[batch] = ([(lr, seed) for seed in range(config.seeds)], record)
+    return extra
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -651,8 +676,11 @@ class Judge:
     samples: int
     tolerance: float | None
     lag_step: int | None
+    prior: Trained = dataclasses.field(default_factory=dict)
+    """Batches trained before: what a later call adds is judged with them."""
 
     def __call__(self, trained: Trained) -> critical.Judgement:
+        trained = {**self.prior, **trained}
         losses = {batch: _by_lr(self.groups[batch][0], trained[batch][self.samples // batch]) for batch in trained}
         tolerance = self.tolerance
         if self.lag_step is not None:
@@ -682,6 +710,10 @@ class _Advance:
     def __call__(self, steps: int) -> None:
         self.done += steps
         self.progress(min(self.done, self.total), self.total, "")
+
+    def grow(self, steps: int) -> None:
+        """Steps the measurement adds as it goes (lrs past a sweep's edge)."""
+        self.total += steps
 
     def skip_to(self, done: int) -> None:
         """Steps budgeted but not needed (a reference run that reached its target early) count as done."""

@@ -125,6 +125,31 @@ def sweep(lr: float, factor: float) -> tuple[float, ...]:
     return tuple(float(f"{x:.12g}") for x in (lr / factor, lr, lr * factor))
 
 
+MOST_LRS = 6
+"""At most this many lrs at one batch: the sweep's three, and up to three more past an edge its best lr sits on."""
+
+
+def next_lr(by_lr: Mapping[float, Sequence[float]], factor: float, most: int = MOST_LRS) -> float | None:
+    """The lr to add to a batch's sweep: one ``factor`` past the edge its best lr sits on (below the lowest when
+    every run diverged); None when the best lr is interior or the batch already tried ``most`` lrs. A best on the
+    edge is no best: nothing on that side lost to it.
+
+    >>> next_lr({0.1: [2.0], 0.2: [1.5], 0.4: [1.2]}, 2.0), next_lr({0.1: [2.0], 0.2: [1.5], 0.4: [1.7]}, 2.0)
+    (0.8, None)
+    >>> next_lr({0.1: [1.0], 0.2: [1.5], 0.4: [float("inf")]}, 2.0), next_lr({0.1: [float("nan")]}, 2.0)
+    (0.05, 0.05)
+    """
+    lrs = sorted(by_lr)
+    if len(lrs) >= most:
+        return None
+    lr, _ = best(by_lr)
+    if lr is None or (lr == lrs[0] and len(lrs) > 1):
+        return float(f"{lrs[0] / factor:.12g}")
+    if lr == lrs[-1] and len(lrs) > 1:
+        return float(f"{lrs[-1] * factor:.12g}")
+    return None
+
+
 def seed_tolerance(seed_losses: Sequence[float]) -> float:
     """Half the range of the reference batch's seeds: a difference its own seeds show (0 with one seed).
 
@@ -210,8 +235,10 @@ def judge(losses: Losses, reference_global_batch: int, tolerance: float | None =
     for batch in batches:
         lr, loss = best(losses[batch])
         seeds = _clean(losses[batch][lr]) if lr is not None else []
+        tried = sorted(losses[batch])
         rows.append({"global_batch_size": batch, "lr": lr, "median_loss": loss, "seed_losses": seeds,
-                     "matches": batch == reference_global_batch or loss <= bound})
+                     "matches": batch == reference_global_batch or loss <= bound, "lrs": tried,
+                     "lr_at_edge": lr is None or len(tried) > 1 and lr in (tried[0], tried[-1])})
     if not math.isfinite(ref_loss):
         return Judgement(None, (None, None), ref_loss, tolerance, rows)
     critical = _largest_matching(batches, [row["matches"] for row in rows])
