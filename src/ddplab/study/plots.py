@@ -268,6 +268,7 @@ def _pareto_plot(report: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlim(min(x for x, _ in shown) / 1.4, max(x for x, _ in shown) * 1.6)
     ax.set_ylim(min(y for _, y in shown) / 1.25, max(y for _, y in shown) * 1.8)
+    _plain_log_labels(ax)
     ax.set_xlabel("samples to target E = S·B (median steps × batch)")
     ax.set_ylabel("optimizer steps to target S")
     ax.set_title("steps vs samples: the Pareto front (labels: global batch)")
@@ -275,6 +276,19 @@ def _pareto_plot(report: dict, path: str) -> None:
     # Beside the axes: the points crowd the front's bend, where a legend inside would cover them.
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     _write(plt, fig, path)
+
+
+def _plain_log_labels(ax) -> None:
+    """Log axes labelled in plain numbers (2000, 5000, 10000), minor ticks at 2× and 5× only where an axis spans
+    under two decades: there matplotlib's default crowds 3×10³ into 4×10³."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    def minor(value: float, _) -> str:
+        return f"{value:g}" if f"{value:.0e}"[0] in "25" else ""
+
+    for axis, (low, high) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(FuncFormatter(minor) if high < 100 * low else NullFormatter())
 
 
 def _adaptive_points(ax, report: dict) -> list[tuple[float, float]]:
