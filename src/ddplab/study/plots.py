@@ -313,8 +313,8 @@ def _adaptive_points(ax, report: dict) -> list[tuple[float, float]]:
 
 
 def seed_ranges(runs: list[dict], rule: str) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(fewest, most) steps and (fewest, most) samples to the target over a rule's runs that reached it (all
-    None-free; (nan, nan) each when none did).
+    """(fewest, most) steps and (fewest, most) samples to the target over a rule's runs that reached it ((nan, nan)
+    each when none did).
 
     >>> runs = [{"rule": "ramp", "steps_to_target": 100, "samples_to_target": 9000},
     ...         {"rule": "ramp", "steps_to_target": 120, "samples_to_target": 8800},
