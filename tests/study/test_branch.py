@@ -140,7 +140,8 @@ def test_a_branch_continues_as_torch_optim_would_from_the_saved_optimizer_state(
 
 
 @pytest.mark.timeout(60)
-def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_ones_are_refused(tmp_path, capsys):
+def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_ones_are_refused(tmp_path, capsys,
+                                                                                              monkeypatch):
     workload = workloads.regression(dim=DIM)
     config = _regression_config(max_steps=200)
     [state], _ = branch.reference_checkpoints(workload, config, (0.3,), torch.device("cpu"), lambda steps: None)
@@ -149,10 +150,18 @@ def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_one
     base = ["study", "--workload", "regression", "--ref-global-batch-size", str(REFERENCE), "--ref-lr",
             str(config.reference_lr), "--dtype", "float64", "--seeds", "2", "--branch-doublings", "2",
             "--branch-samples", "32", "--out", str(tmp_path / "out"), "--json"]
-    assert main([*base, "--branch-from", str(good)]) == 0
+    assert main([*base, "--branch-from", str(good), "--no-plots"]) == 0
     from_file = json.loads(capsys.readouterr().out)
+    assert "plots" not in from_file and not os.path.exists(tmp_path / "out" / "branched.png")
     assert main([*base, "--branch-at", "0.3", "--max-steps", "200"]) == 0
     from_run = json.loads(capsys.readouterr().out)
+    # branched.png beside branched.json, its path given as the study gives its plots.
+    assert from_run["plots"] == [str(tmp_path / "out" / "branched.png")]
+    with open(from_run["plots"][0], "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setenv("COLUMNS", "400")  # the path on one line
+    assert main([*base[:-1], "--branch-at", "0.3", "--max-steps", "200"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"plot: {tmp_path / 'out' / 'branched.png'}"
     assert from_file["branches"][0]["samples_seen"] == from_run["branches"][0]["samples_seen"] == state.samples_seen
     assert from_file["branches"][0]["batches"] == from_run["branches"][0]["batches"]
     assert from_file["reference_run"] is None and from_file["cost"]["reference_samples"] == state.samples_seen

@@ -12,6 +12,7 @@ import statistics
 import pytest
 import torch
 
+from ddplab.cli import render
 from ddplab.cli.main import main
 from ddplab.errors import UsageError
 from ddplab.plan import from_study
@@ -396,7 +397,8 @@ def _follows(run: dict, schedule: str | list, lr: float) -> int:
 
 
 @pytest.mark.timeout(120)
-def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_runs_and_the_ramp(tmp_path, capsys):
+def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_runs_and_the_ramp(tmp_path, capsys,
+                                                                                                  monkeypatch):
     megatron = "0:16 320:32 960:64"
     argv = _study(tmp_path, "--json", "--rules", "tuned,ramp,schedule", "--global-batch-sizes", "16,64",
                   "--eval-every", "1", "--no-plots")
@@ -412,13 +414,40 @@ def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_ru
         assert {t[1] for t in run["trajectory"]} == {16, 32, 64}
     adaptive = report["adaptive"]
     assert set(adaptive) == {"ramp", "schedule"}
+    s_min, e_min = report["fit"]["tuned"]["s_min"], report["fit"]["tuned"]["e_min"]
     for name, summary in adaptive.items():
         own = [r for r in report["runs"] if r["rule"] == name]
-        assert summary == {"median_steps": statistics.median(r["steps_to_target"] for r in own),
-                           "median_samples": statistics.median(r["samples_to_target"] for r in own),
+        steps = statistics.median(r["steps_to_target"] for r in own)
+        samples = statistics.median(r["samples_to_target"] for r in own)
+        # Against the fixed-batch front: the tuned batches with strictly fewer steps and samples, and the fitted
+        # front (S/S_min − 1)(E/E_min − 1) = 1 solved for E at the rule's steps.
+        beaten = [b for b, p in sorted(tuned.items()) if p["median_steps"] < steps and p["median_steps"] * b < samples]
+        front = e_min * (1 + 1 / (steps / s_min - 1)) if steps > s_min else None
+        assert summary == {"median_steps": steps, "median_samples": samples,
                            "start_global_batch_size": 16, "fixed_median_steps": tuned[16]["median_steps"],
-                           "fixed_median_samples": 16 * tuned[16]["median_steps"]}
+                           "fixed_median_samples": 16 * tuned[16]["median_steps"], "dominated_by": beaten,
+                           "front_samples_at_steps": pytest.approx(front, rel=1e-12) if front else None}
     assert adaptive["ramp"]["median_steps"] == report["ramp"]["median_steps"] and "schedule" not in report["fit"]
+    # Again as a person reads it (cached): a line per rule against the front, and the plots with their points.
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main([*(a for a in argv if a not in ("--json", "--no-plots")), "--schedule", megatron]) == 0
+    printed = capsys.readouterr().out
+    for name, summary in adaptive.items():
+        line = next(x for x in printed.splitlines() if x.startswith(f"{name} ("))
+        assert line.startswith(f"{name} ({render.num(summary['median_steps'])} steps, "
+                               f"{render.num(summary['median_samples'])} samples): ")
+        beaten = ", ".join(f"{b} ({render.num(tuned[b]['median_steps'])} steps, "
+                           f"{render.num(tuned[b]['median_steps'] * b)} samples)" for b in summary["dominated_by"])
+        assert (f"dominated by global batch{'es' if len(summary['dominated_by']) > 1 else ''} {beaten}" in line
+                if beaten else "on or below the fixed-batch front (no fixed batch reaches" in line), line
+        front = summary["front_samples_at_steps"]
+        side = "below" if summary["median_samples"] < front else "above"
+        assert line.endswith(f"; {side} the tuned fit's front, which needs {render.num(front)} samples at "
+                             f"{render.num(summary['median_steps'])} steps"), line
+    out = tmp_path / "out"
+    assert {"pareto.png", "ramp.png", "report.html"} <= set(os.listdir(out))
+    with open(out / "report.html") as fh:
+        assert "Batches that change, against the fixed-batch front" in fh.read()
     cached = [n for n in os.listdir(tmp_path / "out" / "runs") if n.startswith("batch-16-schedule-")]
     # A schedule with lrs, on the same grid (cached): each entry's lr exactly, its runs cached apart.
     schedule = [{"samples_seen": 0, "global_batch_size": 16, "lr": 0.05},
@@ -579,6 +608,10 @@ def test_missing_extras_say_what_to_install(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["study", "--out", str(tmp_path)]) == 2
     assert "pip install 'ddplab[study]'" in capsys.readouterr().err
+    # Branches too, before the reference run trains.
+    assert main(["study", "--workload", "regression", "--branch-at", "0.5", "--out", str(tmp_path / "branched")]) == 2
+    assert "plots need matplotlib: pip install 'ddplab[study]' (or --no-plots)" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "branched" / "branched.json")
 
 
 def test_the_built_in_workloads_bring_their_documented_settings():

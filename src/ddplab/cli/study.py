@@ -217,14 +217,23 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, options: StudyOptions) -> int:
     from ddplab.study.branch import measure
+    from ddplab.study.run import require_matplotlib
 
+    if options.plots:
+        require_matplotlib()  # said before anything trains
     report = measure(workload, config, branches, options, progress=render.ProgressBar("ddplab study"))
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the branches
+    values = report.to_json()
+    if options.plots:
+        from ddplab.study.plots import branched_plot
+
+        # branched.json is written before the plot is drawn, so a failing plot never loses a measurement.
+        values["plots"] = [branched_plot(values, options.out)]
     if args.json:
-        render.print_json(report)
+        render.print_json(values)
     else:
-        _print_branches(report.to_json())
+        _print_branches(values)
     return 0
 
 
@@ -268,6 +277,8 @@ def _print_branches(values: dict) -> None:
     each = "" if cost["relative"] is None or len(values["branches"]) < 2 else \
         "; per checkpoint " + ", ".join(f"{x:.3g}×" for x in cost["per_checkpoint_relative"])
     out.print(f"cost: {cost['branch_samples']} branch samples{relative}{each}")
+    for path in values.get("plots", []):
+        out.print(f"plot: {path}")
 
 
 def _lr(value) -> str:
@@ -322,6 +333,7 @@ def _print(report) -> None:
             f"{_num(summary['fixed_median_samples'])} samples there")
         out.print(f"{name} from global batch {summary['start_global_batch_size']}: median "
                   f"{_num(summary['median_steps'])} steps and {_num(summary['median_samples'])} samples{versus}")
+    _print_front(out, values)
     for miss in values["unreached"]:
         best = "no finite metric" if miss["best_metric"] is None else \
             f"its runs' best {target['kind']}: {miss['best_metric']:.4g}"
@@ -332,6 +344,44 @@ def _print(report) -> None:
         out.print(f"[bold yellow]warning:[/] {warning}")
     if values.get("report"):
         out.print(f"report: {values['report']}")
+
+
+def _print_front(out, values: dict) -> None:
+    """Per rule whose batch changes: the fixed batches that beat it on both steps and samples, and where it lies
+    against the tuned fit's front at its median steps."""
+    fixed = {p["global_batch_size"]: p["median_steps"] for p in values["tuned_lr"]}
+    for name, entry in (values.get("adaptive") or {}).items():
+        steps, samples = entry["median_steps"], entry["median_samples"]
+        if steps is None:
+            beaten = f": dominated by every fixed batch that did ({_batches(entry['dominated_by'])})" \
+                if entry["dominated_by"] else ""
+            out.print(f"{name}: its median run did not reach the target{beaten}")
+            continue
+        if not fixed:
+            out.print(f"{name}: no fixed batch of the tuned sweep reached the target: no front to judge it against")
+            continue
+        where = f"{name} ({_num(steps)} steps, {_num(samples)} samples): "
+        if entry["dominated_by"]:
+            beaten = ", ".join(f"{b} ({_num(fixed[b])} steps, {_num(fixed[b] * b)} samples)"
+                               for b in entry["dominated_by"])
+            noun = "global batch" if len(entry["dominated_by"]) == 1 else "global batches"
+            where += f"above the fixed-batch front: dominated by {noun} {beaten}"
+        else:
+            where += ("on or below the fixed-batch front (no fixed batch reaches the target in both fewer steps and "
+                      "fewer samples)")
+        out.print(where + _versus_fit(steps, samples, entry["front_samples_at_steps"]))
+
+
+def _batches(batches: list[int]) -> str:
+    return ", ".join(map(str, batches))
+
+
+def _versus_fit(steps: float, samples: float, front: float | None) -> str:
+    """Where a (steps, samples) point lies against the tuned fit's front, in words ("" without a fit)."""
+    if front is None:
+        return ""
+    side = "below" if samples < front else "above" if samples > front else "on"
+    return f"; {side} the tuned fit's front, which needs {_num(front)} samples at {_num(steps)} steps"
 
 
 def _print_scorecard(out, values: dict) -> None:

@@ -77,6 +77,8 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
     best_runs = [r for r in best_runs if r.steps_to_target is not None]
     sections = _sections([rule.report(config, batches, tuned) for rule in rules.REGISTRY.values()])
+    if sections.get("adaptive"):
+        sections["adaptive"] = against_the_front(sections["adaptive"], tuned, fits.get(sweep.name) if sweep else None)
     card = scorecard(config, batches)
     warnings += _beats_tuned_warnings(card)
     b_simple = _b_simple(best_runs, fits.get(sweep.name) if sweep else None)
@@ -95,6 +97,34 @@ def _sections(reports: list[dict]) -> dict:
             else:
                 out[key] = value
     return out
+
+
+def dominated_by(steps: float, samples: float, fixed: list[tuple[int, float]]) -> list[int]:
+    """The fixed global batches that reach the target in both fewer steps and fewer samples than ``steps`` and
+    ``samples``. ``fixed`` holds each batch's median steps (inf where its median run never arrived), its samples being
+    steps × batch. Strictly fewer in both: a tie in either is no domination.
+
+    >>> fixed = [(32, 135.0), (64, 95.0), (128, 85.0)]
+    >>> dominated_by(105.0, 9200.0, fixed), dominated_by(80.0, 8160.0, fixed)
+    ([64], [])
+    >>> dominated_by(95.0, 7000.0, fixed + [(16, math.inf)]), dominated_by(math.inf, math.inf, fixed)
+    ([], [32, 64, 128])
+    """
+    return sorted(b for b, fixed_steps in fixed
+                  if math.isfinite(fixed_steps) and fixed_steps < steps and fixed_steps * b < samples)
+
+
+def against_the_front(adaptive: dict[str, dict], tuned: list[dict], tuned_fit: dict | None) -> dict[str, dict]:
+    """Each rule whose batch changes judged against the fixed-batch Pareto front of the same study: the tuned sweep's
+    batches that reach the target in both fewer steps and fewer samples (``dominated_by``; empty: on or below the
+    measured front), and the samples the tuned fit's front (S/S_min − 1)(E/E_min − 1) = 1 needs at the rule's median
+    steps (``front_samples_at_steps``; None where it reaches no such steps or nothing was fitted)."""
+    fixed = [(p["global_batch_size"], p["median_steps"]) for p in tuned]
+    s_min, e_min = (tuned_fit["s_min"], tuned_fit["e_min"]) if tuned_fit and not tuned_fit.get("undefined") else \
+        (math.nan, math.nan)
+    return {name: {**entry, "dominated_by": dominated_by(entry["median_steps"], entry["median_samples"], fixed),
+                   "front_samples_at_steps": fit.front_samples(entry["median_steps"], s_min, e_min)}
+            for name, entry in adaptive.items()}
 
 
 def _grid_rows(view: BatchRuns, sweep: rules.Rule | None) -> list[dict]:

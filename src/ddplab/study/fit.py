@@ -39,6 +39,22 @@ class Fit:
         return self.s_min * self.b_crit
 
 
+def front_samples(steps: float, s_min: float, e_min: float) -> float | None:
+    """The samples the fitted Pareto front (S/S_min − 1)(E/E_min − 1) = 1 needs to reach the target in ``steps``:
+    E = E_min·(1 + 1/(S/S_min − 1)). None where S ≤ S_min (the front reaches no such S), S is not finite, or the
+    fit has no front (S_min or E_min not a positive number).
+
+    >>> front_samples(200.0, 100.0, 3000.0), front_samples(400.0, 100.0, 3000.0)
+    (6000.0, 4000.0)
+    >>> front_samples(100.0, 100.0, 3000.0) is None, front_samples(float("inf"), 100.0, 3000.0) is None
+    (True, True)
+    """
+    usable = all(math.isfinite(x) and x > 0 for x in (s_min, e_min)) and math.isfinite(steps)
+    if not usable or steps <= s_min:
+        return None
+    return e_min * (1 + 1 / (steps / s_min - 1))
+
+
 def fit_steps(global_batches: Sequence[float], steps: Sequence[float], *, iterations: int = 50) -> Fit:
     """Fit S = a + b/B (a = S_min, b = S_min·B_crit) in relative error, a ≥ 0 and b ≥ 0.
 

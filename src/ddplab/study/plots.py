@@ -12,8 +12,10 @@ from ddplab.study.report import optimizer_text
 
 COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "adam-sqrt": "tab:brown",
           "adamw-tau": "tab:olive", "surge": "tab:cyan", "tuned": "tab:green", "adascale": "tab:red",
-          "ramp": "tab:purple"}
+          "ramp": "tab:purple", "schedule": "crimson"}
 SPARE = ("tab:pink", "gold", "navy", "black")
+ADAPTIVE_MARKERS = ("*", "P", "X", "D")
+"""The markers of the rules whose batch changes on the Pareto plot, in the order the study reports them."""
 
 
 def color(rule: str) -> str:
@@ -237,18 +239,20 @@ def _pareto_plot(report: dict, path: str) -> None:
     """Steps against samples for the tuned curve, with the fitted Pareto front (S/S_min − 1)(E/E_min − 1) = 1
     (McCandlish et al. 2018, fig. 7a)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     if not any(_median_points(report, rule) for rule in report["rules"]):
         ax.text(0.5, 0.5, "no rule's median run reached the target at two batch sizes", ha="center",
                 transform=ax.transAxes)
         _write(plt, fig, path)
         return
+    shown = []  # (samples, steps) of everything drawn: the axes hold them, not the fitted curve's far ends
     for rule in report["rules"]:
         points = _median_points(report, rule)
         if points:
             ax.plot([b * s for b, s in points], [s for _, s in points], "o", color=color(rule), label=rule)
             for b, s in points:
                 ax.annotate(str(b), (b * s, s), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            shown += [(b * s, s) for b, s in points]
     fit = report["fit"].get("tuned")
     if fit and fit["b_crit"] is not None and fit["s_min"] and fit["e_min"]:
         s_min, e_min = fit["s_min"], fit["e_min"]
@@ -258,12 +262,73 @@ def _pareto_plot(report: dict, path: str) -> None:
                 label="tuned fit: (S/S_min − 1)(E/E_min − 1) = 1")
         ax.axhline(s_min, color="gray", linestyle=":", label=f"S_min {s_min:.3g}")
         ax.axvline(e_min, color="gray", linestyle="-.", label=f"E_min {e_min:.3g}")
+        shown.append((e_min, s_min))
+    shown += _adaptive_points(ax, report)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xlim(min(x for x, _ in shown) / 1.4, max(x for x, _ in shown) * 1.6)
+    ax.set_ylim(min(y for _, y in shown) / 1.25, max(y for _, y in shown) * 1.8)
+    _plain_log_labels(ax)
     ax.set_xlabel("samples to target E = S·B (median steps × batch)")
     ax.set_ylabel("optimizer steps to target S")
     ax.set_title("steps vs samples: the Pareto front (labels: global batch)")
-    _save(plt, fig, path, (ax,))
+    ax.grid(True, which="both", alpha=0.3)
+    # Beside the axes: the points crowd the front's bend, where a legend inside would cover them.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    _write(plt, fig, path)
+
+
+def _plain_log_labels(ax) -> None:
+    """Log axes labelled in plain numbers (2000, 5000, 10000), minor ticks at 2× and 5× only where an axis spans
+    under two decades: there matplotlib's default crowds 3×10³ into 4×10³."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    def minor(value: float, _) -> str:
+        return f"{value:g}" if f"{value:.0e}"[0] in "25" else ""
+
+    for axis, (low, high) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(FuncFormatter(minor) if high < 100 * low else NullFormatter())
+
+
+def _adaptive_points(ax, report: dict) -> list[tuple[float, float]]:
+    """Each rule whose batch changes at its median (samples, steps), a marker of its own, its bars the range of its
+    seeds that reached the target; returns the corners drawn."""
+    corners = []
+    for i, (name, entry) in enumerate((report.get("adaptive") or {}).items()):
+        steps, samples = entry["median_steps"], entry["median_samples"]
+        if steps is None or samples is None:
+            continue
+        (fewest_steps, most_steps), (fewest_samples, most_samples) = seed_ranges(report["runs"], name)
+        beaten = entry.get("dominated_by")
+        verdict = f"dominated by batch {', '.join(map(str, beaten))}" if beaten else "no fixed batch has fewer of both"
+        marker = ADAPTIVE_MARKERS[i % len(ADAPTIVE_MARKERS)]
+        ax.errorbar([samples], [steps], xerr=[[samples - fewest_samples], [most_samples - samples]],
+                    yerr=[[steps - fewest_steps], [most_steps - steps]], fmt=marker, markersize=11,
+                    markeredgecolor="black", color=color(name), capsize=3, zorder=4,
+                    label=f"{name} from {entry['start_global_batch_size']}: {verdict}\n(median; bars: its seeds)")
+        ax.annotate(name, (samples, steps), fontsize=8, xytext=(7, 4), textcoords="offset points")
+        corners += [(samples, steps), (fewest_samples, fewest_steps), (most_samples, most_steps)]
+    return corners
+
+
+def seed_ranges(runs: list[dict], rule: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(fewest, most) steps and (fewest, most) samples to the target over a rule's runs that reached it ((nan, nan)
+    each when none did).
+
+    >>> runs = [{"rule": "ramp", "steps_to_target": 100, "samples_to_target": 9000},
+    ...         {"rule": "ramp", "steps_to_target": 120, "samples_to_target": 8800},
+    ...         {"rule": "ramp", "steps_to_target": None, "samples_to_target": None},
+    ...         {"rule": "tuned", "steps_to_target": 10, "samples_to_target": 320}]
+    >>> seed_ranges(runs, "ramp")
+    ((100, 120), (8800, 9000))
+    """
+    reached = [(r["steps_to_target"], r["samples_to_target"]) for r in runs
+               if r["rule"] == rule and r["steps_to_target"] is not None and r.get("samples_to_target") is not None]
+    if not reached:
+        return (math.nan, math.nan), (math.nan, math.nan)
+    steps, samples = zip(*reached)
+    return (min(steps), max(steps)), (min(samples), max(samples))
 
 
 def _regimes(ax, fit: dict, batches: list[int]) -> None:
@@ -335,6 +400,118 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
     _write(plt, fig, path)
+
+
+def branched_plot(values: dict, directory: str) -> str:
+    """``branched.png`` under ``directory`` from a ``branched.json``'s values: the critical batch at each checkpoint
+    against the samples seen (bars: its interval from the seeds; an open triangle with an arrow where it is the
+    largest branched batch, the true one perhaps above the grid), B_simple at the same checkpoints, the batch
+    schedule they imply as a step line, and the measurement's cost relative to one reference run. Returns its path."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    _critical_points(ax, values["branches"])
+    noise = [(b["samples_seen"], b["b_simple"]) for b in values["branches"] if b["b_simple"] and b["b_simple"] > 0]
+    if noise:
+        ax.plot(*zip(*noise), "s", color="tab:purple", label="B_simple at the checkpoint")
+    end = schedule_end(values)
+    xs, ys = schedule_line(values["schedule"], end)
+    ax.plot(xs, ys, "-", color=color("schedule"), linewidth=2, alpha=0.8, label="batch schedule")
+    for step in values["schedule"]:
+        lr = f" (lr {step['lr']:.3g})" if step["lr"] is not None else ""
+        ax.annotate(f"{step['global_batch_size']}{lr}", (step["samples_seen"], step["global_batch_size"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points", color=color("schedule"))
+    if values["reference_run"] is not None:
+        ax.axvline(values["reference_run"]["samples"], color="gray", linestyle=":",
+                   label="end of the reference run" + (" (target reached)" if values["reference_run"]["reached"]
+                                                        else " (target not reached)"))
+    grid = values["global_batch_sizes"]
+    ax.set_yscale("log", base=2)
+    ax.set_yticks(grid, [str(b) for b in grid])
+    # The grid, B_simple beyond it and the arrows of a critical batch at its top, with room for the bars' caps.
+    shown = [*grid, *(value for _, value in noise)]
+    ax.set_ylim(min(shown) / 1.25, max(shown) * 1.8)
+    ax.set_xlim(0, end * 1.04)
+    ax.set_xlabel("samples seen (the run's checkpoints)")
+    ax.set_ylabel("global batch")
+    ax.set_title(f"{values['workload']}: the critical batch as training goes (branches at {grid[0]}…{grid[-1]})\n"
+                 f"{cost_text(values['cost'])}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    path = os.path.join(directory, "branched.png")
+    _write(plt, fig, path)
+    return path
+
+
+def _critical_points(ax, branches: list[dict]) -> None:
+    """The critical batch per checkpoint with its seeds' interval; one at the grid's top marked as a lower bound."""
+    found = [b for b in branches if b["critical_batch_size"] is not None]
+    for at_edge in (False, True):
+        points = [b for b in found if b["at_edge"] == at_edge]
+        if not points:
+            continue
+        xs, ys = [b["samples_seen"] for b in points], [b["critical_batch_size"] for b in points]
+        lows = [y - (b["interval"][0] or y) for b, y in zip(points, ys)]
+        highs = [(b["interval"][1] or y) - y for b, y in zip(points, ys)]
+        label = ("critical batch at the grid's top: it may lie above" if at_edge else
+                 "critical batch (bars: worst and best seed)")
+        ax.errorbar(xs, ys, yerr=(lows, highs), fmt="^" if at_edge else "o", markersize=8, capsize=4,
+                    color="tab:blue", markerfacecolor="white" if at_edge else "tab:blue", label=label, zorder=3)
+        for x, y in zip(xs, ys) if at_edge else ():
+            ax.annotate("", xy=(x, y * 1.7), xytext=(x, y), arrowprops={"arrowstyle": "->", "color": "tab:blue"})
+
+
+def schedule_end(values: dict) -> int:
+    """Where the schedule's last step is drawn to: one reference run's samples, or the last checkpoint if later."""
+    last = max((b["samples_seen"] for b in values["branches"]), default=0)
+    return max(last, values["cost"]["reference_samples"] or 0, values["schedule"][-1]["samples_seen"])
+
+
+def schedule_line(schedule: list[dict], end: int) -> tuple[list[int], list[int]]:
+    """The schedule's global batch against samples seen as a step line's vertices, from its first entry to ``end``.
+
+    >>> schedule_line([{"samples_seen": 0, "global_batch_size": 32, "lr": 0.1},
+    ...                {"samples_seen": 416, "global_batch_size": 64, "lr": 0.2}], 4160)
+    ([0, 416, 416, 4160], [32, 32, 64, 64])
+    """
+    xs, ys = [], []
+    for step, following in zip(schedule, [*schedule[1:], None]):
+        until = following["samples_seen"] if following else end
+        xs += [step["samples_seen"], until]
+        ys += [step["global_batch_size"]] * 2
+    return xs, ys
+
+
+def cost_text(cost: dict) -> str:
+    """The measurement's cost in words, relative to one reference run where there is one.
+
+    >>> cost_text({"branch_samples": 276480, "reference_samples": 4160, "relative": 66.46153846153847})
+    'measurement: 276480 branch samples = 66.5× one reference run (4160 samples)'
+    """
+    relative = f" = {cost['relative']:.3g}× one reference run ({cost['reference_samples']} samples)" \
+        if cost["relative"] is not None else ""
+    return f"measurement: {cost['branch_samples']} branch samples{relative}"
+
+
+def _front_html(report: dict) -> str:
+    """The rules whose batch changes against the fixed-batch front: the tuned batches that reach the target in both
+    fewer steps and fewer samples, and the tuned fit's front at their median steps."""
+    fixed = {p["global_batch_size"]: p["median_steps"] for p in report["tuned_lr"]}
+    rows = ""
+    for name, entry in (report.get("adaptive") or {}).items():
+        beaten = ", ".join(f"{b} ({_n(fixed[b])} steps, {_n(fixed[b] * b)} samples)"
+                           for b in entry.get("dominated_by") or [])
+        rows += (f"<tr><td>{html_escape(name)}</td><td>{entry['start_global_batch_size']}</td>"
+                 f"<td>{_n(entry['median_steps'])}</td><td>{_n(entry['median_samples'])}</td>"
+                 f"<td>{beaten or 'none: on or below the front'}</td>"
+                 f"<td>{_n(entry.get('front_samples_at_steps'))}</td></tr>")
+    if not rows:
+        return ""
+    return ("<h2>Batches that change, against the fixed-batch front</h2><p>Median steps and samples to the target "
+            "of each rule whose batch changes as it trains; the best tuned fixed batches that reach the target in both "
+            "fewer steps and fewer samples (none: the rule lies on or below the front measured here); the samples "
+            "the tuned fit's front (S/S_min − 1)(E/E_min − 1) = 1 needs at the rule's median steps.</p>"
+            "<table><tr><th>rule</th><th>from global batch</th><th>median steps</th><th>median samples</th>"
+            f"<th>fixed batches with fewer of both</th><th>fitted front's samples at its steps</th></tr>{rows}</table>")
 
 
 def _fit_row(rule: str, f: dict) -> str:
@@ -430,6 +607,7 @@ predicted to agree within a small factor; B_simple grows as the loss falls, so i
 {_scorecard_html(report)}
 {''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
 {adascale}
+{_front_html(report)}
 {images}
 <h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>
 <table><tr><th>rule</th><th>global batch</th><th>lr</th><th>Adam settings (variant)</th><th>seed</th>\
