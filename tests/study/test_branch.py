@@ -165,6 +165,28 @@ def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_one
     assert from_file["branches"][0]["samples_seen"] == from_run["branches"][0]["samples_seen"] == state.samples_seen
     assert from_file["branches"][0]["batches"] == from_run["branches"][0]["batches"]
     assert from_file["reference_run"] is None and from_file["cost"]["reference_samples"] == state.samples_seen
+    # A DDP model's state_dict (every key under "module.") loads as the bare model's; a file without optimizer state
+    # and one whose optimizer ran at another lr load too, each with a note that says so.
+    wrapped, bare, other_lr = tmp_path / "wrapped.pt", tmp_path / "bare.pt", tmp_path / "other_lr.pt"
+    torch.save({"model": {f"module.{k}": v for k, v in state.model.items()}, "optimizer": state.optimizer,
+                "samples_seen": state.samples_seen}, wrapped)
+    torch.save({"model": state.model, "samples_seen": state.samples_seen}, bare)
+    other = copy.deepcopy(state.optimizer)
+    other["param_groups"][0]["lr"] = 0.123
+    torch.save({"model": state.model, "optimizer": other, "samples_seen": state.samples_seen}, other_lr)
+    assert main([*base, "--branch-from", str(wrapped), str(bare), str(other_lr), "--no-plots"]) == 0
+    found = json.loads(capsys.readouterr().out)["branches"]
+    assert [f["batches"] for f in found[::2]] == [from_file["branches"][0]["batches"]] * 2
+    fresh = f"{bare} has no optimizer state: its branches start with a fresh optimizer, as a restart would"
+    lr_note = (f"{other_lr}'s optimizer ran at lr 0.123, and the branches scale from the reference lr "
+               f"{config.reference_lr:g}: give the run's lr there as --ref-lr")
+    assert [f["notes"] for f in found] == [[], [fresh], [lr_note]]
+    # The default tolerance is the seeds' spread: one seed is refused, unless a tolerance is given.
+    one_seed = [*base[:base.index("--seeds")], "--seeds", "1", *base[base.index("--seeds") + 2:]]
+    assert main([*one_seed, "--branch-from", str(good)]) == 2
+    assert "one seed has none: give --seeds 2 or more" in capsys.readouterr().err
+    assert main([*one_seed, "--branch-from", str(good), "--branch-tolerance", "0.01", "--no-plots"]) == 0
+    capsys.readouterr()
     # Each bad file: one line that names the file and the key, exit 2, before any branch trains.
     os.remove(tmp_path / "out" / "branched.json")
     weight = state.model["weight"]
@@ -237,7 +259,8 @@ def test_a_specs_own_load_reads_its_checkpoints(tmp_path, capsys):
     sgd.step()
     torch.save({"net": model.state_dict(), "opt": sgd.state_dict(), "tokens": 96}, tmp_path / "run.pt")
     torch.save({"net": model.state_dict(), "opt": sgd.state_dict(), "tokens": "many"}, tmp_path / "odd.pt")
-    base = ["study", str(spec), "--target-loss", "0.1", "--ref-global-batch-size", "8", "--branch-doublings", "2",
+    # No target: branches from checkpoints train no run to one.
+    base = ["study", str(spec), "--ref-global-batch-size", "8", "--branch-doublings", "2",
             "--branch-samples", "64", "--seeds", "2", "--out", str(tmp_path / "out"), "--json"]
     assert main([*base, "--branch-from", str(tmp_path / "run.pt")]) == 0
     found = json.loads(capsys.readouterr().out)["branches"][0]

@@ -160,7 +160,9 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
     if args.spec and args.workload:
         raise UsageError("give a spec file or {workload}, not both")
     accuracy, loss = getattr(args, "target.accuracy"), getattr(args, "target.loss")
-    target = target_for(spec=args.spec, accuracy=accuracy, loss=loss)
+    # Branches from checkpoints train no run to a target: a spec need not name one there.
+    target = target_for(spec=args.spec if not getattr(args, "branch_from", None) else None, accuracy=accuracy,
+                        loss=loss)
     if defaults and "target" in defaults and accuracy is None and loss is None:
         target = defaults["target"]
     grid = fields_given(args, StudyConfig)
@@ -251,10 +253,14 @@ def _print_branches(values: dict) -> None:
         reached = "reached the target" if run["reached"] else "did not reach the target"
         out.print(f"reference run: {run['steps']} steps ({run['samples']} samples), {reached}")
     factor = values["sweep_factor"]
-    title = (f"ddplab study: {values['workload']}, critical batch from {len(values['branches'])} checkpoints, "
+    for b in values["branches"]:
+        for note in b.get("notes", []):
+            out.print(f"note: {note}")
+    checkpoints = _count(len(values["branches"]), "checkpoint")
+    title = (f"ddplab study: {values['workload']}, critical batch from {checkpoints}, "
              f"branches of {values['branch_samples']} samples at global batches "
              f"{','.join(map(str, values['global_batch_sizes']))}, lrs ×{1 / factor:g},1,{factor:g} of the "
-             f"{values['lr_rule']} rule, {values['seeds']} seeds, tolerance: {values['tolerance']}, "
+             f"{values['lr_rule']} rule, {_count(values['seeds'], 'seed')}, tolerance: {values['tolerance']}, "
              f"{values['seconds']:.0f} s")
     rows = [[str(b["samples_seen"]), _num(b["critical_batch_size"]) + (" (edge)" if b["at_edge"] else ""),
              f"[{_num(b['interval'][0])}, {_num(b['interval'][1])}]", _num(b["b_simple"]), _num(b["reference_loss"]),
@@ -279,6 +285,10 @@ def _print_branches(values: dict) -> None:
     out.print(f"cost: {cost['branch_samples']} branch samples{relative}{each}")
     for path in values.get("plots", []):
         out.print(f"plot: {path}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _lr(value) -> str:

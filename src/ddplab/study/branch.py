@@ -69,6 +69,8 @@ class Checkpoint:
     samples_seen: int
     source: str
     """Where it came from: a file, or a step of the reference run."""
+    notes: tuple[str, ...] = ()
+    """What the user should know of it (a file without optimizer state, say)."""
 
 
 class Stream:
@@ -123,10 +125,23 @@ def load_checkpoint(workload: Workload, config: StudyConfig, path: str) -> Check
     else:
         raise UsageError(f"{{branch_from}} {literal(path)} has no key 'samples_seen' (nor 'step', counted in "
                          "{reference_global_batch_size} samples)")
-    checkpoint = Checkpoint(model=saved["model"], optimizer=saved.get("optimizer"), samples_seen=int(samples),
-                            source=path)
+    checkpoint = Checkpoint(model=_unwrapped(saved["model"]), optimizer=saved.get("optimizer"),
+                            samples_seen=int(samples), source=path)
     check_checkpoint(workload, config, checkpoint)
-    return checkpoint
+    return dataclasses.replace(checkpoint, notes=tuple(notes(config, checkpoint)))
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+"""What DDP (``model.module``) and torch.compile (``model._orig_mod``) put before a state_dict's keys."""
+
+
+def _unwrapped(state: dict) -> dict:
+    """The state_dict as the bare model names its keys: a DDP or compiled model's, saved wrapped, loses the prefix
+    every key carries."""
+    for prefix in WRAPPER_PREFIXES:
+        while state and all(isinstance(key, str) and key.startswith(prefix) for key in state):
+            state = {key[len(prefix):]: value for key, value in state.items()}
+    return state
 
 
 def _spec_loaded(workload: Workload, config: StudyConfig, path: str) -> Checkpoint:
@@ -138,8 +153,9 @@ def _spec_loaded(workload: Workload, config: StudyConfig, path: str) -> Checkpoi
         raise UsageError(f"{{branch_from}} {literal(path)}: the spec's load(path, model, optimizer) must return the "
                          f"samples the run had seen, an integer ≥ 0, got {literal(repr(samples))}")
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
-    return Checkpoint(model=state, optimizer=copy.deepcopy(optimizer.state_dict()), samples_seen=samples,
-                      source=path)
+    checkpoint = Checkpoint(model=state, optimizer=copy.deepcopy(optimizer.state_dict()), samples_seen=samples,
+                            source=path)
+    return dataclasses.replace(checkpoint, notes=tuple(notes(config, checkpoint)))
 
 
 def check_checkpoint(workload: Workload, config: StudyConfig, checkpoint: Checkpoint) -> None:
@@ -481,8 +497,26 @@ def check_branches(workload: Workload, config: StudyConfig, branch: BranchConfig
     if world_size is not None and reference % world_size:
         raise UsageError(f"the reference global batch {reference} does not split evenly over {world_size} ranks "
                          f"({{world_size}}): give a {{reference_global_batch_size}} that is a multiple of {world_size}")
+    if config.seeds < 2 and branch.branch_tolerance is None and branch.branch_lag is None:
+        raise UsageError("the default tolerance is the reference batch's spread over its seeds, and one seed has "
+                         "none: give {seeds} 2 or more, a {branch_tolerance} or a {branch_lag}")
     branch.samples(reference)
     held_out(workload)
+
+
+def notes(config: StudyConfig, checkpoint: Checkpoint) -> list[str]:
+    """What the user should know of a checkpoint that loaded: a missing optimizer state, an lr unlike --ref-lr."""
+    saved = checkpoint.optimizer
+    where = checkpoint.source
+    keeps_state = config.optimizer.adam or bool(config.optimizer.momentum)
+    if saved is None or (keeps_state and not saved.get("state")):
+        return [f"{where} has no optimizer state: its branches start with a fresh optimizer, as a restart would"]
+    lrs = {group.get("lr") for group in saved.get("param_groups", [])}
+    lr = next(iter(lrs)) if len(lrs) == 1 else None
+    if isinstance(lr, int | float) and not math.isclose(lr, config.reference_lr, rel_tol=0.01):
+        return [f"{where}'s optimizer ran at lr {lr:g}, and the branches scale from the reference lr "
+                f"{config.reference_lr:g}: give the run's lr there as --ref-lr"]
+    return []
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -648,7 +682,7 @@ def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, 
             trained[batch] = {step: trained[batch][step] + losses[step] for step in trained[batch]}
     judged = judge(trained)
     b_simple = b_simple_at(workload, config, checkpoint, branch.global_batch_sizes(reference)[-1], device)
-    return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source,
+    return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source, "notes": list(checkpoint.notes),
             "critical_batch_size": judged.critical_batch_size, "interval": list(judged.interval),
             "at_edge": judged.at_edge, "b_simple": b_simple, "reference_loss": judged.reference_loss,
             "tolerance": judged.tolerance, "batches": judged.rows,
