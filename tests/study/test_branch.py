@@ -269,3 +269,51 @@ def test_a_specs_own_load_reads_its_checkpoints(tmp_path, capsys):
     assert trained + found["untrained_global_batch_sizes"] == [8, 16, 32] and len(trained) >= 2
     assert main([*base, "--branch-from", str(tmp_path / "odd.pt")]) == 2
     assert "must return the samples the run had seen, an integer ≥ 0, got 'many'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_branches_are_cached_by_checkpoint_and_setting_so_a_rerun_or_another_tolerance_trains_only_what_is_missing(
+        tmp_path, monkeypatch):
+    workload = workloads.regression(dim=DIM)
+    config = _regression_config(max_steps=200)
+    [state], _ = branch.reference_checkpoints(workload, config, (0.3,), torch.device("cpu"), lambda steps: None)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": state.model, "optimizer": state.optimizer, "samples_seen": state.samples_seen}, path)
+    trained = []
+    real = branch.train_branches
+
+    def counting(workload, config, checkpoint, global_batch, runs, samples, **kwargs):
+        trained.append((global_batch, len(runs)))
+        return real(workload, config, checkpoint, global_batch, runs, samples, **kwargs)
+
+    monkeypatch.setattr(branch, "train_branches", counting)
+
+    def measure(**fields):
+        options = StudyOptions(out=str(tmp_path / "out"), fresh=fields.pop("fresh", False))
+        trained.clear()
+        settings = dict(branch_from=(str(path),), branch_samples=64, branch_doublings=3, **fields)
+        return branch.measure(workload, config, BranchConfig(**settings), options).to_json()
+
+    first = measure()
+    first_trained = list(trained)
+    assert first_trained and os.listdir(tmp_path / "out" / "branches")
+    # The same measurement again: every branch from the cache, the same report.
+    again = measure()
+    assert trained == [] and again["branches"] == first["branches"] and again["cost"] == first["cost"]
+    # Another tolerance judges the same branches; the lag needs the reference batch's loss mid-branch, which the
+    # cache lacks: that batch alone trains again (its lrs, and any lr past an edge it then needs).
+    lagged = measure(branch_lag=0.5)
+    before = {row["global_batch_size"]: {**row, "matches": None} for row in first["branches"][0]["batches"]}
+    assert {batch for batch, _ in trained} == {REFERENCE} | {row["global_batch_size"] for row in
+                                                           lagged["branches"][0]["batches"]} - set(before)
+    assert all({**row, "matches": None} == before[row["global_batch_size"]]
+               for row in lagged["branches"][0]["batches"] if row["global_batch_size"] in before)
+    # A checkpoint that differs in one number is another checkpoint: nothing of the first serves it.
+    changed = copy.deepcopy(state.model)
+    changed["weight"][0, 0] += 1e-6
+    torch.save({"model": changed, "optimizer": state.optimizer, "samples_seen": state.samples_seen}, path)
+    measure()
+    assert trained == first_trained
+    # --fresh starts over.
+    measure(fresh=True)
+    assert trained == first_trained

@@ -40,6 +40,7 @@ from ddplab.runtime.launch_config import under_torchrun
 from ddplab.runtime.sharding import epoch_permutation
 from ddplab.serialize import finite, write_json_atomic
 from ddplab.study import critical, optim
+from ddplab.study.branch_cache import BranchCache, checkpoint_digest
 from ddplab.study.config import StudyConfig, StudyOptions
 from ddplab.study.critical import BranchConfig
 from ddplab.study.engines.ddp import run_optimizer
@@ -580,6 +581,7 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
     total = reference_steps + per_checkpoint * (len(branch.branch_at or ()) or len(setup.checkpoints))
     advance = _Advance(progress, total)
     train = _trainer(setup, device, launch_config, advance)
+    cache = BranchCache(options.out, _cache_setting(setup, samples), fresh=options.fresh) if main else None
     with threads(options.threads):
         checkpoints, reference_run = setup.checkpoints, None
         if branch.branch_at:
@@ -587,7 +589,8 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
             if ctx is not None and ctx.world_size > 1:
                 checkpoints, reference_run = _rank_zeros(checkpoints, reference_run)
             advance.skip_to(reference_steps)
-        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device, train, advance.grow)
+        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device,
+                              _Training(train, cache, checkpoint, samples, advance, ctx))
                  for checkpoint in checkpoints]
     advance.skip_to(total)
     steps = critical.schedule([(f["samples_seen"], f["critical_batch_size"],
@@ -653,7 +656,7 @@ def _untrained_steps(groups: Groups, trained: Trained, samples: int) -> int:
 
 
 def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, checkpoint: Checkpoint, rule: str,
-                 samples: int, device: torch.device, train: Trainer, grow: Callable[[int], None]) -> dict:
+                 samples: int, device: torch.device, train: _Training) -> dict:
     """One checkpoint's branches, batch after batch up the grid until the judgement is settled, each batch's sweep
     extended past an edge its best lr sits on; judged."""
     reference = config.reference_global_batch_size
@@ -670,14 +673,14 @@ def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, 
     while True:
         remaining = {batch: group for batch, group in groups.items() if batch not in trained}
         if remaining and (branch.branch_every_batch or not trained or not judge.settled(trained)):
-            stop = None if branch.branch_every_batch else dataclasses.replace(judge, prior=trained).settled
-            trained.update(train(checkpoint, remaining, samples, stop))
+            trained.update(train(remaining, None if branch.branch_every_batch else
+                                 dataclasses.replace(judge, prior=dict(trained))))
         extra = _extensions(groups, trained, samples, config)
         if not extra:
             break
         # An lr past the edge may turn a miss into a match: the loop then goes on up the grid.
-        grow(sum(samples // batch for batch in extra))
-        for batch, losses in train(checkpoint, extra, samples, None).items():
+        train.advance.grow(sum(samples // batch for batch in extra))
+        for batch, losses in train(extra, None).items():
             groups[batch] = (groups[batch][0] + extra[batch][0], groups[batch][1])
             trained[batch] = {step: trained[batch][step] + losses[step] for step in trained[batch]}
     judged = judge(trained)
@@ -726,6 +729,68 @@ class Judge:
     def settled(self, trained: Trained) -> bool:
         """No larger batch can change the judgement (:func:`critical.settled`)."""
         return critical.settled(self(trained))
+
+
+class _Training:
+    """One checkpoint's branches trained through the cache: what it holds is read (by rank 0, under torchrun, and
+    shared), what it lacks is trained and kept."""
+
+    def __init__(self, train: Trainer, cache: BranchCache | None, checkpoint: Checkpoint, samples: int,
+                 advance: _Advance, ctx: RankContext | None):
+        self.train, self.cache, self.checkpoint, self.samples, self.advance = train, cache, checkpoint, samples, advance
+        self.shared = ctx is not None and ctx.world_size > 1
+        self.digest = checkpoint_digest(checkpoint.model, checkpoint.optimizer, checkpoint.samples_seen) \
+            if cache is not None else None
+
+    def __call__(self, groups: Groups, judge: Judge | None) -> Trained:
+        """The batches of ``groups`` in order, each read from the cache where it is there, none after one at which
+        ``judge`` finds the judgement settled (no judge: every batch)."""
+        trained: Trained = {}
+        order = list(groups)
+        found = {batch: self._cached(batch, *groups[batch]) for batch in order}
+        while order:
+            if found[order[0]] is not None:
+                batch = order.pop(0)
+                trained[batch] = found[batch]
+                self.advance(self.samples // batch)
+            else:
+                # The batches up to the next cached one train together (one launch on ranks).
+                block = {}
+                while order and found[order[0]] is None:
+                    batch = order.pop(0)
+                    block[batch] = groups[batch]
+                stop = dataclasses.replace(judge, prior={**judge.prior, **trained}).settled if judge else None
+                fresh = self.train(self.checkpoint, block, self.samples, stop)
+                for batch, losses in fresh.items():
+                    if self.cache is not None:
+                        self.cache.save(self.digest, batch, block[batch][0], losses)
+                trained.update(fresh)
+            if judge is not None and judge.settled({**judge.prior, **trained}):
+                break
+        return trained
+
+    def _cached(self, batch: int, runs: Runs, record: set[int]) -> dict[int, list[float]] | None:
+        found = self.cache.load(self.digest, batch, runs, record | {self.samples // batch}) \
+            if self.cache is not None else None
+        if self.shared:
+            import torch.distributed as dist
+
+            # Rank 0 reads the cache: every rank must take the same batches from it.
+            shared = [found]
+            dist.broadcast_object_list(shared, src=0)
+            found = shared[0]
+        return found
+
+
+def _cache_setting(setup: _Setup, samples: int) -> dict:
+    """What a branch's losses depend on besides its checkpoint, batch, lr and seed."""
+    options, config = setup.options, setup.config
+    ranks = {"world_size": setup.world_size, "strategy": options.strategy, "replicate": options.replicate,
+             "reduce_dtype": options.reduce_dtype, "max_per_device": options.max_batch_size_per_device} \
+        if setup.engine == "ddp" else {}
+    return {"workload": setup.workload.fingerprint, "optimizer": config.optimizer.to_json(), "dtype": config.dtype,
+            "own_optimizer": setup.workload.own_optimizer, "samples": samples, "engine": setup.engine,
+            "device": setup.device.type, **ranks}
 
 
 def _by_lr(runs: list[tuple[float, int]], losses: list[float]) -> dict[float, list[float]]:

@@ -1,0 +1,90 @@
+"""The branches' cache: each branch's held-out losses under ``OUT/branches/``, one file per checkpoint and batch.
+
+A file's name is the digest of everything a branch's losses depend on: the workload, the optimizer, the dtype,
+the engine that trains it (vectorized, or ranks with their strategy), the budget, the global batch and the
+checkpoint's own contents (model, optimizer state and samples seen). So a measurement that was stopped resumes
+where it was, another tolerance (``--branch-lag``) judges the same branches without training them again, and
+no file can serve a branch it does not describe. ``--fresh`` clears it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+
+from ddplab.serialize import write_json_atomic
+
+Losses = dict[int, list[float]]
+"""{steps: each run's held-out loss after them}, the runs in the order asked for."""
+
+
+def checkpoint_digest(model: dict, optimizer: dict | None, samples_seen: int) -> str:
+    """A digest of a checkpoint's contents: every tensor's bytes, dtype and shape, and every other value's repr."""
+    digest = hashlib.sha256(str(samples_seen).encode())
+    _feed(digest, model)
+    _feed(digest, optimizer)
+    return digest.hexdigest()
+
+
+def _feed(digest, value) -> None:
+    if torch.is_tensor(value):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode())
+            _feed(digest, value[key])
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(repr(value).encode())
+
+
+class BranchCache:
+    """Branch losses by (lr, seed), one JSON file per (setting, checkpoint, global batch), written atomically."""
+
+    def __init__(self, directory: str, setting: dict, *, fresh: bool = False):
+        self.directory = os.path.join(directory, "branches")
+        self.setting = json.dumps(setting, sort_keys=True, default=str)
+        if fresh and os.path.isdir(self.directory):
+            shutil.rmtree(self.directory)
+
+    def _path(self, checkpoint: str, global_batch: int) -> str:
+        key = hashlib.sha256(f"{self.setting}|{checkpoint}|{global_batch}".encode()).hexdigest()[:24]
+        return os.path.join(self.directory, f"batch-{global_batch}-{key}.json")
+
+    def _runs(self, checkpoint: str, global_batch: int) -> dict[str, dict[str, float]]:
+        try:
+            with open(self._path(checkpoint, global_batch)) as fh:
+                runs = json.load(fh)["runs"]
+        except (OSError, ValueError, KeyError, TypeError):
+            # Missing, cut short or not ours: those branches train again.
+            return {}
+        return runs if isinstance(runs, dict) else {}
+
+    def load(self, checkpoint: str, global_batch: int, runs: list[tuple[float, int]], steps: set[int]) -> Losses | None:
+        """Every run's losses at ``steps``, or None unless the file holds them all."""
+        cached = self._runs(checkpoint, global_batch)
+        found = [cached.get(_key(lr, seed), {}) for lr, seed in runs]
+        if not all(str(step) in run for run in found for step in steps):
+            return None
+        return {step: [float(run[str(step)]) for run in found] for step in sorted(steps)}
+
+    def save(self, checkpoint: str, global_batch: int, runs: list[tuple[float, int]], losses: Losses) -> None:
+        """Add ``runs``' losses to the batch's file."""
+        cached = self._runs(checkpoint, global_batch)
+        for index, (lr, seed) in enumerate(runs):
+            entry = cached.setdefault(_key(lr, seed), {})
+            entry.update({str(step): values[index] for step, values in losses.items()})
+        os.makedirs(self.directory, exist_ok=True)
+        write_json_atomic(self._path(checkpoint, global_batch), {"runs": cached}, standard=False)
+
+
+def _key(lr: float, seed: int) -> str:
+    return f"{lr!r}|{seed}"
