@@ -449,7 +449,8 @@ def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_ru
     with open(out / "report.html") as fh:
         assert "Batches that change, against the fixed-batch front" in fh.read()
     cached = [n for n in os.listdir(tmp_path / "out" / "runs") if n.startswith("batch-16-schedule-")]
-    # A schedule with lrs, on the same grid (cached): each entry's lr exactly, its runs cached apart.
+    # A schedule with lrs, on the same grid (cached): from the best tuned lr at its first batch, each entry's lr
+    # scaled as the schedule scales it from its first, its runs cached apart.
     schedule = [{"samples_seen": 0, "global_batch_size": 16, "lr": 0.05},
                 {"samples_seen": 320, "global_batch_size": 32, "lr": 0.1},
                 {"samples_seen": 960, "global_batch_size": 64, "lr": 0.2}]
@@ -458,9 +459,10 @@ def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_ru
     assert main([*argv, "--schedule", str(path)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["tuned_lr"] == list(tuned.values())
+    best = tuned[16]["lr"]
     for run in [r for r in report["runs"] if r["rule"] == "schedule"]:
-        assert run["lr"] == 0.05 and _follows(run, schedule, 0.05) == run["samples_to_target"]
-        assert sorted({round(t[2], 12) for t in run["trajectory"]}) == [0.05, 0.1, 0.2]
+        assert run["lr"] == best and _follows(run, schedule, best) == run["samples_to_target"]
+        assert sorted({round(t[2] / best, 12) for t in run["trajectory"]}) == [1, 2, 4]
     assert len([n for n in os.listdir(tmp_path / "out" / "runs") if n.startswith("batch-16-schedule-")]) == 2
     assert len(cached) == 1
     # Refused before anything trains: no schedule, or one that starts off the grid.

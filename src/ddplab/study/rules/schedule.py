@@ -4,10 +4,12 @@ The schedule is ``StudyConfig.schedule``: a ``branched.json`` (what ``--branch-a
 writes), a ``schedule.json`` list of ``{"samples_seen", "global_batch_size", "lr"}`` entries, or a
 Megatron-style ``"0:32 416:64"`` string. Each seed's run starts at the schedule's first global batch
 (a batch of the grid) from the grid's initial weights for that seed, and trains as the ramp does
-(:mod:`ddplab.study.rules.changing`) with the batch and lr the schedule sets, without a warmup: at
-the first entry's lr, so every update runs at exactly its entry's lr; a schedule without lrs (a
-Megatron string) at the best tuned lr at its first batch throughout (else the linear rule's). It is
-judged against the best tuned fixed lr at its starting batch, not fitted.
+(:mod:`ddplab.study.rules.changing`) with the batch and lr the schedule sets, without a warmup. Like
+the ramp's, each run starts at the best tuned lr at its first batch (else the linear rule's), and each
+later entry scales it by that entry's lr ÷ the first entry's, as ``BatchSchedule`` scales a user's own
+lr; a schedule without lrs (a Megatron string) keeps it throughout. So the schedule is judged on its
+batches and lr ratios from the same lr as the best tuned fixed run at its starting batch, not on the
+reference lr it was measured from. Not fitted.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class Schedule(Rule):
     def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
         if global_batch != self.start(config):
             return None
-        first = thresholds(config)[0].lr
-        lr = first if first is not None else start_lr(config, global_batch, trained.get(global_batch, []))
+        # From the lr a user would have tuned there, as the ramp and the fixed runs it is judged against.
+        lr = start_lr(config, global_batch, trained.get(global_batch, []))
         return RunGroup(global_batch_size=global_batch, runs=tuple((lr, seed) for seed in range(config.seeds)),
                         rule=self.name, optimizer=config.optimizer, cache_tag=digest(config))
 
