@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ddplab.cli.main import main
+from ddplab.errors import UsageError
 from ddplab.study import branch, optim, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
 from ddplab.study.critical import BranchConfig
@@ -317,3 +318,39 @@ def test_branches_are_cached_by_checkpoint_and_setting_so_a_rerun_or_another_tol
     # --fresh starts over.
     measure(fresh=True)
     assert trained == first_trained
+
+
+def test_wrapped_state_dicts_lose_their_wrappers_prefixes_and_a_broken_cache_is_no_cache(tmp_path):
+    from ddplab.study.branch_cache import BranchCache
+
+    bare = {"weight": 1, "bias": 2}
+    # DDP inside torch.compile, compile inside DDP, and a model whose own child is called "module".
+    assert branch._unwrapped({f"_orig_mod.module.{k}": v for k, v in bare.items()}, set(bare)) == bare
+    assert branch._unwrapped({f"module._orig_mod.{k}": v for k, v in bare.items()}, set(bare)) == bare
+    own = {"module.weight": 1, "module.bias": 2}
+    assert branch._unwrapped(own, set(own)) == own
+    # Edited or broken entries read as missing, and a good entry of the same file still serves.
+    cache = BranchCache(str(tmp_path), {"workload": "w"})
+    cache.save("ckpt", 8, [(0.1, 0), (0.2, 0)], {4: [1.5, math.inf]})
+    assert cache.load("ckpt", 8, [(0.1, 0), (0.2, 0)], {4}) == {4: [1.5, math.inf]}
+    [path] = [os.path.join(cache.directory, name) for name in os.listdir(cache.directory)]
+    with open(path) as fh:
+        saved = json.load(fh)
+    saved["runs"]["0.2|0"] = 3.0
+    saved["runs"]["0.4|0"] = {"4": "x"}
+    with open(path, "w") as fh:
+        json.dump(saved, fh)
+    assert cache.load("ckpt", 8, [(0.1, 0), (0.2, 0)], {4}) is None
+    assert cache.load("ckpt", 8, [(0.1, 0)], {4}) == {4: [1.5]}
+    # By group (the vectorized engine: dropout's masks depend on the group), another group is another file.
+    grouped = BranchCache(str(tmp_path / "grouped"), {"workload": "w"}, by_group=True)
+    grouped.save("ckpt", 8, [(0.1, 0), (0.2, 0)], {4: [1.5, 2.5]})
+    assert grouped.load("ckpt", 8, [(0.1, 0)], {4}) is None
+    assert grouped.load("ckpt", 8, [(0.2, 0), (0.1, 0)], {4}) is None
+    assert grouped.load("ckpt", 8, [(0.1, 0), (0.2, 0)], {4}) == {4: [1.5, 2.5]}
+    cache.save("ckpt", 8, [(0.2, 0)], {4: [2.5]})
+    assert cache.load("ckpt", 8, [(0.1, 0), (0.2, 0)], {4}) == {4: [1.5, 2.5]}
+    # A cache that cannot be kept is said before anything trains.
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="cannot keep the branches' cache"):
+        BranchCache(str(tmp_path / "file"), {})

@@ -98,6 +98,9 @@ def test_the_printed_lines_say_each_rules_dominators_and_its_side_of_the_fitted_
         "late: its median run did not reach the target: dominated by every fixed batch that did (32, 64, 128)"]
     # The numbers above, exactly: E_min·S/(S − S_min), to four decimals.
     assert f"{e_min * 105 / (105 - s_min):.4f}" == "5747.8835" and f"{e_min * 80 / (80 - s_min):.4f}" == "12469.5237"
-    _print_front(console(), {"tuned_lr": [], "adaptive": {"ramp": {**values["adaptive"]["ramp"], "dominated_by": []}}})
-    assert capsys.readouterr().out.strip() == ("ramp: no fixed batch of the tuned sweep reached the target: no front "
-                                               "to judge it against")
+    # No front: no tuned batch at all, or none whose median run arrived.
+    for fixed in ([], [{"global_batch_size": 32, "median_steps": None}]):
+        _print_front(console(), {"tuned_lr": fixed,
+                                 "adaptive": {"ramp": {**values["adaptive"]["ramp"], "dominated_by": []}}})
+        assert capsys.readouterr().out.strip() == ("ramp: no fixed batch of the tuned sweep reached the target: no "
+                                                   "front to judge it against")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -359,7 +360,9 @@ def _print(report) -> None:
 def _print_front(out, values: dict) -> None:
     """Per rule whose batch changes: the fixed batches that beat it on both steps and samples, and where it lies
     against the tuned fit's front at its median steps."""
-    fixed = {p["global_batch_size"]: p["median_steps"] for p in values["tuned_lr"]}
+    # A batch whose median tuned run never arrived is no point of the front.
+    fixed = {p["global_batch_size"]: p["median_steps"] for p in values["tuned_lr"]
+             if p["median_steps"] is not None and math.isfinite(p["median_steps"])}
     for name, entry in (values.get("adaptive") or {}).items():
         steps, samples = entry["median_steps"], entry["median_samples"]
         if steps is None:

@@ -126,7 +126,8 @@ def load_checkpoint(workload: Workload, config: StudyConfig, path: str) -> Check
     else:
         raise UsageError(f"{{branch_from}} {literal(path)} has no key 'samples_seen' (nor 'step', counted in "
                          "{reference_global_batch_size} samples)")
-    checkpoint = Checkpoint(model=_unwrapped(saved["model"]), optimizer=saved.get("optimizer"),
+    checkpoint = Checkpoint(model=_unwrapped(saved["model"], set(workload.model().state_dict())),
+                            optimizer=saved.get("optimizer"),
                             samples_seen=int(samples), source=path)
     check_checkpoint(workload, config, checkpoint)
     return dataclasses.replace(checkpoint, notes=tuple(notes(config, checkpoint)))
@@ -136,12 +137,15 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 """What DDP (``model.module``) and torch.compile (``model._orig_mod``) put before a state_dict's keys."""
 
 
-def _unwrapped(state: dict) -> dict:
-    """The state_dict as the bare model names its keys: a DDP or compiled model's, saved wrapped, loses the prefix
-    every key carries."""
-    for prefix in WRAPPER_PREFIXES:
-        while state and all(isinstance(key, str) and key.startswith(prefix) for key in state):
-            state = {key[len(prefix):]: value for key, value in state.items()}
+def _unwrapped(state: dict, expected: set[str]) -> dict:
+    """The state_dict as the bare model names its keys: a DDP or compiled model's (or both, in either order), saved
+    wrapped, loses the prefixes every key carries; one whose keys are already the model's stays as it is."""
+    while set(state) != expected:
+        prefix = next((p for p in WRAPPER_PREFIXES
+                       if state and all(isinstance(key, str) and key.startswith(p) for key in state)), None)
+        if prefix is None:
+            break
+        state = {key[len(prefix):]: value for key, value in state.items()}
     return state
 
 
@@ -241,6 +245,18 @@ def reference_checkpoints(workload: Workload, config: StudyConfig, fractions: tu
     return [snapshots[step] for step in keep], run
 
 
+def _on_host(value):
+    """A copy of ``value`` with every tensor on the host: a checkpoint the same whatever device trained it, that
+    ranks can be sent without touching a GPU."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_host(item) for item in value)
+    return copy.deepcopy(value)
+
+
 def _reference_run(workload: Workload, config: StudyConfig, device: torch.device, snapshots: dict[int, Checkpoint],
                    advance: Callable[[int], None]) -> tuple[int, bool]:
     """Train the reference run (seed 0, as the study builds it) to the target, filling ``snapshots`` (step: state
@@ -256,7 +272,7 @@ def _reference_run(workload: Workload, config: StudyConfig, device: torch.device
     for step in range(config.max_steps + 1):
         if step in snapshots:
             snapshots[step] = Checkpoint(model={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-                                         optimizer=copy.deepcopy(optimizer.state_dict()), samples_seen=step * batch,
+                                         optimizer=_on_host(optimizer.state_dict()), samples_seen=step * batch,
                                          source=f"step {step} of the reference run")
             if step == last:
                 return step, False
@@ -581,7 +597,8 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
     total = reference_steps + per_checkpoint * (len(branch.branch_at or ()) or len(setup.checkpoints))
     advance = _Advance(progress, total)
     train = _trainer(setup, device, launch_config, advance)
-    cache = BranchCache(options.out, _cache_setting(setup, samples), fresh=options.fresh) if main else None
+    cache = BranchCache(options.out, _cache_setting(setup, samples), fresh=options.fresh,
+                        by_group=setup.engine == "vmap") if main else None
     with threads(options.threads):
         checkpoints, reference_run = setup.checkpoints, None
         if branch.branch_at:
@@ -592,7 +609,7 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
         found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device,
                               _Training(train, cache, checkpoint, samples, advance, ctx))
                  for checkpoint in checkpoints]
-    advance.skip_to(total)
+    advance.finish()
     steps = critical.schedule([(f["samples_seen"], f["critical_batch_size"],
                                 {row["global_batch_size"]: row["lr"] for row in f["batches"]}) for f in found],
                               config.reference_global_batch_size, config.reference_lr)
@@ -808,7 +825,12 @@ class _Advance:
 
     def __call__(self, steps: int) -> None:
         self.done += steps
-        self.progress(min(self.done, self.total), self.total, "")
+        # Lrs past a sweep's edge may still add steps: the bar reaches its end only when the measurement does.
+        self.progress(min(self.done, self.total - 1), self.total, "")
+
+    def finish(self) -> None:
+        self.done = self.total
+        self.progress(self.total, self.total, "")
 
     def grow(self, steps: int) -> None:
         """Steps the measurement adds as it goes (lrs past a sweep's edge)."""

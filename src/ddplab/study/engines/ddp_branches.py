@@ -63,7 +63,12 @@ def _on_rank(ctx: RankContext, source: workloads.Source, config: StudyConfig, ch
     out: Trained = {}
     for batch, (runs, record) in groups.items():
         branch = _Branch(ctx, workload, config, checkpoint, batch, plans[batch], strategy, train, val)
-        losses = [branch.train(lr, seed, samples // batch, record, advance) for lr, seed in runs]
+        steps, losses = samples // batch, []
+        for index, (lr, seed) in enumerate(runs):
+            losses.append(branch.train(lr, seed, steps, record))
+            if advance is not None:
+                # The bar counts a batch's steps once: each run that ends moves it by its share.
+                advance((index + 1) * steps // len(runs) - index * steps // len(runs))
         out[batch] = {step: [run[step] for run in losses] for step in losses[0]}
         if stop is not None and stop(out):
             break
@@ -80,8 +85,7 @@ class _Branch:
         self.global_batch, self.plan, self.strategy, self.data, self.val = global_batch, plan, strategy, train, val
         self.dtype = torch_dtype(config)
 
-    def train(self, lr: float, seed: int, steps: int, record: set[int],
-              advance: Callable[[int], None] | None) -> dict[int, float]:
+    def train(self, lr: float, seed: int, steps: int, record: set[int]) -> dict[int, float]:
         """One run: {steps: its held-out loss after them}, at the last step and those in ``record``."""
         torch.manual_seed(seed)
         model = self.workload.model().to(self.dtype).to(self.ctx.device)
@@ -99,8 +103,6 @@ class _Branch:
             self.step(wrapped, stream.indices(step)[0][rank::ranks].to(self.ctx.device))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if advance is not None:
-                advance(1)
             if step + 1 in record or step + 1 == steps:
                 out[step + 1] = self.held_out(wrapped)
         del wrapped, optimizer, model

@@ -90,8 +90,8 @@ def digest(config: StudyConfig) -> str:
 
 
 def train_schedule(workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
-    """One run following the schedule at ``lr`` (its first entry's) until it reaches the target, diverges or runs
-    out of steps."""
+    """One run following the schedule from ``lr`` (each entry scaling it by its lr ÷ the first entry's) until it
+    reaches the target, diverges or runs out of steps."""
     from ddplab.adapt.schedule import BatchSchedule
 
     entries = thresholds(config)
