@@ -15,7 +15,7 @@ import json
 import math
 import os
 import shutil
-import sys
+import warnings
 
 import torch
 
@@ -101,8 +101,8 @@ class BranchCache:
         try:
             write_json_atomic(path, {"runs": cached}, standard=False)
         except OSError as exc:
-            print(f"ddplab: warning: the branches' cache file {path} cannot be written ({exc.strerror or exc}): "
-                  "a re-run trains these branches again", file=sys.stderr)
+            warnings.warn(f"the branches' cache file {path} cannot be written ({exc.strerror or exc}): a re-run "
+                          "trains these branches again", stacklevel=2)
 
 
 def _key(lr: float, seed: int) -> str:
