@@ -15,9 +15,62 @@ import math
 from collections.abc import Callable
 
 from ddplab.study import fit
-from ddplab.study.config import StudyConfig
-from ddplab.study.rules.base import BatchRuns
-from ddplab.study.runs import DIVERGED_LOSS, RunResult, settle, steps
+from ddplab.study.config import StudyConfig, round_lr
+from ddplab.study.rules.base import BatchRuns, Rule, row
+from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle, steps
+
+
+class ChangingRule(Rule):
+    """A rule whose runs change their global batch as they train: one run per seed from its starting batch, at
+    the lr a user would have tuned there, each trained in this process after the other."""
+
+    fitted = False
+    single_process = True
+    trains_itself = True
+
+    def start(self, config: StudyConfig) -> int | None:
+        """The global batch its runs start from, or None without the rule."""
+        raise NotImplementedError
+
+    def cache_tag(self, config: StudyConfig) -> str:
+        """What keeps its runs' cache apart from another setting's of the same rule."""
+        return ""
+
+    def train_one(self, workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
+        raise NotImplementedError
+
+    def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
+        if global_batch != self.start(config):
+            return None
+        lr = start_lr(config, global_batch, trained.get(global_batch, []))
+        return RunGroup(global_batch_size=global_batch, runs=tuple((lr, seed) for seed in range(config.seeds)),
+                        rule=self.name, optimizer=config.optimizer, cache_tag=self.cache_tag(config))
+
+    def stretches(self, config: StudyConfig) -> int:
+        return config.seeds if self.name in config.rules else 0
+
+    def train(self, workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
+        out = []
+        for lr, seed in group.runs:
+            out.append(self.train_one(workload, config, lr, seed))
+            if progress:
+                progress(config.max_steps)
+        return out
+
+    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
+        return own_runs(view, self.name)
+
+    def rows(self, view: BatchRuns) -> list[dict]:
+        return [row(self.name, view.global_batch_size, run, trajectory=run.trajectory)
+                for run in self.seeds_at(view) or []]
+
+
+def start_lr(config: StudyConfig, start: int, trained: list[RunResult]) -> float:
+    """The lr runs start at: what a user would have tuned at the starting batch (else the linear rule's)."""
+    from ddplab.study import rules
+
+    best = rules.tuned_best(config, start, trained)
+    return best.lr if best else round_lr(config.reference_lr * start / config.reference_global_batch_size)
 
 
 def train_changing(workload, config: StudyConfig, *, rule: str, global_batch: int, lr: float, seed: int,

@@ -14,20 +14,17 @@ from __future__ import annotations
 
 from ddplab.errors import UsageError
 from ddplab.study import fit
-from ddplab.study.config import StudyConfig, round_lr
+from ddplab.study.config import StudyConfig
 from ddplab.study.rules import changing
-from ddplab.study.rules.base import BatchRuns, Rule, row
-from ddplab.study.runs import RunGroup, RunResult
+from ddplab.study.rules.base import BatchRuns
+from ddplab.study.runs import RunResult
 
 WARMUP_STEPS = 10
 
 
-class Ramp(Rule):
+class Ramp(changing.ChangingRule):
     name = "ramp"
     summary = "ddplab.BatchRamp from the smallest batch, growing it with the noise scale"
-    fitted = False
-    single_process = True
-    trains_itself = True
 
     def check(self, config: StudyConfig) -> None:
         start = min(config.global_batch_sizes)
@@ -39,30 +36,8 @@ class Ramp(Rule):
         """The global batch ramp runs start from (the grid's smallest), or None without the rule."""
         return min(config.global_batch_sizes) if self.name in config.rules else None
 
-    def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
-        if global_batch != self.start(config):
-            return None
-        lr = start_lr(config, global_batch, trained.get(global_batch, []))
-        return RunGroup(global_batch_size=global_batch, runs=tuple((lr, seed) for seed in range(config.seeds)),
-                        rule=self.name, optimizer=config.optimizer)
-
-    def stretches(self, config: StudyConfig) -> int:
-        return config.seeds if self.name in config.rules else 0
-
-    def train(self, workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
-        out = []
-        for lr, seed in group.runs:
-            out.append(train_ramp(workload, config, lr, seed))
-            if progress:
-                progress(config.max_steps)
-        return out
-
-    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
-        return changing.own_runs(view, self.name)
-
-    def rows(self, view: BatchRuns) -> list[dict]:
-        return [row(self.name, view.global_batch_size, run, trajectory=run.trajectory)
-                for run in self.seeds_at(view) or []]
+    def train_one(self, workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
+        return train_ramp(workload, config, lr, seed)
 
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
         """Median steps and samples of the ramp runs over those of the best-tuned fixed lr at their starting batch
@@ -71,23 +46,15 @@ class Ramp(Rule):
         runs = self.seeds_at(batches[start]) if start in batches else None
         if not runs:
             return {"ramp": None}
-        median_steps, samples = changing.medians(runs)
-        fixed = next((p["median_steps"] for p in tuned if p["global_batch_size"] == start), None)
-        fixed_samples = fixed * start if fixed is not None else None
+        adaptive = changing.adaptive(start, runs, tuned)
+        median_steps, samples = adaptive["median_steps"], adaptive["median_samples"]
+        fixed, fixed_samples = adaptive["fixed_median_steps"], adaptive["fixed_median_samples"]
         return {"ramp": {"start_global_batch_size": start, "lr": runs[0].lr, "median_steps": median_steps,
                          "median_samples": samples, "tuned_median_steps": fixed, "tuned_median_samples": fixed_samples,
                          "steps_over_tuned": fit.ratio(median_steps, fixed),
                          "samples_over_tuned": fit.ratio(samples, fixed_samples),
                          "final_global_batch_sizes": [r.trajectory[-1][1] if r.trajectory else start for r in runs]},
-                "adaptive": {self.name: changing.adaptive(start, runs, tuned)}}
-
-
-def start_lr(config: StudyConfig, start: int, trained: list[RunResult]) -> float:
-    """The lr ramp runs start at: what a user would have tuned at the starting batch (else the linear rule's)."""
-    from ddplab.study import rules
-
-    best = rules.tuned_best(config, start, trained)
-    return best.lr if best else round_lr(config.reference_lr * start / config.reference_global_batch_size)
+                "adaptive": {self.name: adaptive}}
 
 
 def train_ramp(workload, config: StudyConfig, lr: float, seed: int) -> RunResult:

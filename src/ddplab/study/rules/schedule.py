@@ -21,17 +21,13 @@ from ddplab.adapt import thresholds as th
 from ddplab.errors import UsageError
 from ddplab.study.config import StudyConfig
 from ddplab.study.rules import changing
-from ddplab.study.rules.base import BatchRuns, Rule, row
-from ddplab.study.rules.ramp import start_lr
-from ddplab.study.runs import RunGroup, RunResult
+from ddplab.study.rules.base import BatchRuns
+from ddplab.study.runs import RunResult
 
 
-class Schedule(Rule):
+class Schedule(changing.ChangingRule):
     name = "schedule"
     summary = "ddplab.BatchSchedule following {schedule} from scratch, from its first global batch"
-    fitted = False
-    single_process = True
-    trains_itself = True
 
     def check(self, config: StudyConfig) -> None:
         if config.schedule is None:
@@ -46,31 +42,11 @@ class Schedule(Rule):
         """The global batch schedule runs start from (the schedule's first), or None without the rule."""
         return thresholds(config)[0].global_batch_size if self.name in config.rules else None
 
-    def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
-        if global_batch != self.start(config):
-            return None
-        # From the lr a user would have tuned there, as the ramp and the fixed runs it is judged against.
-        lr = start_lr(config, global_batch, trained.get(global_batch, []))
-        return RunGroup(global_batch_size=global_batch, runs=tuple((lr, seed) for seed in range(config.seeds)),
-                        rule=self.name, optimizer=config.optimizer, cache_tag=digest(config))
+    def cache_tag(self, config: StudyConfig) -> str:
+        return digest(config)
 
-    def stretches(self, config: StudyConfig) -> int:
-        return config.seeds if self.name in config.rules else 0
-
-    def train(self, workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
-        out = []
-        for lr, seed in group.runs:
-            out.append(train_schedule(workload, config, lr, seed))
-            if progress:
-                progress(config.max_steps)
-        return out
-
-    def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
-        return changing.own_runs(view, self.name)
-
-    def rows(self, view: BatchRuns) -> list[dict]:
-        return [row(self.name, view.global_batch_size, run, trajectory=run.trajectory)
-                for run in self.seeds_at(view) or []]
+    def train_one(self, workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
+        return train_schedule(workload, config, lr, seed)
 
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
         """Median steps and samples of the schedule's runs beside the best-tuned fixed lr's at its first batch."""
