@@ -126,10 +126,10 @@ def load_checkpoint(workload: Workload, config: StudyConfig, path: str) -> Check
     else:
         raise UsageError(f"{{branch_from}} {literal(path)} has no key 'samples_seen' (nor 'step', counted in "
                          "{reference_global_batch_size} samples)")
-    checkpoint = Checkpoint(model=_unwrapped(saved["model"], set(workload.model().state_dict())),
-                            optimizer=saved.get("optimizer"),
+    expected = workload.model().state_dict()
+    checkpoint = Checkpoint(model=_unwrapped(saved["model"], set(expected)), optimizer=saved.get("optimizer"),
                             samples_seen=int(samples), source=path)
-    check_checkpoint(workload, config, checkpoint)
+    check_checkpoint(workload, config, checkpoint, expected)
     return dataclasses.replace(checkpoint, notes=tuple(notes(config, checkpoint)))
 
 
@@ -163,11 +163,10 @@ def _spec_loaded(workload: Workload, config: StudyConfig, path: str) -> Checkpoi
     return dataclasses.replace(checkpoint, notes=tuple(notes(config, checkpoint)))
 
 
-def check_checkpoint(workload: Workload, config: StudyConfig, checkpoint: Checkpoint) -> None:
-    """Every key of the model's state_dict present with its shape, and nothing else; the optimizer's state of the
-    study's family, one entry per parameter in ``model.parameters()`` order."""
+def check_checkpoint(workload: Workload, config: StudyConfig, checkpoint: Checkpoint, expected: dict) -> None:
+    """Every key of the model's state_dict (``expected``) present with its shape, and nothing else; the optimizer's
+    state of the study's family, one entry per parameter in ``model.parameters()`` order."""
     where = literal(checkpoint.source)
-    expected = workload.model().state_dict()
     for key, tensor in expected.items():
         if key not in checkpoint.model:
             raise UsageError(f"{{branch_from}} {where}: the model's state has no key {literal(repr(key))}")
