@@ -96,6 +96,14 @@ CORRECT = {
     "hsdp_reduce_every_micro_batch": Case("fsdp_trainer.py", ("--mesh", "hsdp", "--sync", "every-micro-batch"),
                                           world_size=4, launchers=("torchrun",)),
     "tp_dp": Case("tp_dp.py", world_size=4, launchers=("torchrun",)),
+    # Token-level losses over documents of different lengths: divided by the step's global token count.
+    "token_lm_global": Case("token_lm.py"),
+    "token_lm_hand_global": Case("token_lm.py", ("--loss", "hand-global")),
+    "token_lm_scaled_terms": Case("token_lm.py", ("--loss", "scaled-terms")),
+    "token_lm_packed_token_mean": Case("token_lm.py", ("--loss", "token-mean", "--data", "packed")),
+    "token_lm_eval_padded_not_combined": Case("token_lm.py", ("--eval-samples", "41", "--eval-results", "rank0")),
+    "token_lm_fsdp_global": Case("token_lm.py", ("--strategy", "fsdp"), launchers=("torchrun",)),
+    "token_lm_fsdp_tp_global": Case("token_lm.py", ("--strategy", "fsdp-tp"), world_size=4, launchers=("torchrun",)),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -113,6 +121,10 @@ DEFAULT_CORRECT = [
     ("accumulate_mean", "fork"), ("accumulate_mean_accum_1", "fork"), ("accumulate_sum_per_sample", "fork"),
     ("step_budget_two_passes", "fork"), ("augmented_vision", "torchrun"), ("augmented_vision_per_rank_files", "fork"),
     ("gpu_only_ddp_on_cpu", "torchrun"), ("fsdp_trainer", "torchrun"), ("tp_dp", "torchrun"),
+    ("token_lm_global", "torchrun"), ("token_lm_hand_global", "fork"), ("token_lm_scaled_terms", "fork"),
+    ("token_lm_packed_token_mean", "spawn"),
+    ("token_lm_eval_padded_not_combined", "fork"), ("token_lm_fsdp_global", "torchrun"),
+    ("token_lm_fsdp_tp_global", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -158,6 +170,25 @@ MISTAKES = {
     # tp × dp with DistributedSampler(dataset): split by the world size, so a tp group's two ranks differ.
     "tp_dp_world_sampler": (Case("tp_dp.py", ("--mistake", "world-sampler"), world_size=4, launchers=("torchrun",)),
                             {"TP_RANKS_SEE_DIFFERENT_DATA": "error"}, {}, "torchrun"),
+    # Token means over documents of different lengths, each divided by a count of its own.
+    "token_mean_per_micro_batch": (Case("token_lm.py", ("--loss", "token-mean")),
+                                   {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "torchrun"),
+    "token_mean_per_device": (Case("token_lm.py", ("--loss", "token-mean", "--accumulation", "1")),
+                              {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "fork"),
+    "rank_token_count": (Case("token_lm.py", ("--loss", "rank-mean")), {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {},
+                         "spawn"),
+    "hand_written_token_mean": (Case("token_lm.py", ("--loss", "hand-mean")),
+                                {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "fork"),
+    "hand_written_token_sum": (Case("token_lm.py", ("--loss", "hand-sum")), {"SUM_REDUCTION": "warning"}, {}, "fork"),
+    "global_count_without_world_size": (Case("token_lm.py", ("--loss", "global-no-world")),
+                                        {"GLOBAL_COUNT_WITHOUT_WORLD_SIZE": "warning"}, {}, "fork"),
+    "eval_padded_all_reduced": (Case("token_lm.py", ("--eval-samples", "41")), {"EVAL_SAMPLES_DUPLICATED": "warning"},
+                                {}, "fork"),
+    "token_mean_fsdp": (Case("token_lm.py", ("--strategy", "fsdp", "--loss", "token-mean", "--accumulation", "1"),
+                             launchers=("torchrun",)), {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "torchrun"),
+    "token_mean_fsdp_tp": (Case("token_lm.py", ("--strategy", "fsdp-tp", "--loss", "token-mean"), world_size=4,
+                                launchers=("torchrun",)), {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {},
+                           "torchrun"),
 }
 
 # id → (finding, words its message must hold): what the finding says happened.
@@ -176,17 +207,30 @@ MESSAGES = {
                                   "accumulation steps does not make a sum a mean); FSDP2 (fsdp) averages the gradients "
                                   "over the data-parallel ranks, so W here is the data-parallel size 2"),
     "tp_dp_world_sampler": ("TP_RANKS_SEE_DIFFERENT_DATA", "in the tp group of ranks 0, 1, "),
+    # The weights the documents' lengths give (first step, seed 0): rank 0's micro-batches hold 95 and 31 tokens.
+    "token_mean_per_micro_batch": ("LOSS_NORMALISED_PER_MICRO_BATCH",
+                                   "on rank 0 the micro-batches held 95, 31 elements, so an element of micro-batch 2 "
+                                   "weighed 3.06× one of micro-batch 1"),
+    "token_mean_per_device": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 67, rank 1 29): an element on rank 1 weighed "
+                                                            "2.31× one on rank 0"),
+    "rank_token_count": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 126, rank 1 172): an element on rank 0 weighed 1.37× "
+                                                       "one on rank 1"),
+    "hand_written_token_sum": ("SUM_REDUCTION", "weighs 1 in the gradient"),
+    "global_count_without_world_size": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "the gradient is 1/2 of the global mean's"),
+    "eval_padded_all_reduced": ("EVAL_SAMPLES_DUPLICATED", "41 samples on 2 ranks padded it to 42: 1 sample was "
+                                                           "evaluated twice (the padding is on rank 1)"),
 }
 
 # id → the lr the report's header must show: the configured (peak) lr, not the last audited step's.
 CONFIGURED_LR = {"step_budget_two_passes": 0.02, "nanogpt_eval_all": 3e-3}
 # The samples the loader feeds one optimizer step on all ranks (a GAN's generated batch is no part of it).
-GLOBAL_BATCH = {"gan_freeze": 64, "gan_plain": 64, "trainer_class": 32,
+GLOBAL_BATCH = {"token_lm_fsdp_tp_global": 4 * 2 * 2, "gan_freeze": 64, "gan_plain": 64, "trainer_class": 32,
                 # Micro-batch × accumulation steps × the data-parallel size: never the world size when tp > 1.
                 "fsdp_trainer": 8 * 2 * 2, "fsdp_trainer_4": 8 * 2 * 4, "hsdp_reduce_every_micro_batch": 8 * 2 * 4,
                 "tp_dp": 4 * 2}
 # The run under a mesh: (data-parallel size, strategy, mesh); DDP runs report their group's size and no mesh.
-SETTING = {"fsdp_trainer": (2, "fsdp", {"dp": 2}), "fsdp_trainer_4": (4, "fsdp", {"dp": 4}),
+SETTING = {"token_lm_fsdp_tp_global": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
+           "fsdp_trainer": (2, "fsdp", {"dp": 2}), "fsdp_trainer_4": (4, "fsdp", {"dp": 4}),
            "hsdp_reduce_every_micro_batch": (4, "hsdp", {"dp_replicate": 2, "dp_shard": 2}),
            "tp_dp": (2, "fsdp+tp", {"dp": 2, "tp": 2}), "trainer_class": (2, "ddp", None)}
 # Information a correct program must get (and no other, in these programs).

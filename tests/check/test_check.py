@@ -11,9 +11,9 @@ from ddplab.cli.main import main
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
 
 
-def _check(name, world_size, batch=8, steps=4):
+def _check(name, world_size, batch=8, steps=4, **options):
     return check(CheckConfig(spec_path=os.path.join(SPECS, f"{name}.py"), world_size=world_size,
-                             per_device_batch_size=batch, steps=steps))
+                             per_device_batch_size=batch, steps=steps, **options))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -40,7 +40,35 @@ def test_a_summed_loss_plus_a_weight_penalty_is_still_a_summed_loss(world_size):
 
 def test_a_per_rank_normalised_loss_is_not_taken_for_a_summed_one():
     result = _check("per_rank_count", 2, steps=2)
-    assert (result.verdict, result.cause) == ("DIVERGES", "PER_RANK_LOSS")
+    assert (result.verdict, result.cause) == ("DIVERGES", "LOSS_NORMALISED_PER_DEVICE")
+
+
+def test_token_means_over_padded_documents_are_named_per_device_and_per_micro_batch():
+    # Documents of different lengths, padded by the spec's own collate(): each rank's mean has its own count.
+    per_device = _check("token_mean", 2, batch=4, steps=3)
+    assert (per_device.verdict, per_device.cause) == ("DIVERGES", "LOSS_NORMALISED_PER_DEVICE")
+    assert "averages the 2 ranks' means" in per_device.explanation
+    accumulated = _check("token_mean", 2, batch=4, steps=3, accumulation_steps=2)
+    assert (accumulated.verdict, accumulated.cause) == ("DIVERGES", "LOSS_NORMALISED_PER_MICRO_BATCH")
+    assert accumulated.to_json()["global_batch_size"] == 16 and accumulated.to_json()["accumulation_steps"] == 2
+    # The same documents over a constant normaliser: K micro-batches on W ranks train exactly like one process.
+    constant = _check("token_constant", 2, batch=4, steps=3, accumulation_steps=2)
+    assert constant.verdict == "EQUIVALENT" and "2 ranks × 2 micro-batches of 4" in constant.explanation
+
+
+def test_accumulation_keeps_a_mean_equivalent_and_skipping_its_division_breaks_it():
+    # A sample mean over equal micro-batches, each divided by K: the same as one process on W·K·b.
+    assert _check("correct", 2, batch=4, steps=3, accumulation_steps=3).verdict == "EQUIVALENT"
+    # A summed loss over K micro-batches, each divided by K: 1/(W·K) of one process's summed gradient.
+    summed = _check("sum_reduction", 2, batch=4, steps=2, accumulation_steps=2)
+    assert (summed.verdict, summed.cause) == ("DIVERGES", "SUM_REDUCTION")
+    assert "exactly 1/4 of the single-process gradient" in summed.explanation
+    assert "of 2 micro-batches, each divided by 2" in summed.explanation
+
+
+def test_accumulation_under_fsdp2_defers_the_reduction_and_finds_the_same_cause():
+    result = _check("token_mean", 2, batch=4, steps=2, accumulation_steps=2, strategy="fsdp")
+    assert (result.verdict, result.cause) == ("DIVERGES", "LOSS_NORMALISED_PER_MICRO_BATCH")
 
 
 def test_batchnorm_diverges_and_is_confirmed_by_per_rank_statistics():

@@ -22,11 +22,9 @@ import torch
 from torch.utils.data import DistributedSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddplab.auditor import meshes, state, tensors
+from ddplab.auditor import evaluation, state, tensors
 from ddplab.auditor.patches import Patches
 
-# Training batches per wrapper whose indices are kept: the window of hooks.DATA_WINDOW_FACTOR × the audited steps.
-DATA_WINDOW_FACTOR = 4
 # Indices of a pass kept to compare orders; a pass is judged once it drew this many (or all it had).
 ORDER_PREFIX = 64
 ORDER_EVIDENCE = 8
@@ -48,6 +46,7 @@ def install(patches: Patches) -> None:
     loader_iter = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)
     if loader_iter is not None and callable(getattr(loader_iter, "_next_index", None)):
         patches.replace(loader_iter, "_next_index", _watched_next_index)
+        # Also where an evaluation pass's results stop being awaited (evaluation).
         patches.replace(loader_iter, "__next__", _watched_next)
 
 
@@ -109,7 +108,7 @@ def _sampler(sampler) -> _Sampler:
 def _watched_iter(original_iter):
     @functools.wraps(original_iter)
     def sampler_iter(self, *args, **kwargs):
-        iterator = original_iter(self, *args, **kwargs)
+        iterator = evaluation.watch_pass(self, original_iter(self, *args, **kwargs))
         audit = state.current()
         if audit is None or audit.disabled is not None or not (self.shuffle and self.num_replicas > 1):
             return iterator
@@ -192,7 +191,9 @@ def _watched_next_index(original_next_index):
 def _watched_next(original_next):
     @functools.wraps(original_next)
     def __next__(self):
+        ended = evaluation.ended_passes()
         batch = original_next(self)
+        evaluation.batch_returned(ended)
         _batch_loaded(self, batch)
         return batch
 
@@ -203,8 +204,8 @@ def _collecting(audit) -> bool:
     """Index batches are collected once a DDP model (or a device mesh) exists, for as long as its training batches
     are (the data window: a bounded number of optimizer steps), never for a whole run."""
     # An FSDP2 model is found at its first forward, after the loader drew that batch: a mesh announces it.
-    collecting = (audit.disabled is None and (audit.wrapper_count > 0 or meshes.watching())
-                  and audit.total_steps < DATA_WINDOW_FACTOR * audit.steps_to_audit)
+    collecting = (audit.disabled is None and (audit.wrapper_count > 0 or audit.watching_meshes)
+                  and audit.total_steps < audit.data_window)
     if not collecting:
         audit.loaded.clear()
     return collecting

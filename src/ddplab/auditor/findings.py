@@ -13,9 +13,33 @@ import json
 import os
 from typing import Any, Literal
 
+from ddplab.auditor import normalisation
+
 Severity = Literal["error", "warning", "info"]
 ERROR, WARNING, INFO = "error", "warning", "info"
 SEVERITY_ORDER: dict[Severity, int] = {ERROR: 0, WARNING: 1, INFO: 2}
+
+# The fix for a loss normalised by a local count, in a plain loop (frameworks' own words in FRAMEWORK_FIXES).
+GLOBAL_COUNT_RECIPE = (
+    "divide the summed loss by the valid-element count of the whole optimizer step, all-reduced over the "
+    "data-parallel ranks (and context-parallel ones) and summed over the step's micro-batches, times the "
+    "data-parallel size DDP divides by: count = sum((labels != -100).sum() for the step's micro-batches); "
+    "dist.all_reduce(count, group=dp_group); loss = F.cross_entropy(logits, labels, reduction='sum') * dp_size / "
+    "count for each micro-batch (torchtitan's global valid-token count)")
+# What the same fix is called in a framework the program used, per finding.
+FRAMEWORK_FIXES: dict[str, str] = {
+    "transformers": "TrainingArguments(average_tokens_across_devices=True) (the default) with a model whose "
+                    "forward accepts num_items_in_batch (or a compute_loss_func that divides by it): the Trainer "
+                    "then counts the step's label tokens over all micro-batches and devices",
+    "lightning": "in training_step, sum the token losses and divide by the step's token count all-reduced with "
+                 "self.all_gather or torch.distributed.all_reduce over the data-parallel group, times "
+                 "self.trainer.world_size; with accumulate_grad_batches, count over the step's micro-batches too "
+                 "(Lightning divides the returned loss by accumulate_grad_batches)",
+    "accelerate": "count the step's valid tokens over its micro-batches, accelerator.reduce(count, 'sum') across "
+                  "processes, and backward loss_sum * accelerator.num_processes / count (with "
+                  "gradient_accumulation_steps, Accelerator.backward divides by the steps: multiply them back in)",
+}
+TOKEN_FINDINGS = ("LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH")
 
 # code → (severity, what it does to training, the fix)
 CATALOGUE: dict[str, tuple[str, str, str]] = {
@@ -102,11 +126,32 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "dimensions), not dist.get_world_size(); `ddplab plan --tp` computes it"),
     "LOSS_NORMALISED_PER_DEVICE": (
         WARNING,
-        "each rank divided its token-level loss by its own token count, and DDP averages those means: with "
-        "different counts per rank, a token on a rank with few tokens weighs more than one on a rank with many, so "
-        "the gradient is not the mean over the global batch's tokens",
-        "TrainingArguments(average_tokens_across_devices=True) (the default) with a model whose forward accepts "
-        "num_items_in_batch (or a compute_loss_func), so every rank divides by the global token count"),
+        "each rank divided its loss by its own element (token) count, and DDP averages those means: with different "
+        "counts per rank, an element on a rank with few weighs more than one on a rank with many, so the gradient is "
+        "not the mean over the global batch's elements",
+        GLOBAL_COUNT_RECIPE),
+    "LOSS_NORMALISED_PER_MICRO_BATCH": (
+        WARNING,
+        "each micro-batch's loss was divided by its own element (token) count before the micro-batches were "
+        "accumulated: with different counts per micro-batch, an element of a short micro-batch weighs more than one "
+        "of a long one, so the step's gradient is not the mean over its elements",
+        GLOBAL_COUNT_RECIPE),
+    "GLOBAL_COUNT_WITHOUT_WORLD_SIZE": (
+        WARNING,
+        "the loss was divided by the element count of the whole step on all data-parallel ranks, and DDP then "
+        "averages the gradients over those ranks: the gradient is 1/W of the global mean's (with SGD the step is W "
+        "times smaller)",
+        "multiply the loss by the data-parallel size: loss = loss_sum * dp_size / global_count (DDP and FSDP2 "
+        "divide the summed gradients by dp_size, so this gives exactly the global mean)"),
+    "EVAL_SAMPLES_DUPLICATED": (
+        WARNING,
+        "an evaluation pass over a DistributedSampler that padded the dataset to a multiple of the ranks "
+        "(drop_last=False) reached a collective: the padded samples are evaluated and counted twice in the "
+        "combined result",
+        "count only real samples: shard without padding (indices range(rank, len(dataset), world_size), as "
+        "Lightning's UnrepeatedDistributedSampler does), drop the padded duplicates before reducing "
+        "(Accelerate's gather_for_metrics does), or DistributedSampler(drop_last=True) where skipping a few "
+        "samples is acceptable"),
     "AUDIT_INCOMPLETE": (
         INFO,
         "the audit did not cover the whole run; training itself was not affected",
@@ -254,6 +299,7 @@ def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
     tokens = _per_device_tokens(windows)
     if tokens is not None:
         out.append(tokens)
+    out += _normalisation_findings(windows, records)
     # Tensors first; then the indices behind them, which random augmentation cannot hide.
     duplicate = _duplicate_batches(records, "batches") or _duplicate_batches(records, "index_batches")
     if duplicate is not None:
@@ -320,8 +366,24 @@ def _per_device_tokens(windows) -> Finding | None:
                                    f"rank {high_rank} {high}, so a token on rank {low_rank} weighed "
                                    f"{high / max(low, 1):.3g} times one on rank {high_rank}")
             finding.ranks = sorted(counts)
+            finding.fix = FRAMEWORK_FIXES["transformers"]  # the Trainer's own count is what it records
             return finding
     return None
+
+
+def _normalisation_findings(windows, records: list[dict[str, Any]]) -> list[Finding]:
+    """Losses divided by per-rank or per-micro-batch counts, or by a global count without × W."""
+    used = {name for record in records for name in record.get("frameworks", [])}
+    framework = next((name for name in FRAMEWORK_FIXES if name in used), None)
+    out = []
+    for judgement in normalisation.judge_windows(windows):
+        ranks = sorted({rank for (_, step), by_rank in windows.items() if step == judgement.step for rank in by_rank})
+        finding = Finding.make(judgement.code, ranks[0] if ranks else 0, judgement.detail)
+        finding.ranks = ranks or [0]
+        if framework is not None and judgement.code in TOKEN_FINDINGS:
+            finding.fix = FRAMEWORK_FIXES[framework]
+        out.append(finding)
+    return out
 
 
 def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | None:

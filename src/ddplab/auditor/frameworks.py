@@ -134,6 +134,7 @@ def _patch_imported_frameworks(audit) -> None:
         module = sys.modules.get(name)
         if module is not None and name not in _PATCHED and _PATCHES is not None:
             _PATCHED.add(name)
+            audit.frameworks.add(name.split(".")[0].replace("pytorch_lightning", "lightning"))
             try:
                 patch(_PATCHES, module)
             except Exception as exc:  # noqa: BLE001 - another release of the framework: that idiom goes unwatched

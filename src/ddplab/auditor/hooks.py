@@ -31,14 +31,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddplab.auditor import data, exchange, frameworks, losses, meshes, schedulers, state, tensors
-from ddplab.auditor import findings as fnd
+from ddplab.auditor import batches, exchange, frameworks, losses, meshes, schedulers, state, tensors, weights
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
 from ddplab.runtime import compat, strategies
-
-# Training batches fingerprinted per wrapper: longer than the step window, so streams shifted in time still meet.
-DATA_WINDOW_FACTOR = 4
 
 
 def install(patches: Patches) -> None:
@@ -132,7 +128,7 @@ def _before_ddp_forward(audit: AuditState, ddp, args, kwargs) -> None:
     info.in_backward = False
     # Read before DDP's own pre-forward: whether it is about to broadcast rank 0's buffers.
     info.syncs_buffers = strategies.of(ddp).syncs_buffers(ddp)
-    record_training_batch(audit, info, (args, kwargs))
+    batches.record_training_batch(audit, info, (args, kwargs))
 
 
 def _leave_ddp_forward() -> None:
@@ -147,30 +143,16 @@ def _after_ddp_forward(audit: AuditState, ddp, output) -> None:
     if info is None:
         return
     info.syncs_buffers = False
-    if not (audit.armed and torch.is_grad_enabled() and strategies.of(ddp).syncs(ddp)):
+    if not (audit.armed and torch.is_grad_enabled()):
+        return
+    losses.note_outputs(audit, output)
+    if not strategies.of(ddp).syncs(ddp):
         return
     nodes = {id(t.grad_fn): t.grad_fn for t in tensors.iter_tensors(output) if t.grad_fn is not None}
     for node in nodes.values():
         # Hooks on graph nodes, not on the user's tensors: one fires when backward reaches any output.
         node.register_prehook(functools.partial(_backward_reached, info))
     info.pending = info.pending or bool(nodes)
-
-
-def record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None:
-    """A training forward of ``info``'s model: its batch's fingerprint, size and indices."""
-    if len(info.batches) < DATA_WINDOW_FACTOR * audit.steps_to_audit:
-        fingerprint = tensors.fingerprint(inputs)
-        if fingerprint is not None:
-            info.batches.append(fingerprint)
-            if len(info.batches) == DATA_WINDOW_FACTOR * audit.steps_to_audit:
-                audit.write()
-    fed = data.training_forward(audit, info.key, inputs, DATA_WINDOW_FACTOR * audit.steps_to_audit)
-    if audit.armed:
-        size = audit.micro_batch = tensors.first_dim(inputs)
-        info.forward_batch += size or 0
-        info.loader_batch += (size or 0) if fed else 0
-        if size is not None:
-            _check_batchnorm(audit, info, size)
 
 
 def _backward_reached(info: WrapperInfo, grad_outputs):
@@ -212,20 +194,12 @@ def _module_pre_forward(audit: AuditState, module, args) -> None:
         if torch.is_grad_enabled():
             # A training forward that skipped the wrapper: DDP will not reduce what it computes.
             info.bypassed = True
-            record_training_batch(audit, info, args)
+            batches.record_training_batch(audit, info, args)
         return
     if info.syncs_buffers:
         # DDP has just broadcast rank 0's buffers: they must now be equal everywhere.
         buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
         audit.window(info)["buffers"] = tensors.named_digests(buffers)
-
-
-def _check_batchnorm(audit: AuditState, info: WrapperInfo, per_rank_batch: int) -> None:
-    # Per-rank statistics are a choice many correct programs make (and a CNN's spatial positions add to the
-    # sample count): an info, never a warning, however small the batch.
-    if info.batchnorm_layers and "BATCHNORM_NOT_SYNCED" not in audit.findings:
-        detail = f"{info.batchnorm_layers} BatchNorm layers, {per_rank_batch} samples per rank"
-        audit.add("BATCHNORM_NOT_SYNCED", detail, severity=fnd.INFO)
 
 
 # --- optimizer steps ---
@@ -300,6 +274,8 @@ def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
         # FSDP2's parameters and gradients are shards, different on every rank by design: nothing to compare.
         meshes.step_evidence(audit, info)
     losses.check_step(audit, info.forward_batch)
+    # What each loss element weighed in this step's micro-batches, compared across ranks by findings.merge.
+    audit.window(info)["loss_weights"] = weights.flush(audit)
     audit.lr = schedulers.configured_lr(optimizer, audit.lr)
     audit.optimizer = type(optimizer).__name__
     meshes.note_setting(audit, info)
@@ -309,7 +285,7 @@ def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
         # The data-parallel ranks, not the world: tensor-parallel ranks share their batch.
         audit.global_batch_size = per_rank_batch * len(info.group)
     info.steps += 1
-    info.reductions = info.accumulated_reductions = info.forward_batch = info.loader_batch = 0
+    info.reductions = info.accumulated_reductions = info.forward_batch = info.loader_batch = info.micro_steps = 0
     info.bypassed = False
     audit.steps += 1
     audit.write()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ddplab.auditor import data, environment, exchange, frameworks, hooks, losses, meshes, schedulers, state
+from ddplab.auditor import data, environment, evaluation, exchange, frameworks, hooks, losses, meshes, schedulers, state
 from ddplab.auditor import findings as fnd
 from ddplab.auditor.patches import Patches
 
@@ -28,7 +28,7 @@ def install(steps: int = 5, out_dir: str | None = None) -> state.AuditState:
         return audit
     audit = state.start(steps, out_dir)
     _PATCHES = Patches()
-    for module in (hooks, meshes, data, losses, schedulers, frameworks):
+    for module in (hooks, meshes, data, evaluation, losses, schedulers, frameworks):
         module.install(_PATCHES)
     if out_dir:
         _PATCHES.replace(sys, "excepthook", environment.watched_excepthook)

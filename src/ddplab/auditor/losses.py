@@ -2,6 +2,9 @@
 
 The loss functions are wrapped to tag the autograd node of a ``reduction='sum'`` or ``'none'``
 result (the tensor itself is untouched); ``Tensor.backward`` checks the node it starts from.
+A sum written by hand (``Tensor.sum``, ``torch.sum``) is watched when what it sums was computed from
+the model's output in this micro-batch (its graph reaches the output within a few nodes): a regulariser
+over the parameters, or a statistic of the input, is no loss over samples.
 
 Whatever follows the sum (``loss / accumulation_steps``, a scale, a sum of terms), the scale is
 judged by its effect too: during the audited window a hook on the tagged node reads the gradient
@@ -17,7 +20,7 @@ import math
 
 import torch
 
-from ddplab.auditor import state, tensors
+from ddplab.auditor import state, tensors, weights
 from ddplab.auditor.patches import Patches
 
 LOSS_FUNCTIONS = ("l1_loss", "mse_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
@@ -30,14 +33,29 @@ TAG = "ddplab_reduction"
 GROWTH = 2.0
 # Weights kept per optimizer step (a program that never steps must not grow the list).
 MAX_WEIGHTS = 64
+# Model outputs remembered per optimizer step, and autograd nodes searched from a sum back to one of them.
+MAX_OUTPUTS = 64
+SEARCH_NODES = 256
+# Autograd nodes that normalise what flows through them: a sum over their results is no sum over samples (a product
+# with a single number, such as terms times dp_size / count, normalises too).
+NORMALISING_NODES = ("MeanBackward", "DivBackward")
 
 
 def install(patches: Patches) -> None:
     functional = torch.nn.functional
     for name in LOSS_FUNCTIONS:
         if hasattr(functional, name):
-            patches.replace(functional, name, _tag_reduction)
+            patches.replace(functional, name, functools.partial(_tag_reduction, name))
     patches.replace(torch.Tensor, "backward", _checking_backward)
+    patches.replace(torch.Tensor, "sum", _watched_sum)
+    patches.replace(torch, "sum", _watched_sum)
+
+
+def note_outputs(audit, output) -> None:
+    """A training forward's output: the nodes a loss over its samples starts from (kept until the step)."""
+    for tensor in tensors.iter_tensors(output):
+        if tensor.grad_fn is not None and len(audit.output_nodes) < MAX_OUTPUTS:
+            audit.output_nodes.append(tensor.grad_fn)
 
 
 def _checking_backward(original_backward):
@@ -51,24 +69,96 @@ def _checking_backward(original_backward):
     return backward
 
 
-def _tag_reduction(loss_fn):
+def _tag_reduction(name, loss_fn):
     @functools.wraps(loss_fn)
     def wrapper(*args, **kwargs):
         out = loss_fn(*args, **kwargs)
-        _tag(out, kwargs.get("reduction"))
+        _tag(name, out, args, kwargs)
         return out
 
     return wrapper
 
 
 @state.guarded("tagging a loss")
-def _tag(audit, out, reduction) -> None:
+def _tag(audit, name: str, out, args, kwargs) -> None:
+    if not (isinstance(out, torch.Tensor) and out.grad_fn is not None) or _compiling():
+        return
+    reduction = kwargs.get("reduction")
     # Tagged on the autograd node, which lives and dies with this loss's graph; the tensor is untouched.
-    if reduction in ("sum", "none") and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+    if reduction in ("sum", "none"):
         out.grad_fn.metadata[TAG] = reduction
-        if audit.armed and audit.micro_batch is not None and audit.micro_batch >= 2:
-            # A hook on the graph's node, not on the user's tensor; it returns None: the gradient is unchanged.
-            out.grad_fn.register_prehook(functools.partial(_weighed, audit.micro_batch))
+        _weigh(audit, out)
+    if audit.armed and audit.training_info is not None:
+        if reduction == "none":
+            weights.watch_terms(audit, out)
+        else:
+            weights.watch_loss_function(audit, name, args, kwargs, out)
+
+
+def _weigh(audit, out: torch.Tensor) -> None:
+    if audit.armed and audit.micro_batch is not None and audit.micro_batch >= 2:
+        # A hook on the graph's node, not on the user's tensor; it returns None: the gradient is unchanged.
+        out.grad_fn.register_prehook(functools.partial(_weighed, audit.micro_batch))
+
+
+def _watched_sum(original_sum):
+    @functools.wraps(original_sum)
+    def watched_sum(input, *args, **kwargs):
+        out = original_sum(input, *args, **kwargs)
+        audit = state.current()
+        if audit is not None and audit.armed and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            _hand_written_sum(input, out, not args and "dim" not in kwargs)
+        return out
+
+    return watched_sum
+
+
+@state.guarded("watching a sum")
+def _hand_written_sum(audit, summed, out: torch.Tensor, full: bool) -> None:
+    if _compiling() or audit.training_info is None or not tensors.is_plain(summed) or \
+            not _from_model_output(audit, summed):
+        return
+    _weigh(audit, out)
+    if full:
+        weights.watch_sum(audit, summed, out)
+
+
+def _from_model_output(audit, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements are the model's outputs, per element, within a few nodes of this step's training
+    forwards: a path through a mean or a division (a per-experiment mean, terms divided before they are summed)
+    means the sum's gradient is no longer what each sample weighs, so it does not count."""
+    outputs = {id(node) for node in audit.output_nodes}
+    frontier, seen = [tensor.grad_fn], set()
+    while frontier and len(seen) < SEARCH_NODES:
+        node = frontier.pop()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in outputs:
+            return True
+        seen.add(id(node))
+        if not _normalises(node):
+            frontier.extend(child for child, _ in node.next_functions)
+    return False
+
+
+def _normalises(node) -> bool:
+    """A mean, a division, or a product with one number (terms scaled by 1/count, or by a constant)."""
+    name = node.name()
+    if name.startswith(NORMALISING_NODES) or name == "MulBackward1":
+        return True
+    if name != "MulBackward0":
+        return False
+    try:
+        operands = (getattr(node, "_saved_self", None), getattr(node, "_saved_other", None))
+    except RuntimeError:  # saved tensors already freed: nothing to read
+        return False
+    return any(isinstance(t, torch.Tensor) and t.numel() == 1 for t in operands)
+
+
+def _compiling() -> bool:
+    # Under torch.compile the guest stays out of the traced graph.
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if callable(is_compiling) else False
 
 
 def _weighed(micro_batch: int, grad_outputs):
@@ -83,7 +173,7 @@ def _note_weight(audit, micro_batch: int, grad_outputs) -> None:
     if isinstance(grad, torch.Tensor) and tensors.is_plain(grad) and grad.numel() and \
             len(audit.loss_weights) < MAX_WEIGHTS:
         # The mean over the terms: 'none' terms summed by hand or masked weigh what a sum over them gives each.
-        audit.loss_weights.append((float(grad.detach().double().mean()), micro_batch))
+        audit.loss_weights.append((float(grad.detach().double().abs().mean()), micro_batch))
 
 
 def check_step(audit, samples: int) -> None:
@@ -91,10 +181,11 @@ def check_step(audit, samples: int) -> None:
 
     ``samples`` is the number the step's training forwards took on this rank (all its micro-batches).
     """
-    weights, audit.loss_weights = audit.loss_weights, []
+    summed, audit.loss_weights = audit.loss_weights, []
+    audit.output_nodes.clear()
     if "SUM_REDUCTION" in audit.findings:
         return
-    for weight, micro_batch in weights:
+    for weight, micro_batch in summed:
         accumulation = max(1, round(samples / micro_batch))
         divisor = 1 / weight if weight > 0 else math.inf
         # Divided by nothing, or by exactly the accumulation steps: a sum; any other scale is no evidence.

@@ -29,18 +29,16 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddplab.auditor import state
+from ddplab.auditor import batches, losses, state
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
 
 # Mesh dimension names with a meaning of their own (torch's and torchtitan's names).
 CONTEXT_DIMS = ("cp",)
 PIPELINE_DIMS = ("pp",)
-# Optimizer steps (of any optimizer) after which the forward hook goes: the data window of hooks.DATA_WINDOW_FACTOR.
-DATA_WINDOW_FACTOR = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,18 +150,20 @@ def _watched_mesh_init(original_init):
 @state.guarded("watching device meshes")
 def _mesh_built(audit: AuditState) -> None:
     # Global module hooks are never stored on the user's modules; this one lives for the data window only.
-    if audit.mesh_hook is None and _PATCHES is not None and _TABLES.optimizer_steps < _window(audit):
-        audit.mesh_hook = _PATCHES.hook(register_module_forward_pre_hook(_module_forward))
+    if audit.mesh_hook is None and _PATCHES is not None and _TABLES.optimizer_steps < audit.data_window:
+        audit.mesh_hook = _PATCHES.hook(_Handles(register_module_forward_pre_hook(_module_forward),
+                                                 register_module_forward_hook(_module_forward_done)))
 
 
-def _window(audit: AuditState) -> int:
-    return DATA_WINDOW_FACTOR * audit.steps_to_audit
+class _Handles:
+    """Two global module hooks that live and go together."""
 
+    def __init__(self, *handles):
+        self.handles = handles
 
-def watching() -> bool:
-    """Whether the program built a device mesh and FSDP2 forwards are being watched for."""
-    audit = state.current()
-    return audit is not None and audit.mesh_hook is not None
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _fsdp_module_class() -> type | None:
@@ -190,12 +190,16 @@ def _module_forward(audit: AuditState, module, args) -> None:
             return
         info = _attach(audit, module, fsdp_module)
     if torch.is_grad_enabled():
-        from ddplab.auditor import hooks
-
-        hooks.record_training_batch(audit, info, args)
+        batches.record_training_batch(audit, info, args)
         if audit.armed:
-            info.micro_steps += 1
             info.synced_micro_steps += _syncs_gradients(module, fsdp_module)
+
+
+@state.guarded("watching FSDP2 outputs")
+def _module_forward_done(audit: AuditState, module, args, output) -> None:
+    # A root's training output: where a loss over its samples starts (losses.note_outputs).
+    if audit.armed and torch.is_grad_enabled() and module in _TABLES.roots:
+        losses.note_outputs(audit, output)
 
 
 def _attach(audit: AuditState, root, fsdp_module: type) -> WrapperInfo:
@@ -280,7 +284,7 @@ def _syncs_gradients(module, fsdp_module: type) -> bool:
 def on_optimizer_step(audit: AuditState) -> None:
     """Every optimizer step: the forward hook goes once the data window is over."""
     _TABLES.optimizer_steps += 1
-    if _TABLES.optimizer_steps >= _window(audit):
+    if _TABLES.optimizer_steps >= audit.data_window:
         audit.remove_mesh_hook()
 
 

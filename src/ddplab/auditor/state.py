@@ -17,6 +17,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ddplab.auditor import findings as fnd
 from ddplab.auditor import guard
 
+# Training batches (and their indices) are kept for this many times the audited steps: streams shifted in time
+# still meet, and the forward hooks that look for FSDP2 roots live this long.
+DATA_WINDOW_FACTOR = 4
+
 
 class WrapperInfo:
     """What the auditor knows about one data-parallel model: a DDP wrapper, or an FSDP2 root module (held weakly:
@@ -61,7 +65,11 @@ class AuditState:
         self.index_batches: dict[str, list[str]] = {}
         self.loaded: dict[str, str] = {}  # digest of a batch a DataLoader returned → its index batch's fingerprint
         self.micro_batch: int | None = None  # samples in the newest training forward of a DDP model
+        self.training_info: WrapperInfo | None = None  # the model of the newest training forward
         self.loss_weights: list[tuple[float, int]] = []  # (weight per summed term, micro-batch) this step
+        self.weight_records: list = []  # what a loss's elements weigh, this step (:mod:`ddplab.auditor.weights`)
+        self.output_nodes: list = []  # autograd nodes of this step's training forwards' outputs
+        self.frameworks: set[str] = set()  # the training frameworks the program imported (their fixes' words)
         self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
         self.modules: WeakIdKeyDictionary = WeakIdKeyDictionary()  # inner module → its newest wrapper's info
         # parameter → its wrapper's info, which outlives a temporary wrapper so its steps still count
@@ -98,6 +106,16 @@ class AuditState:
         self.alone_steps, self.alone_collectives, self.synchronised = 0, None, False
 
     @property
+    def data_window(self) -> int:
+        """Optimizer steps (and training batches per model) over which the data fed to training is watched."""
+        return DATA_WINDOW_FACTOR * self.steps_to_audit
+
+    @property
+    def watching_meshes(self) -> bool:
+        """Whether the program built a device mesh and FSDP2 forwards are being watched for."""
+        return self.mesh_hook is not None
+
+    @property
     def armed(self) -> bool:
         """Step-level checks run for the first N optimizer steps, while the auditor is healthy."""
         return self.attached_pid is not None and self.disabled is None and self.steps < self.steps_to_audit
@@ -114,7 +132,7 @@ class AuditState:
                 "tp_groups": self.tp_groups, "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
-                "index_batches": self.index_batches, "joined": self.joined,
+                "index_batches": self.index_batches, "joined": self.joined, "frameworks": sorted(self.frameworks),
                 "peers": self.peers, "interim": self.interim}
 
     def _with_info(self) -> list[fnd.Finding]:

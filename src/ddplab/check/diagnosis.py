@@ -14,7 +14,7 @@ import torch
 from ddplab.check.config import CheckConfig
 from ddplab.check.result import Cause, Verdict
 
-Hypothesis = Literal["global", "padding", "per-rank", "divide-factor", "rounding"]
+Hypothesis = Literal["global", "padding", "per-rank", "per-micro-batch", "divide-factor", "rounding"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,8 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
         if ranks.matches(rounded, cfg.tolerance):
             return _rounding(cfg, max(fractions), ranks.largest_difference(rounded))
     fit = scaled_fit(single.grads[step], ranks.grads[step])
-    if world > 1 and fit is not None and _summed(fit, world):
+    # Each micro-batch's loss is divided by the accumulation steps: a sum then ends W·K times too small.
+    if world > 1 and fit is not None and _summed(fit, world * cfg.accumulation_steps):
         return _sum_reduction(cfg, step, fit)
     ratio = gradient_ratio(single.grads[step], ranks.grads[step])
     if ratio is not None and abs(ratio - round(ratio)) <= 1e-6 * abs(ratio) and round(ratio) not in (0, 1):
@@ -63,6 +64,8 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
             "repeats samples to pad the last batches: confirmed by a reference that trains on the same repeats",
             "make the dataset size a multiple of the world size, or use DistributedSampler(drop_last=True) and "
             "accept dropping the tail")
+    if cfg.accumulation_steps > 1 and ranks.matches(rerun("per-micro-batch"), cfg.tolerance):
+        return _per_rank_cause(spec, cfg, per_micro_batch=True)
     if ranks.matches(rerun("per-rank"), cfg.tolerance):
         return _per_rank_cause(spec, cfg)
     if factors:
@@ -109,18 +112,21 @@ def _summed(fit: tuple[float, float], world: int) -> bool:
 def _sum_reduction(cfg: CheckConfig, step: int, fit: tuple[float, float]) -> Diagnosis:
     ratio, residual = fit
     world, label = cfg.world_size, strategy_label(cfg)
+    factor = world * cfg.accumulation_steps
     cause = f"the loss is summed over the batch, and {label} averages the {world} per-rank sums"
+    if cfg.accumulation_steps > 1:
+        cause += f" of {cfg.accumulation_steps} micro-batches, each divided by {cfg.accumulation_steps}"
     # A reduction in a lower dtype leaves its rounding in the gradients: exact up to that.
     rounding = reduction_rounding_bound(cfg.reduce_dtype, world) if cfg.reduce_dtype else 0.0
-    if abs(ratio - world) <= max(1e-6, rounding) * world and residual <= max(1e-8, rounding):
+    if abs(ratio - factor) <= max(1e-6, rounding) * factor and residual <= max(1e-8, rounding):
         exactly = f", up to {cfg.reduce_dtype}'s rounding," if cfg.reduce_dtype else " exactly"
         return Diagnosis(
             "DIVERGES", "SUM_REDUCTION",
-            f"from step {step} the ranks' gradient is{exactly} 1/{world} of the single-process gradient: {cause}",
+            f"from step {step} the ranks' gradient is{exactly} 1/{factor} of the single-process gradient: {cause}",
             f"use reduction='mean', or multiply the loss by the world size ({world}) under {label}")
     return Diagnosis(
         "DIVERGES", "SUM_REDUCTION",
-        f"from step {step} the ranks' gradient is 1/{world} of the single-process gradient but for a small part "
+        f"from step {step} the ranks' gradient is 1/{factor} of the single-process gradient but for a small part "
         f"({residual:.2g} of its norm) that does not grow with the batch, such as a weight penalty added to the "
         f"loss: {cause}",
         f"use reduction='mean' (and rescale the penalty to match), or multiply the summed part of the loss by the "
@@ -150,20 +156,36 @@ def _rounding(cfg: CheckConfig, of_bound: float, matched: float) -> Diagnosis:
         None)
 
 
-def _per_rank_cause(spec, cfg: CheckConfig) -> Diagnosis:
+def _per_rank_cause(spec, cfg: CheckConfig, per_micro_batch: bool = False) -> Diagnosis:
+    part = (f"micro-batch of {cfg.per_device_batch_size}" if per_micro_batch
+            else f"rank's {cfg.rank_step_batch_size} samples")
     if _has_batchnorm(spec):
         return Diagnosis(
             "DIVERGES", "BATCHNORM",
-            f"BatchNorm normalises each rank's {cfg.per_device_batch_size} samples with their own statistics, not "
-            f"the global batch's {cfg.global_batch_size}: confirmed by a reference that reproduces per-rank "
+            f"BatchNorm normalises each {part} with their own statistics, not the global batch's "
+            f"{cfg.global_batch_size}: confirmed by a reference that reproduces per-{_unit(per_micro_batch)} "
             "statistics and then matches",
             "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) computes global statistics (it needs GPUs with "
             "NCCL); or accept per-rank statistics, common practice when the per-rank batch is large")
+    if per_micro_batch:
+        return Diagnosis(
+            "DIVERGES", "LOSS_NORMALISED_PER_MICRO_BATCH",
+            f"the loss of each {part} is normalised by a count of its own (tokens, positives), and the "
+            f"{cfg.accumulation_steps} micro-batches' means are then averaged: not the mean over the step's elements. "
+            "Confirmed by a reference that averages per-micro-batch losses and then matches",
+            "divide the summed loss by the step's count, summed over its micro-batches and all-reduced over the "
+            "data-parallel ranks, times the data-parallel size (or by a constant); see the token-level losses page")
     return Diagnosis(
-        "DIVERGES", "PER_RANK_LOSS",
-        "the loss depends on how the global batch is split across ranks (e.g. normalised by a per-rank count): "
-        "confirmed by a reference that averages per-rank losses",
-        "normalise the loss by a global count (all-reduce it) or by a constant")
+        "DIVERGES", "LOSS_NORMALISED_PER_DEVICE",
+        f"the loss of each {part} is normalised by a count of its own (tokens, positives), and "
+        f"{strategy_label(cfg)} averages the {cfg.world_size} ranks' means: not the mean over the global batch's "
+        "elements. Confirmed by a reference that averages per-rank losses and then matches",
+        "divide the summed loss by the count all-reduced over the data-parallel ranks (and summed over the step's "
+        "micro-batches), times the data-parallel size; or by a constant; see the token-level losses page")
+
+
+def _unit(per_micro_batch: bool) -> str:
+    return "micro-batch" if per_micro_batch else "rank"
 
 
 def gradient_ratio(single: torch.Tensor, ranks: torch.Tensor) -> float | None:
@@ -192,8 +214,15 @@ def _has_batchnorm(spec) -> bool:
 def equivalent_text(cfg: CheckConfig, per_step: list[dict[str, float]]) -> str:
     worst = max(d["max_rel_diff"] for d in per_step)
     ranks = f"{cfg.world_size} rank{'s' if cfg.world_size != 1 else ''}"
-    return (f"{ranks} × {cfg.per_device_batch_size} and one process with {cfg.global_batch_size} agree "
+    return (f"{ranks} × {_per_rank_batch(cfg)} and one process with {cfg.global_batch_size} agree "
             f"after every one of {cfg.steps} steps (largest relative difference {worst:.1e} ≤ {cfg.tolerance:g})")
+
+
+def _per_rank_batch(cfg: CheckConfig) -> str:
+    """A rank's samples per step as the texts write it: 8, or 4 micro-batches of 8."""
+    if cfg.accumulation_steps == 1:
+        return str(cfg.per_device_batch_size)
+    return f"{cfg.accumulation_steps} micro-batches of {cfg.per_device_batch_size}"
 
 
 def strategy_label(cfg: CheckConfig) -> str:

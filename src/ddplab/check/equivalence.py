@@ -10,6 +10,7 @@ then matches the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -91,7 +92,7 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None,
         spec = load_spec(cfg.spec_path)
         # The spec's mistakes surface here, in one sentence, before any rank starts.
         facts, dataset = rank_tools.validate(spec, world_size=cfg.world_size, seed=cfg.seed, dtype=torch.float64,
-                                             per_device_batch_size=cfg.per_device_batch_size)
+                                             per_device_batch_size=cfg.rank_step_batch_size)
     rank_tools.check_capacity(cfg.world_size, facts)
     launch_config = (launch_config or LaunchConfig()).for_ranks(cfg.world_size)
     with deadline.launching():
@@ -140,6 +141,26 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: T
     return CheckResult(verdict=found.verdict, cause=found.cause, explanation=explanation, fix=found.fix, **common)
 
 
+def micro_batches(indices: list[int], cfg: CheckConfig) -> list[list[int]]:
+    """A rank's step split into its micro-batches of ``per_device_batch_size`` (fewer at an epoch's end)."""
+    size = cfg.per_device_batch_size
+    return [indices[i:i + size] for i in range(0, len(indices), size)]
+
+
+def _accumulate(spec: Spec, strategy: strategies.Strategy, wrapped, dataset, chunks: list[list[int]],
+                device) -> None:
+    """One optimizer step's backward passes: each micro-batch's loss over their number, syncing on the last only."""
+    for index, chunk in enumerate(chunks):
+        batch = rank_tools.collate(dataset, chunk, device, torch.float64, spec.collate)
+        last = index == len(chunks) - 1
+        with contextlib.nullcontext() if last else strategy.no_sync(wrapped):
+            loss = spec.step(wrapped, batch, spec.loss)
+            if len(chunks) > 1:
+                loss = loss / len(chunks)
+            with spec.guard("backward through the loss"):
+                loss.backward()
+
+
 def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
                    facts: rank_tools.SpecFacts) -> Trajectory | None:
     cfg, progress = job
@@ -151,15 +172,12 @@ def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
     wrapped = strategy.wrap(model, ctx, facts)
     optimizer = spec.optimizer(wrapped.parameters())
     order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
-                      per_device_batch_size=cfg.per_device_batch_size)
+                      per_device_batch_size=cfg.rank_step_batch_size)
     probe = ReductionProbe(strategy, wrapped, cfg.reduce_dtype) if cfg.reduce_dtype else None
     params, grads, factors = [], [], set()
     for step in range(cfg.steps):
         optimizer.zero_grad(set_to_none=True)
-        batch = rank_tools.collate(dataset, order.batch(step), ctx.device, torch.float64)
-        loss = spec.step(wrapped, batch, spec.loss)
-        with spec.guard("backward through the loss"):
-            loss.backward()
+        _accumulate(spec, strategy, wrapped, dataset, micro_batches(order.batch(step), cfg), ctx.device)
         grads.append(_flat_grads(model))
         # Read after the spec's step(): where it changed how the reduction divides, this shows it.
         factors |= strategy.divide_factors(wrapped)
@@ -218,18 +236,19 @@ def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypot
 
     'global': the plain single-process run. 'padding': keep DistributedSampler's repeated
     samples. 'per-rank': average W per-rank losses, each over its own rank's batch, as DDP does.
+    'per-micro-batch': average the W·K losses of every rank's K micro-batches, each over its own.
     'divide-factor': every gradient times W / f, where the ``ranks`` divided their sum by f.
     'rounding': every gradient plus the ``ranks``' measured reduction error of that step.
     """
     model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64)
     optimizer = spec.optimizer(model.parameters())
-    order = ReferenceOrder(len(dataset), world_size=cfg.world_size, per_device_batch_size=cfg.per_device_batch_size,
+    order = ReferenceOrder(len(dataset), world_size=cfg.world_size, per_device_batch_size=cfg.rank_step_batch_size,
                            seed=cfg.seed)
     params, grads, used_rng = [], [], False
     for step in range(cfg.steps):
         optimizer.zero_grad(set_to_none=True)
         rng_before = torch.get_rng_state()
-        loss = _reference_loss(spec, model, dataset, order, step, hypothesis)
+        loss = _reference_loss(spec, model, dataset, order, step, hypothesis, cfg)
         with spec.guard("backward through the loss"):
             loss.backward()
         used_rng = used_rng or not torch.equal(rng_before, torch.get_rng_state())
@@ -259,19 +278,23 @@ def _reproduce_reduction(model, hypothesis: diagnosis.Hypothesis, ranks: Traject
 
 
 def _reference_loss(spec: Spec, model, dataset, order: ReferenceOrder, step: int,
-                    hypothesis: diagnosis.Hypothesis) -> torch.Tensor:
-    if hypothesis == "per-rank":
-        losses = [spec.step(model, rank_tools.collate(dataset, order.rank_batch(step, rank), CPU, torch.float64),
-                            spec.loss) for rank in range(order.world_size)]
-        return sum(losses) / order.world_size
-    indices = order.batch(step, keep_padding=hypothesis == "padding")
-    return spec.step(model, rank_tools.collate(dataset, indices, CPU, torch.float64), spec.loss)
+                    hypothesis: diagnosis.Hypothesis, cfg: CheckConfig) -> torch.Tensor:
+    def loss_of(indices: list[int]) -> torch.Tensor:
+        return spec.step(model, rank_tools.collate(dataset, indices, CPU, torch.float64, spec.collate), spec.loss)
+
+    if hypothesis in ("per-rank", "per-micro-batch"):
+        # As the ranks normalise: each rank's loss (or each of its micro-batches') over its own elements, averaged.
+        parts = [part for rank in range(order.world_size) for part in (
+            micro_batches(order.rank_batch(step, rank), cfg) if hypothesis == "per-micro-batch"
+            else [order.rank_batch(step, rank)])]
+        return sum(loss_of(part) for part in parts) / len(parts)
+    return loss_of(order.batch(step, keep_padding=hypothesis == "padding"))
 
 
 def _samples_per_rank(dataset_size: int, cfg: CheckConfig) -> list[int]:
     """Each rank's real batch per step: smaller than the per-device batch where an epoch ends in a partial batch."""
     order = RankOrder(dataset_size, world_size=cfg.world_size, rank=0, seed=cfg.seed,
-                      per_device_batch_size=cfg.per_device_batch_size)
+                      per_device_batch_size=cfg.rank_step_batch_size)
     return [len(order.batch(step)) for step in range(cfg.steps)]
 
 

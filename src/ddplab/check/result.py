@@ -10,7 +10,7 @@ from ddplab.serialize import finite
 
 Verdict = Literal["EQUIVALENT", "ROUNDING", "DIVERGES", "STOCHASTIC", "NON_FINITE"]
 Cause = Literal["SUM_REDUCTION", "GRADIENT_SCALE", "DIVIDE_FACTOR", "REDUCE_PRECISION", "PADDING", "BATCHNORM",
-                "PER_RANK_LOSS", "RANDOMNESS", "UNKNOWN"]
+                "LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH", "RANDOMNESS", "UNKNOWN"]
 Side = Literal["ranks", "single_process", "both"]
 
 
@@ -45,7 +45,7 @@ class CheckResult:
     @property
     def partial_steps(self) -> list[tuple[int, int]]:
         """(step, samples per rank) of steps whose batch was smaller than the per-device batch (an epoch's end)."""
-        batch = self.config.per_device_batch_size
+        batch = self.config.rank_step_batch_size
         return [(i, d["samples_per_rank"]) for i, d in enumerate(self.per_step) if d["samples_per_rank"] != batch]
 
     def to_json(self) -> dict[str, Any]:
@@ -54,7 +54,8 @@ class CheckResult:
                        "tolerance": cfg.tolerance, "strategy": cfg.strategy, "replicate": cfg.replicate,
                        "reduce_dtype": cfg.reduce_dtype, "world_size": cfg.world_size,
                        "data_parallel_size": cfg.world_size,
-                       "per_device_batch_size": cfg.per_device_batch_size, "global_batch_size": cfg.global_batch_size,
+                       "per_device_batch_size": cfg.per_device_batch_size, "accumulation_steps": cfg.accumulation_steps,
+                       "global_batch_size": cfg.global_batch_size,
                        "steps": cfg.steps, "seed": cfg.seed, "first_divergent_step": self.first_divergent_step,
                        "non_finite": self.non_finite, "unused_parameters": list(self.unused_parameters),
                        "find_unused_parameters": self.find_unused_parameters, "note": self.note,

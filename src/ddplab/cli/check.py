@@ -18,11 +18,12 @@ compare the parameters after every step. --strategy fsdp trains the ranks with F
 gradients are gathered whole to be compared.
 
 Verdicts: EQUIVALENT (within --tolerance); DIVERGES with the cause that a reproducing reference
-confirms (SUM_REDUCTION, GRADIENT_SCALE, DIVIDE_FACTOR, PADDING, BATCHNORM, PER_RANK_LOSS, or
-UNKNOWN); ROUNDING (REDUCE_PRECISION) when FSDP2 reduces in --reduce-dtype and the difference is
-that dtype's rounding, within its bound; STOCHASTIC when the model draws random numbers in
-training (dropout); NON_FINITE when inf or nan appears on either side (named: the ranks, the
-single process, or both) before any difference. The exit code is 0 whatever the verdict, unless
+confirms (SUM_REDUCTION, GRADIENT_SCALE, DIVIDE_FACTOR, PADDING, BATCHNORM,
+LOSS_NORMALISED_PER_DEVICE, LOSS_NORMALISED_PER_MICRO_BATCH, or UNKNOWN); ROUNDING
+(REDUCE_PRECISION) when FSDP2 reduces in --reduce-dtype and the difference is that dtype's
+rounding, within its bound; STOCHASTIC when the model draws random numbers in training (dropout);
+NON_FINITE when inf or nan appears on either side (named: the ranks, the single process, or both)
+before any difference. The exit code is 0 whatever the verdict, unless
 --strict: then 3 for any verdict but EQUIVALENT and ROUNDING.
 
 Under torchrun (torchrun --nproc_per_node N -m ddplab check SPEC.py ...) the ranks are
@@ -30,13 +31,16 @@ torchrun's: W is its WORLD_SIZE, and rank 0 runs the single-process reference an
 
 SPEC.py defines model() → nn.Module, dataset() → Dataset of (input, target), loss(output,
 target) → scalar, and optionally optimizer(params) (default SGD lr 0.1) and
-step(model, batch, loss_fn) → loss when the forward is more than loss(model(x), y).
+step(model, batch, loss_fn) → loss when the forward is more than loss(model(x), y), and
+collate(items) → batch for items of different lengths (padding them). --accumulation K trains
+K micro-batches of b per rank and step (no_sync on all but the last), each loss divided by K.
 
 examples:
   ddplab check tests/specs/correct.py --batch-size 8                 # {DEFAULT_WORLD_SIZE} CPU ranks
   ddplab check spec.py --world-size 4 --batch-size 16 --steps 10 --json
   ddplab check spec.py --batch-size 8 --strict                       # exit 3 unless EQUIVALENT (CI)
   ddplab check spec.py --batch-size 8 --strategy fsdp                # FSDP2 on 2 ranks
+  ddplab check spec.py --batch-size 4 --accumulation 4               # 4 micro-batches of 4 per step
   ddplab check spec.py --batch-size 8 --strategy hsdp --world-size 4 --replicate 2
   torchrun --nproc_per_node 4 -m ddplab check spec.py --batch-size 8
 """
@@ -45,7 +49,8 @@ examples:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("check", help="prove a model trains the same on N ranks as on one",
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
-    add_fields(parser, CheckConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed", "tolerance"))
+    add_fields(parser, CheckConfig, ("spec_path", "world_size", "per_device_batch_size", "accumulation_steps", "steps",
+                                     "seed", "tolerance"))
     add_fields(parser.add_argument_group("parallelism"), CheckConfig, ("strategy", "replicate", "reduce_dtype"))
     parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT or ROUNDING")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -83,7 +88,8 @@ def _print(result) -> None:
             row.append(f"{d['reduction_error_of_bound']:.2f}" if "reduction_error_of_bound" in d else "")
     strategy = cfg.strategy_text(cfg.world_size)
     reduced = f" (gradients reduced in {cfg.reduce_dtype})" if cfg.reduce_dtype else ""
-    title = (f"ddplab check: {count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size}"
+    micro = f" × {cfg.accumulation_steps} micro-batches" if cfg.accumulation_steps > 1 else ""
+    title = (f"ddplab check: {count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size}{micro}"
              f"{f' ({strategy})' if strategy else ''} vs one process × {cfg.global_batch_size}, float64{reduced}, "
              f"tolerance {cfg.tolerance:g}")
     out = render.console()
@@ -104,8 +110,9 @@ def _notes(result) -> list[str]:
     if partial:
         steps = ", ".join(f"{i} ({n} per rank)" for i, n in partial)
         label, verb = ("step", "ends") if len(partial) == 1 else ("steps", "end")
-        notes.append(f"{label} {steps} {verb} an epoch with a partial batch of fewer than --batch-size "
-                     f"{cfg.per_device_batch_size} samples per rank, as a DataLoader without drop_last does")
+        notes.append(f"{label} {steps} {verb} an epoch with a partial batch of fewer than the "
+                     f"{cfg.rank_step_batch_size} samples per rank a step takes, as a DataLoader without drop_last "
+                     "does")
     if result.unused_parameters:
         names = ", ".join(result.unused_parameters[:5]) + (" …" if len(result.unused_parameters) > 5 else "")
         # FSDP2 reduce-scatters the gradients that exist: a parameter no rank used has none to reduce.

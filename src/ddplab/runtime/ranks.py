@@ -25,9 +25,16 @@ from ddplab.runtime.sharding import RankOrder, steps_per_epoch
 from ddplab.runtime.spec import Spec, describe, shown_path
 
 
-def collate(dataset, indices: list[int], device: torch.device, dtype: torch.dtype | None = None):
-    """Stack dataset items into a batch on ``device``, floating tensors cast to ``dtype``."""
+def collate(dataset, indices: list[int], device: torch.device, dtype: torch.dtype | None = None,
+            collate_fn=None):
+    """Stack dataset items into a batch on ``device``, floating tensors cast to ``dtype``.
+
+    ``collate_fn`` is the spec's own ``collate(items)`` (padding variable-length items, say); torch's
+    ``default_collate`` otherwise.
+    """
     items = [dataset[i] for i in indices]
+    if collate_fn is not None:
+        return move(collate_fn(items), device, dtype)
     try:
         batch = default_collate(items)
     except (TypeError, RuntimeError) as exc:
@@ -89,7 +96,7 @@ def validate(spec: Spec, *, world_size: int, per_device_batch_size: int, seed: i
     # One rank's first batch: the same code path as the global one, at 1/W of the cost.
     indices = RankOrder(len(dataset), world_size=world_size, rank=0, per_device_batch_size=per_device_batch_size,
                         seed=seed).batch(0)
-    loss = spec.step(model, collate(dataset, indices, torch.device("cpu"), dtype), spec.loss)
+    loss = spec.step(model, collate(dataset, indices, torch.device("cpu"), dtype, spec.collate), spec.loss)
     _check_loss(spec, loss)
     with spec.guard("backward through the loss"):
         loss.backward()

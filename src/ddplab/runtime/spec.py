@@ -44,6 +44,8 @@ class Spec:
     step: Callable[[Any, Any, Callable], Any]
     custom_step: bool = False
     """The spec defines its own step(); otherwise step is loss(model(x), y)."""
+    collate: Callable[[list], Any] | None = None
+    """The spec's collate(items) → batch (for items of different lengths); None: torch's default_collate."""
 
     @property
     def shown(self) -> str:
@@ -188,13 +190,15 @@ def load_spec(path: str) -> Spec:
         raise SpecError(f"spec file {literal(shown_path(path))} must define {', '.join(f'{m}()' for m in missing)}")
     path = os.path.abspath(path)
     user_step = getattr(module, "step", None)
+    user_collate = getattr(module, "collate", None)
     return Spec(path=path,
                 model=_guarded(path, "model()", _checked_model(module.model)),
                 dataset=_guarded(path, "dataset()", _checked_dataset(path, module.dataset)),
                 loss=_guarded(path, "loss()", module.loss),
                 optimizer=_guarded(path, "optimizer()", getattr(module, "optimizer", _default_optimizer)),
                 step=_guarded(path, "step()" if user_step else "the forward pass", user_step or default_step),
-                custom_step=callable(user_step))
+                custom_step=callable(user_step),
+                collate=_guarded(path, "collate()", user_collate) if callable(user_collate) else None)
 
 
 def module_name(path: str) -> str:
