@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddplab.auditor import findings
+from ddplab.auditor import findings, rendering
 from ddplab.cli.main import main
 from ddplab.runtime.launch import LaunchConfig, launch
 
@@ -258,7 +258,16 @@ def test_reports_merge_over_ranks():
     assert report.headline().endswith("5 optimizer steps audited")
     assert [(f.code, f.ranks) for f in report.findings] == [("NO_ALLREDUCE", [0, 1]), ("SUM_REDUCTION", [1])]
     assert report.has_error and report.to_json()["world_size"] == 2
-    assert "NO_ALLREDUCE on ranks [0, 1]" in findings.render_text(report)
+    assert "NO_ALLREDUCE (ranks 0, 1)" in rendering.render_text(report)
+    # One renderer for the in-run and the final report: the same lines, wrapped at 120 columns.
+    interim = rendering.render_text(report, interim_steps=5).splitlines()
+    final = rendering.render_text(report).splitlines()
+    assert interim[0] == "[rank 0, after 5 steps] " + final[0] and interim[1:] == final[1:]
+    assert max(map(len, interim[1:])) <= 120 and len(final) > 4
+    clean = findings.merge([record(0, []), record(1, [])])
+    assert "no DDP mistakes found in the first 5 steps; a repeated epoch order" in rendering.render_text(
+        clean, interim_steps=5)
+    assert rendering.render_text(clean).splitlines()[1] == "no DDP mistakes found"
 
 
 def test_steps_past_a_ranks_join_are_not_compared_across_ranks():

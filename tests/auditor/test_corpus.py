@@ -100,6 +100,7 @@ CORRECT = {
     "token_lm_global": Case("token_lm.py"),
     "token_lm_hand_global": Case("token_lm.py", ("--loss", "hand-global")),
     "token_lm_scaled_terms": Case("token_lm.py", ("--loss", "scaled-terms")),
+    "token_lm_zero_grad_before_backward": Case("token_lm.py", ("--zero-grad", "before-backward")),
     "token_lm_packed_token_mean": Case("token_lm.py", ("--loss", "token-mean", "--data", "packed")),
     "token_lm_eval_padded_not_combined": Case("token_lm.py", ("--eval-samples", "41", "--eval-results", "rank0")),
     "token_lm_fsdp_global": Case("token_lm.py", ("--strategy", "fsdp"), launchers=("torchrun",)),
@@ -122,7 +123,7 @@ DEFAULT_CORRECT = [
     ("step_budget_two_passes", "fork"), ("augmented_vision", "torchrun"), ("augmented_vision_per_rank_files", "fork"),
     ("gpu_only_ddp_on_cpu", "torchrun"), ("fsdp_trainer", "torchrun"), ("tp_dp", "torchrun"),
     ("token_lm_global", "torchrun"), ("token_lm_hand_global", "fork"), ("token_lm_scaled_terms", "fork"),
-    ("token_lm_packed_token_mean", "spawn"),
+    ("token_lm_packed_token_mean", "spawn"), ("token_lm_zero_grad_before_backward", "fork"),
     ("token_lm_eval_padded_not_combined", "fork"), ("token_lm_fsdp_global", "torchrun"),
     ("token_lm_fsdp_tp_global", "torchrun"),
 ]
@@ -186,6 +187,11 @@ MISTAKES = {
                                 {}, "fork"),
     "token_mean_fsdp": (Case("token_lm.py", ("--strategy", "fsdp", "--loss", "token-mean", "--accumulation", "1"),
                              launchers=("torchrun",)), {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "torchrun"),
+    "gradients_never_cleared": (Case("token_lm.py", ("--zero-grad", "never")), {"GRADIENTS_NOT_CLEARED": "warning"},
+                                {}, "fork"),
+    "gradients_never_cleared_fsdp_tp": (Case("token_lm.py", ("--strategy", "fsdp-tp", "--zero-grad", "never"),
+                                             world_size=4, launchers=("torchrun",)),
+                                        {"GRADIENTS_NOT_CLEARED": "warning"}, {}, "torchrun"),
     "token_mean_fsdp_tp": (Case("token_lm.py", ("--strategy", "fsdp-tp", "--loss", "token-mean"), world_size=4,
                                 launchers=("torchrun",)), {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {},
                            "torchrun"),
@@ -216,6 +222,8 @@ MESSAGES = {
     "rank_token_count": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 126, rank 1 172): an element on rank 0 weighed 1.37× "
                                                        "one on rank 1"),
     "hand_written_token_sum": ("SUM_REDUCTION", "weighs 1 in the gradient"),
+    "gradients_never_cleared": ("GRADIENTS_NOT_CLEARED", "the first backward after optimizer step 0 started with the "
+                                                         "gradients of 5 of 5 parameters still nonzero"),
     "global_count_without_world_size": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "the gradient is 1/2 of the global mean's"),
     "eval_padded_all_reduced": ("EVAL_SAMPLES_DUPLICATED", "41 samples on 2 ranks padded it to 42: 1 sample was "
                                                            "evaluated twice (the padding is on rank 1)"),

@@ -78,3 +78,27 @@ def test_the_merged_report_names_the_frameworks_fix():
         record["frameworks"] = []
     plain = next(f for f in findings.merge(records).findings if f.code == "LOSS_NORMALISED_PER_DEVICE")
     assert "dist.all_reduce(count, group=dp_group)" in plain.fix
+
+
+def test_a_tensor_parallel_fix_names_the_programs_own_data_parallel_dimension():
+    def record(rank, batches):
+        return {"rank": rank, "world_size": 4, "mesh": {"data_parallel": 2, "tensor_parallel": 2},
+                "tp_groups": {"g": {"batches": "fsdp0", "dims": ["tensor_parallel"], "sharded_inputs": False}},
+                "batches": {"fsdp0": batches}, "steps_audited": 3}
+
+    report = findings.merge([record(0, ["a", "b", "c"]), record(1, ["x", "y", "z"])])
+    finding = next(f for f in report.findings if f.code == "TP_RANKS_SEE_DIFFERENT_DATA")
+    assert "mesh['data_parallel'].size()" in finding.fix and "mesh['dp']" not in finding.fix
+
+
+def test_the_in_run_and_final_reports_count_the_same_audited_batches():
+    # Rank 0 took 3 batches in its audited steps; 6 were kept (the data window). Rank 1 shares all of them.
+    def record(rank, batches, audited):
+        return {"rank": rank, "world_size": 2, "steps_audited": 3, "batches": {"ddp0-0.1": batches},
+                "audited_batches": {"batches": {"ddp0-0.1": audited}}}
+
+    stream = ["a", "b", "c", "d", "e", "f"]
+    interim = findings.merge([record(0, stream[:3], 3), record(1, stream[:3], 3)])
+    final = findings.merge([record(0, stream, 3), record(1, stream, 3)])
+    details = [next(f.detail for f in r.findings if f.code == "SAME_DATA_ON_ALL_RANKS") for r in (interim, final)]
+    assert details[0] == details[1] and details[0].startswith("up to 3 distinct training batches")

@@ -6,8 +6,10 @@ the batch weighs is tied to the model and micro-step recorded here (:mod:`losses
 
 from __future__ import annotations
 
-from ddplab.auditor import data, tensors
-from ddplab.auditor import findings as fnd
+import functools
+
+from ddplab.auditor import data, state, tensors
+from ddplab.auditor.catalogue import INFO
 from ddplab.auditor.state import AuditState, WrapperInfo
 
 
@@ -31,9 +33,46 @@ def record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None:
             _check_batchnorm(audit, info, size)
 
 
+def after_training_forward(audit: AuditState, info: WrapperInfo, output) -> None:
+    """The first training forward after an optimizer step: its backward must start from cleared gradients.
+
+    Judged when backward reaches the model's output, not at the forward: ``zero_grad()`` between the forward and
+    ``loss.backward()`` (the tutorials' order) is as good as before it.
+    """
+    if not (audit.armed and info.micro_steps == 1 and info.steps >= 1) or "GRADIENTS_NOT_CLEARED" in audit.findings:
+        return
+    for tensor in tensors.iter_tensors(output):
+        if tensor.grad_fn is not None:
+            # A hook on the graph's node, not on the user's tensor; it returns None: the gradient is unchanged.
+            tensor.grad_fn.register_prehook(functools.partial(_backward_started, info, info.steps))
+            return
+
+
+def _backward_started(info: WrapperInfo, step: int, grad_outputs):
+    _check_gradients_cleared(info, step)
+    return None
+
+
+@state.guarded("checking that gradients were cleared")
+def _check_gradients_cleared(audit: AuditState, info: WrapperInfo, step: int) -> None:
+    if "GRADIENTS_NOT_CLEARED" in audit.findings or info.steps != step or info.micro_steps > 1:
+        return  # already said, or this backward belongs to a later micro-batch
+    kept = [name for name, param in info.params() if param.grad is not None and bool(_local(param.grad).any())]
+    if kept:
+        audit.add("GRADIENTS_NOT_CLEARED",
+                  f"the first backward after optimizer step {info.steps - 1} started with the gradients of "
+                  f"{len(kept)} of {len(info.params())} parameters still nonzero (first: '{kept[0]}'): nothing "
+                  "cleared them after the step")
+
+
+def _local(tensor):
+    # A DTensor's shard on this rank: reading it runs no collective.
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 def _check_batchnorm(audit: AuditState, info: WrapperInfo, per_rank_batch: int) -> None:
     # Per-rank statistics are a choice many correct programs make (and a CNN's spatial positions add to the
     # sample count): an info, never a warning, however small the batch.
     if info.batchnorm_layers and "BATCHNORM_NOT_SYNCED" not in audit.findings:
         detail = f"{info.batchnorm_layers} BatchNorm layers, {per_rank_batch} samples per rank"
-        audit.add("BATCHNORM_NOT_SYNCED", detail, severity=fnd.INFO)
+        audit.add("BATCHNORM_NOT_SYNCED", detail, severity=INFO)

@@ -11,6 +11,7 @@ import json
 import sys
 
 from ddplab.auditor import findings as fnd
+from ddplab.auditor import rendering
 from ddplab.auditor.state import AuditState
 from ddplab.runtime import compat
 
@@ -47,7 +48,7 @@ def poll_peers(audit: AuditState) -> None:
     report = fnd.merge([audit.record(), *audit.peers])
     audit.interim = report.signature()
     audit.write()
-    print(f"[rank 0, after {audit.steps} steps] " + fnd.render_text(report), file=sys.stderr, flush=True)
+    print(rendering.render_text(report, interim_steps=audit.steps), file=sys.stderr, flush=True)
 
 
 def gather(audit: AuditState, timeout: float) -> fnd.Report:

@@ -11,153 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Literal
+from typing import Any
 
 from ddplab.auditor import normalisation
-
-Severity = Literal["error", "warning", "info"]
-ERROR, WARNING, INFO = "error", "warning", "info"
-SEVERITY_ORDER: dict[Severity, int] = {ERROR: 0, WARNING: 1, INFO: 2}
-
-# The fix for a loss normalised by a local count, in a plain loop (frameworks' own words in FRAMEWORK_FIXES).
-GLOBAL_COUNT_RECIPE = (
-    "divide the summed loss by the valid-element count of the whole optimizer step, all-reduced over the "
-    "data-parallel ranks (and context-parallel ones) and summed over the step's micro-batches, times the "
-    "data-parallel size DDP divides by: count = sum((labels != -100).sum() for the step's micro-batches); "
-    "dist.all_reduce(count, group=dp_group); loss = F.cross_entropy(logits, labels, reduction='sum') * dp_size / "
-    "count for each micro-batch (torchtitan's global valid-token count)")
-# What the same fix is called in a framework the program used, per finding.
-FRAMEWORK_FIXES: dict[str, str] = {
-    "transformers": "TrainingArguments(average_tokens_across_devices=True) (the default) with a model whose "
-                    "forward accepts num_items_in_batch (or a compute_loss_func that divides by it): the Trainer "
-                    "then counts the step's label tokens over all micro-batches and devices",
-    "lightning": "in training_step, sum the token losses and divide by the step's token count all-reduced with "
-                 "self.all_gather or torch.distributed.all_reduce over the data-parallel group, times "
-                 "self.trainer.world_size; with accumulate_grad_batches, count over the step's micro-batches too "
-                 "(Lightning divides the returned loss by accumulate_grad_batches)",
-    "accelerate": "count the step's valid tokens over its micro-batches, accelerator.reduce(count, 'sum') across "
-                  "processes, and backward loss_sum * accelerator.num_processes / count (with "
-                  "gradient_accumulation_steps, Accelerator.backward divides by the steps: multiply them back in)",
-}
-TOKEN_FINDINGS = ("LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH")
-
-# code → (severity, what it does to training, the fix)
-CATALOGUE: dict[str, tuple[str, str, str]] = {
-    "NO_ALLREDUCE": (
-        ERROR,
-        "gradients were not all-reduced: every rank trains alone on its own data, as W separate runs",
-        "call the DDP wrapper for every training forward (ddp_model(x), not the model it wraps), and keep the "
-        "wrapper alive until backward: build it once, outside the training loop"),
-    "PARAMS_DIVERGED": (
-        ERROR,
-        "parameters differ across ranks: the ranks no longer train the same model",
-        "make every rank run the same optimizer steps on all-reduced gradients; look for rank-dependent code, "
-        "per-rank seeds in the model, or a forward that bypasses the wrapper"),
-    "SAME_DATA_ON_ALL_RANKS": (
-        ERROR,
-        "ranks trained on the same batches: the W ranks repeat each other's work, and an epoch covers only "
-        "1/W of the data it should",
-        "give the DataLoader sampler=DistributedSampler(dataset) (and shuffle=False on the loader), or seed each "
-        "rank's random batches differently (e.g. seed + rank)"),
-    "TP_RANKS_SEE_DIFFERENT_DATA": (
-        ERROR,
-        "ranks of one tensor-parallel group were fed different batches: each holds a shard of every parallelised "
-        "layer and computes it on its own inputs, so the activations and gradients its group combines mix different "
-        "samples; nothing fails, training just learns less",
-        "split the data by the data-parallel mesh dimension only: DistributedSampler(dataset, "
-        "num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()), the same on every rank of a "
-        "tensor-parallel group (and seed their random batches alike)"),
-    "SET_EPOCH_MISSING": (
-        WARNING,
-        "a shuffling DistributedSampler fed training the same sample order in two passes over the data: unless "
-        "set_epoch is given each epoch's own number, every epoch repeats the first one's order",
-        "call sampler.set_epoch(epoch) at the start of every epoch, with that epoch's number (one that advances), "
-        "before iterating the loader"),
-    "SUM_REDUCTION": (
-        WARNING,
-        "backward starts from a loss summed over the batch: DDP averages gradients over ranks, so the gradient is "
-        "1/W of what one process summing the global batch gets (with SGD the step is W times smaller; Adam-style "
-        "optimizers mostly normalise the scale away, but not their epsilon or an L2 penalty in the loss)",
-        "use reduction='mean', divide the summed loss by a sample or token count, or multiply it by the world size"),
-    "BATCHNORM_NOT_SYNCED": (
-        INFO,
-        "BatchNorm normalises with statistics over each rank's batch, not the global batch",
-        "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping in DDP computes global statistics "
-        "(it needs GPUs with NCCL); with large per-rank batches per-rank statistics are common practice"),
-    "ACCUMULATION_SYNCS_EVERY_STEP": (
-        WARNING,
-        "performance: gradient accumulation all-reduces on every micro-step; the result is unchanged but "
-        "communication is accumulation-steps times larger",
-        "wrap every micro-step but the last in `with ddp_model.no_sync():`"),
-    "ACCUMULATION_REDUCES_EVERY_STEP": (
-        INFO,
-        "FSDP2 reduced the gradients of every micro-batch accumulated into one optimizer step: the result is "
-        "unchanged, the communication accumulation-steps times larger, and the gradients stay sharded between "
-        "micro-batches (the memory this saves is why it is FSDP2's default)",
-        "where memory allows, model.set_requires_gradient_sync(False) before every micro-batch but the last "
-        "(True before the last); under HSDP, set_requires_all_reduce(False) defers only the all-reduce across "
-        "replicas"),
-    "NOT_DISTRIBUTED": (
-        ERROR,
-        "several processes were started but each trains a model of its own: W separate runs, each learning only "
-        "from what its own process loads (its shard with DistributedSampler, the whole dataset without one)",
-        "make the processes join one distributed run: init_process_group and DistributedDataParallel in a plain "
-        "loop; with Accelerate on CPU, Accelerator(cpu=True) or ACCELERATE_USE_CPU=1 (check "
-        "accelerator.num_processes == WORLD_SIZE)"),
-    "SCHEDULER_STEPS_PER_PROCESS": (
-        WARNING,
-        "the lr scheduler steps several times per optimizer step, so a warmup or decay given in optimizer steps "
-        "runs that many times faster: warmup ends early, and a decay reaches its end while training goes on",
-        "give the schedule's lengths in scheduler steps (multiply warmup and total steps by num_processes), or "
-        "prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) and step it once per "
-        "optimizer step yourself"),
-    "LR_SCALED_NOT_SCHEDULE": (
-        WARNING,
-        "the optimizer's lr was scaled for the world size after its scheduler was built: the scheduler's base_lrs "
-        "(and the groups' initial_lr) keep the old lr",
-        "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
-        "(ddplab.integrations' ScaleLearningRate does all three)"),
-    "LR_SCALED_BY_WORLD_SIZE": (
-        WARNING,
-        "the lr was scaled by the world size, but under a device mesh only the data-parallel ranks add samples to "
-        "the global batch (the ranks of a tensor-parallel group share theirs): the lr is world/dp times (or its "
-        "square root) what the scaling rule gives",
-        "scale the lr by the data-parallel size (mesh['dp'].size(), or the product of the data-parallel "
-        "dimensions), not dist.get_world_size(); `ddplab plan --tp` computes it"),
-    "LOSS_NORMALISED_PER_DEVICE": (
-        WARNING,
-        "each rank divided its loss by its own element (token) count, and DDP averages those means: with different "
-        "counts per rank, an element on a rank with few weighs more than one on a rank with many, so the gradient is "
-        "not the mean over the global batch's elements",
-        GLOBAL_COUNT_RECIPE),
-    "LOSS_NORMALISED_PER_MICRO_BATCH": (
-        WARNING,
-        "each micro-batch's loss was divided by its own element (token) count before the micro-batches were "
-        "accumulated: with different counts per micro-batch, an element of a short micro-batch weighs more than one "
-        "of a long one, so the step's gradient is not the mean over its elements",
-        GLOBAL_COUNT_RECIPE),
-    "GLOBAL_COUNT_WITHOUT_WORLD_SIZE": (
-        WARNING,
-        "the loss was divided by the element count of the whole step on all data-parallel ranks, and DDP then "
-        "averages the gradients over those ranks: the gradient is 1/W of the global mean's (with SGD the step is W "
-        "times smaller)",
-        "multiply the loss by the data-parallel size: loss = loss_sum * dp_size / global_count (DDP and FSDP2 "
-        "divide the summed gradients by dp_size, so this gives exactly the global mean)"),
-    "EVAL_SAMPLES_DUPLICATED": (
-        WARNING,
-        "an evaluation pass over a DistributedSampler that padded the dataset to a multiple of the ranks "
-        "(drop_last=False) reached a collective: the padded samples are evaluated and counted twice in the "
-        "combined result",
-        "count only real samples: shard without padding (indices range(rank, len(dataset), world_size), as "
-        "Lightning's UnrepeatedDistributedSampler does), drop the padded duplicates before reducing "
-        "(Accelerate's gather_for_metrics does), or DistributedSampler(drop_last=True) where skipping a few "
-        "samples is acceptable"),
-    "AUDIT_INCOMPLETE": (
-        INFO,
-        "the audit did not cover the whole run; training itself was not affected",
-        "nothing to fix in training; the detail says what the audit could not see"),
-    "RUN_INFO": (INFO, "", ""),
-}
+from ddplab.auditor.catalogue import (
+    CATALOGUE,
+    ERROR,
+    FRAMEWORK_FIXES,
+    SEVERITY_ORDER,
+    TOKEN_FINDINGS,
+    Severity,
+)
 
 
 @dataclasses.dataclass
@@ -200,6 +64,9 @@ class Report:
     """``ddp``, ``fsdp`` or ``hsdp``, with the mesh's other dimensions after a '+' (``fsdp+tp``)."""
     mesh: dict[str, int] | None = None
     """The device mesh the model's parameters live on, dimension name → size (FSDP2); None for DDP."""
+    model_parallel_only: dict[str, int] | None = None
+    """The mesh of a run with model parallelism but no data-parallel dimension (pure tensor or sequence
+    parallelism), whose optimizer stepped DTensor parameters; None otherwise."""
 
     @property
     def has_error(self) -> bool:
@@ -212,6 +79,10 @@ class Report:
     def headline(self) -> str:
         if self.why_nothing is not None:
             return self.why_nothing
+        if self.steps_audited == 0 and self.model_parallel_only:
+            shape = " × ".join(f"{name} {size}" for name, size in self.model_parallel_only.items())
+            return (f"world size {self.world_size}, model parallelism on mesh {shape} with no data-parallel "
+                    "dimension: every rank trains on the same batch, so the data-parallel findings do not apply")
         if self.steps_audited == 0:
             return f"world size {self.world_size}, no optimizer step of a DDP model was audited"
         steps = f"{self.steps_audited} optimizer steps audited"
@@ -228,7 +99,8 @@ class Report:
         return {"world_size": self.world_size, "data_parallel_size": self.data_parallel_size,
                 "global_batch_size": self.global_batch_size, "strategy": self.strategy, "mesh": self.mesh,
                 "lr": self.lr, "steps_audited": self.steps_audited, "steps_requested": self.steps_requested,
-                "findings": [f.to_json() for f in self.findings], "audited": self.why_nothing is None}
+                "findings": [f.to_json() for f in self.findings], "audited": self.why_nothing is None,
+                "model_parallel_only": self.model_parallel_only}
 
 
 def merge(rank_records: list[dict[str, Any]]) -> Report:
@@ -246,10 +118,21 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
             merged[finding.code] = dataclasses.replace(finding, ranks=sorted(finding.ranks))
     main = records[0] if records else {}
     findings = sorted(merged.values(), key=lambda f: (SEVERITY_ORDER[f.severity], f.code))
+    dimension = _data_parallel_dimension(main)
+    for finding in findings:
+        # Fixes that name the mesh's data-parallel dimension use the program's own name for it.
+        finding.fix = finding.fix.replace("mesh['dp']", f"mesh['{dimension}']")
     return Report(main.get("world_size"), main.get("global_batch_size"), main.get("lr"),
                   max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings,
                   data_parallel_size=main.get("data_parallel_size"), strategy=main.get("strategy"),
-                  mesh=main.get("mesh"))
+                  mesh=main.get("mesh"), model_parallel_only=main.get("model_parallel_only"))
+
+
+def _data_parallel_dimension(record: dict[str, Any]) -> str:
+    """The name of the mesh's one data-parallel dimension (Lightning's ``data_parallel``, torchtitan's ``dp``)."""
+    model_dims = {dim for group in (record.get("tp_groups") or {}).values() for dim in group.get("dims", [])}
+    data_dims = [name for name in (record.get("mesh") or {}) if name not in model_dims and name not in ("pp", "cp")]
+    return data_dims[0] if len(data_dims) == 1 else "dp"
 
 
 def describe_setting(world_size: int | None, data_parallel_size: int | None, strategy: str | None,
@@ -390,16 +273,19 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
     """Evidence of unsharded data: most of a rank's training batches (``field``: their tensors, or the dataset
     indices they were loaded from) also reached another rank, at any step."""
     by_wrapper: dict[str, dict[int, list[str]]] = {}
+    audited: dict[tuple[str, int], list[str]] = {}
     for record in records:
         for wrapper, batches in record.get(field, {}).items():
             by_wrapper.setdefault(wrapper, {})[record["rank"]] = batches
+            audited[wrapper, record["rank"]] = batches[:_audited_count(record, field, wrapper, len(batches))]
     # Each wrapper's (or data-parallel group's) ranks among themselves; the ranks of every group alike are named.
     found: set[int] = set()
     shared_total = 0
-    for ranks in by_wrapper.values():
+    for wrapper, ranks in by_wrapper.items():
         involved = set()
-        for rank, batches in ranks.items():
-            distinct = set(batches)
+        for rank in ranks:
+            # A rank's batches of its audited steps, sought among all the others' (streams shifted in time meet).
+            distinct = set(audited[wrapper, rank])
             # One batch repeated is a fixed-batch benchmark or an overfitting test, not unsharded data.
             if len(distinct) < 2:
                 continue
@@ -412,10 +298,10 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
             found |= involved
     if not found:
         return None
-    detail = (f"up to {shared_total} distinct training batches of one rank also reached another rank during "
-              "the audited window") if field == "batches" else (
-        f"up to {shared_total} distinct training batches of one rank were loaded from the same indices of the "
-        "same dataset as batches of another rank during the audited window (the tensors differ, e.g. by "
+    detail = (f"up to {shared_total} distinct training batches of one rank's audited steps also reached another "
+              "rank") if field == "batches" else (
+        f"up to {shared_total} distinct training batches of one rank's audited steps were loaded from the same "
+        "indices of the same dataset as batches of another rank (the tensors differ, e.g. by "
         "random augmentation, but the samples are the same: a sampler seeded alike on every rank)")
     finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(found), detail)
     finding.ranks = sorted(found)
@@ -427,15 +313,22 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
 TP_EVIDENCE = 2
 
 
+def _audited_count(record: dict[str, Any], field: str, wrapper: str, default: int) -> int:
+    """How many of a rank's training batches (``field``) its audited steps took: one count for the in-run report and
+    the final one, though batches are kept for longer (the data window)."""
+    return record.get("audited_batches", {}).get(field, {}).get(wrapper, default)
+
+
 def _tensor_parallel_batches(records: list[dict[str, Any]]) -> Finding | None:
     """Evidence that ranks of one tensor-parallel group were fed different batches: their i-th training batches
     came from different dataset indices (or, without a DataLoader's indices, are different tensors)."""
     groups: dict[str, dict[int, dict[str, Any]]] = {}
     for record in records:
         for group, spec in record.get("tp_groups", {}).items():
-            groups.setdefault(group, {})[record["rank"]] = {
-                **spec, "index_batches": record.get("index_batches", {}).get(spec["batches"], []),
-                "batches": record.get("batches", {}).get(spec["batches"], [])}
+            key = spec["batches"]
+            groups.setdefault(group, {})[record["rank"]] = {**spec, **{
+                field: batches[:_audited_count(record, field, key, len(batches))]
+                for field in ("index_batches", "batches") for batches in [record.get(field, {}).get(key, [])]}}
     involved: set[int] = set()
     details: list[str] = []
     for by_rank in groups.values():
@@ -502,15 +395,3 @@ def read_records(directory: str) -> list[dict[str, Any]]:
 
 def _weight(record: dict[str, Any]) -> tuple[int, int]:
     return record.get("steps_audited", 0), len(record.get("windows", []))
-
-
-def render_text(report: Report) -> str:
-    """A plain-text report, for logs and for rank 0's report inside the run."""
-    lines = [f"ddplab audit: {report.headline()}"]
-    if not report.problems:
-        lines.append("  no DDP mistakes found")
-    for finding in report.problems:
-        data = finding.to_json()
-        lines.append(f"  {finding.severity.upper():7} {finding.code} on ranks {data['ranks']}: {data['message']}")
-        lines.append(f"          fix: {finding.fix}")
-    return "\n".join(lines)

@@ -146,6 +146,7 @@ def _after_ddp_forward(audit: AuditState, ddp, output) -> None:
     if not (audit.armed and torch.is_grad_enabled()):
         return
     losses.note_outputs(audit, output)
+    batches.after_training_forward(audit, info, output)
     if not strategies.of(ddp).syncs(ddp):
         return
     nodes = {id(t.grad_fn): t.grad_fn for t in tensors.iter_tensors(output) if t.grad_fn is not None}
@@ -228,6 +229,7 @@ def _optimizer_stepped(audit: AuditState, optimizer) -> None:
         # A probe or auxiliary optimizer beside a DDP model is no part of the audit; with no DDP model at all,
         # ranks that each train alone are, and so is their schedule.
         if audit.wrapper_count == 0:
+            meshes.note_model_parallel_only(audit, optimizer)
             frameworks.check_not_distributed(audit, optimizer)
             schedulers.check(audit, optimizer)
         return
@@ -290,6 +292,9 @@ def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
     audit.steps += 1
     audit.write()
     if audit.steps == audit.steps_to_audit:
+        # The batches the audited steps took: what the report counts, in the run and at its end alike.
+        audit.audited_batches = {field: {key: len(batches) for key, batches in getattr(audit, field).items()}
+                                 for field in ("batches", "index_batches")}
         audit.remove_module_hook()
         exchange.publish(audit)
         exchange.poll_peers(audit)

@@ -198,8 +198,10 @@ def _module_forward(audit: AuditState, module, args) -> None:
 @state.guarded("watching FSDP2 outputs")
 def _module_forward_done(audit: AuditState, module, args, output) -> None:
     # A root's training output: where a loss over its samples starts (losses.note_outputs).
-    if audit.armed and torch.is_grad_enabled() and module in _TABLES.roots:
+    info = _TABLES.roots.get(module)
+    if audit.armed and torch.is_grad_enabled() and info is not None:
         losses.note_outputs(audit, output)
+        batches.after_training_forward(audit, info, output)
 
 
 def _attach(audit: AuditState, root, fsdp_module: type) -> WrapperInfo:
@@ -225,6 +227,20 @@ def _attach(audit: AuditState, root, fsdp_module: type) -> WrapperInfo:
     audit.attached_pid = os.getpid()
     audit.write()
     return info
+
+
+def note_model_parallel_only(audit: AuditState, optimizer) -> None:
+    """An optimizer stepping DTensor parameters with no FSDP2 root: model parallelism with no data-parallel
+    dimension (pure tensor or sequence parallelism), whose mesh the report names."""
+    dtensor = _dtensor_class()
+    if audit.model_parallel_only is not None or dtensor is None:
+        return
+    mesh = next((p.device_mesh for group in optimizer.param_groups for p in group["params"]
+                 if isinstance(p, dtensor)), None)
+    if mesh is not None:
+        names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+        audit.model_parallel_only = dict(zip(names, mesh.mesh.shape))
+        audit.write()
 
 
 def note_setting(audit: AuditState, info: WrapperInfo) -> None:

@@ -63,6 +63,7 @@ class AuditState:
         self.batches: dict[str, list[str]] = {}  # training batch fingerprints per wrapper, kept past its life
         # Fingerprints of the dataset indices behind those batches, per wrapper (:mod:`ddplab.auditor.data`).
         self.index_batches: dict[str, list[str]] = {}
+        self.audited_batches: dict[str, dict[str, int]] = {}  # field → wrapper → batches of the audited steps
         self.loaded: dict[str, str] = {}  # digest of a batch a DataLoader returned → its index batch's fingerprint
         self.micro_batch: int | None = None  # samples in the newest training forward of a DDP model
         self.training_info: WrapperInfo | None = None  # the model of the newest training forward
@@ -87,6 +88,7 @@ class AuditState:
         self.data_parallel_size: int | None = None
         self.strategy: str | None = None
         self.mesh: dict[str, int] | None = None
+        self.model_parallel_only: dict[str, int] | None = None  # a mesh with no data-parallel dimension
         # Groups of ranks that must be fed the same batches (one tensor-parallel group each): group key → the key
         # of this rank's batches in ``batches`` and ``index_batches``, and whether its inputs are split (cp).
         self.tp_groups: dict[str, dict] = {}
@@ -129,10 +131,12 @@ class AuditState:
     def record(self) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "global_batch_size": self.global_batch_size,
                 "data_parallel_size": self.data_parallel_size, "strategy": self.strategy, "mesh": self.mesh,
-                "tp_groups": self.tp_groups, "lr": self.lr, "optimizer": self.optimizer, "steps_audited": self.steps,
+                "tp_groups": self.tp_groups, "model_parallel_only": self.model_parallel_only, "lr": self.lr,
+                "optimizer": self.optimizer, "steps_audited": self.steps,
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
-                "index_batches": self.index_batches, "joined": self.joined, "frameworks": sorted(self.frameworks),
+                "index_batches": self.index_batches,
+                "audited_batches": self.audited_batches, "joined": self.joined, "frameworks": sorted(self.frameworks),
                 "peers": self.peers, "interim": self.interim}
 
     def _with_info(self) -> list[fnd.Finding]:

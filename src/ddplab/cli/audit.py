@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ddplab.auditor import rendering
 from ddplab.auditor.runner import AuditConfig
 from ddplab.cli import render
 from ddplab.cli.args import EndedBySignal, HelpFormatter, mark
@@ -34,8 +35,13 @@ the DDP mistakes that silently change training:
                                    OneCycleLR), info where it keeps the scaling (StepLR, ExponentialLR)
   LR_SCALED_BY_WORLD_SIZE          warning: that scaling was by the world size on a mesh whose
                                    data-parallel size is smaller (tensor parallelism)
-  LOSS_NORMALISED_PER_DEVICE       warning: the Trainer divided each rank's token loss by its own,
-                                   different token count (average_tokens_across_devices off)
+  SUM_REDUCTION also covers sums written by hand (model(x).sum(), -(logp * onehot).sum())
+  LOSS_NORMALISED_PER_DEVICE       warning: each rank divided its (token) loss by its own, different count
+  LOSS_NORMALISED_PER_MICRO_BATCH  warning: each accumulated micro-batch divided by its own count
+  GLOBAL_COUNT_WITHOUT_WORLD_SIZE  warning: a global token count without x W: the gradient is 1/W
+  EVAL_SAMPLES_DUPLICATED          warning: evaluation over a padded DistributedSampler, its results
+                                   combined across ranks: the padded samples count twice
+  GRADIENTS_NOT_CLEARED            warning: no zero_grad between optimizer steps
   AUDIT_INCOMPLETE (info)          the auditor turned itself off somewhere; training went on unchanged
 
 The auditor only watches: it adds no collective, never changes what training computes, and
@@ -114,17 +120,12 @@ def _print(outcome) -> None:
     report = outcome.report
     out = render.console(stderr=True)
     if report.why_nothing is not None:
-        out.print(f"ddplab audit: {report.why_nothing}")
+        out.print(f"ddplab audit: {report.why_nothing}", markup=False)
         return
     if outcome.interim_matches:
-        out.print(f"[bold]ddplab audit[/]: {report.headline()}; the findings are those rank 0 reported above")
+        out.print(f"ddplab audit: {report.headline()}; the findings are those rank 0 reported above", markup=False)
         return
-    style = {"error": "bold red", "warning": "bold yellow", "info": "cyan"}
-    out.print(f"[bold]ddplab audit[/]: {report.headline()}")
-    if not report.problems:
-        out.print("[bold green]no DDP mistakes found[/]")
-    for finding in report.problems:
-        data = finding.to_json()
-        out.print(f"[{style[finding.severity]}]{finding.severity.upper()}[/] [bold]{finding.code}[/] "
-                  f"(ranks {', '.join(map(str, data['ranks']))}): {data['message']}")
-        out.print(f"    [dim]fix:[/] {finding.fix}")
+    style = {"headline": "bold", "clean": "bold green", "error": "bold red", "warning": "bold yellow", "info": "cyan",
+             "fix": "dim"}
+    for kind, line in rendering.report_lines(report):
+        out.print(line, style=style[kind], markup=False, highlight=False)

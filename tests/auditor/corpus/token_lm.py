@@ -23,8 +23,10 @@ Mistakes:
   --loss hand-mean       the hand-written token loss ÷ this micro-batch's mask.sum() (as token-mean)
   --loss hand-sum        the hand-written token loss summed, never divided (SUM_REDUCTION)
   --loss global-no-world the global count without × world size (GLOBAL_COUNT_WITHOUT_WORLD_SIZE)
-  --eval-samples 1001    an evaluation set the sampler pads to 1002: one document counted twice
+  --eval-samples 41      an evaluation set the sampler pads to 42: one document counted twice
                          (EVAL_SAMPLES_DUPLICATED)
+  --zero-grad never      gradients never cleared, as pytorch/examples' 2-D FSDP + TP example (GRADIENTS_NOT_CLEARED);
+                         `before-backward` clears them between the forward and backward, as the tutorials do
 
 Rank 0 prints each step's loss, the evaluation's results and a checksum of the parameters.
 """
@@ -131,10 +133,13 @@ class Trainer:
             with self._sync(last):
                 loss = token_loss(self.model(inputs), labels, self.args.loss, step_tokens, self.dp_size,
                                   len(micro_batches), rank_tokens)
+                if index == 0 and self.args.zero_grad == "before-backward":
+                    self.optimizer.zero_grad()  # the tutorials' order: between the forward and backward
                 loss.backward()
             total += loss.item()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.args.zero_grad == "after-step":
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         _harness.say(self.rank, f"step {self.step} loss {total:.6f}")
 
@@ -214,6 +219,7 @@ if __name__ == "__main__":
                                                               "hand-mean", "hand-sum", "global-no-world"))
     parser.add_argument("--data", choices=("padded", "packed"), default="padded")
     parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--zero-grad", choices=("after-step", "before-backward", "never"), default="after-step")
     parser.add_argument("--eval-samples", type=int, default=40)
     parser.add_argument("--eval-results", choices=("all-reduce", "rank0"), default="all-reduce",
                         help="sum the evaluation's results over the ranks, or print rank 0's own")

@@ -1,0 +1,159 @@
+"""Every finding the audit can make: its severity, what it does to training, and how to fix it (pure data).
+
+The fix for a loss normalised by a local count is also given in the words of the framework the program used.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Severity = Literal["error", "warning", "info"]
+ERROR, WARNING, INFO = "error", "warning", "info"
+SEVERITY_ORDER: dict[Severity, int] = {ERROR: 0, WARNING: 1, INFO: 2}
+
+# The fix for a loss normalised by a local count, in a plain loop (frameworks' own words in FRAMEWORK_FIXES).
+GLOBAL_COUNT_RECIPE = (
+    "divide the summed loss by the valid-element count of the whole optimizer step, all-reduced over the "
+    "data-parallel ranks (and context-parallel ones) and summed over the step's micro-batches, times the "
+    "data-parallel size DDP and FSDP2 divide by: count = sum((labels != -100).sum() for the step's micro-batches); "
+    "dist.all_reduce(count, group=dp_group); loss = F.cross_entropy(logits, labels, reduction='sum') * dp_size / "
+    "count for each micro-batch (torchtitan's global valid-token count)")
+# What the same fix is called in a framework the program used, per finding.
+FRAMEWORK_FIXES: dict[str, str] = {
+    "transformers": "TrainingArguments(average_tokens_across_devices=True) (the default) with a model whose "
+                    "forward accepts num_items_in_batch (or a compute_loss_func that divides by it): the Trainer "
+                    "then counts the step's label tokens over all micro-batches and devices",
+    "lightning": "in training_step, sum the token losses and divide by the step's token count all-reduced with "
+                 "self.all_gather or torch.distributed.all_reduce over the data-parallel group, times "
+                 "self.trainer.world_size; with accumulate_grad_batches, count over the step's micro-batches too "
+                 "(Lightning divides the returned loss by accumulate_grad_batches)",
+    "accelerate": "count the step's valid tokens over its micro-batches, accelerator.reduce(count, 'sum') across "
+                  "processes, and backward loss_sum * accelerator.num_processes / count (with "
+                  "gradient_accumulation_steps, Accelerator.backward divides by the steps: multiply them back in)",
+}
+TOKEN_FINDINGS = ("LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH")
+
+# code → (severity, what it does to training, the fix)
+CATALOGUE: dict[str, tuple[str, str, str]] = {
+    "NO_ALLREDUCE": (
+        ERROR,
+        "gradients were not all-reduced: every rank trains alone on its own data, as W separate runs",
+        "call the DDP wrapper for every training forward (ddp_model(x), not the model it wraps), and keep the "
+        "wrapper alive until backward: build it once, outside the training loop"),
+    "PARAMS_DIVERGED": (
+        ERROR,
+        "parameters differ across ranks: the ranks no longer train the same model",
+        "make every rank run the same optimizer steps on all-reduced gradients; look for rank-dependent code, "
+        "per-rank seeds in the model, or a forward that bypasses the wrapper"),
+    "SAME_DATA_ON_ALL_RANKS": (
+        ERROR,
+        "ranks trained on the same batches: the W ranks repeat each other's work, and an epoch covers only "
+        "1/W of the data it should",
+        "give the DataLoader sampler=DistributedSampler(dataset) (and shuffle=False on the loader), or seed each "
+        "rank's random batches differently (e.g. seed + rank)"),
+    "TP_RANKS_SEE_DIFFERENT_DATA": (
+        ERROR,
+        "ranks of one tensor-parallel group were fed different batches: each holds a shard of every parallelised "
+        "layer and computes it on its own inputs, so the activations and gradients its group combines mix different "
+        "samples; nothing fails, training just learns less",
+        "split the data by the data-parallel mesh dimension only: DistributedSampler(dataset, "
+        "num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()), the same on every rank of a "
+        "tensor-parallel group (and seed their random batches alike)"),
+    "SET_EPOCH_MISSING": (
+        WARNING,
+        "a shuffling DistributedSampler fed training the same sample order in two passes over the data: unless "
+        "set_epoch is given each epoch's own number, every epoch repeats the first one's order",
+        "call sampler.set_epoch(epoch) at the start of every epoch, with that epoch's number (one that advances), "
+        "before iterating the loader"),
+    "SUM_REDUCTION": (
+        WARNING,
+        "backward starts from a loss summed over the batch: DDP and FSDP2 average gradients over the data-parallel "
+        "ranks, so the gradient is 1/W of what one process summing the global batch gets (with SGD the step is W "
+        "times smaller; Adam-style optimizers mostly normalise the scale away, but not their epsilon or an L2 penalty "
+        "in the loss)",
+        "use reduction='mean', divide the summed loss by a sample or token count, or multiply it by the world size"),
+    "BATCHNORM_NOT_SYNCED": (
+        INFO,
+        "BatchNorm normalises with statistics over each rank's batch, not the global batch",
+        "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping in DDP computes global statistics "
+        "(it needs GPUs with NCCL); with large per-rank batches per-rank statistics are common practice"),
+    "ACCUMULATION_SYNCS_EVERY_STEP": (
+        WARNING,
+        "performance: gradient accumulation all-reduces on every micro-step; the result is unchanged but "
+        "communication is accumulation-steps times larger",
+        "wrap every micro-step but the last in `with ddp_model.no_sync():`"),
+    "ACCUMULATION_REDUCES_EVERY_STEP": (
+        INFO,
+        "FSDP2 reduced the gradients of every micro-batch accumulated into one optimizer step: the result is "
+        "unchanged, the communication accumulation-steps times larger, and the gradients stay sharded between "
+        "micro-batches (the memory this saves is why it is FSDP2's default)",
+        "where memory allows, model.set_requires_gradient_sync(False) before every micro-batch but the last "
+        "(True before the last); under HSDP, set_requires_all_reduce(False) defers only the all-reduce across "
+        "replicas"),
+    "NOT_DISTRIBUTED": (
+        ERROR,
+        "several processes were started but each trains a model of its own: W separate runs, each learning only "
+        "from what its own process loads (its shard with DistributedSampler, the whole dataset without one)",
+        "make the processes join one distributed run: init_process_group and DistributedDataParallel in a plain "
+        "loop; with Accelerate on CPU, Accelerator(cpu=True) or ACCELERATE_USE_CPU=1 (check "
+        "accelerator.num_processes == WORLD_SIZE)"),
+    "SCHEDULER_STEPS_PER_PROCESS": (
+        WARNING,
+        "the lr scheduler steps several times per optimizer step, so a warmup or decay given in optimizer steps "
+        "runs that many times faster: warmup ends early, and a decay reaches its end while training goes on",
+        "give the schedule's lengths in scheduler steps (multiply warmup and total steps by num_processes), or "
+        "prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) and step it once per "
+        "optimizer step yourself"),
+    "LR_SCALED_NOT_SCHEDULE": (
+        WARNING,
+        "the optimizer's lr was scaled for the world size after its scheduler was built: the scheduler's base_lrs "
+        "(and the groups' initial_lr) keep the old lr",
+        "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
+        "(ddplab.integrations' ScaleLearningRate does all three)"),
+    "LR_SCALED_BY_WORLD_SIZE": (
+        WARNING,
+        "the lr was scaled by the world size, but under a device mesh only the data-parallel ranks add samples to "
+        "the global batch (the ranks of a tensor-parallel group share theirs): the lr is world/dp times (or its "
+        "square root) what the scaling rule gives",
+        "scale the lr by the data-parallel size (mesh['dp'].size(), or the product of the data-parallel "
+        "dimensions), not dist.get_world_size(); `ddplab plan --tp` computes it"),
+    "LOSS_NORMALISED_PER_DEVICE": (
+        WARNING,
+        "each rank divided its loss by its own element (token) count, and DDP (or FSDP2) averages those means: with "
+        "different counts per rank, an element on a rank with few weighs more than one on a rank with many, so the "
+        "gradient is not the mean over the global batch's elements",
+        GLOBAL_COUNT_RECIPE),
+    "LOSS_NORMALISED_PER_MICRO_BATCH": (
+        WARNING,
+        "each micro-batch's loss was divided by its own element (token) count before the micro-batches were "
+        "accumulated: with different counts per micro-batch, an element of a short micro-batch weighs more than one "
+        "of a long one, so the step's gradient is not the mean over its elements",
+        GLOBAL_COUNT_RECIPE),
+    "GLOBAL_COUNT_WITHOUT_WORLD_SIZE": (
+        WARNING,
+        "the loss was divided by the element count of the whole step on all data-parallel ranks, and DDP then "
+        "averages the gradients over those ranks: the gradient is 1/W of the global mean's (with SGD the step is W "
+        "times smaller)",
+        "multiply the loss by the data-parallel size: loss = loss_sum * dp_size / global_count (DDP and FSDP2 "
+        "divide the summed gradients by dp_size, so this gives exactly the global mean)"),
+    "EVAL_SAMPLES_DUPLICATED": (
+        WARNING,
+        "an evaluation pass over a DistributedSampler that padded the dataset to a multiple of the ranks "
+        "(drop_last=False) reached a collective: the padded samples are evaluated and counted twice in the "
+        "combined result",
+        "count only real samples: shard without padding (indices range(rank, len(dataset), world_size), as "
+        "Lightning's UnrepeatedDistributedSampler does), drop the padded duplicates before reducing "
+        "(Accelerate's gather_for_metrics does), or DistributedSampler(drop_last=True) where skipping a few "
+        "samples is acceptable"),
+    "GRADIENTS_NOT_CLEARED": (
+        WARNING,
+        "gradients are never cleared between optimizer steps: each backward adds to every earlier step's gradients, "
+        "so step k follows the sum of k steps' gradients (a momentum nobody asked for, and a step that keeps growing)",
+        "call optimizer.zero_grad(set_to_none=True) (or model.zero_grad()) after every optimizer step; to "
+        "accumulate over micro-batches, clear once per optimizer step, not never"),
+    "AUDIT_INCOMPLETE": (
+        INFO,
+        "the audit did not cover the whole run; training itself was not affected",
+        "nothing to fix in training; the detail says what the audit could not see"),
+    "RUN_INFO": (INFO, "", ""),
+}
