@@ -119,3 +119,12 @@ def test_nearest_prefers_a_known_synonym_and_compares_without_dashes():
     options = ["--devices", "--pp", "--cp", "--nodes"]
     assert nearest("--gpus", options) == "--devices" and nearest("--nnodes", options) == "--nodes"
     assert nearest("--gpu", ["--pp", "--cp"]) is None
+
+
+def test_a_flags_short_help_is_its_first_clause_with_its_default_once(capsys, monkeypatch):
+    text = _help(["sandbox", "single", "--help"], capsys, monkeypatch, columns=200)
+    assert "--noisy  " in text or "--noisy\n" in text
+    assert "noisy data, x = 1 + N(0,1), y = N(0,1)" in text and "the same as" not in text
+    plan = _help(["plan", "--help"], capsys, monkeypatch, columns=200)
+    assert "nodes (default 1)\n" in plan and "what to hold fixed (default: decided from the batch)\n" in plan
+    assert not any(line.count("default") > 1 for line in plan.splitlines())

@@ -97,15 +97,15 @@ def action_for(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 def _briefly(action: argparse.Action) -> argparse.Action:
     """A copy of ``action`` whose help is its first clause and its default: --help-all has the rest."""
     text = action.help or ""
+    if text.startswith("the same as ") and ": " in text:  # a negation: what it does, not which flag it negates
+        text = text.partition(": ")[2]
     cut = re.search(r"(: |; | \()", text[BRIEF_MIN:])
-    if cut is None:
-        return action
-    brief = text[:BRIEF_MIN + cut.start()]
+    brief = text if cut is None else text[:BRIEF_MIN + cut.start()]
     if brief.count("(") > brief.count(")"):  # cut inside a remark: drop the remark
         brief = brief[:brief.rfind("(")].rstrip()
     default = re.search(r"[(;] ?(default:? [^;()]*)[;)]", text)
     action = copy.copy(action)
-    action.help = brief + (f" ({default[1]})" if default else "")
+    action.help = brief + (f" ({default[1]})" if default and default[1] not in brief else "")
     return action
 
 
