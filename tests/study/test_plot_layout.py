@@ -58,6 +58,18 @@ def test_the_steps_plots_legend_covers_none_of_its_points(monkeypatch, tmp_path)
 
 
 @pytest.mark.timeout(60)
+def test_the_steps_plots_axes_are_labelled_in_plain_numbers(monkeypatch, tmp_path):
+    figure = _drawn(monkeypatch, plots._steps_plot, REPORT, tmp_path)
+    for ax in figure.axes:
+        shown = [label.get_text() for minor in (False, True) for axis, coordinate in ((ax.xaxis, 0), (ax.yaxis, 1))
+                 for label in axis.get_ticklabels(minor=minor) if label.get_text()
+                 and min(axis.get_view_interval()) <= label.get_position()[coordinate] <= max(axis.get_view_interval())]
+        # Before: 2³ across and 4×10² up, in matplotlib's mathtext.
+        assert shown and all(text.isdigit() for text in shown), shown
+    assert {"8", "16", "1024"} <= {label.get_text() for label in figure.axes[0].get_xticklabels()}
+
+
+@pytest.mark.timeout(60)
 def test_the_pareto_plots_batch_labels_overlap_neither_each_other_nor_a_point(monkeypatch, tmp_path):
     figure = _drawn(monkeypatch, plots._pareto_plot, REPORT, tmp_path)
     ax = figure.axes[0]

@@ -164,6 +164,7 @@ def _steps_plot(report: dict, path: str) -> None:
                    label=f"B_simple {report['b_simple']['value']:.3g}")
     for axis, label in ((ax, "optimizer steps to target (median over seeds)"), (ax_e, "samples to target S·B")):
         _batch_axes(axis, label)
+        _plain_log_labels(axis)  # 8, 16 and 400, not 2³ and 4×10²
         axis.grid(True, which="both", alpha=0.3)
     target = report["target"]
     ax.set_title(f"{report['workload']}: steps to {target['kind']} {target['value']:g}")
