@@ -292,7 +292,13 @@ def _batch_labels(ax, labels: list[tuple[float, float, int]], points: list[tuple
     renderer = ax.figure.canvas.get_renderer()
     pad = 3.5 * ax.figure.dpi / 72  # a marker's radius (3 points) and a little, in pixels
     taken = [Bbox.from_extents(x - pad, y - pad, x + pad, y + pad) for x, y in ax.transData.transform(points)]
+    said = []  # (batch, pixel position) of each label placed
     for x, y, batch in labels:
+        where = ax.transData.transform((x, y))
+        # Rules that agree at a batch draw one point: it needs one label.
+        if any(b == batch and abs(where - at).max() < 2 * pad for b, at in said):
+            continue
+        said.append((batch, where))
         for dx, dy, ha, va in sides:
             text = ax.annotate(str(batch), (x, y), fontsize=7, xytext=(dx, dy), textcoords="offset points", ha=ha,
                                va=va)
