@@ -78,7 +78,7 @@ def test_the_pareto_plots_batch_labels_overlap_neither_each_other_nor_a_point(mo
     for i, box in enumerate(boxes):
         for j, other in enumerate(boxes[:i]):
             assert not box.overlaps(other), (labels[i].get_text(), labels[j].get_text())
-    # Each batch keeps a label, and the tuned rule's points have all of theirs.
+    # Each batch keeps a label.
     assert {int(text.get_text()) for text in labels} == set(BATCHES)
     for box, text in zip(boxes, labels):
         assert not any(box.contains(*point) for point in _points(ax)), text.get_text()

@@ -248,12 +248,12 @@ def _pareto_plot(report: dict, path: str) -> None:
         _write(plt, fig, path)
         return
     shown = []  # (samples, steps) of everything drawn: the axes hold them, not the fitted curve's far ends
-    labels = []  # (not tuned, samples, steps, global batch) of each rule's median points
+    labels = []  # (samples, steps, global batch) of each rule's median points
     for rule in report["rules"]:
         points = _median_points(report, rule)
         if points:
             ax.plot([b * s for b, s in points], [s for _, s in points], "o", color=color(rule), label=rule)
-            labels += [(rule != "tuned", b * s, s, b) for b, s in points]
+            labels += [(b * s, s, b) for b, s in points]
             shown += [(b * s, s) for b, s in points]
     fit = report["fit"].get("tuned")
     if fit and fit["b_crit"] is not None and fit["s_min"] and fit["e_min"]:
@@ -277,13 +277,14 @@ def _pareto_plot(report: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     # Beside the axes: the points crowd the front's bend, where a legend inside would cover them.
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
-    _batch_labels(ax, [label[1:] for label in sorted(labels, key=lambda label: label[0])], shown)
+    # At each batch the point with the fewest steps (the best rule there) is labelled first.
+    _batch_labels(ax, sorted(labels, key=lambda label: (label[2], label[1])), shown)
     _write(plt, fig, path)
 
 
 def _batch_labels(ax, labels: list[tuple[float, float, int]], points: list[tuple[float, float]]) -> None:
     """Each point's global batch beside it, on the first side where it covers no label and no point already there;
-    a label with no free side is left out (rules' points of one batch sit close: the tuned rule's comes first)."""
+    a label with no free side is left out (rules' points of one batch sit close: the first in ``labels`` wins)."""
     from matplotlib.transforms import Bbox
 
     # Tried in order: above right, below right, above left, below left (offset in points, alignment).
