@@ -11,6 +11,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "src")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import output_blocks
+import site_header
+import sphinx_roles
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def page_text(site_dir, page: str) -> str:
 
 def plain(docstring: str) -> str:
     """A docstring's first paragraph as the page shows it, without code marks or whitespace."""
-    summary = docstring.strip().split("\n\n")[0]
+    summary = sphinx_roles.plain(docstring.strip().split("\n\n")[0])
     return "".join(summary.replace("``", "").replace("`", "").split())
 
 
@@ -108,3 +112,69 @@ def test_the_architecture_page_names_every_package_and_module_of_the_tree():
     for name in entries:
         shown = name if name.endswith(".py") else f"{name}/"
         assert f"`{shown}`" in architecture, name
+
+
+def read_built(site_dir, page: str) -> str:
+    with open(built(site_dir, page)) as fh:
+        return fh.read()
+
+
+def test_no_sphinx_role_shows_raw_and_a_role_links_to_what_it_names(site):
+    for page in API_PAGES:
+        assert not sphinx_roles.ROLE.search(page_text(site, page).replace("`", "")), page
+        assert not re.search(r":(func|meth|class|mod|data|attr):<code>", read_built(site, page)), page
+    # :class:`ddplab.noise.scale.GradientNoiseScale` in the Lightning callback's docstring, linked across pages.
+    assert 'href="../noise/#ddplab.noise.scale.GradientNoiseScale"><code>ddplab.noise.scale.GradientNoiseScale' \
+        in read_built(site, "api/integrations.md")
+
+
+def test_signatures_are_formatted_on_lines_of_their_own_by_a_pinned_formatter(site):
+    with open(os.path.join(ROOT, "pyproject.toml")) as fh:
+        docs_extra = re.search(r"^docs = \[(.*?)\]", fh.read(), re.M | re.S)[1]
+    assert re.search(r'"ruff==[\d.]+"', docs_extra)
+    signature = re.search(r'<div class="doc-signature highlight"><pre>(.*?)</pre>', read_built(site, "api/noise.md"),
+                          re.S)[1]
+    lines = html.unescape(re.sub(r"<[^>]+>", "", signature)).strip().splitlines()
+    assert lines[0] == "GradientNoiseScale(" and "    per_device_batch_size: int," in lines and lines[-1] == ")"
+
+
+def test_formulas_are_mathml_drawn_by_the_browser_with_no_script(site):
+    page = read_built(site, "concepts/noise-scale.md")
+    assert page.count("<math ") >= 5 and 'class="arithmatex"' not in page, "pip install -e '.[docs]' (latex2mathml)"
+    assert '<math alttext="B_\\text{simple} = \\frac' in page and "<mfrac>" in page
+    assert "mathjax" not in page.lower() and "katex" not in page.lower()
+
+
+def test_long_output_lines_wrap_and_output_tables_keep_their_shape(site):
+    with open(os.path.join(ROOT, "docs", "stylesheets", "extra.css")) as fh:
+        css = " ".join(fh.read().split())
+    assert ".md-typeset .output pre > code .wrap { white-space: pre-wrap;" in css
+    page = read_built(site, "commands/study.md")
+    wrapped = re.findall(r'<span class="wrap">(.*?)</span>', page)
+    assert max(map(len, wrapped)) > 170 and not any(output_blocks.BOX.search(line) for line in wrapped)
+    assert "┃ rule     ┃ S_min" in page
+    assert output_blocks.line("│ a │") == "│ a │" and output_blocks.line("") == ""
+
+
+def test_names_in_table_cells_never_break_mid_word():
+    with open(os.path.join(ROOT, "docs", "stylesheets", "extra.css")) as fh:
+        css = " ".join(fh.read().split())
+    # Material breaks inline code anywhere (word-break: break-word): ddplab.integrations.tr|ansformers.
+    assert ".md-typeset td code { word-break: normal; overflow-wrap: normal; }" in css
+
+
+def test_the_header_names_the_version_and_the_repository_pyproject_names():
+    from ddplab import __version__
+
+    assert site_header.version() == __version__
+    assert site_header.repository("[project]\nname = 'x'\n") is None
+    text = '[project.urls]\nRepository = "https://example.org/team/ddplab"\n\n[tool.x]\n'
+    assert site_header.repository(text) == "https://example.org/team/ddplab"
+
+
+def test_the_built_header_shows_the_version(site):
+    from ddplab import __version__
+
+    assert f"<title>ddplab {__version__}</title>" in read_built(site, "index.md")
+    header = read_built(site, "index.md").split('<div class="md-header__topic">')[1]
+    assert header.split("</span>")[0].split() == ['<span', 'class="md-ellipsis">', "ddplab", __version__]

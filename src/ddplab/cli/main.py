@@ -24,19 +24,30 @@ import warnings
 from collections.abc import Iterator
 
 from ddplab.cli.args import HelpFormatter
+from ddplab.cli.help import add_help_flags, unknown_flag
 from ddplab.errors import DdplabWarning, LaunchError, UsageError
 
 COMMANDS = ("sandbox", "plan", "check", "audit", "noise", "study")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one spelling policy and one error style for every subcommand."""
+    """argparse with one spelling policy, one error style and one help policy for every subcommand."""
+
+    def __init__(self, *args, add_help: bool = True, **kwargs):
+        # -h/--help is the short help and --help-all every flag, on every (sub)command alike.
+        super().__init__(*args, add_help=False, **kwargs)
+        if add_help:
+            add_help_flags(self)
 
     def error(self, message):
         # One sentence, not argparse's usage dump; this (sub)command's --help has the rest.
         raise SystemExit(fail(f"{message} (see '{self.prog} --help')"))
 
     def parse_known_args(self, args=None, namespace=None):
+        # A mistyped flag is named with the nearest known one, before the flags it left missing are.
+        unknown = unknown_flag(self, list(args)) if args is not None and not self._subparsers else None
+        if unknown:
+            self.error(unknown)
         namespace, extras = super().parse_known_args(args, namespace)
         # Report unknown flags here, so the hint names this subcommand's --help rather than the top level's.
         if extras:

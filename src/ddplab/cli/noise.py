@@ -202,7 +202,14 @@ def _plot(report, path: str) -> None:
         ax.axhline(values["b_simple"], linestyle="--", linewidth=1, label=f"run estimate {values['b_simple']:.4g}")
     # Early spikes dwarf the rest on a linear axis; B_simple is a ratio, read on a log scale.
     if any(v > 0 for v in ema if math.isfinite(v)):
+        from matplotlib.ticker import LogFormatter
+
         ax.set_yscale("log")
+        # Plain numbers on the log axis: 40, not 4×10¹.
+        ax.yaxis.set_major_formatter(LogFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    ax.set_title(f"gradient noise scale: {count(values['world_size'], 'rank')} × {values['per_device_batch_size']} "
+                 f"per device (global batch {values['global_batch_size']})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("B_simple")
     ax.legend()

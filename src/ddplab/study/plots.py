@@ -134,7 +134,7 @@ def _write(plt, fig, path: str) -> None:
 
 def _steps_plot(report: dict, path: str) -> None:
     plt = _pyplot()
-    fig, (ax, ax_e) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax, ax_e) = plt.subplots(1, 2, figsize=(12, 6.4))
     batches = report["global_batch_sizes"]
     for rule in report["rules"]:
         points = _median_points(report, rule)
@@ -164,11 +164,13 @@ def _steps_plot(report: dict, path: str) -> None:
                    label=f"B_simple {report['b_simple']['value']:.3g}")
     for axis, label in ((ax, "optimizer steps to target (median over seeds)"), (ax_e, "samples to target S·B")):
         _batch_axes(axis, label)
+        _plain_log_labels(axis)  # 8, 16 and 400, not 2³ and 4×10²
         axis.grid(True, which="both", alpha=0.3)
     target = report["target"]
     ax.set_title(f"{report['workload']}: steps to {target['kind']} {target['value']:g}")
     ax_e.set_title("compute side: E = S·B")
-    ax.legend(fontsize=7, loc="lower left")
+    # Below the axes: inside, a legend of every rule and fit covers the small batches' points.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     ax_e.legend(fontsize=7, loc="upper left")
     _write(plt, fig, path)
 
@@ -246,12 +248,12 @@ def _pareto_plot(report: dict, path: str) -> None:
         _write(plt, fig, path)
         return
     shown = []  # (samples, steps) of everything drawn: the axes hold them, not the fitted curve's far ends
+    labels = []  # (samples, steps, global batch) of each rule's median points
     for rule in report["rules"]:
         points = _median_points(report, rule)
         if points:
             ax.plot([b * s for b, s in points], [s for _, s in points], "o", color=color(rule), label=rule)
-            for b, s in points:
-                ax.annotate(str(b), (b * s, s), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            labels += [(b * s, s, b) for b, s in points]
             shown += [(b * s, s) for b, s in points]
     fit = report["fit"].get("tuned")
     if fit and fit["b_crit"] is not None and fit["s_min"] and fit["e_min"]:
@@ -275,7 +277,37 @@ def _pareto_plot(report: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     # Beside the axes: the points crowd the front's bend, where a legend inside would cover them.
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    # At each batch the point with the fewest steps (the best rule there) is labelled first.
+    _batch_labels(ax, sorted(labels, key=lambda label: (label[2], label[1])), shown)
     _write(plt, fig, path)
+
+
+def _batch_labels(ax, labels: list[tuple[float, float, int]], points: list[tuple[float, float]]) -> None:
+    """Each point's global batch beside it, on the first side where it covers no label and no point already there;
+    a label with no free side is left out (rules' points of one batch sit close: the first in ``labels`` wins)."""
+    from matplotlib.transforms import Bbox
+
+    # Tried in order: above right, below right, above left, below left (offset in points, alignment).
+    sides = ((4, 3, "left", "bottom"), (4, -3, "left", "top"), (-4, 3, "right", "bottom"), (-4, -3, "right", "top"))
+    ax.figure.tight_layout()  # the final layout, so what overlaps is what the PNG shows
+    renderer = ax.figure.canvas.get_renderer()
+    pad = 3.5 * ax.figure.dpi / 72  # a marker's radius (3 points) and a little, in pixels
+    taken = [Bbox.from_extents(x - pad, y - pad, x + pad, y + pad) for x, y in ax.transData.transform(points)]
+    said = []  # (batch, pixel position) of each label placed
+    for x, y, batch in labels:
+        where = ax.transData.transform((x, y))
+        # Rules that agree at a batch draw one point: it needs one label.
+        if any(b == batch and abs(where - at).max() < 2 * pad for b, at in said):
+            continue
+        said.append((batch, where))
+        for dx, dy, ha, va in sides:
+            text = ax.annotate(str(batch), (x, y), fontsize=7, xytext=(dx, dy), textcoords="offset points", ha=ha,
+                               va=va)
+            box = text.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in taken):
+                taken.append(box)
+                break
+            text.remove()
 
 
 def _plain_log_labels(ax) -> None:
