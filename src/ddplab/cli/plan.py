@@ -7,7 +7,6 @@ import argparse
 from ddplab.cli import render
 from ddplab.cli.args import HelpFormatter, flags, mark
 from ddplab.cli.options import add_fields, fields_given
-from ddplab.errors import UsageError
 from ddplab.plan.planner import Data, Reference, Target
 
 DESCRIPTION = """\
@@ -80,14 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
 def config_from_args(args: argparse.Namespace):
     """(Reference, Target, Data) from the flags; each validates itself, naming its fields."""
-    reference = fields_given(args, Reference, prefix="reference")
-    if reference.get("optimizer", "sgd") == "sgd":
-        adam_only = [f"{{reference.{name}}}" for name in ("betas", "eps") if name in reference]
-        if adam_only:
-            raise UsageError(f"{' and '.join(adam_only)} set Adam's moments and the plan's optimizer is SGD, where "
-                             "they would change nothing: pass {reference.optimizer} adam or adamw")
-    return (Reference(**reference), Target(**fields_given(args, Target, prefix="target")),
-            Data(**fields_given(args, Data, prefix="data")))
+    return (Reference(**fields_given(args, Reference, prefix="reference")),
+            Target(**fields_given(args, Target, prefix="target")), Data(**fields_given(args, Data, prefix="data")))
 
 
 ROWS = (
