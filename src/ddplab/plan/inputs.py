@@ -295,8 +295,9 @@ class Data:
     """The DataLoader's drop_last."""
     sampler_drop_last: bool = False
     """DistributedSampler's drop_last."""
-    warmup_epochs: float = 5.0
-    """Warmup length in epochs when warmup is recommended (needs ``dataset_size`` for steps)."""
+    warmup_epochs: float | None = None
+    """Warmup length in epochs when warmup is recommended (needs ``dataset_size`` for steps; default 5, ImageNet's,
+    or a tenth of the run where 5 epochs would be more)."""
     warmup_steps: int | None = None
     """Warmup length in optimizer steps (overrides ``warmup_epochs``, and needs no dataset size)."""
     warmup_threshold: float = 4.0

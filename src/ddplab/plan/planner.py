@@ -81,7 +81,8 @@ def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource 
     steps = plan_steps(data, target, batch, accumulation, global_batch, lr_fields, warnings)
     reasons.update(steps.pop("reasons"))
     steps.update(adamw_timescale(reference, data, global_batch, lr_fields, reasons))
-    warnings += semantics_warnings(reference, target, global_batch, data)
+    warnings += semantics_warnings(reference, target, data, mode=mode, batch=batch, global_batch=global_batch,
+                                   total_steps=steps["total_steps"])
     other = _other_mode(mode, reference, target, lr_source) if describe_other else ""
     return Plan(mode=mode, rule=rule, per_device_batch_size=batch, accumulation_steps=accumulation,
                 global_batch_size=global_batch, reference_global_batch_size=reference.global_batch_size,

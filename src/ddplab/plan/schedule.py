@@ -10,13 +10,20 @@ from ddplab.plan import scaling
 from ddplab.plan.inputs import Data, Target
 from ddplab.text import count
 
+DEFAULT_WARMUP_EPOCHS = 5.0
+"""Goyal et al.'s (2017) ImageNet warmup: 5 of 90 epochs."""
+DEFAULT_WARMUP_SHARE = 0.1
+"""The most of a run the default warmup takes: 5 epochs of a 3-epoch run would ramp the lr all run."""
+
 
 def plan_steps(data: Data, target: Target, batch: int, accumulation: int, global_batch: int, lr_fields: dict[str, Any],
            warnings: list[str]) -> dict[str, Any]:
     multiplier = lr_fields["lr_multiplier"]
     warmup = multiplier >= data.warmup_threshold
     out: dict[str, Any] = {"warmup_recommended": warmup}
-    length = count(data.warmup_steps, "step") if data.warmup_steps is not None else count(data.warmup_epochs, "epoch")
+    length = (count(data.warmup_steps, "step") if data.warmup_steps is not None else
+              count(data.warmup_epochs, "epoch") if data.warmup_epochs is not None else
+              f"{count(DEFAULT_WARMUP_EPOCHS, 'epoch')} or a tenth of the run, whichever is shorter")
     reasons = {"warmup_recommended": (
         f"the lr grows ×{multiplier:.4g} ≥ {{data.warmup_threshold}} {data.warmup_threshold:g}: ramp linearly from the "
         f"reference lr over {length} (Goyal et al. 2017)" if warmup else
@@ -44,21 +51,24 @@ def plan_steps(data: Data, target: Target, batch: int, accumulation: int, global
 def _warmup(data: Data, recommended: bool, steps_per_epoch: int | None, total: int | None, lr: float,
             reasons: dict[str, str], warnings: list[str]) -> dict[str, Any]:
     """The warmup length ``lr_lambda`` ramps over, in steps and epochs; never past the end of the run."""
+    epochs = data.warmup_epochs if data.warmup_epochs is not None else DEFAULT_WARMUP_EPOCHS
     in_epochs = None
     if data.warmup_steps is not None:
         steps, why = int(data.warmup_steps), "given by {data.warmup_steps}"
     elif not recommended:
         return {"warmup_steps": None, "warmup_epochs": None}
     elif steps_per_epoch is None:
-        reasons["warmup_steps"] = (f"pass {{data.dataset_size}} (to count {count(data.warmup_epochs, 'warmup epoch')} "
-                                   "in steps) or {data.warmup_steps}")
+        reasons["warmup_steps"] = (f"pass {{data.dataset_size}} (to count {count(epochs, 'warmup epoch')} in steps) "
+                                   "or {data.warmup_steps}")
         warnings.append("warmup is recommended but its length in steps is unknown: pass {data.dataset_size} or "
-                        "{data.warmup_steps}; until then lr_lambda and scheduler() raise rather than skip the warmup")
-        return {"warmup_steps": None, "warmup_epochs": data.warmup_epochs}
+                        "{data.warmup_steps}; until then the plan has no warmup schedule to give, and its lr must not "
+                        "start at full strength")
+        return {"warmup_steps": None, "warmup_epochs": epochs}
     else:
-        steps = scaling.warmup_steps(warmup_epochs=data.warmup_epochs, steps_per_epoch=steps_per_epoch)
-        in_epochs = data.warmup_epochs
-        why = f"{count(data.warmup_epochs, 'warmup epoch')} × {count(steps_per_epoch, 'step')} per epoch"
+        steps = scaling.warmup_steps(warmup_epochs=epochs, steps_per_epoch=steps_per_epoch)
+        why, in_epochs = f"{count(epochs, 'warmup epoch')} × {count(steps_per_epoch, 'step')} per epoch", epochs
+        if data.warmup_epochs is None and total is not None and steps > DEFAULT_WARMUP_SHARE * total:
+            (steps, why), in_epochs = _short_run_warmup(steps, why, total), None
     if total is not None and 0 < total <= steps:
         # A ramp that outlasts the run never reaches the planned lr: clamp it, and say so.
         warnings.append(f"a warmup of {steps:,} steps ({why}) does not end before the {total:,}-step run "
@@ -70,6 +80,13 @@ def _warmup(data: Data, recommended: bool, steps_per_epoch: int | None, total: i
     if in_epochs is None and steps_per_epoch:
         in_epochs = steps / steps_per_epoch
     return {"warmup_steps": steps, "warmup_epochs": in_epochs}
+
+
+def _short_run_warmup(steps: int, why: str, total: int) -> tuple[int, str]:
+    """The default warmup of a run shorter than 50 epochs: a tenth of it, so the lr reaches its value early."""
+    share = max(1, math.floor(DEFAULT_WARMUP_SHARE * total))
+    return share, (f"a tenth of the {total:,}-step run ({why} = {steps:,} would take "
+                   f"{steps / total:.0%} of it; set {{data.warmup_epochs}} or {{data.warmup_steps}} to choose)")
 
 
 def _epoch_arithmetic(data: Data, target: Target, batch: int, accumulation: int,
