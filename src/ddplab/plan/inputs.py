@@ -58,8 +58,8 @@ class Reference(_Meshed):
 
     per_device_batch_size: int | None = None
     """Per-device loader batch (DataParallel: the loader batch DP splits across devices)."""
-    lr: float
-    """Its learning rate: the lr used with that setup."""
+    lr: float | None = None
+    """Its learning rate: the lr used with that setup (required)."""
     devices: int = 1
     """Devices per node."""
     nodes: int = 1
@@ -100,6 +100,8 @@ class Reference(_Meshed):
                              ("reference.pipeline_parallel_size", self.pipeline_parallel_size),
                              ("reference.context_parallel_size", self.context_parallel_size)):
             positive(field, value, integer=True)
+        if self.lr is None:
+            raise UsageError("the reference needs its learning rate: give {reference.lr}")
         positive("reference.lr", self.lr)
         positive("reference.eps", self.eps)
         zero_or_more("reference.weight_decay", self.weight_decay)
@@ -300,6 +302,12 @@ class Data:
     or a tenth of the run where 5 epochs would be more)."""
     warmup_steps: int | None = None
     """Warmup length in optimizer steps (overrides ``warmup_epochs``, and needs no dataset size)."""
+    reference_steps: int | None = None
+    """The reference run's length in its optimizer steps, where it is counted in steps (no ``dataset_size``): the
+    target runs as many samples."""
+    reference_warmup_steps: int | None = None
+    """The reference's own warmup in its optimizer steps: the target warms up over as many samples (unless
+    ``warmup_steps`` or ``warmup_epochs`` says otherwise)."""
     warmup_threshold: float = 4.0
     """Recommend warmup when the lr grows at least this much: the lr multiplier reaches it."""
     critical_batch_size: float | None = None
@@ -310,6 +318,8 @@ class Data:
     def __post_init__(self):
         positive("data.dataset_size", self.dataset_size, integer=True)
         positive("data.seq_len", self.seq_len, integer=True)
+        positive("data.reference_steps", self.reference_steps, integer=True)
+        zero_or_more("data.reference_warmup_steps", self.reference_warmup_steps)
         for field, value in (("data.epochs", self.epochs), ("data.warmup_threshold", self.warmup_threshold),
                              ("data.critical_batch_size", self.critical_batch_size)):
             positive(field, value)

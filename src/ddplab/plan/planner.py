@@ -78,7 +78,8 @@ def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource 
     reasons.update(lr_fields.pop("reasons"))
     if reference.model_parallel_size != target.model_parallel_size and rule in ("linear", "sqrt"):
         reasons["lr_multiplier"] += world_size_overshoot(reference, target, rule, k, lr_fields["lr_multiplier"])
-    steps = plan_steps(data, target, batch, accumulation, global_batch, lr_fields, warnings)
+    steps = plan_steps(data, target, batch, accumulation, global_batch, lr_fields, warnings,
+                       reference_global_batch=reference.global_batch_size)
     reasons.update(steps.pop("reasons"))
     steps.update(adamw_timescale(reference, data, global_batch, lr_fields, reasons))
     warnings += semantics_warnings(reference, target, data, mode=mode, batch=batch, global_batch=global_batch,

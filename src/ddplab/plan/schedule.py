@@ -17,18 +17,19 @@ DEFAULT_WARMUP_SHARE = 0.1
 
 
 def plan_steps(data: Data, target: Target, batch: int, accumulation: int, global_batch: int, lr_fields: dict[str, Any],
-           warnings: list[str]) -> dict[str, Any]:
+               warnings: list[str], *, reference_global_batch: int) -> dict[str, Any]:
     multiplier = lr_fields["lr_multiplier"]
     warmup = multiplier >= data.warmup_threshold
     out: dict[str, Any] = {"warmup_recommended": warmup}
     length = (count(data.warmup_steps, "step") if data.warmup_steps is not None else
               count(data.warmup_epochs, "epoch") if data.warmup_epochs is not None else
+              "the reference's warmup samples" if data.reference_warmup_steps else
               f"{count(DEFAULT_WARMUP_EPOCHS, 'epoch')} or a tenth of the run, whichever is shorter")
     reasons = {"warmup_recommended": (
         f"the lr grows ×{multiplier:.4g} ≥ {{data.warmup_threshold}} {data.warmup_threshold:g}: ramp linearly from the "
         f"reference lr over {length} (Goyal et al. 2017)" if warmup else
         f"the lr multiplier {multiplier:.4g} is below {{data.warmup_threshold}} {data.warmup_threshold:g}: no warmup "
-        "needed")}
+        "needed" + (" beyond the reference's own, kept in samples" if data.reference_warmup_steps else ""))}
     keys = ("samples_per_rank", "padded_samples", "dropped_samples", "loader_batches_per_rank",
             "steps_per_epoch", "total_steps", "samples_per_epoch")
     if data.dataset_size is None:
@@ -43,18 +44,35 @@ def plan_steps(data: Data, target: Target, batch: int, accumulation: int, global
             warnings.append(f"each {target.dims.rank} holds {out['samples_per_rank']} samples per epoch, fewer than "
                             f"one optimizer step's share ({share}): every step sees at most {seen} samples, not the "
                             f"global batch {global_batch}; lower {{target.per_device_batch_size}} or use more data")
-    out.update(_warmup(data, warmup, out["steps_per_epoch"], out["total_steps"], lr_fields["lr"], reasons, warnings))
+    if data.reference_steps:
+        out["total_steps"] = _same_samples(data.reference_steps, reference_global_batch, global_batch)
+        reasons["total_steps"] = (f"{{data.reference_steps}} {data.reference_steps:,} steps of "
+                                  f"{reference_global_batch} samples, the same samples in steps of {global_batch}")
+    carried = (None if not data.reference_warmup_steps else
+               _same_samples(data.reference_warmup_steps, reference_global_batch, global_batch))
+    out.update(_warmup(data, warmup, out["steps_per_epoch"], out["total_steps"], lr_fields["lr"], reasons, warnings,
+                       carried=carried, reference_global_batch=reference_global_batch))
     out.update(_critical(data, global_batch, reasons))
     return {**out, "reasons": reasons}
 
 
+def _same_samples(steps: int, reference_global_batch: int, global_batch: int) -> int:
+    """The steps of ``global_batch`` that see the samples of ``steps`` steps of the reference's batch."""
+    return math.ceil(steps * reference_global_batch / global_batch)
+
+
 def _warmup(data: Data, recommended: bool, steps_per_epoch: int | None, total: int | None, lr: float,
-            reasons: dict[str, str], warnings: list[str]) -> dict[str, Any]:
+            reasons: dict[str, str], warnings: list[str], *, carried: int | None,
+            reference_global_batch: int) -> dict[str, Any]:
     """The warmup length ``lr_lambda`` ramps over, in steps and epochs; never past the end of the run."""
     epochs = data.warmup_epochs if data.warmup_epochs is not None else DEFAULT_WARMUP_EPOCHS
     in_epochs = None
     if data.warmup_steps is not None:
         steps, why = int(data.warmup_steps), "given by {data.warmup_steps}"
+    elif carried is not None and data.warmup_epochs is None:
+        warmup = data.reference_warmup_steps
+        steps, why = carried, (f"{{data.reference_warmup_steps}} {warmup:,} steps of {reference_global_batch} samples: "
+                               f"the same {warmup * reference_global_batch:,} samples")
     elif not recommended:
         return {"warmup_steps": None, "warmup_epochs": None}
     elif steps_per_epoch is None:
