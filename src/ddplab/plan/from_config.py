@@ -58,8 +58,16 @@ def plan_config(path: str, *, config_format: str | None = None, reference: Mappi
     text = _read(path)
     fmt = formats.choose(path, text, config_format)
     run = fmt.read(path, text, reference)
-    ref, tgt, dat = _configs(run, reference, target, data)
-    result = planner.plan(ref, tgt, dat, names={**(names or {}), **run.keys})
+    given = {f"{side}.{name}" for side, fields in (("reference", reference), ("target", target), ("data", data))
+             for name in fields}
+    try:
+        ref, tgt, dat = (Reference(**{**run.reference, **reference}), Target(**{**run.target, **target}),
+                         Data(**{**run.data, **data}))
+        result = planner.plan(ref, tgt, dat, names={**(names or {}), **run.keys})
+    except UsageError as exc:
+        # The file's own keys for what it set; flags for what the command line gave.
+        keys = {field: key for field, key in run.keys.items() if field not in given}
+        raise UsageError(f"{literal(run.path)}: {_with_keys(exc.template, keys)}") from None
     changes = _changes(run, fmt.changes(run, result, tgt))
     new_text = fmt.edit(text, {key: new for key, (_, new) in changes.items()})
     return ConfigPlan(plan=result, config=path, config_format=fmt.name, config_changes=changes,
@@ -85,19 +93,6 @@ def _read(path: str) -> str:
 
 def _same_file(path: str, other: str) -> bool:
     return os.path.exists(other) and os.path.exists(path) and os.path.samefile(path, other)
-
-
-def _configs(run: FileRun, reference: Mapping[str, Any], target: Mapping[str, Any],
-             data: Mapping[str, Any]) -> tuple[Reference, Target, Data]:
-    """The three configs, the file's fields under the given ones; an error names the file's key where it has one."""
-    try:
-        return (Reference(**{**run.reference, **reference}), Target(**{**run.target, **target}),
-                Data(**{**run.data, **data}))
-    except UsageError as exc:
-        given = {f"{side}.{name}" for side, fields in (("reference", reference), ("target", target), ("data", data))
-                 for name in fields}
-        keys = {field: key for field, key in run.keys.items() if field not in given}
-        raise UsageError(f"{literal(run.path)}: {_with_keys(exc.template, keys)}") from None
 
 
 def _with_keys(template: str, keys: Mapping[str, str]) -> str:

@@ -1,4 +1,5 @@
-"""torchtitan's job TOML (its train script's job config file): ``[training]``, ``[optimizer]``, ``[lr_scheduler]``, ``[parallelism]``
+"""torchtitan's job TOML (its train script's job config): ``[training]``, ``[optimizer]``, ``[lr_scheduler]``,
+``[parallelism]``.
 
 Its releases through early 2026: ``training.local_batch_size`` (``training.batch_size`` before it),
 ``training.global_batch_size`` (-1: local × data-parallel degree, else gradient accumulation makes it), degrees in
