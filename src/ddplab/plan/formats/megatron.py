@@ -221,7 +221,23 @@ def _set(text: str, flag: str, value: Any) -> str:
         if assignment:
             start, end = assignment.span(3)
             return text[:start] + editing.number(value) + text[end:]
-    return editing.args_set(text, flag, value, after="--micro-batch-size")
+    if span is not None:
+        return editing.args_set(text, flag, value, after=flag)
+    return _add(text, flag, value)
+
+
+def _add(text: str, flag: str, value: Any) -> str:
+    """A flag the script lacks, on a line of its own after the flag it belongs beside (its continuation kept)."""
+    anchor = "--lr" if flag.startswith(("--adam", "--weight")) else "--micro-batch-size"
+    start, end = editing.flag_value(text, anchor)
+    line_start, line_end = text.rfind("\n", 0, start) + 1, text.find("\n", end)
+    line = text[line_start:line_end if line_end >= 0 else len(text)]
+    if not line.rstrip().endswith("\\"):
+        return editing.args_set(text, flag, value, after=anchor)
+    indent = line[:len(line) - len(line.lstrip())]
+    rendered = " ".join(editing.number(v) if isinstance(v, (int, float)) else str(v)
+                        for v in (value if isinstance(value, list) else [value]))
+    return text[:line_end + 1] + f"{indent}{flag} {rendered} \\\n" + text[line_end + 1:]
 
 
 def _field_keys() -> dict[str, str]:
