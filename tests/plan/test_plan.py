@@ -453,3 +453,25 @@ def test_keep_trajectory_from_a_study_keeps_the_reference_lr(capsys):
     assert "the measured lr is not used" in kept.reasons["lr"]
     # The study's B_crit still applies, and the per-device alternative still takes the study's lr.
     assert kept.steps_factor == pytest.approx(1 + 100 / 32) and kept.other_mode.endswith("at lr 0.012")
+
+
+def test_adams_moments_with_sgd_are_refused_by_the_reference_itself():
+    with pytest.raises(UsageError, match=r"reference.betas and reference.eps set Adam's moments and the plan's "
+                                         r"optimizer is SGD"):
+        Reference(per_device_batch_size=8, lr=0.1, betas=(0.9, 0.99), eps=1e-6)
+    assert Reference(per_device_batch_size=8, lr=0.1).betas is None
+    assert Reference(per_device_batch_size=8, lr=0.1, optimizer="adam").betas == (0.9, 0.999)
+
+
+def test_a_run_counted_in_steps_keeps_its_samples_and_its_own_warmup():
+    p = plan(Reference(per_device_batch_size=8, lr=3e-4, optimizer="adamw", devices=8), Target(devices=32),
+             Data(reference_steps=1000, reference_warmup_steps=100), names=flags())
+    # 1000 steps of 64 are 64,000 samples: 250 steps of 256; the warmup's 6,400 samples are 25 steps.
+    assert (p.total_steps, p.warmup_steps) == (250, 25)
+    assert p.reasons["total_steps"] == "--ref-steps 1,000 steps of 64 samples, the same samples in steps of 256"
+    assert p.reasons["warmup_steps"] == "--ref-warmup-steps 100 steps of 64 samples: the same 6,400 samples"
+
+
+def test_a_reference_given_by_its_global_batch_says_so():
+    p = plan(Reference(global_batch_size=256, lr=0.1), Target(devices=8, per_device_batch_size=16), names=flags())
+    assert p.reasons["reference_global_batch_size"] == "given by --ref-global-batch-size"

@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser.add_argument_group("reference (the run you trust)"), Reference,
                ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "tensor_parallel_size",
-                "pipeline_parallel_size", "context_parallel_size", "wrapper", "optimizer", "betas", "eps",
+                "pipeline_parallel_size", "context_parallel_size", "global_batch_size", "wrapper", "optimizer", "betas",
+                "eps",
                 "weight_decay", "noise_scale", "reduction"), prefix="reference",
                per_device_batch_size={"required": False}, lr={"required": False})
     add_fields(parser.add_argument_group("target (the new hardware)"), Target,

@@ -164,6 +164,8 @@ def _growth(reference: Reference, target: Target, accumulation: int, k: float) -
 
 
 def _reference_formula(reference: Reference) -> str:
+    if reference.per_device_batch_size is None:
+        return "given by {reference.global_batch_size}"
     if reference.wrapper == "dp":
         return (f"DataParallel splits the loader batch of {reference.per_device_batch_size} across "
                 f"{count(reference.devices, 'device')} and computes one loss on the gathered batch: global batch = "
