@@ -292,3 +292,18 @@ def test_every_format_is_registered_by_name_and_named_by_config_format(capsys):
     assert out["config_format"] == "transformers"
     with pytest.raises(UsageError, match="cannot be read as nothing"):
         choose(_path("training_args.json"), "", "nothing")
+
+
+def test_a_layout_the_editor_cannot_write_into_is_refused_and_nothing_is_written(tmp_path, capsys):
+    path, out = tmp_path / "flow.yaml", tmp_path / "out.yaml"
+    path.write_text("trainer: {devices: 4}\ndata:\n  batch_size: 32\noptimizer:\n  class_path: torch.optim.SGD\n"
+                    "  init_args: {lr: 0.1}\n")
+    assert main(["plan", "--config", str(path), "--devices", "8", "--write-config", str(out)]) == 2
+    assert "could not be written into its layout" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_recommended_warmup_the_file_has_no_key_for_is_said():
+    result = plan_config(_path("lightning_cli.yaml"), **_flag_fields(["--devices", "8", "--nodes", "2",
+                                                                      "--dataset-size", "50000"]))
+    assert result.plan.warmup_recommended and result.plan.warmup_steps == 75
+    assert any("recommends a warmup (75 steps" in note for note in result.config_notes)

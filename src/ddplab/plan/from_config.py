@@ -70,8 +70,13 @@ def plan_config(path: str, *, config_format: str | None = None, reference: Mappi
         raise UsageError(f"{literal(run.path)}: {_with_keys(exc.template, keys)}") from None
     changes = _changes(run, fmt.changes(run, result, tgt))
     new_text = fmt.edit(text, {key: new for key, (_, new) in changes.items()})
-    return ConfigPlan(plan=result, config=path, config_format=fmt.name, config_changes=changes,
-                      config_keys=_plan_keys(run), config_notes=run.notes, original_text=text, text=new_text)
+    if not fmt.detect(path, new_text):
+        # An edit this format's layout defeats (a flow mapping, say) must not reach a file.
+        raise UsageError(f"{literal(path)}: the planned values could not be written into its layout "
+                         f"({', '.join(map(literal, changes))}); set them by hand from the table")
+    keys = _plan_keys(run)
+    return ConfigPlan(plan=result, config=path, config_format=fmt.name, config_changes=changes, config_keys=keys,
+                      config_notes=run.notes + _unwritten_warmup(result, keys), original_text=text, text=new_text)
 
 
 def write_config(result: ConfigPlan, path: str) -> None:
@@ -98,6 +103,15 @@ def _same_file(path: str, other: str) -> bool:
 def _with_keys(template: str, keys: Mapping[str, str]) -> str:
     """A template whose fields the file sets are shown as the file's keys."""
     return re.sub(r"\{([a-z_.]+)\}", lambda m: literal(keys[m[1]]) if m[1] in keys else m[0], template)
+
+
+def _unwritten_warmup(result: Plan, keys: Mapping[str, str]) -> tuple[str, ...]:
+    """A recommended warmup the file has no key for is said, not dropped."""
+    if not result.warmup_recommended or "warmup_steps" in keys:
+        return ()
+    length = f"{result.warmup_steps:,} steps" if result.warmup_steps else "a length the plan cannot count yet"
+    return (f"the plan recommends a warmup ({length}, from the reference lr to {result.lr:.4g}) and the file has no "
+            "key for one: add it to the run's lr scheduler",)
 
 
 def _plan_keys(run: FileRun) -> dict[str, str]:
