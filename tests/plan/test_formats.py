@@ -307,3 +307,26 @@ def test_a_recommended_warmup_the_file_has_no_key_for_is_said():
                                                                       "--dataset-size", "50000"]))
     assert result.plan.warmup_recommended and result.plan.warmup_steps == 75
     assert any("recommends a warmup (75 steps" in note for note in result.config_notes)
+
+
+def test_torchtitans_2024_layout_reads_and_is_written_in_its_own_keys(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text("[optimizer]\nname = \"AdamW\"\nlr = 8e-4\n\n[training]\nbatch_size = 8\nseq_len = 2048\n"
+                    "steps = 1000\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 2\n\n[experimental]\n"
+                    "pipeline_parallel_degree = 1\n")
+    result = plan_config(str(path), **_flag_fields(["--devices", "16"]))
+    # 8 ranks (shard 4 × tp 2), 8 per device on 4 data-parallel ranks; 16 ranks double it.
+    assert (result.plan.reference_global_batch_size, result.plan.global_batch_size) == (32, 64)
+    assert result.config_keys["per_device_batch_size"] == "training.batch_size"
+    assert result.config_changes["training.data_parallel_shard_degree"] == (4, 8)
+    assert "local_batch_size" not in result.text and tomllib.loads(result.text)["training"]["steps"] == 500
+
+
+def test_a_megatron_args_file_with_equals_signs_and_no_launcher_takes_the_hardware_from_flags(tmp_path):
+    path = tmp_path / "args.txt"
+    path.write_text("--micro-batch-size=2\n--global-batch-size=64\n--lr=2e-4\n--train-iters=5000\n")
+    result = plan_config(str(path), config_format="megatron", **_flag_fields(["--ref-devices", "8", "--devices",
+                                                                              "16"]))
+    assert (result.plan.reference_global_batch_size, result.plan.global_batch_size) == (64, 128)
+    assert "--lr=0.000282843\n" in result.text and "--train-iters=2500\n" in result.text
+    assert "--micro-batch-size=2\n--global-batch-size=128\n" in result.text

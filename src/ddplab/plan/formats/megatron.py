@@ -232,12 +232,17 @@ def _add(text: str, flag: str, value: Any) -> str:
     start, end = editing.flag_value(text, anchor)
     line_start, line_end = text.rfind("\n", 0, start) + 1, text.find("\n", end)
     line = text[line_start:line_end if line_end >= 0 else len(text)]
-    if not line.rstrip().endswith("\\"):
+    continued = line.rstrip().endswith("\\")
+    alone = line.strip() == text[text.find(anchor, line_start):end].strip()
+    if line_end < 0 or not (continued or alone):
         return editing.args_set(text, flag, value, after=anchor)
     indent = line[:len(line) - len(line.lstrip())]
     rendered = " ".join(editing.number(v) if isinstance(v, (int, float)) else str(v)
                         for v in (value if isinstance(value, list) else [value]))
-    return text[:line_end + 1] + f"{indent}{flag} {rendered} \\\n" + text[line_end + 1:]
+    # An args file's own style: one flag a line, with "=" where it uses one.
+    separator = "=" if not continued and text[start - 1] == "=" else " "
+    new = f"{indent}{flag}{separator}{rendered}" + (" \\" if continued else "")
+    return text[:line_end + 1] + new + "\n" + text[line_end + 1:]
 
 
 def _field_keys() -> dict[str, str]:
