@@ -117,6 +117,12 @@ def optimizer_family(name: str) -> str | None:
     return "sgd" if "sgd" in lowered else None
 
 
+def data_parallel_size(world_size: int, degrees: Mapping[str, int]) -> int:
+    """The world over tp × pp × cp, or 0 where they do not divide it."""
+    model = math.prod(degrees.values())
+    return world_size // model if world_size % model == 0 else 0
+
+
 def planned(plan: Plan, target: Target) -> dict[str, Any]:
     """The plan's values by role, in the vocabulary every format maps to its keys."""
     adam = plan.betas is not None
@@ -159,8 +165,9 @@ def parse_yaml(path: str, text: str, *, quiet: bool = False) -> Any:
 
 def accumulation(path: str, key: str, global_batch: int, per_device_batch_size: int, data_parallel_size: int,
                  what: str) -> int:
-    """The accumulation steps a framework takes to reach ``global_batch`` from its per-device batch."""
-    if global_batch % (per_device_batch_size * data_parallel_size):
+    """The accumulation steps a framework takes to reach ``global_batch`` from its per-device batch (a data-parallel
+    degree of 0: the world does not split into the model-parallel degrees)."""
+    if not data_parallel_size or global_batch % (per_device_batch_size * data_parallel_size):
         raise bad(path, key, f"{global_batch} is not a multiple of {what} {per_device_batch_size} × the data-parallel "
                              f"degree {data_parallel_size}: give a global batch it can accumulate to")
     return global_batch // (per_device_batch_size * data_parallel_size)

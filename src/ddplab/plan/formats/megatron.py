@@ -185,15 +185,9 @@ def _accumulation(path: str, values: dict[str, Any], reference: dict[str, Any],
     if global_batch is base.MISSING:
         return {}
     devices, nodes = given.get("devices", reference.get("devices")), given.get("nodes", reference.get("nodes", 1))
-    model = 1
-    for size in _degrees(values).values():
-        model *= size
-    micro = reference["per_device_batch_size"]
-    dp = devices * nodes // model if devices * nodes % model == 0 else 0
-    if not dp or global_batch % (micro * dp):
-        raise base.bad(path, "--global-batch-size", f"{global_batch} is not a multiple of --micro-batch-size {micro} "
-                                                    f"× the data-parallel degree {dp}: give one Megatron accepts")
-    return {"accumulation_steps": global_batch // (micro * dp)}
+    dp = base.data_parallel_size(devices * nodes, _degrees(values))
+    return {"accumulation_steps": base.accumulation(path, "--global-batch-size", global_batch,
+                                                    reference["per_device_batch_size"], dp, "--micro-batch-size")}
 
 
 def _scaled_rampup(rampup: Any, plan: Plan) -> list[int] | None:

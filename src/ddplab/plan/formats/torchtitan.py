@@ -172,13 +172,9 @@ def _accumulation(path: str, keys: dict[str, str], values: dict[str, Any], local
     value = values[key]
     if value is base.MISSING or value == -1 or devices is None:
         return {}
-    global_batch = base.whole(path, key, value)
-    model = degrees["tensor_parallel_size"] * degrees["pipeline_parallel_size"] * degrees["context_parallel_size"]
-    dp = devices * nodes // model if devices * nodes % model == 0 else 0
-    if not dp or global_batch % (local * dp):
-        raise base.bad(path, key, f"{global_batch} is not a multiple of {keys['per_device_batch_size']} {local} × "
-                                  f"the data-parallel degree {dp}: give a global batch torchtitan can accumulate to")
-    return {"accumulation_steps": global_batch // (local * dp)}
+    dp = base.data_parallel_size(devices * nodes, degrees)
+    return {"accumulation_steps": base.accumulation(path, key, base.whole(path, key, value), local, dp,
+                                                    keys["per_device_batch_size"])}
 
 
 def _data(path: str, keys: dict[str, str], values: dict[str, Any]) -> dict[str, Any]:
