@@ -38,6 +38,7 @@ examples:
   ddplab plan --ref-batch-size 32 --ref-lr 3e-4 --optimizer adamw --devices 8 --rule surge --noise-scale 128
   ddplab plan --ref-batch-size 256 --ref-devices 4 --ref-wrapper dp --ref-lr 0.1 --devices 4
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8
+  ddplab plan --config train.toml --ref-devices 8 --devices 8 --nodes 4 --write-config train-32gpu.toml
 """
 
 
