@@ -200,6 +200,8 @@ def test_a_warmup_ratio_is_kept_and_said():
     assert any("warmup_ratio 0.1 is a share of the run" in note for note in result.config_notes)
 
 
+# The SFT recipe keeps the recipes' own gradient_checkpointing, which Transformers 5 renames.
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 def test_training_arguments_written_parse_with_transformers_own_parser(tmp_path):
     transformers = pytest.importorskip("transformers")
     for name in ("training_args.json", "sft_recipe.yaml"):

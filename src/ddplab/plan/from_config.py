@@ -63,11 +63,10 @@ def plan_config(path: str, *, config_format: str | None = None, reference: Mappi
     try:
         ref, tgt, dat = (Reference(**{**run.reference, **reference}), Target(**{**run.target, **target}),
                          Data(**{**run.data, **data}))
-        result = planner.plan(ref, tgt, dat, names={**(names or {}), **run.keys})
+        result = planner.plan(ref, tgt, dat, names={**(names or {}), **_file_keys(run, given)})
     except UsageError as exc:
         # The file's own keys for what it set; flags for what the command line gave.
-        keys = {field: key for field, key in run.keys.items() if field not in given}
-        raise UsageError(f"{literal(run.path)}: {_with_keys(exc.template, keys)}") from None
+        raise UsageError(f"{literal(run.path)}: {_with_keys(exc.template, _file_keys(run, given))}") from None
     changes = _changes(run, fmt.changes(run, result, tgt))
     new_text = fmt.edit(text, {key: new for key, (_, new) in changes.items()})
     if not fmt.detect(path, new_text):
@@ -98,6 +97,12 @@ def _read(path: str) -> str:
 
 def _same_file(path: str, other: str) -> bool:
     return os.path.exists(other) and os.path.exists(path) and os.path.samefile(path, other)
+
+
+def _file_keys(run: FileRun, given: set[str]) -> dict[str, str]:
+    """The fields the file set, by its keys; the rest keep the flags that change them (the target's batch, say)."""
+    return {field: key for field, key in run.keys.items() if field not in given and (
+        not field.startswith("target.") or field.partition(".")[2] in run.target)}
 
 
 def _with_keys(template: str, keys: Mapping[str, str]) -> str:
