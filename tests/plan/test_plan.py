@@ -79,7 +79,7 @@ def test_step_accounting_follows_distributed_sampler():
 
 def test_warmup_and_critical_batch():
     p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8),
-             Data(dataset_size=25600, epochs=10, critical_batch_size=64))
+             Data(dataset_size=25600, epochs=10, warmup_epochs=5, critical_batch_size=64))
     assert p.warmup_recommended and p.warmup_steps == 5 * 100 and p.total_steps == 1000
     assert p.lr_lambda(0) == pytest.approx(1 / 8) and p.lr_lambda(500) == 1
     assert p.steps_factor == pytest.approx(1.25) and p.compute_factor == pytest.approx(5)
@@ -199,29 +199,37 @@ def _cli_json(argv, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_readme_adamw_warmup_is_clamped_to_the_run(capsys):
+def test_the_default_warmup_fits_a_short_run_and_the_plan_does_not_contradict_itself(capsys):
     out = _cli_json(["--ref-batch-size", "32", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8",
                      "--nodes", "2", "--dataset-size", "100000", "--epochs", "3"], capsys)
-    # 100000/16 = 6250 per rank, ceil(6250/32) = 196 steps per epoch, 588 in 3 epochs; 5 × 196 = 980 > 588.
-    assert (out["steps_per_epoch"], out["total_steps"], out["warmup_steps"]) == (196, 588, 588)
-    assert "980, clamped to the run's 588 steps" in out["reasons"]["warmup_steps"]
-    assert any("does not end before the 588-step run" in w for w in out["warnings"])
+    # 100000/16 = 6250 per rank, ceil(6250/32) = 196 steps per epoch, 588 in 3 epochs; 5 × 196 = 980 > 588, so the
+    # default takes a tenth of the run instead of a ramp that never reaches the planned lr.
+    assert (out["steps_per_epoch"], out["total_steps"], out["warmup_steps"]) == (196, 588, 58)
+    assert "a tenth of the 588-step run" in out["reasons"]["warmup_steps"]
+    assert not any("never reaches" in w or "clamped" in w for w in out["warnings"])
+    # A length the user asks for is theirs: clamped to the run, and said.
+    asked = _cli_json(["--ref-batch-size", "32", "--ref-lr", "3e-4", "--optimizer", "adamw", "--devices", "8",
+                       "--nodes", "2", "--dataset-size", "100000", "--epochs", "3", "--warmup-epochs", "5"], capsys)
+    assert asked["warmup_steps"] == 588 and "980, clamped to the run's 588 steps" in asked["reasons"]["warmup_steps"]
+    assert any("does not end before the 588-step run" in w for w in asked["warnings"])
 
 
-def test_default_single_epoch_clamps_five_warmup_epochs():
+def test_the_default_warmup_is_five_epochs_where_they_are_a_tenth_of_the_run_or_less():
     p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=10_000))
-    # ceil(10000/8) = 1250 per rank → ceil(1250/32) = 40 steps, and the default run is one epoch.
-    assert (p.steps_per_epoch, p.total_steps, p.warmup_steps) == (40, 40, 40)
-    assert p.lr_lambda(39) < 1 and p.lr_lambda(40) == 1
-    assert any("clamped to 40 steps" in w for w in p.warnings)
-    fits = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=10_000, epochs=6))
-    assert fits.warmup_steps == 200 and not any("clamped" in w for w in fits.warnings)
+    # ceil(10000/8) = 1250 per rank → ceil(1250/32) = 40 steps, and the default run is one epoch: 4 warmup steps.
+    assert (p.steps_per_epoch, p.total_steps, p.warmup_steps) == (40, 40, 4)
+    assert p.lr_lambda(3) < 1 and p.lr_lambda(4) == 1 and not p.warnings
+    long = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8), Data(dataset_size=10_000, epochs=50))
+    assert long.warmup_steps == 200 and long.warmup_epochs == 5 and not long.warnings
+    assert long.reasons["warmup_steps"] == "5 warmup epochs × 40 steps per epoch"
 
 
 def test_warmup_without_a_dataset_size_is_unknown_not_skipped():
     p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8))
     assert p.warmup_recommended and p.warmup_steps is None
     assert any("length in steps is unknown" in w for w in p.warnings)
+    # The command line's warning speaks of the plan, not of Python methods it cannot call.
+    assert not any("lr_lambda" in w or "scheduler()" in w for w in p.warnings)
     with pytest.raises(UsageError, match="length is unknown"):
         p.lr_lambda(0)
     with pytest.raises(UsageError, match="length is unknown"):
@@ -291,9 +299,35 @@ def test_lr_lambda_follows_the_table(c):
         assert p.lr_lambda(step) == 1
 
 
+def test_a_batch_past_the_critical_batch_comes_with_one_the_target_can_make_and_its_steps_and_samples():
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8),
+             Data(critical_batch_size=37, dataset_size=50_000, epochs=3), names=flags())
+    (past,) = [w for w in p.warnings if "well past" in w]
+    # B_crit 37 over 8 ranks: 5 per device, 40 in all; S = S_min(1 + 37/B): 588 × (1 + 37/40)/(1 + 37/256) = 989.
+    assert "a global batch of 40 (5 per device × 8 ranks, no accumulation: --global-batch-size 40)" in past
+    assert "1.93× the minimum steps and 2.08× the minimum samples" in past
+    assert "in 588 steps of 256 (150,528 samples) takes about 989 steps of 40 (39,560 samples)" in past
+    suggested = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=8, global_batch_size=40),
+                     Data(critical_batch_size=37))
+    assert suggested.global_batch_size == 40 and not any("well past" in w for w in suggested.warnings)
+
+
+def test_keep_trajectory_says_what_one_sample_per_device_costs():
+    p = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=32, keep="trajectory"), names=flags())
+    assert p.per_device_batch_size == 1
+    (small,) = [w for w in p.warnings if "per micro-step" in w]
+    assert "1 sample per device per micro-step, 32× fewer than the reference's 32" in small
+    assert "BatchNorm" in small and "--keep per-device keeps 32 per device" in small
+    # A batch the memory limit sets, or the user gives, is no surprise.
+    fits = plan(Reference(per_device_batch_size=256, lr=0.1),
+                Target(devices=4, keep="trajectory", max_batch_size_per_device=16))
+    given = plan(Reference(per_device_batch_size=32, lr=0.1), Target(devices=32, per_device_batch_size=1))
+    assert not any("per micro-step" in w for w in fits.warnings + given.warnings)
+
+
 @pytest.mark.parametrize("data", [
     Data(dataset_size=2560, epochs=2, warmup_epochs=1),
-    Data(dataset_size=2560, epochs=0.5),  # warmup clamped to the 5-step run
+    Data(dataset_size=2560, epochs=0.5),  # the default warmup: one step of the 5-step run
     Data(warmup_steps=7),  # no dataset size, explicit length
 ])
 def test_scheduler_steps_the_lr_the_plan_tabulates(data):
@@ -419,3 +453,25 @@ def test_keep_trajectory_from_a_study_keeps_the_reference_lr(capsys):
     assert "the measured lr is not used" in kept.reasons["lr"]
     # The study's B_crit still applies, and the per-device alternative still takes the study's lr.
     assert kept.steps_factor == pytest.approx(1 + 100 / 32) and kept.other_mode.endswith("at lr 0.012")
+
+
+def test_adams_moments_with_sgd_are_refused_by_the_reference_itself():
+    with pytest.raises(UsageError, match=r"reference.betas and reference.eps set Adam's moments and the plan's "
+                                         r"optimizer is SGD"):
+        Reference(per_device_batch_size=8, lr=0.1, betas=(0.9, 0.99), eps=1e-6)
+    assert Reference(per_device_batch_size=8, lr=0.1).betas is None
+    assert Reference(per_device_batch_size=8, lr=0.1, optimizer="adam").betas == (0.9, 0.999)
+
+
+def test_a_run_counted_in_steps_keeps_its_samples_and_its_own_warmup():
+    p = plan(Reference(per_device_batch_size=8, lr=3e-4, optimizer="adamw", devices=8), Target(devices=32),
+             Data(reference_steps=1000, reference_warmup_steps=100), names=flags())
+    # 1000 steps of 64 are 64,000 samples: 250 steps of 256; the warmup's 6,400 samples are 25 steps.
+    assert (p.total_steps, p.warmup_steps) == (250, 25)
+    assert p.reasons["total_steps"] == "--ref-steps 1,000 steps of 64 samples, the same samples in steps of 256"
+    assert p.reasons["warmup_steps"] == "--ref-warmup-steps 100 steps of 64 samples: the same 6,400 samples"
+
+
+def test_a_reference_given_by_its_global_batch_says_so():
+    p = plan(Reference(global_batch_size=256, lr=0.1), Target(devices=8, per_device_batch_size=16), names=flags())
+    assert p.reasons["reference_global_batch_size"] == "given by --ref-global-batch-size"

@@ -34,6 +34,8 @@ RENAMES: dict[str, str] = {
     "target.context_parallel_size": "--cp", "target.data_parallel_replicate_size": "--replicate",
     "reference.tensor_parallel_size": "--ref-tp", "reference.pipeline_parallel_size": "--ref-pp",
     "reference.context_parallel_size": "--ref-cp",
+    "reference.global_batch_size": "--ref-global-batch-size",
+    "data.reference_steps": "--ref-steps", "data.reference_warmup_steps": "--ref-warmup-steps",
     "reference_global_batch_size": "--ref-global-batch-size", "reference_lr": "--ref-lr",
     "optimizer.family": "--optimizer", "deterministic=False": "--noisy",
 }

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 
 from ddplab.cli import render
 from ddplab.cli.args import HelpFormatter, flags, mark
 from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError
+from ddplab.plan.formats import FORMATS
+from ddplab.plan.from_config import ConfigPlan, plan_config, write_config
 from ddplab.plan.planner import Data, Reference, Target
 
 DESCRIPTION = """\
@@ -35,6 +38,7 @@ examples:
   ddplab plan --ref-batch-size 32 --ref-lr 3e-4 --optimizer adamw --devices 8 --rule surge --noise-scale 128
   ddplab plan --ref-batch-size 256 --ref-devices 4 --ref-wrapper dp --ref-lr 0.1 --devices 4
   ddplab plan --from-study study-out/study.json --ref-batch-size 32 --ref-lr 0.1 --devices 8
+  ddplab plan --config train.toml --ref-devices 8 --devices 8 --nodes 4 --write-config train-32gpu.toml
 """
 
 
@@ -43,17 +47,31 @@ def add_parser(subparsers) -> None:
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser.add_argument_group("reference (the run you trust)"), Reference,
                ("per_device_batch_size", "lr", "devices", "nodes", "accumulation_steps", "tensor_parallel_size",
-                "pipeline_parallel_size", "context_parallel_size", "wrapper", "optimizer", "betas", "eps",
+                "pipeline_parallel_size", "context_parallel_size", "global_batch_size", "wrapper", "optimizer", "betas",
+                "eps",
                 "weight_decay", "noise_scale", "reduction"), prefix="reference",
-               per_device_batch_size={"required": True})
+               per_device_batch_size={"required": False}, lr={"required": False})
     add_fields(parser.add_argument_group("target (the new hardware)"), Target,
                ("devices", "nodes", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
                 "strategy", "data_parallel_replicate_size", "per_device_batch_size", "global_batch_size",
                 "accumulation_steps", "max_batch_size_per_device", "keep", "rule"), prefix="target")
     data = parser.add_argument_group("data and schedule (for step counts)")
     add_fields(data, Data, ("dataset_size", "seq_len", "epochs", "drop_last", "sampler_drop_last", "warmup_epochs",
-                            "warmup_steps", "warmup_threshold", "critical_batch_size"), prefix="data",
+                            "warmup_steps", "reference_steps", "reference_warmup_steps", "warmup_threshold",
+                            "critical_batch_size"), prefix="data",
                drop_last={"optional_value": True}, sampler_drop_last={"optional_value": True})
+    config = parser.add_argument_group("config file (the reference read from a framework's config)")
+    mark(config.add_argument("--config", metavar="FILE",
+                             help="the reference run's config file: a torchtitan TOML, DeepSpeed JSON, Megatron-LM "
+                                  "launch script or args file, Lightning CLI YAML, litgpt YAML or Transformers "
+                                  "TrainingArguments JSON/YAML; flags given beside it win over its values"), "config")
+    mark(config.add_argument("--config-format", choices=tuple(FORMATS),
+                             help="the file's format (default: detected from the file)"), "config_format")
+    mark(config.add_argument("--write-config", metavar="OUT",
+                             help="write the planned setup to OUT in the same format, changing only the keys the "
+                                  "plan changes"), "write_config")
+    mark(config.add_argument("--force", action="store_true",
+                             help="let --write-config overwrite the file --config read"), "force")
     mark(data.add_argument("--from-study", metavar="STUDY.json",
                            help="a ddplab study's study.json: its measured B_crit, and its best lr at the planned "
                                 "global batch in place of --rule (not with --critical-batch-size); with --rule "
@@ -66,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     from ddplab.plan import planner
     from ddplab.plan.from_study import plan_from_study
 
+    if args.config:
+        return _run_config(args)
+    if args.write_config:
+        raise UsageError("{write_config} writes the file {config} read: give {config}")
     reference, target, data = config_from_args(args)
     if args.from_study:
         result = plan_from_study(reference, target, data, args.from_study, names=flags())
@@ -78,16 +100,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config(args: argparse.Namespace) -> int:
+    if args.from_study:
+        raise UsageError("{from_study} and {config} are not combined yet: plan from one of them")
+    result = plan_config(args.config, config_format=args.config_format,
+                         reference=fields_given(args, Reference, prefix="reference"),
+                         target=fields_given(args, Target, prefix="target"),
+                         data=fields_given(args, Data, prefix="data"), names=flags(), write_to=args.write_config,
+                         force=args.force)
+    if args.write_config:
+        write_config(result, args.write_config)
+    if args.json:
+        render.print_json(result)
+        return 0
+    _print_plan(result.plan, title=f"{result.config} ({result.config_format})", keys=result.config_keys)
+    _print_changes(result, args.write_config)
+    return 0
+
+
 def config_from_args(args: argparse.Namespace):
     """(Reference, Target, Data) from the flags; each validates itself, naming its fields."""
-    reference = fields_given(args, Reference, prefix="reference")
-    if reference.get("optimizer", "sgd") == "sgd":
-        adam_only = [f"{{reference.{name}}}" for name in ("betas", "eps") if name in reference]
-        if adam_only:
-            raise UsageError(f"{' and '.join(adam_only)} set Adam's moments and the plan's optimizer is SGD, where "
-                             "they would change nothing: pass {reference.optimizer} adam or adamw")
-    return (Reference(**reference), Target(**fields_given(args, Target, prefix="target")),
-            Data(**fields_given(args, Data, prefix="data")))
+    return (Reference(**fields_given(args, Reference, prefix="reference")),
+            Target(**fields_given(args, Target, prefix="target")), Data(**fields_given(args, Data, prefix="data")))
 
 
 ROWS = (
@@ -109,7 +143,7 @@ EXPLAINED_ONLY = frozenset({"data_parallel_size"})
 """Rows shown only where the plan explains them: the data-parallel degree is news only under a mesh or FSDP2."""
 
 
-def _print_plan(result) -> None:
+def _print_plan(result, *, title: str = "", keys: dict[str, str] | None = None) -> None:
     values = result.to_json()
     rows = []
     for key, label in ROWS:
@@ -118,9 +152,12 @@ def _print_plan(result) -> None:
             value = "unknown"
         if value is None or (key in EXPLAINED_ONLY and key not in result.reasons):
             continue
+        if keys is not None:
+            # A config's rows name the file's key for the value, not the flag.
+            label = label.removesuffix(" (--batch-size)") + (f" ({keys[key]})" if key in keys else "")
         rows.append([label, _show(value), result.reasons.get(key, "")])
     how = "lr measured by ddplab study" if result.rule == "measured" else f"{result.rule} rule"
-    title = f"ddplab plan: keep {result.mode}, {how}"
+    title = f"ddplab plan{' ' + title if title else ''}: keep {result.mode}, {how}"
     out = render.console()
     out.print(render.table(title, ["", "value", "why"], rows))
     out.print(f"[dim]other mode:[/] {result.other_mode}")
@@ -136,3 +173,19 @@ def _show(value) -> str:
     if isinstance(value, (list, tuple)):
         return ", ".join(f"{v:.6g}" for v in value)
     return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _print_changes(result: ConfigPlan, written: str | None) -> None:
+    """The planned file as a diff of the original, then what the format carries over in its own way."""
+    out = render.console()
+    target = written or f"{result.config} (planned; --write-config OUT writes it)"
+    diff = difflib.unified_diff(result.original_text.splitlines(), result.text.splitlines(), fromfile=result.config,
+                                tofile=target, lineterm="", n=0)
+    lines = list(diff)
+    if not lines:
+        out.print(f"[dim]config:[/] the plan changes no key of {result.config}")
+    for line in lines:
+        style = "green" if line.startswith("+") else "red" if line.startswith("-") else "dim"
+        out.print(line, style=style, markup=False, highlight=False)
+    for note in result.config_notes:
+        out.print(f"[dim]note:[/] {note}")

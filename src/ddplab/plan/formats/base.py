@@ -1,0 +1,173 @@
+"""What every config format shares: the run it reads from a file, the protocol it follows, and checked values.
+
+A format reads a file into a :class:`FileRun` (the fields of ``Reference``, ``Target`` and ``Data`` the file gives,
+and the file's own key for each), and writes a plan back as ``{key: new value}`` edits on the original text, so
+everything else (comments, order, keys ddplab does not know) stays byte for byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import yaml
+
+from ddplab.errors import UsageError, literal
+from ddplab.plan.inputs import Target
+from ddplab.plan.result import Plan
+
+MISSING: Any = object()
+"""A key the file does not have."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileRun:
+    """A training run as one config file states it."""
+
+    path: str
+    """The file, as the user named it."""
+    reference: dict[str, Any]
+    """``Reference`` fields the file gives (its per-device batch, lr, betas, hardware where it says it)."""
+    target: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``Target`` fields the file implies unless flags say otherwise (its mesh degrees, its strategy)."""
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``Data`` fields the file gives (sequence length, epochs, its steps and warmup)."""
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Each field the file sets, as its key there: the plan's reasons name it (``reference.lr``: ``optimizer.lr``)."""
+    roles: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The file's key for each value the plan writes (``lr``: ``optimizer.lr``), as :func:`planned` names them."""
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Every key the plan may write, with its value in the file (MISSING where absent)."""
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What the framework assumes for a key the file leaves out: a plan that keeps it adds no line."""
+    notes: tuple[str, ...] = ()
+    """What the file says that the plan carries over in its own way, or cannot express."""
+
+
+class ConfigFormat(Protocol):
+    """One framework's config file: how to recognise it, read a run from it, and write a plan back into it."""
+
+    name: str
+    """Its registry name, as the command line's format choice takes it."""
+    label: str
+    """How a sentence names it (``a torchtitan job TOML``)."""
+
+    def detect(self, path: str, text: str) -> bool:
+        """Whether the file is of this format (from its name and its keys)."""
+
+    def read(self, path: str, text: str, given: Mapping[str, Any]) -> FileRun:
+        """The run the file states; ``given`` holds the reference fields flags set (its hardware, say)."""
+
+    def changes(self, run: FileRun, plan: Plan, target: Target) -> dict[str, Any]:
+        """``{key: new value}`` for every key the plan sets (unchanged ones are dropped later)."""
+
+    def edit(self, text: str, changes: Mapping[str, Any]) -> str:
+        """``text`` with each key's value replaced in place (added where the file lacks it)."""
+
+
+def bad(path: str, key: str, what: str) -> UsageError:
+    """An error naming the file and its key, then what to give."""
+    return UsageError(f"{literal(path)}: {literal(key)} {what}" if key else f"{literal(path)} {what}")
+
+
+def whole(path: str, key: str, value: Any) -> int:
+    """``value`` as a whole number, or an error that names the file's key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise bad(path, key, f"must be a whole number, got {literal(repr(value))}")
+    return int(value)
+
+
+def real(path: str, key: str, value: Any) -> float:
+    """``value`` as a finite number (a TOML or YAML string such as "3e-4" included)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise bad(path, key, f"must be a number, got {literal(repr(value))}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(path, key, f"must be a number, got {literal(repr(value))}")
+    return float(value)
+
+
+def pair(path: str, key: str, value: Any) -> tuple[float, float]:
+    """Adam's betas as two numbers."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise bad(path, key, f"must be two numbers, got {literal(repr(value))}")
+    return real(path, key, value[0]), real(path, key, value[1])
+
+
+def lookup(tree: Any, key: str) -> Any:
+    """The value at a dotted key of nested mappings, or MISSING."""
+    for part in key.split("."):
+        if not isinstance(tree, Mapping) or part not in tree:
+            return MISSING
+        tree = tree[part]
+    return tree
+
+
+def optimizer_family(name: str) -> str | None:
+    """'sgd', 'adam' or 'adamw' from a class path or name (``torch.optim.AdamW``, ``adamw_torch``, ``FusedAdam``)."""
+    lowered = name.rsplit(".", 1)[-1].lower()
+    if "adamw" in lowered or lowered.startswith("adam_w"):
+        return "adamw"
+    if "adam" in lowered:
+        return "adam"
+    return "sgd" if "sgd" in lowered else None
+
+
+def data_parallel_size(world_size: int, degrees: Mapping[str, int]) -> int:
+    """The world over tp × pp × cp, or 0 where they do not divide it."""
+    model = math.prod(degrees.values())
+    return world_size // model if world_size % model == 0 else 0
+
+
+def planned(plan: Plan, target: Target) -> dict[str, Any]:
+    """The plan's values by role, in the vocabulary every format maps to its keys."""
+    adam = plan.betas is not None
+    return {"per_device_batch_size": plan.per_device_batch_size, "accumulation_steps": plan.accumulation_steps,
+            "global_batch_size": plan.global_batch_size, "lr": plan.lr,
+            "betas": list(plan.betas) if adam else None, "beta1": plan.betas[0] if adam else None,
+            "beta2": plan.betas[1] if adam else None, "eps": plan.eps, "weight_decay": plan.weight_decay,
+            "warmup_steps": plan.warmup_steps if plan.warmup_recommended or plan.warmup_steps else None,
+            "total_steps": plan.total_steps, "devices": target.devices, "nodes": target.nodes,
+            "tensor_parallel_size": target.tensor_parallel_size,
+            "pipeline_parallel_size": target.pipeline_parallel_size,
+            "context_parallel_size": target.context_parallel_size}
+
+
+def by_role(roles: Mapping[str, str], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``{key: value}`` for each role the file has a key for and the plan a value."""
+    return {key: values[role] for role, key in roles.items() if values.get(role) is not None}
+
+
+def same(old: Any, new: Any) -> bool:
+    """Whether a written value equals the file's (numbers compared as numbers)."""
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
+        return len(old) == len(new) and all(same(a, b) for a, b in zip(old, new))
+    if isinstance(old, bool) or isinstance(new, bool):
+        return old == new
+    if isinstance(old, (int, float)) and isinstance(new, (int, float)):
+        return math.isclose(old, new, rel_tol=1e-9, abs_tol=0)
+    return old == new
+
+
+def parse_yaml(path: str, text: str, *, quiet: bool = False) -> Any:
+    """The YAML file's tree (None when ``quiet`` and it is not YAML)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        if quiet:
+            return None
+        raise bad(path, "", f"is not YAML ({literal(str(exc).splitlines()[0])}): give a config file") from None
+
+
+def accumulation(path: str, key: str, global_batch: int, per_device_batch_size: int, data_parallel_size: int,
+                 what: str) -> int:
+    """The accumulation steps a framework takes to reach ``global_batch`` from its per-device batch (a data-parallel
+    degree of 0: the world does not split into the model-parallel degrees)."""
+    if not data_parallel_size or global_batch % (per_device_batch_size * data_parallel_size):
+        raise bad(path, key, f"{global_batch} is not a multiple of {what} {per_device_batch_size} × the data-parallel "
+                             f"degree {data_parallel_size}: give a global batch it can accumulate to")
+    return global_batch // (per_device_batch_size * data_parallel_size)

@@ -1,0 +1,148 @@
+"""Lightning's CLI YAML (the config file of ``python main.py fit``): ``trainer.devices``/``num_nodes``/
+``accumulate_grad_batches``/``max_steps``, the datamodule's and model's ``init_args`` (its ``batch_size``, its lr),
+and an ``optimizer`` given by ``class_path`` and ``init_args``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ddplab.errors import literal
+from ddplab.plan.formats import base, editing
+from ddplab.plan.inputs import Target
+from ddplab.plan.result import Plan
+
+BATCH_KEYS = ("data.init_args.batch_size", "data.batch_size", "model.init_args.batch_size", "model.batch_size")
+LR_KEYS = ("optimizer.init_args.lr", "optimizer.lr", "model.init_args.lr", "model.init_args.learning_rate",
+           "model.lr", "model.learning_rate")
+ROLES = {"devices": "trainer.devices", "nodes": "trainer.num_nodes", "accumulation_steps":
+         "trainer.accumulate_grad_batches", "total_steps": "trainer.max_steps", "betas": "optimizer.init_args.betas",
+         "eps": "optimizer.init_args.eps", "weight_decay": "optimizer.init_args.weight_decay"}
+# torch's defaults for the optimizer's keys a file leaves out (AdamW's decay; Adam's is 0).
+TORCH = {"betas": [0.9, 0.999], "eps": 1e-8}
+
+
+class Lightning:
+    name = "lightning"
+    label = "a Lightning CLI YAML"
+
+    def detect(self, path: str, text: str) -> bool:
+        tree = base.parse_yaml(path, text, quiet=True)
+        return isinstance(tree, dict) and isinstance(tree.get("trainer"), dict)
+
+    def read(self, path: str, text: str, given: Mapping[str, Any]) -> base.FileRun:
+        tree = base.parse_yaml(path, text)
+        batch_key = next((k for k in BATCH_KEYS if base.lookup(tree, k) is not base.MISSING), BATCH_KEYS[0])
+        lr_keys = [k for k in LR_KEYS if base.lookup(tree, k) is not base.MISSING]
+        roles = {**ROLES, "per_device_batch_size": batch_key, **{f"lr{i}": k for i, k in enumerate(lr_keys)}}
+        values = {key: base.lookup(tree, key) for key in (*roles.values(), "optimizer.class_path")}
+        reference: dict[str, Any] = {}
+        if values[batch_key] is not base.MISSING:
+            reference["per_device_batch_size"] = base.whole(path, batch_key, values[batch_key])
+        elif "per_device_batch_size" not in given:
+            raise base.bad(path, batch_key, "is missing: give the reference's batch with "
+                                            "{reference.per_device_batch_size}")
+        if lr_keys:
+            reference["lr"] = base.real(path, lr_keys[0], values[lr_keys[0]])
+        elif "lr" not in given:
+            raise base.bad(path, LR_KEYS[0], "is missing: give the reference lr with {reference.lr}")
+        family = _family(path, tree, given)
+        reference.update(_optimizer(path, values, family), **_hardware(path, values, given))
+        accumulation = values[ROLES["accumulation_steps"]]
+        if accumulation is not base.MISSING:
+            reference["accumulation_steps"] = base.whole(path, ROLES["accumulation_steps"], accumulation)
+        data = _data(path, tree, values)
+        strategy = base.lookup(tree, "trainer.strategy")
+        target = {"strategy": "fsdp"} if isinstance(strategy, str) and strategy.startswith("fsdp") else {}
+        keys = {"reference.per_device_batch_size": batch_key, "target.per_device_batch_size": batch_key,
+                "reference.devices": ROLES["devices"], "reference.nodes": ROLES["nodes"],
+                "reference.accumulation_steps": ROLES["accumulation_steps"],
+                "target.accumulation_steps": ROLES["accumulation_steps"], "reference.betas": ROLES["betas"],
+                "reference.eps": ROLES["eps"], "reference.weight_decay": ROLES["weight_decay"],
+                "reference.optimizer": "optimizer.class_path", "data.epochs": "trainer.max_epochs",
+                "data.reference_steps": ROLES["total_steps"]}
+        if lr_keys:
+            keys["reference.lr"] = lr_keys[0]
+        return base.FileRun(path=path, reference=reference, target=target, data=data, keys=keys, roles=roles,
+                            values=values, defaults=_defaults(family), notes=_notes(tree))
+
+    def changes(self, run: base.FileRun, plan: Plan, target: Target) -> dict[str, Any]:
+        planned = base.planned(plan, target)
+        out = {}
+        for role, key in run.roles.items():
+            value = planned["lr"] if role.startswith("lr") else planned.get(role)
+            if value is None or (role == "total_steps" and run.values[key] in (base.MISSING, -1)):
+                continue
+            if role in ("betas", "eps", "weight_decay") and run.values["optimizer.class_path"] is base.MISSING:
+                continue  # the optimizer is the model's own (configure_optimizers): nothing here to write into
+            if role == "devices" and not isinstance(run.values[key], int):
+                continue  # "auto" or a list of device ids: the user's choice of devices stays
+            out[key] = value
+        return out
+
+    def edit(self, text: str, changes: Mapping[str, Any]) -> str:
+        for key, value in changes.items():
+            text = editing.yaml_set(text, key, value)
+        return text
+
+
+FORMAT = Lightning()
+
+
+def _family(path: str, tree: dict, given: Mapping[str, Any]) -> str | None:
+    optimizer = tree.get("optimizer")
+    name = optimizer.get("class_path") if isinstance(optimizer, dict) else optimizer
+    if name is None:
+        return given.get("optimizer")
+    family = base.optimizer_family(str(name))
+    if family is None:
+        raise base.bad(path, "optimizer.class_path", f"is {literal(repr(name))}: give SGD, Adam or AdamW")
+    return family
+
+
+def _optimizer(path: str, values: dict[str, Any], family: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {} if family is None else {"optimizer": family}
+    if family in ("adam", "adamw"):
+        for field, reader in (("betas", base.pair), ("eps", base.real), ("weight_decay", base.real)):
+            value = values[ROLES[field]]
+            if value is not base.MISSING:
+                out[field] = reader(path, ROLES[field], value)
+    return out
+
+
+def _hardware(path: str, values: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    if "devices" in given:
+        return {}
+    devices, nodes = values[ROLES["devices"]], values[ROLES["nodes"]]
+    if isinstance(devices, list):
+        devices = len(devices)
+    elif isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or devices < 1:
+        raise base.bad(path, ROLES["devices"], f"is {literal(repr(devices))}, which does not say how many devices ran: "
+                                               "pass {reference.devices} and {reference.nodes}")
+    return {"devices": devices, "nodes": 1 if nodes is base.MISSING else base.whole(path, ROLES["nodes"], nodes)}
+
+
+def _data(path: str, tree: dict, values: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    steps, epochs = values[ROLES["total_steps"]], base.lookup(tree, "trainer.max_epochs")
+    if steps not in (base.MISSING, -1, None):
+        out["reference_steps"] = base.whole(path, ROLES["total_steps"], steps)
+    elif epochs not in (base.MISSING, None, -1):
+        out["epochs"] = base.real(path, "trainer.max_epochs", epochs)
+    return out
+
+
+def _defaults(family: str | None) -> dict[str, Any]:
+    decay = 0.01 if family == "adamw" else 0.0
+    return {ROLES["nodes"]: 1, ROLES["accumulation_steps"]: 1, ROLES["betas"]: TORCH["betas"],
+            ROLES["eps"]: TORCH["eps"], ROLES["weight_decay"]: decay}
+
+
+def _notes(tree: dict) -> tuple[str, ...]:
+    if tree.get("lr_scheduler") is not None:
+        return ("lr_scheduler is kept as it is: the plan's warmup, where it recommends one, is for the scheduler to "
+                "carry out",)
+    return ()
