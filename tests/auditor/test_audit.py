@@ -249,6 +249,17 @@ def test_the_audited_command_keeps_its_own_environment(tmp_path, capfd, monkeypa
     assert listing == ["ddplab", "sitecustomize.py"]
 
 
+def test_the_auditor_loads_when_torch_is_looked_up_before_it_is_imported(capfd):
+    """transformers and datasets call importlib.util.find_spec("torch") on import: asking is not importing."""
+    probe = ("import importlib.util, sys; importlib.util.find_spec('torch'); importlib.util.find_spec('torch'); "
+             "print('before', 'ddplab.auditor.install' in sys.modules); import torch; "
+             "from ddplab.auditor import state; print('after', state.current() is not None, "
+             "torch.__spec__.loader is torch.__loader__ and type(torch.__loader__).__name__)")
+    assert main(["audit", "--", sys.executable, "-c", probe]) == 0
+    # Nothing loaded before torch; the auditor after it, torch keeping its own loader.
+    assert capfd.readouterr().out.splitlines() == ["before False", "after True SourceFileLoader"]
+
+
 def test_reports_merge_over_ranks():
     def record(rank, codes):
         return {"rank": rank, "world_size": 2, "global_batch_size": 32, "lr": 0.1, "steps_audited": 5,

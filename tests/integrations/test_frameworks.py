@@ -322,6 +322,38 @@ def test_transformers_trainer_loss_normalised_per_device_is_found(in_scripts, tm
     assert float(ratio) == pytest.approx(int(high) / int(low), rel=1e-2)
 
 
+def _clm_flags(output_dir):
+    """run_clm.py's command line for a short run: TrainingArguments' own flags, parsed by HfArgumentParser."""
+    return ["--output_dir", str(output_dir), "--max_steps", "8", "--per_device_train_batch_size", "4",
+            "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--dataloader_num_workers", "0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_clm_shaped_trainer_without_use_cpu_is_not_distributed(in_scripts, tmp_path, capfd):
+    """transformers looks torch up before the script imports it: the auditor still loads in every worker."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "transformers_clm.py", *_clm_flags(tmp_path / "run")])
+    assert code == 0 and out.count("clm-done steps=8 world_size=1") == 2  # two whole runs, side by side
+    assert _serious(report) == {"NOT_DISTRIBUTED": "error"} and report["world_size"] == 2
+    finding = _finding(report, "NOT_DISTRIBUTED")
+    assert finding["ranks"] == [0, 1] and "TrainingArguments(use_cpu=True) (--use_cpu" in finding["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_clm_shaped_trainer_with_use_cpu_is_audited_as_ddp(in_scripts, tmp_path, capfd):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "transformers_clm.py", *_clm_flags(tmp_path / "run"),
+                                                 "--use_cpu", "--ddp_backend", "gloo"])
+    assert code == 0 and "clm-done steps=8 world_size=2" in out
+    assert _serious(report) == {}
+    assert report["world_size"] == 2 and report["steps_audited"] == 5
+    assert report["global_batch_size"] == 8  # 4 per device × 2 processes
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("framework", ["accelerate", "transformers"])

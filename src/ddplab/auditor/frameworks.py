@@ -76,9 +76,13 @@ def _alone_evidence(audit, world_size: int) -> str | None:
     started = f"{environment.launcher()} started {world_size} processes (WORLD_SIZE={world_size})"
     shared = accelerate_state()
     if shared is not None and shared.get("num_processes") == 1:
+        # The Trainer builds its Accelerator itself: its user turns CPU distribution on through TrainingArguments.
+        trainer = "transformers" in audit.frameworks
+        remedy = ("TrainingArguments(use_cpu=True) (--use_cpu on the command line)" if trainer
+                  else "Accelerator(cpu=True) or ACCELERATE_USE_CPU=1")
         return (f"{started}, but Accelerate runs with num_processes 1 "
                 f"({shared.get('distributed_type')}): prepare() returned the model without DDP and the data "
-                f"unsharded (on a CPU machine, Accelerator(cpu=True) or ACCELERATE_USE_CPU=1 makes it distributed)")
+                f"unsharded (on a CPU machine, {remedy} makes it distributed)")
     if not dist.is_initialized():
         return (f"{started}, but this process stepped its optimizer without joining a process group or building "
                 "a DistributedDataParallel model")

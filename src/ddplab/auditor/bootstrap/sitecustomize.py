@@ -39,8 +39,11 @@ class _AfterTorch:
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch":
             return None
-        sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]
+        # It stays on the path until torch really runs: importlib.util.find_spec("torch") only asks where torch is,
+        # as transformers and datasets do when they are imported before torch.
         for finder in sys.meta_path:
+            if finder is self:
+                continue
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
@@ -59,6 +62,7 @@ class _InstallAfter:
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _AfterTorch)]
         # The module keeps its real loader, as it would unaudited.
         module.__spec__.loader = module.__loader__ = self.loader
         self.loader.exec_module(module)
