@@ -171,7 +171,8 @@ def test_the_same_hardware_changes_nothing_and_writes_the_file_back_byte_for_byt
     assert result.config_changes == {} and result.text == result.original_text
 
 
-def test_the_reasons_name_the_files_keys(capsys):
+def test_the_reasons_name_the_files_keys(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # the table as a 120-column terminal shows it, whatever the runner's width
     out = _cli_json(["--config", _path("zero2_auto.json"), "--ref-devices", "8", "--devices", "32"], capsys)
     assert out["config_keys"]["per_device_batch_size"] == "train_micro_batch_size_per_gpu"
     assert out["config_keys"]["lr"] == "optimizer.params.lr"
