@@ -34,10 +34,12 @@ def record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None:
 
 
 def after_training_forward(audit: AuditState, info: WrapperInfo, output) -> None:
-    """The first training forward after an optimizer step: its backward must start from cleared gradients.
+    """The first training forward after an optimizer step: does its backward start from that step's gradients?
 
-    Judged when backward reaches the model's output, not at the forward: ``zero_grad()`` between the forward and
-    ``loss.backward()`` (the tutorials' order) is as good as before it.
+    Judged when backward reaches the model's output, not at the forward (``zero_grad()`` between the forward and
+    ``loss.backward()``, the tutorials' order, is as good as before it); the finding then needs the next step to
+    come with no ``zero_grad`` in between (:func:`check_cleared`): a GAN's discriminator keeps its gradients
+    through the generator's backward and clears them before its own next step.
     """
     if not (audit.armed and info.micro_steps == 1 and info.steps >= 1) or "GRADIENTS_NOT_CLEARED" in audit.findings:
         return
@@ -49,20 +51,28 @@ def after_training_forward(audit: AuditState, info: WrapperInfo, output) -> None
 
 
 def _backward_started(info: WrapperInfo, step: int, grad_outputs):
-    _check_gradients_cleared(info, step)
+    _note_carried(info, step)
     return None
 
 
 @state.guarded("checking that gradients were cleared")
-def _check_gradients_cleared(audit: AuditState, info: WrapperInfo, step: int) -> None:
-    if "GRADIENTS_NOT_CLEARED" in audit.findings or info.steps != step or info.micro_steps > 1:
-        return  # already said, or this backward belongs to a later micro-batch
+def _note_carried(audit: AuditState, info: WrapperInfo, step: int) -> None:
+    if info.steps != step or info.micro_steps > 1 or info.carried is not None:
+        return  # this backward belongs to a later micro-batch, or was judged already
     kept = [name for name, param in info.params() if param.grad is not None and bool(_local(param.grad).any())]
-    if kept:
-        audit.add("GRADIENTS_NOT_CLEARED",
-                  f"the first backward after optimizer step {info.steps - 1} started with the gradients of "
-                  f"{len(kept)} of {len(info.params())} parameters still nonzero (first: '{kept[0]}'): nothing "
-                  "cleared them after the step")
+    info.carried = (kept[0], len(kept)) if kept else None
+
+
+def check_cleared(audit: AuditState, info: WrapperInfo) -> None:
+    """At an optimizer step: gradients carried from the last step into this one's backward, and no zero_grad since."""
+    carried, info.carried = info.carried, None
+    if carried is None or audit.zero_grad_calls != info.zero_grad_calls or "GRADIENTS_NOT_CLEARED" in audit.findings:
+        return
+    first, count = carried
+    audit.add("GRADIENTS_NOT_CLEARED",
+              f"the first backward after optimizer step {info.steps - 1} started with the gradients of {count} of "
+              f"{len(info.params())} parameters still nonzero (first: '{first}'), and no zero_grad ran before "
+              f"optimizer step {info.steps}")
 
 
 def _local(tensor):

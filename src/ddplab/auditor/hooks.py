@@ -40,11 +40,24 @@ from ddplab.runtime import compat, strategies
 def install(patches: Patches) -> None:
     patches.replace(DistributedDataParallel, "__init__", _watched_init)
     patches.replace(DistributedDataParallel, "forward", _watched_forward)
+    patches.replace(torch.optim.Optimizer, "zero_grad", _watched_zero_grad)
+    patches.replace(torch.nn.Module, "zero_grad", _watched_zero_grad)
     patches.hook(register_optimizer_step_pre_hook(_before_optimizer_step))
     patches.hook(register_optimizer_step_post_hook(_after_optimizer_step))
     join_hook = compat.ddp_join_hook_class()
     if join_hook is not None:
         patches.replace(join_hook, "main_hook", _watched_join)
+
+
+def _watched_zero_grad(original_zero_grad):
+    @functools.wraps(original_zero_grad)
+    def zero_grad(self, *args, **kwargs):
+        audit = state.current()
+        if audit is not None:
+            audit.zero_grad_calls += 1
+        return original_zero_grad(self, *args, **kwargs)
+
+    return zero_grad
 
 
 def _watched_init(original_init):
@@ -276,6 +289,8 @@ def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
         # FSDP2's parameters and gradients are shards, different on every rank by design: nothing to compare.
         meshes.step_evidence(audit, info)
     losses.check_step(audit, info.forward_batch)
+    batches.check_cleared(audit, info)
+    info.zero_grad_calls = audit.zero_grad_calls
     # What each loss element weighed in this step's micro-batches, compared across ranks by findings.merge.
     audit.window(info)["loss_weights"] = weights.flush(audit)
     audit.lr = schedulers.configured_lr(optimizer, audit.lr)

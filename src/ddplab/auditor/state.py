@@ -45,6 +45,8 @@ class WrapperInfo:
         self.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
                                     for m in module.modules())
         self.micro_steps = 0  # training forwards since the last optimizer step
+        self.carried: tuple[str, int] | None = None  # gradients the step's first backward started from
+        self.zero_grad_calls = 0  # the process's zero_grad calls as of this model's last optimizer step
         self.synced_micro_steps = 0  # of those, the ones whose backward reduces (FSDP2's gradient sync on)
 
     def params(self) -> list[tuple[str, torch.Tensor]]:
@@ -70,6 +72,7 @@ class AuditState:
         self.loss_weights: list[tuple[float, int]] = []  # (weight per summed term, micro-batch) this step
         self.weight_records: list = []  # what a loss's elements weigh, this step (:mod:`ddplab.auditor.weights`)
         self.output_nodes: list = []  # autograd nodes of this step's training forwards' outputs
+        self.zero_grad_calls = 0  # Optimizer.zero_grad and Module.zero_grad calls, any optimizer or module
         self.frameworks: set[str] = set()  # the training frameworks the program imported (their fixes' words)
         self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
         self.modules: WeakIdKeyDictionary = WeakIdKeyDictionary()  # inner module → its newest wrapper's info
