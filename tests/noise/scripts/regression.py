@@ -29,11 +29,11 @@ def dataset():
     return TensorDataset(x, x @ w_star)
 
 
-def build_model(strategy: str, world_size: int):
+def build_model(strategy: str, world_size: int, bucket_view: bool = False):
     model = torch.nn.Sequential(torch.nn.Linear(D, 1, bias=False))
     torch.nn.init.zeros_(model[0].weight)
     if strategy == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model)
+        return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -60,7 +60,7 @@ def no_sync(model, strategy: str):
 
 def train(rank: int, world_size: int, args) -> None:
     data = dataset()
-    model = build_model(args.strategy, world_size)
+    model = build_model(args.strategy, world_size, args.bucket_view)
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9 if args.lr else 0.0)
@@ -85,8 +85,8 @@ def train(rank: int, world_size: int, args) -> None:
                 break
         epoch += 1
     if losses is not None:
-        print("weights", [float(v) for v in model[0].weight.detach().full_tensor().reshape(-1)]
-              if args.strategy != "ddp" else model.module[0].weight.reshape(-1).tolist(), file=losses)
+        weight = model.module[0].weight if args.strategy == "ddp" else model[0].weight.to_local()
+        print("weights (this rank's)", weight.detach().reshape(-1).tolist(), file=losses)
         losses.close()
 
 
@@ -109,6 +109,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lr", type=float, default=0.0)
     parser.add_argument("--losses", help="rank 0 writes each micro-step's loss and the final weights here")
+    parser.add_argument("--bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
     parser.add_argument("--exit-code", type=int, default=0, help="exit with this code after training")
     args = parser.parse_args()
     if args.launcher == "torchrun":
