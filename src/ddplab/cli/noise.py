@@ -279,10 +279,10 @@ def _run_command(args: argparse.Namespace, config: CommandConfig) -> int:
         print(f"ddplab noise: {outcome.why_nothing}", file=sys.stderr)
     else:
         _report_command(args, outcome.report)
+    if outcome.timed_out:
+        return 1  # the deadline's own SIGTERM is no signal the user sent
     if outcome.signal is not None:
         raise EndedBySignal(outcome.signal)
-    if outcome.report is not None and outcome.report.stopped_early and outcome.returncode == 0:
-        return 1  # the deadline stopped a command that would have gone on
     return outcome.returncode
 
 

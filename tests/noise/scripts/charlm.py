@@ -11,7 +11,6 @@ gradient clipping, no_sync accumulation; rank 0 prints the loss.
 import argparse
 import contextlib
 import math
-import os
 
 import torch
 import torch.distributed as dist

@@ -29,6 +29,8 @@ class NoiseOutcome:
     """The command's exit code; 128 + N when signal N ended it."""
     signal: int | None = None
     """The signal that ended the command, if one did."""
+    timed_out: bool = False
+    """Whether ``deadline_s`` stopped the command."""
     report: command_report.CommandNoiseReport | None = None
     why_nothing: str | None = None
 
@@ -45,11 +47,16 @@ def measure_command(config: CommandConfig, *, program_stdout_to_stderr: bool = F
         started, loaded, failures = runner.markers(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    ended = {"returncode": 128 - status if status < 0 else status, "signal": -status if status < 0 else None}
+    ended = {"returncode": 128 - status if status < 0 else status, "signal": -status if status < 0 else None,
+             "timed_out": timed_out}
     merged = merge(events)
     if not merged.steps:
-        return NoiseOutcome(**ended, why_nothing=_why_nothing(config, merged, started, loaded, failures))
+        why = _why_nothing(config, merged, started, loaded, failures)
+        if timed_out:
+            why += f" (the command was stopped at --deadline {config.deadline_s:g} s)"
+        return NoiseOutcome(**ended, why_nothing=why)
     stopped, cancelled = _stopped(config, ended["returncode"], ended["signal"], timed_out)
+
     report = command_report.build(config.command, merged, start_step=config.start_step, every=config.every,
                                   window=config.window, returncode=ended["returncode"], stopped_early=stopped,
                                   cancelled_by=cancelled)

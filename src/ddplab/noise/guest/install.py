@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import multiprocessing.util
 import os
 import weakref
 
@@ -88,6 +89,8 @@ def _found(guest: GuestState, model, strategy) -> None:
     guest.write("model", strategy=strategy.name, world_size=dist.get_world_size(), group=group)
     if _DISCOVERY is not None:
         _DISCOVERY.remove()
+    # A rank forked by multiprocessing ends in os._exit, past atexit: its own finalizers still run.
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=0)
     if len(group) < 2:
         guest.disarm("the model is trained on one data-parallel rank: the noise scale compares each rank's gradient "
                      "with their average, which needs 2 or more")
@@ -145,4 +148,5 @@ def _uninstall(guest: GuestState) -> None:
 def _at_exit() -> None:
     guest = state.current()
     if guest is not None and guest.found and not guest.finished:
+        guest.finished = True
         guest.write("end", steps=guest.steps)
