@@ -9,12 +9,16 @@ script's printed losses and final weights are bit for bit those of a plain run, 
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from ddplab.adapt import thresholds
+from ddplab.adapt.schedule import BatchSchedule
 from ddplab.cli.main import main
 from ddplab.noise.command.merge import merge
 from ddplab.noise.command.report import build
@@ -102,6 +106,10 @@ def test_a_small_lm_gives_a_finite_b_simple_and_a_curve_a_schedule_follows(tmp_p
     entries = thresholds.parse(str(tmp_path / "noise.json"))
     assert entries[0].samples_seen == 0 and all(e.global_batch_size % 16 == 0 for e in entries)
     assert [e.global_batch_size for e in entries] == sorted(e.global_batch_size for e in entries)
+    model = torch.nn.Linear(2, 1)
+    schedule = BatchSchedule(model, torch.optim.SGD(model.parameters(), lr=0.1), str(tmp_path / "noise.json"),
+                             per_device_batch_size=16)
+    assert schedule.global_batch_size == entries[0].global_batch_size
 
 
 @pytest.mark.slow
@@ -126,6 +134,26 @@ def test_the_deadline_stops_the_command_and_keeps_what_was_measured(tmp_path):
     code, out = _noise(tmp_path, ["--start-step", "2", "--steps", "12", "--deadline", "25"],
                        [sys.executable, REGRESSION, "--launcher", "fork", "--steps", "10000000"])
     assert code == 1 and out["measured_steps"] == 12 and "--deadline 25" in out["stopped_early"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_the_whole_command_and_keeps_what_was_measured(tmp_path):
+    losses, report = tmp_path / "losses.txt", tmp_path / "noise.json"
+    noise = subprocess.Popen([sys.executable, "-m", "ddplab", "noise", "--start-step", "2", "--steps", "12",
+                              "--json-file", str(report), "--", sys.executable, REGRESSION, "--launcher", "fork",
+                              "--steps", "10000000", "--losses", str(losses)], stdout=subprocess.DEVNULL)
+    try:
+        # Rank 0 has logged step 20: the measured steps 2-13 are behind every rank (each waited for the others).
+        while not (losses.exists() and "step 20 " in losses.read_text()):
+            assert noise.poll() is None
+            time.sleep(0.2)
+        noise.send_signal(signal.SIGINT)
+        assert noise.wait(timeout=120) == -signal.SIGINT
+    finally:
+        noise.kill()
+    out = json.loads(report.read_text())
+    assert out["measured_steps"] == 12 and out["cancelled_by"] == "SIGINT" and "SIGINT" in out["stopped_early"]
 
 
 def test_the_plan_measures_the_steps_asked_for():

@@ -75,7 +75,7 @@ def train(rank: int, world_size: int, args) -> None:
                 loss.backward()
             micro += 1
             if losses is not None:
-                print(f"step {step} micro {micro} loss {loss.item()!r}", file=losses)
+                print(f"step {step} micro {micro} loss {loss.item()!r}", file=losses, flush=True)
             if not last:
                 continue
             optimizer.step()
