@@ -50,24 +50,36 @@ def _noise(tmp_path, flags, command):
     return code, (json.loads(report.read_text()) if report.exists() else None)
 
 
+def _regression_command(launcher: str, strategy: str, accumulation: int) -> list[str]:
+    """The regression script's launch: torchrun, fork, spawn, or the same model in Lightning or Accelerate."""
+    args = ["--accumulation", str(accumulation), "--steps", "60"]
+    if launcher == "lightning":
+        return [sys.executable, os.path.join(SCRIPTS, "regression_lightning.py"), *args]
+    if launcher == "accelerate":
+        return [*TORCHRUN, os.path.join(SCRIPTS, "regression_accelerate.py"), *args]
+    args = [REGRESSION, "--strategy", strategy, *args]
+    return [*TORCHRUN, *args] if launcher == "torchrun" else [sys.executable, *args, "--launcher", launcher]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("launcher, strategy, accumulation", [("torchrun", "ddp", 1), ("fork", "fsdp", 1),
-                                                              ("fork", "ddp", 2), ("spawn", "fsdp", 2)])
+@pytest.mark.parametrize("launcher, strategy, accumulation", [
+    ("torchrun", "ddp", 1), ("fork", "fsdp", 1), ("fork", "ddp", 2), ("spawn", "fsdp", 2),
+    ("lightning", "ddp", 2), ("accelerate", "ddp", 1)])
 def test_noiseless_regression_gives_d_plus_one(launcher, strategy, accumulation, tmp_path):
     module = _module(REGRESSION)
     exact = _dataset_b_simple(module)
     assert exact == pytest.approx(module.D + 1, rel=0.03)
-    args = [REGRESSION, "--strategy", strategy, "--accumulation", str(accumulation), "--steps", "60"]
-    command = [*TORCHRUN, *args] if launcher == "torchrun" else [sys.executable, *args, "--launcher", launcher]
-    code, out = _noise(tmp_path, ["--start-step", "3", "--steps", "50"], command)
+    code, out = _noise(tmp_path, ["--start-step", "3", "--steps", "50"],
+                       _regression_command(launcher, strategy, accumulation))
     assert code == 0
     low, high = out["b_simple_ci95"]
     assert low <= module.D + 1 <= high and low <= exact <= high, out["b_simple"]
     assert high - low < exact  # an interval that says something
     assert (out["strategy"], out["data_parallel_size"], out["per_device_batch_size"], out["accumulation_steps"],
-            out["global_batch_size"], out["dataset_size"]) == (strategy, 2, 16, accumulation, 32 * accumulation,
-                                                               module.SAMPLES)
+            out["global_batch_size"]) == (strategy, 2, 16, accumulation, 32 * accumulation)
+    # Accelerate shards the loader itself, with no DistributedSampler to say the dataset's size.
+    assert out["dataset_size"] == (None if launcher == "accelerate" else module.SAMPLES)
     assert out["measured_step_range"] == [3, 52] and out["measured_steps"] == 50 and out["left_out"] == {}
     assert out["stopped_early"] is None and 0 < out["guest_seconds_per_measured_step"]
 
