@@ -57,7 +57,7 @@ def _regression_command(launcher: str, strategy: str, accumulation: int) -> list
         return [sys.executable, os.path.join(SCRIPTS, "regression_lightning.py"), *args]
     if launcher == "accelerate":
         return [*TORCHRUN, os.path.join(SCRIPTS, "regression_accelerate.py"), *args]
-    args = [REGRESSION, "--strategy", strategy, *args]
+    args = [REGRESSION, "--strategy", strategy, *args, *(["--world-size", "4"] if strategy == "hsdp" else [])]
     return [*TORCHRUN, *args] if launcher == "torchrun" else [sys.executable, *args, "--launcher", launcher]
 
 
@@ -65,7 +65,7 @@ def _regression_command(launcher: str, strategy: str, accumulation: int) -> list
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher, strategy, accumulation", [
     ("torchrun", "ddp", 1), ("fork", "fsdp", 1), ("fork", "ddp", 2), ("spawn", "fsdp", 2),
-    ("lightning", "ddp", 2), ("accelerate", "ddp", 1)])
+    ("fork", "hsdp", 1), ("lightning", "ddp", 2), ("accelerate", "ddp", 1)])
 def test_noiseless_regression_gives_d_plus_one(launcher, strategy, accumulation, tmp_path):
     module = _module(REGRESSION)
     exact = _dataset_b_simple(module)
@@ -76,8 +76,9 @@ def test_noiseless_regression_gives_d_plus_one(launcher, strategy, accumulation,
     low, high = out["b_simple_ci95"]
     assert low <= module.D + 1 <= high and low <= exact <= high, out["b_simple"]
     assert high - low < exact  # an interval that says something
+    ranks = 4 if strategy == "hsdp" else 2  # HSDP: 2 replicas × 2 shards, each rank its own samples
     assert (out["strategy"], out["data_parallel_size"], out["per_device_batch_size"], out["accumulation_steps"],
-            out["global_batch_size"]) == (strategy, 2, 16, accumulation, 32 * accumulation)
+            out["global_batch_size"]) == (strategy, ranks, 16, accumulation, 16 * ranks * accumulation)
     # Accelerate shards the loader itself, with no DistributedSampler to say the dataset's size.
     assert out["dataset_size"] == (None if launcher == "accelerate" else module.SAMPLES)
     assert out["measured_step_range"] == [3, 52] and out["measured_steps"] == 50 and out["left_out"] == {}

@@ -37,8 +37,10 @@ def build_model(strategy: str, world_size: int, bucket_view: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    shape = (world_size,) if strategy == "fsdp" else (2, world_size // 2)
-    mesh = init_device_mesh("cpu", shape)
+    if strategy == "fsdp":
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     fully_shard(model[0], mesh=mesh)
     return fully_shard(model, mesh=mesh)
 

@@ -51,7 +51,7 @@ def measure_command(config: CommandConfig, *, program_stdout_to_stderr: bool = F
              "timed_out": timed_out}
     merged = merge(events)
     if not merged.steps:
-        why = _why_nothing(config, merged, started, loaded, failures)
+        why = _why_nothing(config, merged, ended["returncode"], started, loaded, failures)
         if timed_out:
             why += f" (the command was stopped at --deadline {config.deadline_s:g} s)"
         return NoiseOutcome(**ended, why_nothing=why)
@@ -75,9 +75,12 @@ def _stopped(config: CommandConfig, returncode: int, signum: int | None, timed_o
     return None, None
 
 
-def _why_nothing(config: CommandConfig, merged: Merged, started: int, loaded: int, failures: list[str]) -> str:
+def _why_nothing(config: CommandConfig, merged: Merged, returncode: int, started: int, loaded: int,
+                 failures: list[str]) -> str:
     if failures:
         return f"the noise scale's guest could not start in the command's Python processes ({failures[0]})"
+    if not merged.group and returncode != 0:
+        return f"the command failed (exit code {returncode}) before a data-parallel model trained"
     if not merged.group:
         return _no_model(started, loaded)
     if len(merged.group) < 2:
