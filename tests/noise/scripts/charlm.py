@@ -10,6 +10,7 @@ gradient clipping, no_sync accumulation; rank 0 prints the loss.
 
 import argparse
 import contextlib
+import gc
 import math
 
 import torch
@@ -135,7 +136,9 @@ def main() -> None:
                     break
             epoch += 1
     finally:
-        del model, optimizer
+        # The DDP wrapper sits in reference cycles: collected before the group goes, or its gloo threads outlive it.
+        del model, optimizer, scheduler
+        gc.collect()
         dist.destroy_process_group()
 
 

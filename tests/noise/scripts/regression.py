@@ -10,6 +10,7 @@ y = x·w* with Gaussian x and the weights at 0 (lr 0 keeps them there): the per-
 
 import argparse
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -98,6 +99,8 @@ def rank_main(rank: int, world_size: int, args) -> None:
     try:
         train(rank, world_size, args)
     finally:
+        # The DDP wrapper sits in reference cycles: collected before the group goes, or its gloo threads outlive it.
+        gc.collect()
         dist.destroy_process_group()
 
 

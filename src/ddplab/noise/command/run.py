@@ -79,10 +79,8 @@ def _why_nothing(config: CommandConfig, merged: Merged, returncode: int, started
                  failures: list[str]) -> str:
     if failures:
         return f"the noise scale's guest could not start in the command's Python processes ({failures[0]})"
-    if not merged.group and returncode != 0:
-        return f"the command failed (exit code {returncode}) before a data-parallel model trained"
     if not merged.group:
-        return _no_model(started, loaded)
+        return _no_model(started, loaded, returncode)
     if len(merged.group) < 2:
         return ("the command trains on one data-parallel rank (a world of one); the noise scale compares each "
                 "rank's gradient with their average, so it needs 2 or more: e.g. torchrun --nproc_per_node 2")
@@ -97,10 +95,11 @@ def _why_nothing(config: CommandConfig, merged: Merged, returncode: int, started
     return "the run ended before its first measured step finished"
 
 
-def _no_model(started: int, loaded: int) -> str:
+def _no_model(started: int, loaded: int, returncode: int) -> str:
     if loaded:
-        return ("the command started no distributed run: no DDP or FSDP2 model trained in it, so there is no "
-                "data-parallel reduction to measure; launch it on 2 or more ranks, e.g. "
+        failed = f", or failed before one trained (exit code {returncode})" if returncode else ""
+        return (f"the command started no distributed run{failed}: no DDP or FSDP2 model trained in it, so there is "
+                "no data-parallel reduction to measure; launch it on 2 or more ranks, e.g. "
                 "ddplab noise -- torchrun --nproc_per_node 2 train.py")
     if started:
         return "no Python process of the command imported torch: there was nothing to measure"

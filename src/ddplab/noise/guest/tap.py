@@ -24,6 +24,7 @@ from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
 from ddplab.noise.scale import squared_norm
 from ddplab.runtime import compat
+from ddplab.runtime.strategies.fsdp import param_groups
 
 
 class Measurement:
@@ -101,5 +102,11 @@ def _count(guest: GuestState, module, args, kwargs) -> None:
     measurement = guest.measurement
     if measurement is None or not torch.is_grad_enabled():
         return  # evaluation forwards are no part of a training step
+    if getattr(guest.strategy, "all_reduces", False) and not all(group.all_reduce_grads
+                                                                   for group in param_groups(module)):
+        # The local gradient is then partly reduce-scattered already: the tap would refuse inside backward.
+        guest.disarm("HSDP's set_requires_all_reduce(False) leaves no whole local gradient to read; accumulate "
+                     "with set_requires_gradient_sync(False) to measure")
+        return
     measurement.forwards += 1
     measurement.samples += tensors.first_dim((args, kwargs)) or 0
