@@ -210,3 +210,17 @@ def test_the_two_forms_refuse_each_others_flags(capsys):
     assert main(["noise"]) == 2
     assert "after --" in capsys.readouterr().err
     assert main(["noise", "--start-step", "0", "--", sys.executable, "train.py"]) == 2
+
+
+def test_plan_takes_the_critical_batch_size_from_a_noise_report(tmp_path, capsys):
+    plan = ["plan", "--ref-batch-size", "64", "--ref-lr", "0.1", "--devices", "8", "--nodes", "4", "--json"]
+    report = tmp_path / "noise.json"
+    report.write_text(json.dumps({"b_simple": 500.0, "b_simple_ci95": [400.0, 650.0]}))
+    assert main([*plan, "--critical-batch-size", "500"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert main([*plan, "--from-noise", str(report)]) == 0
+    assert json.loads(capsys.readouterr().out) == given
+    assert main([*plan, "--from-noise", str(report), "--critical-batch-size", "9"]) == 2
+    report.write_text(json.dumps({"b_simple": None}))
+    assert main([*plan, "--from-noise", str(report)]) == 2
+    assert "--from-noise" in capsys.readouterr().err

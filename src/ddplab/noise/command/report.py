@@ -8,9 +8,11 @@ command line and by scripts through ``to_json``; its ``schedule`` is a batch sch
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
+from ddplab.errors import UsageError, literal
 from ddplab.noise import estimators
 from ddplab.noise.command.merge import Merged, StepNorms
 from ddplab.serialize import finite
@@ -122,3 +124,30 @@ def by_samples(history: list[dict[str, float]], window: int) -> list[dict[str, A
                        "steps": [part[0]["step"], part[-1]["step"]], "b_simple": summary.b_simple,
                        "b_simple_ci95": summary.b_simple_ci95, "b_simple_status": summary.status})
     return points
+
+
+def with_noise_report(reference, data, path: str, *, surge: bool):
+    """(reference, data) of a plan with a ``ddplab noise`` report's B_simple (either form's JSON) as the critical
+    batch size, or under the surge rule as the reference's noise scale; ``plan --from-noise``."""
+    b_simple = read_b_simple(path)
+    if surge:
+        if reference.noise_scale is not None:
+            raise UsageError("{reference.noise_scale} and {from_noise} both give the noise scale: drop one")
+        return dataclasses.replace(reference, noise_scale=b_simple), data
+    if data.critical_batch_size is not None:
+        raise UsageError("{data.critical_batch_size} and {from_noise} both give the critical batch size: drop one")
+    return reference, dataclasses.replace(data, critical_batch_size=b_simple)
+
+
+def read_b_simple(path: str) -> float:
+    """The B_simple of a ``ddplab noise`` JSON report; UsageError when it holds no positive, finite one."""
+    try:
+        with open(path) as fh:
+            value = json.load(fh).get("b_simple")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{{from_noise}} {literal(repr(path))} is not a readable ddplab noise JSON report "
+                         f"({type(exc).__name__})") from None
+    if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise UsageError(f"{{from_noise}} {literal(repr(path))} holds no finite B_simple (|G|² was not resolved): "
+                         "measure more steps")
+    return float(value)
