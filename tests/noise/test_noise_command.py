@@ -57,6 +57,8 @@ def _regression_command(launcher: str, strategy: str, accumulation: int) -> list
         return [sys.executable, os.path.join(SCRIPTS, "regression_lightning.py"), *args]
     if launcher == "accelerate":
         return [*TORCHRUN, os.path.join(SCRIPTS, "regression_accelerate.py"), *args]
+    if launcher == "none":
+        return [sys.executable, REGRESSION, "--launcher", "none", "--strategy", "none", *args]
     args = [REGRESSION, "--strategy", strategy, *args, *(["--world-size", "4"] if strategy == "hsdp" else [])]
     return [*TORCHRUN, *args] if launcher == "torchrun" else [sys.executable, *args, "--launcher", launcher]
 
@@ -65,7 +67,7 @@ def _regression_command(launcher: str, strategy: str, accumulation: int) -> list
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher, strategy, accumulation", [
     ("torchrun", "ddp", 1), ("fork", "fsdp", 1), ("fork", "ddp", 2), ("spawn", "fsdp", 2),
-    ("fork", "hsdp", 1), ("lightning", "ddp", 2), ("accelerate", "ddp", 1)])
+    ("fork", "hsdp", 1), ("lightning", "ddp", 2), ("accelerate", "ddp", 1), ("none", "none", 4)])
 def test_noiseless_regression_gives_d_plus_one(launcher, strategy, accumulation, tmp_path):
     module = _module(REGRESSION)
     exact = _dataset_b_simple(module)
@@ -76,11 +78,13 @@ def test_noiseless_regression_gives_d_plus_one(launcher, strategy, accumulation,
     low, high = out["b_simple_ci95"]
     assert low <= module.D + 1 <= high and low <= exact <= high, out["b_simple"]
     assert high - low < exact  # an interval that says something
-    ranks = 4 if strategy == "hsdp" else 2  # HSDP: 2 replicas × 2 shards, each rank its own samples
+    # HSDP: 2 replicas × 2 shards, each rank its own samples; one process: its micro-steps are the small batches.
+    ranks = {"hsdp": 4, "none": 1}.get(strategy, 2)
     assert (out["strategy"], out["data_parallel_size"], out["per_device_batch_size"], out["accumulation_steps"],
-            out["global_batch_size"]) == (strategy, ranks, 16, accumulation, 16 * ranks * accumulation)
-    # Accelerate shards the loader itself, with no DistributedSampler to say the dataset's size.
-    assert out["dataset_size"] == (None if launcher == "accelerate" else module.SAMPLES)
+            out["global_batch_size"]) == (strategy.replace("none", "one process"), ranks, 16, accumulation,
+                                          16 * ranks * accumulation)
+    # Accelerate shards the loader itself, and one process draws from a RandomSampler: neither says the dataset's size.
+    assert out["dataset_size"] == (None if launcher in ("accelerate", "none") else module.SAMPLES)
     assert out["measured_step_range"] == [3, 52] and out["measured_steps"] == 50 and out["left_out"] == {}
     assert out["stopped_early"] is None and 0 < out["guest_seconds_per_measured_step"]
 
@@ -128,8 +132,10 @@ def test_a_small_lm_gives_a_finite_b_simple_and_a_curve_a_schedule_follows(tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_what_cannot_be_measured_is_one_line_and_the_exit_code_stands(tmp_path, capsys):
-    cases = [([sys.executable, os.path.join(SCRIPTS, "one_process.py"), "4"], [], 4, "started no distributed run"),
-             ([*TORCHRUN[:-1], "1", REGRESSION, "--steps", "20"], [], 0, "one data-parallel rank"),
+    cases = [([sys.executable, os.path.join(SCRIPTS, "one_process.py"), "4"], ["--start-step", "1"], 4,
+              "no distributed run, a world of one) without accumulation"),
+             ([*TORCHRUN[:-1], "1", REGRESSION, "--steps", "20"], ["--start-step", "2"], 0,
+              "a world of one) without accumulation"),
              ([sys.executable, REGRESSION, "--launcher", "fork", "--steps", "8"], ["--start-step", "10"], 0,
               "the run made 8 optimizer steps, and measuring starts at step 10"),
              ([sys.executable, REGRESSION, "--launcher", "fork", "--steps", "8", "--bucket-view"],

@@ -26,7 +26,8 @@ only as 1 + B_simple/B.
   ddplab noise [options] -- COMMAND ...
 
 A guest in every Python process of the command (torchrun workers, mp.spawn and fork children,
-Lightning, Accelerate) finds the DDP model (or FSDP2 / HSDP root) at its first training forward,
+Lightning, Accelerate) finds the DDP model (or FSDP2 / HSDP root; on one process with accumulation,
+the model whose micro-steps it compares) at its first training forward,
 counts its optimizer steps and reads the gradients of --steps steps from --start-step (under
 no_sync the synchronising micro-step holds every micro-batch); with --every K every K-th step to
 the end of training, and the report's by_samples gives B_simple over samples seen (--plot draws

@@ -6,6 +6,7 @@ y = x·w* with Gaussian x and the weights at 0 (lr 0 keeps them there): the per-
 
     torchrun --nproc_per_node 2 regression.py [--strategy fsdp] [--accumulation 2]
     python regression.py --launcher fork|spawn
+    python regression.py --launcher none --strategy none --accumulation 4    # one process
 """
 
 import argparse
@@ -33,6 +34,8 @@ def dataset():
 def build_model(strategy: str, world_size: int, bucket_view: bool = False):
     model = torch.nn.Sequential(torch.nn.Linear(D, 1, bias=False))
     torch.nn.init.zeros_(model[0].weight)
+    if strategy == "none":
+        return model
     if strategy == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
     from torch.distributed.device_mesh import init_device_mesh
@@ -47,6 +50,8 @@ def build_model(strategy: str, world_size: int, bucket_view: bool = False):
 
 
 def no_sync(model, strategy: str):
+    if strategy == "none":
+        return contextlib.nullcontext()  # one process: nothing to synchronise
     if strategy == "ddp":
         return model.no_sync()
 
@@ -64,13 +69,15 @@ def no_sync(model, strategy: str):
 def train(rank: int, world_size: int, args) -> None:
     data = dataset()
     model = build_model(args.strategy, world_size, args.bucket_view)
-    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    sampler = DistributedSampler(data, shuffle=True, seed=0) if world_size > 1 else \
+        torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9 if args.lr else 0.0)
     losses = open(args.losses, "w") if args.losses and rank == 0 else None
     step, micro, epoch = 0, 0, 0
     while step < args.steps:
-        sampler.set_epoch(epoch)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
         for x, y in loader:
             last = (micro + 1) % args.accumulation == 0
             with contextlib.nullcontext() if last else no_sync(model, args.strategy):
@@ -88,7 +95,8 @@ def train(rank: int, world_size: int, args) -> None:
                 break
         epoch += 1
     if losses is not None:
-        weight = model.module[0].weight if args.strategy == "ddp" else model[0].weight.to_local()
+        weight = {"ddp": lambda: model.module[0].weight, "none": lambda: model[0].weight}.get(
+            args.strategy, lambda: model[0].weight.to_local())()
         print("weights (this rank's)", weight.detach().reshape(-1).tolist(), file=losses)
         losses.close()
 
@@ -106,9 +114,10 @@ def rank_main(rank: int, world_size: int, args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--launcher", choices=("torchrun", "spawn", "fork"), default="torchrun")
+    parser.add_argument("--launcher", choices=("torchrun", "spawn", "fork", "none"), default="torchrun",
+                        help="none: one process, no process group (with --strategy none)")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--strategy", choices=("ddp", "fsdp", "hsdp"), default="ddp")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp", "hsdp", "none"), default="ddp")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--steps", type=int, default=60)
@@ -117,7 +126,10 @@ def main() -> int:
     parser.add_argument("--bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
     parser.add_argument("--exit-code", type=int, default=0, help="exit with this code after training")
     args = parser.parse_args()
-    if args.launcher == "torchrun":
+    if args.launcher == "none":
+        torch.set_num_threads(1)
+        train(0, 1, args)
+    elif args.launcher == "torchrun":
         rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     else:
         with socket.socket() as sock:

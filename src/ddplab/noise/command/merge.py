@@ -13,6 +13,8 @@ import collections
 import dataclasses
 import math
 
+WITHOUT_ACCUMULATION = "one micro-step per optimizer step on one rank (no accumulation)"
+
 
 @dataclasses.dataclass(frozen=True)
 class StepNorms:
@@ -78,6 +80,8 @@ def _merge_step(step: int, ranks: dict[int, dict], group: list[int]) -> tuple[St
     if set(ranks) != set(group):
         return None, "not recorded by every rank (the run ended during the step)"
     records = list(ranks.values())
+    if records[0].get("micro"):
+        return _merge_micro_step(step, records[0])
     if any(r["reductions"] != 1 or r["share_sq"] is None for r in records):
         return None, ("not exactly one reducing backward pass in the step (each micro-batch reduced, or a step "
                       "the GradScaler skipped)")
@@ -95,6 +99,26 @@ def _merge_step(step: int, ranks: dict[int, dict], group: list[int]) -> tuple[St
     b_big = b_small * len(group)
     return StepNorms(step, b_small, b_big, records[0]["forwards"], g_small_sq, g_big_sq,
                      size if size is not None and size >= max(b_big, 2) else None), ""
+
+
+def _merge_micro_step(step: int, record: dict) -> tuple[StepNorms | None, str]:
+    """One rank: each micro-step's gradient c_i a small batch of b, their sum the big one of A·b.
+
+    With each micro-step's loss divided by A (the usual recipe) a micro-batch's gradient is A·c_i, so the mean
+    over micro-batches of its squared norm is A·Σ|c_i|², and the accumulated Σc_i their mean; without the division
+    both carry A², which B_simple does not see.
+    """
+    forwards, samples = record["forwards"], record["samples"]
+    if forwards < 2:
+        return None, WITHOUT_ACCUMULATION
+    if samples == 0 or samples % forwards or record["share_sq"] is None:
+        return None, "the micro-batches' sizes could not be read or differed (give --batch-size)"
+    g_small_sq, g_big_sq = record["local_sq"] * forwards, record["share_sq"]
+    if not (math.isfinite(g_small_sq) and math.isfinite(g_big_sq)):
+        return None, "non-finite gradients (an fp16 overflow, a NaN loss)"
+    size = record["dataset_size"]
+    return StepNorms(step, samples // forwards, samples, forwards, g_small_sq, g_big_sq,
+                     size if size is not None and size >= max(samples, 2) else None), ""
 
 
 def _costs(by_step: dict[int, dict[int, dict]], group: list[int]) -> dict:

@@ -48,7 +48,8 @@ class CommandNoiseReport:
 
     @property
     def per_device_batch_size(self) -> int:
-        return self.first.b_small // max(self.first.forwards, 1)
+        # The global batch is the per-device batch × micro-steps × data-parallel ranks, on one rank as on many.
+        return self.first.b_big // (max(self.first.forwards, 1) * len(self.merged.group))
 
     @property
     def overhead(self) -> float | None:

@@ -17,7 +17,7 @@ import time
 from ddplab.auditor import runner
 from ddplab.noise.command import report as command_report
 from ddplab.noise.command.config import CommandConfig
-from ddplab.noise.command.merge import Merged, merge
+from ddplab.noise.command.merge import WITHOUT_ACCUMULATION, Merged, merge
 from ddplab.noise.guest import record
 
 
@@ -81,9 +81,10 @@ def _why_nothing(config: CommandConfig, merged: Merged, returncode: int, started
         return f"the noise scale's guest could not start in the command's Python processes ({failures[0]})"
     if not merged.group:
         return _no_model(started, loaded, returncode)
-    if len(merged.group) < 2:
-        return ("the command trains on one data-parallel rank (a world of one); the noise scale compares each "
-                "rank's gradient with their average, so it needs 2 or more: e.g. torchrun --nproc_per_node 2")
+    if WITHOUT_ACCUMULATION in merged.left_out:
+        return ("the command trains in one process (no distributed run, a world of one) without accumulation: the "
+                "noise scale compares gradients over two batch sizes, so it needs 2 or more ranks (e.g. torchrun "
+                "--nproc_per_node 2) or 2 or more micro-steps per optimizer step")
     if merged.notes:
         return f"nothing could be measured: {merged.notes[0]}"
     if merged.left_out:

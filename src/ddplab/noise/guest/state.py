@@ -30,6 +30,8 @@ class GuestState:
         self.owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → whether it steps the model
         self.measurement = None  # the hooks and sums of the step being measured (:class:`tap.Measurement`)
         self.finished = False  # every planned step measured: nothing more is done
+        self.micro = False  # one data-parallel rank: each micro-step's gradient is a small batch
+        self.alone_params: set[int] | None = None  # ids of the parameters a lone process's optimizer steps
 
     @property
     def found(self) -> bool:

@@ -32,10 +32,14 @@ class Measurement:
 
     def __init__(self, guest: GuestState):
         model, params = guest.model(), guest.params()
-        self.device = params[0].device
-        self.tap = guest.strategy.tap_local_gradients(model, params, _observe, via="grad_hooks")
+        self.device, self.micro = params[0].device, guest.micro
+        if guest.micro:
+            # One rank: each parameter's .grad after a micro-step, less its value before, is that micro-batch's.
+            self.handles = [p.register_post_accumulate_grad_hook(_micro_gradient) for p in params]
+        else:
+            self.handles = [guest.strategy.tap_local_gradients(model, params, _observe, via="grad_hooks")]
         # On the model itself, for the measured steps only: it sees keyword inputs, which a global hook does not.
-        self.counter = model.register_forward_pre_hook(_count, with_kwargs=True)
+        self.handles.append(model.register_forward_pre_hook(_count, with_kwargs=True))
         self.reset()
 
     def reset(self) -> None:
@@ -43,11 +47,13 @@ class Measurement:
         self.share_sq: torch.Tensor | None = None
         self.samples = self.forwards = self.reductions = 0
         self.in_backward = False
+        self.previous: dict[int, torch.Tensor] = {}  # one rank: each parameter's .grad after the last micro-step
         self.guest_s, self.started = 0.0, time.perf_counter()
 
     def close(self) -> None:
-        self.tap.remove()
-        self.counter.remove()
+        for handle in self.handles:
+            handle.remove()
+        self.previous = {}
 
     def finish(self, guest: GuestState, step: int) -> dict:
         """This step's record; the sums start again for the next."""
@@ -55,7 +61,8 @@ class Measurement:
         samples = self.samples
         if guest.plan.per_device_batch_size is not None:
             samples = guest.plan.per_device_batch_size * self.forwards
-        line = {"step": step, "samples": samples, "forwards": self.forwards, "reductions": self.reductions,
+        line = {"step": step, "micro": self.micro, "samples": samples, "forwards": self.forwards,
+                "reductions": self.reductions,
                 "local_sq": self.local_sq.item(), "share_sq": None if self.share_sq is None else self.share_sq.item(),
                 "dataset_size": guest.dataset_size}
         line["guest_s"] = self.guest_s + time.perf_counter() - begun
@@ -70,13 +77,31 @@ def _observe(guest: GuestState, gradient: torch.Tensor) -> None:
     if measurement is None:
         return
     begun = time.perf_counter()
-    if not measurement.in_backward:
-        measurement.in_backward = True
-        measurement.reductions += 1
-        if not compat.queue_backward_callback(_after_backward):
-            raise RuntimeError("this torch cannot run a callback at the end of backward")
+    _backward_started(measurement)
     measurement.local_sq += squared_norm(gradient.detach())
     measurement.guest_s += time.perf_counter() - begun
+
+
+@state.guarded("reading a micro-step's gradient")
+def _micro_gradient(guest: GuestState, param: torch.Tensor) -> None:
+    measurement = guest.measurement
+    if measurement is None:
+        return
+    begun = time.perf_counter()
+    _backward_started(measurement)
+    grad, previous = param.grad.detach(), measurement.previous.get(id(param))
+    measurement.local_sq += squared_norm(grad if previous is None else grad - previous)
+    measurement.previous[id(param)] = grad.clone()
+    measurement.guest_s += time.perf_counter() - begun
+
+
+def _backward_started(measurement: Measurement) -> None:
+    if measurement.in_backward:
+        return
+    measurement.in_backward = True
+    measurement.reductions += 1
+    if not compat.queue_backward_callback(_after_backward):
+        raise RuntimeError("this torch cannot run a callback at the end of backward")
 
 
 def _after_backward() -> None:
@@ -91,7 +116,11 @@ def _read_reduced(guest: GuestState) -> None:
         return
     begun = time.perf_counter()
     total = torch.zeros((), dtype=torch.float64, device=measurement.device)
-    for share in guest.strategy.reduced_gradient_share(model, guest.params()):
+    params = guest.params()
+    # One rank holds the whole gradient (accumulated over the micro-steps); ranks of a group their shares of it.
+    shares = (p.grad for p in params if p.grad is not None) if guest.micro else \
+        guest.strategy.reduced_gradient_share(model, params)
+    for share in shares:
         total += squared_norm(share.detach())
     measurement.share_sq, measurement.in_backward = total, False
     measurement.guest_s += time.perf_counter() - begun
