@@ -363,6 +363,11 @@ def _plot_by_samples(report, path: str) -> None:
     high = [(p["b_simple_ci95"][1] or 2 * p["b_simple"]) - p["b_simple"] if p["b_simple_ci95"] else 0.0
             for p in points]
     ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label="B_simple, 95% interval")
+    # Windows whose |G|² was not resolved have only a lower bound: drawn as one.
+    bounds = [p for p in report.to_json()["by_samples"] if p["b_simple"] is None and p["b_simple_ci95"]]
+    if bounds:
+        ax.plot([p["samples_seen"] for p in bounds], [p["b_simple_ci95"][0] for p in bounds], "^", color="gray",
+                label="|G|² not resolved: B_simple above")
     ax.set_xlabel("samples seen")
     ax.set_ylabel("B_simple")
     if any(v > 0 for v in y):
