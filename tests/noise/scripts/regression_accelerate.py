@@ -9,6 +9,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from regression import D, dataset
 
 
@@ -18,6 +19,7 @@ def main():
     parser.add_argument("--accumulation", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    set_seed(0)  # the shuffled order, drawn on rank 0 and shared: the same on every run
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulation)
     model = torch.nn.Linear(D, 1, bias=False)
     torch.nn.init.zeros_(model.weight)

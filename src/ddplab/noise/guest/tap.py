@@ -8,6 +8,10 @@ them. At the end of that backward the squared norm of this rank's share of the r
 callback queued at the first local gradient re-queues itself once, so it runs after the reducer's own
 end-of-backward callback (DDP queues its finaliser when its last bucket is ready; FSDP2 at backward's start).
 
+On one data-parallel rank (one process with accumulation) the small batches are the micro-steps: a
+post-accumulate-grad hook takes each micro-batch's gradient as the change it made to ``.grad`` (a copy of the
+gradients is kept for the step), and the accumulated ``.grad`` at the end of the last backward is the big batch.
+
 Nothing is written into the user's tensors; the sums are new tensors; the hooks are placed for the measured
 steps only and removed after them. A step with more than one reducing backward (every micro-batch reduced, or a
 step the GradScaler skipped) is recorded as such and left out when the ranks' records are merged.
