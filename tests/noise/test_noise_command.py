@@ -175,6 +175,15 @@ def test_ctrl_c_stops_the_whole_command_and_keeps_what_was_measured(tmp_path):
     assert out["measured_steps"] == 12 and out["cancelled_by"] == "SIGINT" and "SIGINT" in out["stopped_early"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_json_keeps_stdout_for_the_report_alone(capfd):
+    assert main(["noise", "--json", "--start-step", "2", "--steps", "5", "--", sys.executable, REGRESSION,
+                 "--launcher", "fork", "--steps", "8"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["measured_steps"] == 5 and "trained 8 steps" in err
+
+
 def test_the_plan_measures_the_steps_asked_for():
     window = StepPlan(start_step=3, steps=4)
     assert [s for s in range(12) if window.measures(s)] == [3, 4, 5, 6] and window.finished(7)

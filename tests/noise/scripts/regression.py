@@ -94,6 +94,8 @@ def train(rank: int, world_size: int, args) -> None:
             if step == args.steps:
                 break
         epoch += 1
+    if rank == 0:
+        print(f"trained {step} steps", flush=True)
     if losses is not None:
         weight = {"ddp": lambda: model.module[0].weight, "none": lambda: model[0].weight}.get(
             args.strategy, lambda: model[0].weight.to_local())()
