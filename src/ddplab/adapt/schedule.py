@@ -9,7 +9,8 @@
             optimizer.zero_grad()
 
 The schedule is what ``ddplab study --branch-at/--branch-from`` writes (``branched.json``'s
-``schedule``: ``[{"samples_seen": n, "global_batch_size": B, "lr": x}]``), the same list given
+``schedule``: ``[{"samples_seen": n, "global_batch_size": B, "lr": x}]``), the ``schedule`` of
+``ddplab noise --every K``'s JSON report (the measured B_simple over samples seen, no lrs), the same list given
 directly, or Megatron-LM's ``--step-batch-size-schedule`` string (``"0:32 416:64"``, no lrs). The
 samples seen are counted as the global batch of each optimizer step, summed; after each step the
 entry in force is the last whose ``samples_seen`` has been reached, and the accumulation steps

@@ -73,7 +73,7 @@ def run_audited(config: AuditConfig, *, program_stdout_to_stderr: bool = False) 
     try:
         status = _run(list(config.command), out_dir, config.steps, 2 if program_stdout_to_stderr else None)
         records = findings.read_records(out_dir)
-        started, loaded, failures = _markers(out_dir)
+        started, loaded, failures = markers(out_dir)
         needed = _needed_variables(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -118,8 +118,18 @@ def python_path(out_dir: str) -> str:
 
 
 def _run(command: list[str], out_dir: str, steps: int, stdout: int | None = None) -> int:
-    """Run the command in its own process group; forward signals to the whole group; its status (−N: signal N)."""
-    env = dict(os.environ, DDPLAB_AUDIT_DIR=out_dir, DDPLAB_AUDIT_STEPS=str(steps))
+    return run_guest(command, out_dir, {"DDPLAB_AUDIT_STEPS": str(steps)}, stdout)
+
+
+def run_guest(command: list[str], out_dir: str, guest_env: dict[str, str], stdout: int | None = None,
+              deadline_s: float | None = None) -> int:
+    """Run the command with a guest armed in its Python processes; its status (−N: signal N).
+
+    The command runs in its own process group, signals forwarded to the whole group. ``guest_env`` is added to
+    its environment (``DDPLAB_GUEST`` names the guest module, the auditor by default); the guest writes to
+    ``out_dir``. After ``deadline_s`` seconds the group gets SIGTERM, as if one had been received.
+    """
+    env = dict(os.environ, DDPLAB_AUDIT_DIR=out_dir, **guest_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(out_dir), os.environ.get("PYTHONPATH")) if p)
     # Its own group, so a signal reaches torchrun and every worker, not torchrun alone.
     child = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
@@ -134,7 +144,7 @@ def _run(command: list[str], out_dir: str, steps: int, stdout: int | None = None
                if signal.getsignal(sig) is not signal.SIG_IGN]
     previous = {sig: signal.signal(sig, forward) for sig in handled}
     try:
-        returncode = _wait(child, received)
+        returncode = _wait(child, received, None if deadline_s is None else time.monotonic() + deadline_s, forward)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -143,20 +153,22 @@ def _run(command: list[str], out_dir: str, steps: int, stdout: int | None = None
     return returncode
 
 
-def _wait(child: subprocess.Popen, received: list[int]) -> int:
+def _wait(child: subprocess.Popen, received: list[int], stop_at: float | None = None, forward=None) -> int:
     deadline = None
     while True:
         try:
             return child.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
+        if stop_at is not None and not received and time.monotonic() > stop_at:
+            forward(signal.SIGTERM, None)
         if received and deadline is None:
             deadline = time.monotonic() + GRACE_S
         if deadline is not None and time.monotonic() > deadline:
             signal_group(child.pid, signal.SIGKILL)
 
 
-def _markers(out_dir: str) -> tuple[int, int, list[str]]:
+def markers(out_dir: str) -> tuple[int, int, list[str]]:
     """Python processes that read the bootstrap, those in which the auditor loaded, and why it failed in others."""
     started, loaded, failures = 0, 0, []
     for name in os.listdir(out_dir):

@@ -1,4 +1,4 @@
-"""``ddplab noise``: the gradient noise scale (critical batch size) of a spec trained with real DDP."""
+"""``ddplab noise``: the gradient noise scale (critical batch size) of your own training command, or of a spec."""
 
 from __future__ import annotations
 
@@ -10,46 +10,61 @@ import sys
 
 from ddplab.cli import render
 from ddplab.cli.args import EndedBySignal, HelpFormatter, add_launch_flags, launch_config, mark
-from ddplab.cli.options import add_fields, fields_given
+from ddplab.cli.options import add_field, add_fields, fields_given
 from ddplab.errors import UsageError, literal
+from ddplab.noise.command.config import CommandConfig
 from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
 from ddplab.text import count
 
 DESCRIPTION = f"""\
-Train SPEC.py on W DDP ranks and measure the gradient noise scale B_simple = tr(Σ)/|G|²
-(McCandlish et al. 2018) from DDP's own all-reduce: each rank's gradient over its batch b
-before it, the averaged gradient over W·b after it. B_simple predicts the critical batch size:
-past it, a larger global batch B buys little: steps fall only as 1 + B_simple/B.
---strategy fsdp trains the ranks with FSDP2 (fully_shard) and reads each rank's gradient before
-the reduce-scatter and the shards of the averaged one after it; --strategy hsdp does so on a
-2-D mesh of --replicate replicas (each shard, held by every replica, counted once).
+Measure the gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018) of your own
+training command, run unchanged: each rank's local gradient over its batch b before the
+data-parallel reduction, the averaged gradient over the global batch B after it. B_simple
+predicts the critical batch size: past it, a larger global batch buys little, as steps fall
+only as 1 + B_simple/B.
 
-Batches come from one shuffled pass over the dataset's N samples per epoch, so the estimates are
-corrected for sampling without replacement (Σ the per-sample covariance with 1/N). The 95%
-interval is Fieller's, from batch means over the measured steps; when |G|² is within its error
-of zero it reads "|G|² not resolved: B_simple > X at 95%". Steps with non-finite gradients are
-skipped and counted. --deadline, a failing rank, Ctrl-C or SIGTERM stop the run with the figures
-of the steps it measured, printed and written to --json-file (exit 1; 130 for Ctrl-C).
+  ddplab noise [options] -- COMMAND ...
 
-SPEC.py defines model(), dataset(), loss(output, target) and optionally optimizer(params) and
-step(model, batch, loss_fn), as for ddplab check.
+A guest in every Python process of the command (torchrun workers, mp.spawn and fork children,
+Lightning, Accelerate) finds the DDP model (or FSDP2 / HSDP root; on one process with accumulation,
+the model whose micro-steps it compares) at its first training forward,
+counts its optimizer steps and reads the gradients of --steps steps from --start-step (under
+no_sync the synchronising micro-step holds every micro-batch); with --every K every K-th step to
+the end of training, and the report's by_samples gives B_simple over samples seen (--plot draws
+it; its schedule is a batch schedule BatchSchedule follows). It only reads: training is bit for
+bit what it is without it, the exit code is the command's, no collective is added (each rank
+writes its own file, merged after the command ends), and it turns itself off with a note where
+it cannot measure. The dataset size of a DistributedSampler corrects for drawing without
+replacement. Ctrl-C and --deadline stop the command and report the steps measured.
+
+The spec form trains SPEC.py (model(), dataset(), loss(output, target), optionally optimizer(params)
+and step(model, batch, loss_fn)) on W ranks itself: --strategy fsdp/hsdp shard it with FSDP2.
+In both, the 95% interval is Fieller's, from batch means over the measured steps; when |G|² is
+within its error of zero it reads "|G|² not resolved: B_simple > X at 95%".
 
 examples:
-  ddplab noise examples/linear_regression_spec.py --batch-size 16 --steps 800   # {DEFAULT_WORLD_SIZE} CPU ranks
-  ddplab noise spec.py --world-size 4 --batch-size 32 --json --plot gns.png
-  ddplab noise spec.py --batch-size 32 --steps 5000 --json-file gns.json   # Ctrl-C keeps what was measured
+  ddplab noise -- torchrun --nproc_per_node 2 train.py                  # steps 10-49 of your run
+  ddplab noise --every 20 --plot gns.png --json-file gns.json -- torchrun --nproc_per_node 4 train.py
+  ddplab noise --start-step 100 --deadline 600 -- python train_lightning.py
+  ddplab noise examples/linear_regression_spec.py --batch-size 16 --steps 800   # spec: {DEFAULT_WORLD_SIZE} CPU ranks
   ddplab noise spec.py --world-size 1 --batch-size 16 --accumulation 4          # one process, 4 micro-batches
-  ddplab noise spec.py --batch-size 16 --strategy fsdp                           # FSDP2 on 2 ranks
   ddplab noise spec.py --batch-size 16 --strategy hsdp --world-size 4 --replicate 2
-  torchrun --nproc_per_node 8 -m ddplab noise spec.py --batch-size 64
 """
+
+# Flags of one form only.
+COMMAND_ONLY = ("start_step", "window")
+SPEC_ONLY = ("world_size", "seed", "accumulation_steps", "strategy", "replicate", "reduce_dtype", "pg_timeout_s")
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("noise", help="measure the gradient noise scale and critical batch size",
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser, NoiseConfig, ("spec_path", "world_size", "per_device_batch_size", "steps", "seed",
-                                     "accumulation_steps", "every"))
+                                     "accumulation_steps", "every"),
+               spec_path={"nargs": "?"}, per_device_batch_size={"required": False})
+    command_form = parser.add_argument_group("your own command (after --)")
+    for name in COMMAND_ONLY:
+        add_field(command_form, CommandConfig, name)
     add_fields(parser.add_argument_group("parallelism"), NoiseConfig, ("strategy", "replicate", "reduce_dtype"))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     mark(parser.add_argument("--json-file", metavar="PATH",
@@ -57,11 +72,47 @@ def add_parser(subparsers) -> None:
                                   "stopped early by --deadline, a failing rank or Ctrl-C)"), "json_file")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
     add_launch_flags(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, command=None)
+    _split_at_command(parser)
 
 
-def config_from_args(args: argparse.Namespace) -> NoiseConfig:
+def _split_at_command(parser: argparse.ArgumentParser) -> None:
+    """Everything after the first ``--`` is the training command, never ddplab's flags or SPEC.py."""
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if "--" not in args:
+            return parse(args, namespace)
+        cut = args.index("--")
+        namespace, extras = parse(args[:cut], namespace)
+        namespace.command = args[cut + 1:]
+        return namespace, extras
+
+    parser.parse_known_args = parse_known_args
+
+
+def config_from_args(args: argparse.Namespace) -> NoiseConfig | CommandConfig:
+    if args.command is not None:
+        _refuse(args, SPEC_ONLY, "belongs to the spec form (ddplab noise SPEC.py ...), not to a command after --")
+        if args.spec_path is not None:
+            raise UsageError(f"give either SPEC.py or a command after --, not both (got {literal(args.spec_path)})")
+        given = fields_given(args, CommandConfig, only=("start_step", "steps", "every", "per_device_batch_size",
+                                                        "window", "deadline_s"))
+        return CommandConfig(command=tuple(args.command), **given)
+    _refuse(args, COMMAND_ONLY, "belongs to the form that runs your own command (ddplab noise [options] -- COMMAND)")
+    if args.spec_path is None:
+        raise UsageError("give your training command after --, e.g. ddplab noise -- torchrun --nproc_per_node 2 "
+                         "train.py, or a SPEC.py with {per_device_batch_size}")
+    if args.per_device_batch_size is None:
+        raise UsageError("the spec form needs {per_device_batch_size}: samples per rank per micro-step")
     return NoiseConfig(**fields_given(args, NoiseConfig))
+
+
+def _refuse(args: argparse.Namespace, fields: tuple[str, ...], why: str) -> None:
+    for field in fields:
+        if getattr(args, field, None) is not None:
+            raise UsageError(f"{{{field}}} {why}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     from ddplab.runtime.spec import check_spec_path
 
     config = config_from_args(args)
+    if isinstance(config, CommandConfig):
+        return _run_command(args, config)
     check_spec_path(config.spec_path)
     # Both files are checked before the run: a path that cannot be written would lose a whole measurement.
     if args.json_file is not None:
@@ -212,6 +265,120 @@ def _plot(report, path: str) -> None:
                  f"per device (global batch {values['global_batch_size']})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("B_simple")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- the form that runs your own command ---
+
+def _run_command(args: argparse.Namespace, config: CommandConfig) -> int:
+    from ddplab.auditor.runner import check_writable
+    from ddplab.noise.command.run import measure_command
+
+    if args.json_file is not None:
+        check_writable(args.json_file, "json_file")
+    if args.plot:
+        _check_plot(args.plot)
+    # Under --json stdout holds the report alone: the command's own stdout goes to stderr.
+    outcome = measure_command(config, program_stdout_to_stderr=args.json)
+    if outcome.report is None:
+        print(f"ddplab noise: {outcome.why_nothing}", file=sys.stderr)
+    else:
+        _report_command(args, outcome.report)
+    if outcome.timed_out:
+        return 1  # the deadline's own SIGTERM is no signal the user sent
+    if outcome.signal is not None:
+        raise EndedBySignal(outcome.signal)
+    return outcome.returncode
+
+
+def _report_command(args: argparse.Namespace, report) -> None:
+    if args.json:
+        render.print_json(report)
+    else:
+        _print_command(report)
+    if args.json_file is not None:
+        _write_json(args.json_file, report)
+    if args.plot:
+        _plot_by_samples(report, args.plot)
+
+
+def _print_command(report) -> None:
+    values = report.to_json()
+    rows = [["B_simple (critical batch)", *_b_simple_cells(values)],
+            ["|G|²", f"{values['g2']:.4g}", "squared norm of the true gradient"],
+            ["tr(Σ)", f"{values['trace_sigma']:.4g}", "per-sample gradient variance, summed over parameters"]]
+    if values["steps_factor"] is not None:
+        rows.append(["steps factor", f"{values['steps_factor']:.3f}", f"1 + B_simple/B at global batch "
+                     f"{values['global_batch_size']}: steps relative to the fewest possible"])
+    for point in values["by_samples"] if len(values["by_samples"]) > 1 else []:
+        rows.append([f"  at {point['samples_seen']:,.0f} samples", _point_value(point),
+                     f"steps {point['steps'][0]}-{point['steps'][1]}"])
+    rows.append(["cost", _cost(values), "the guest's own time in a measured step; nothing outside them"])
+    for reason, left in values["left_out"].items():
+        rows.append(["left out", str(left), f"measured steps {reason}"])
+    out = render.console()
+    out.print(render.table(_command_title(values), ["", "value", "meaning"], rows))
+    for note in filter(None, [values["note"], *values["guest_notes"]]):
+        out.print(f"note: {note}", markup=False)
+    if values["stopped_early"]:
+        out.print(f"stopped early: {values['stopped_early']}; the figures are those of the steps measured before",
+                  markup=False)
+
+
+def _point_value(point: dict) -> str:
+    value = "—" if point["b_simple"] is None else f"{point['b_simple']:.4g}"
+    interval = point["b_simple_ci95"]
+    if interval is None:
+        return value
+    high = "∞" if interval[1] is None else f"{interval[1]:.4g}"
+    return f"{value} [{interval[0]:.4g}, {high}]"
+
+
+def _cost(values: dict) -> str:
+    guest_ms = 1000 * values["guest_seconds_per_measured_step"]
+    if values["overhead"] is None:
+        return f"{guest_ms:.3g} ms"
+    return f"{guest_ms:.3g} ms of {1000 * values['measured_step_seconds']:.3g} ms ({100 * values['overhead']:.2g}%)"
+
+
+def _command_title(values: dict) -> str:
+    first, last = values["measured_step_range"]
+    size = values["dataset_size"]
+    samples = f"; {size} samples, corrected for drawing without replacement" if size else ""
+    accumulation = values["accumulation_steps"]
+    micro = f" × {accumulation} micro-steps" if accumulation > 1 else ""
+    return (f"ddplab noise: {values['strategy']}, {count(values['data_parallel_size'], 'data-parallel rank')} × "
+            f"{values['per_device_batch_size']} per device{micro} (global {values['global_batch_size']})\n"
+            f"optimizer steps {first}-{last} measured{samples}")
+
+
+def _plot_by_samples(report, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in report.to_json()["by_samples"] if p["b_simple"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [p["samples_seen"] for p in points]
+    y = [p["b_simple"] for p in points]
+    low = [p["b_simple"] - p["b_simple_ci95"][0] if p["b_simple_ci95"] else 0.0 for p in points]
+    # An unresolved upper end is drawn to twice the estimate, the rest of the bar being off the chart.
+    high = [(p["b_simple_ci95"][1] or 2 * p["b_simple"]) - p["b_simple"] if p["b_simple_ci95"] else 0.0
+            for p in points]
+    ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label="B_simple, 95% interval")
+    # Windows whose |G|² was not resolved have only a lower bound: drawn as one.
+    bounds = [p for p in report.to_json()["by_samples"] if p["b_simple"] is None and p["b_simple_ci95"]]
+    if bounds:
+        ax.plot([p["samples_seen"] for p in bounds], [p["b_simple_ci95"][0] for p in bounds], "^", color="gray",
+                label="|G|² not resolved: B_simple above")
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel("B_simple")
+    if any(v > 0 for v in y):
+        ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

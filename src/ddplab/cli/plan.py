@@ -76,11 +76,15 @@ def add_parser(subparsers) -> None:
                            help="a ddplab study's study.json: its measured B_crit, and its best lr at the planned "
                                 "global batch in place of --rule (not with --critical-batch-size); with --rule "
                                 "surge, only its B_simple, as --noise-scale"), "from_study")
+    mark(data.add_argument("--from-noise", metavar="REPORT.json",
+                           help="a ddplab noise JSON report: its B_simple as --critical-batch-size (with --rule "
+                                "surge, as --noise-scale)"), "from_noise")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddplab.noise.command.report import with_noise_report
     from ddplab.plan import planner
     from ddplab.plan.from_study import plan_from_study
 
@@ -89,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
     if args.write_config:
         raise UsageError("{write_config} writes the file {config} read: give {config}")
     reference, target, data = config_from_args(args)
+    if args.from_noise:
+        if args.from_study:
+            raise UsageError("{from_study} and {from_noise} both give the critical batch size: drop one")
+        reference, data = with_noise_report(reference, data, args.from_noise, surge=target.rule == "surge")
     if args.from_study:
         result = plan_from_study(reference, target, data, args.from_study, names=flags())
     else:

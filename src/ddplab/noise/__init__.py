@@ -1,4 +1,5 @@
-"""The gradient noise scale: pure estimators, the DDP-hook measurement, a measured run of a spec and its report.
+"""The gradient noise scale: pure estimators, the DDP-hook measurement, a measured run of a spec and its report;
+``command/`` measures a user's own training command through the guest in ``guest/``.
 
 Importing this package imports no torch; :class:`GradientNoiseScale` loads it on first use.
 """

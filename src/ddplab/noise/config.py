@@ -17,13 +17,16 @@ class NoiseConfig(SpecRunConfig, ParallelismConfig):
     all-reduce, FSDP2's reduce-scatter)."""
 
     per_device_batch_size: int
-    """Per-device (per-rank) batch: samples per rank per micro-step."""
+    """Per-device (per-rank) batch: samples per rank per micro-step (for a command: read from its model's inputs
+    unless given)."""
     world_size: int | None = None
     """Ranks (default 2; under torchrun its WORLD_SIZE); 1 works with ``accumulation_steps`` 2 or more (ddp only)."""
     steps: int = 200
-    """Optimizer steps to train."""
+    """For a command, the steps measured from --start-step (40 unless given); for a spec, the optimizer steps to
+    train."""
     every: int = 1
-    """Measure every K-th optimizer step (the library's GradientNoiseScale defaults to 4 inside training)."""
+    """Measure every K-th optimizer step: for a command, from --start-step to the end of training, the curve over
+    samples seen; for a spec, every K-th of its steps."""
     accumulation_steps: int = 1
     """Micro-batches of ``per_device_batch_size`` per optimizer step, under no_sync (all but the last)."""
 

@@ -155,14 +155,14 @@ class GradientNoiseScale:
         # The strategy shows the local gradient of reducing backward passes only: under no_sync it only accumulates,
         # and the synchronising micro-step holds all A·b samples.
         if self.measuring:
-            self._sums[0] += _squared_norm(tensor)
+            self._sums[0] += squared_norm(tensor)
 
     def _micro_grad_ready(self, param) -> None:
         # One process: this micro-batch's gradient is what it added to the accumulated .grad.
         if not self.measuring:
             return
         previous = self._previous.get(id(param))
-        self._sums[0] += _squared_norm(param.grad if previous is None else param.grad - previous)
+        self._sums[0] += squared_norm(param.grad if previous is None else param.grad - previous)
         self._previous[id(param)] = param.grad.detach().clone()
 
     @property
@@ -176,7 +176,7 @@ class GradientNoiseScale:
             raise UsageError("the model this noise scale measures was freed: measure a model that is still training")
         total = torch.zeros((), dtype=torch.float64, device=self._sums.device)
         for share in self._strategy.reduced_gradient_share(model, self._params):
-            total += _squared_norm(share)
+            total += squared_norm(share)
         return total
 
     def step(self) -> StepEstimate | None:
@@ -238,7 +238,7 @@ class GradientNoiseScale:
         """
         accumulation = self.accumulation_steps
         g_small_sq = self._sums[0].item() * accumulation
-        g_big_sq = torch.stack([_squared_norm(g) for g in self._grads()]).sum().item()
+        g_big_sq = torch.stack([squared_norm(g) for g in self._grads()]).sum().item()
         self._sums.zero_()
         self._previous.clear()
         return g_small_sq, g_big_sq
@@ -305,7 +305,8 @@ class _WeakHook:
             self.function(owner, value)
 
 
-def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """|tensor|² as a float64 scalar on its device (half precision summed in float32)."""
     # Half-precision buckets accumulate in float32; float32 ones in place, with no float64 copy.
     upcast = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
     return torch.linalg.vector_norm(tensor, dtype=upcast).double().square()

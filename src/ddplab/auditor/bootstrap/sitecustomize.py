@@ -1,11 +1,15 @@
 """Injected by ``ddplab audit`` through PYTHONPATH: arm the auditor, then chain to any other sitecustomize.
 
+``DDPLAB_GUEST`` names another guest module to arm instead (``ddplab noise -- COMMAND`` arms its own); any
+such module has an ``install_from_env()``.
+
 The auditor loads when the program itself imports torch, right after torch finishes importing, so a
 process that never imports torch is left exactly as it was (no torch loaded, no start-up cost), and
 whatever a program does before its ``import torch`` (OMP_NUM_THREADS, its own warning filters) acts
 as it would unaudited.
 """
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -15,9 +19,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _install_auditor():
     try:
-        from ddplab.auditor import install
-
-        install.install_from_env()
+        guest = importlib.import_module(os.environ.get("DDPLAB_GUEST") or "ddplab.auditor.install")
+        guest.install_from_env()
         _mark("loaded", "")
     except Exception as exc:  # never break the user's program because auditing failed
         print(f"ddplab audit: auditing disabled in this process: {exc!r}", file=sys.stderr)

@@ -1,0 +1,154 @@
+"""What ``ddplab noise -- COMMAND`` measured: B_simple with its interval, the curve over samples seen, the cost.
+
+Pure Python: built in the parent from the merged records (:mod:`ddplab.noise.command.merge`), read by the
+command line and by scripts through ``to_json``; its ``schedule`` is a batch schedule that
+:class:`ddplab.adapt.schedule.BatchSchedule` follows, as it follows ``branched.json``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from ddplab.errors import UsageError, literal
+from ddplab.noise import estimators
+from ddplab.noise.command.merge import Merged, StepNorms
+from ddplab.serialize import finite
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommandNoiseReport:
+    """B_simple of a training command, from the steps its ranks measured."""
+
+    command: tuple[str, ...]
+    merged: Merged
+    summary: estimators.Summary
+    history: list[dict[str, float]]
+    """One record per measured step: step, samples_seen, g_small_sq, g_big_sq, g2, trace_sigma."""
+    by_samples: list[dict[str, Any]]
+    """B_simple over consecutive windows of measured steps, against the samples seen."""
+    start_step: int
+    every: int | None
+    returncode: int
+    """The command's own exit code (128 + N when signal N ended it)."""
+    stopped_early: str | None = None
+    """Why the command stopped before its end (the deadline, a signal, a failure); None when it finished."""
+    cancelled_by: str | None = None
+    """The signal that stopped the command ('SIGINT' for Ctrl-C); None when none did."""
+
+    @property
+    def first(self) -> StepNorms:
+        return self.merged.steps[0]
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.first.b_big
+
+    @property
+    def per_device_batch_size(self) -> int:
+        # The global batch is the per-device batch × micro-steps × data-parallel ranks, on one rank as on many.
+        return self.first.b_big // (max(self.first.forwards, 1) * len(self.merged.group))
+
+    @property
+    def overhead(self) -> float | None:
+        """The guest's share of a measured step's time."""
+        step_s = self.merged.step_s
+        return self.merged.guest_s / step_s if step_s else None
+
+    def schedule(self) -> list[dict[str, int]]:
+        """A batch schedule from the curve: each window's B_simple, rounded down to whole micro-steps, never falling."""
+        micro = self.per_device_batch_size * len(self.merged.group)
+        entries: list[dict[str, int]] = []
+        for point in self.by_samples:
+            if not math.isfinite(point["b_simple"]):
+                continue
+            batch = max(micro, int(point["b_simple"] // micro) * micro)
+            if entries and batch <= entries[-1]["global_batch_size"]:
+                continue
+            entries.append({"samples_seen": 0 if not entries else point["samples_from"], "global_batch_size": batch})
+        return entries
+
+    def to_json(self) -> dict[str, Any]:
+        summary, merged = self.summary, self.merged
+        steps = [r["step"] for r in self.history]
+        return finite({
+            "b_simple": summary.b_simple, "b_simple_ci95": summary.b_simple_ci95, "b_simple_status": summary.status,
+            "note": summary.describe(), "critical_batch_size": summary.b_simple, "g2": summary.g2,
+            "trace_sigma": summary.trace_sigma, "command": list(self.command), "strategy": merged.strategy,
+            "world_size": merged.world_size, "data_parallel_size": len(merged.group),
+            "per_device_batch_size": self.per_device_batch_size, "accumulation_steps": self.first.forwards,
+            "global_batch_size": self.global_batch_size, "b_small": self.first.b_small,
+            "dataset_size": self.first.dataset_size, "start_step": self.start_step, "every": self.every,
+            "measured_steps": summary.steps, "measured_step_range": [min(steps), max(steps)],
+            "left_out": merged.left_out, "guest_notes": merged.notes, "optimizer_steps": merged.optimizer_steps,
+            "steps_factor": summary.steps_factor(self.global_batch_size),
+            "guest_seconds_per_measured_step": merged.guest_s, "measured_step_seconds": merged.step_s,
+            "overhead": self.overhead, "per_step": self.history, "by_samples": self.by_samples,
+            "schedule": self.schedule(), "returncode": self.returncode, "stopped_early": self.stopped_early,
+            "cancelled_by": self.cancelled_by,
+        })
+
+
+def build(command: tuple[str, ...], merged: Merged, *, start_step: int, every: int | None, window: int,
+          returncode: int, stopped_early: str | None = None, cancelled_by: str | None = None) -> CommandNoiseReport:
+    """The report of the merged steps; ValueError when no step was measured."""
+    if not merged.steps:
+        raise ValueError("no measured step")
+    history = [_estimate(step) for step in merged.steps]
+    summary = estimators.summarize([r["g2"] for r in history], [r["trace_sigma"] for r in history])
+    return CommandNoiseReport(command=command, merged=merged, summary=summary, history=history,
+                              by_samples=by_samples(history, window), start_step=start_step, every=every,
+                              returncode=returncode, stopped_early=stopped_early, cancelled_by=cancelled_by)
+
+
+def _estimate(step: StepNorms) -> dict[str, float]:
+    g2, trace = estimators.unbiased_estimates(step.g_small_sq, step.g_big_sq, step.b_small, step.b_big,
+                                              step.dataset_size)
+    # Samples before this step, at the measured step's global batch.
+    return {"step": step.step, "samples_seen": step.step * step.b_big, "g_small_sq": step.g_small_sq,
+            "g_big_sq": step.g_big_sq, "g2": g2, "trace_sigma": trace}
+
+
+def by_samples(history: list[dict[str, float]], window: int) -> list[dict[str, Any]]:
+    """B_simple with its interval over each run of ``window`` measured steps (a short last run joins the one before)."""
+    cuts = list(range(0, len(history), window))
+    if len(cuts) > 1 and len(history) - cuts[-1] < window // 2:
+        cuts.pop()
+    points = []
+    for begin, end in zip(cuts, [*cuts[1:], len(history)]):
+        part = history[begin:end]
+        summary = estimators.summarize([r["g2"] for r in part], [r["trace_sigma"] for r in part])
+        points.append({"samples_seen": sum(r["samples_seen"] for r in part) / len(part),
+                       "samples_from": part[0]["samples_seen"], "samples_to": part[-1]["samples_seen"],
+                       "steps": [part[0]["step"], part[-1]["step"]], "b_simple": summary.b_simple,
+                       "b_simple_ci95": summary.b_simple_ci95, "b_simple_status": summary.status})
+    return points
+
+
+def with_noise_report(reference, data, path: str, *, surge: bool):
+    """(reference, data) of a plan with a ``ddplab noise`` report's B_simple (either form's JSON) as the critical
+    batch size, or under the surge rule as the reference's noise scale; ``plan --from-noise``."""
+    b_simple = read_b_simple(path)
+    if surge:
+        if reference.noise_scale is not None:
+            raise UsageError("{reference.noise_scale} and {from_noise} both give the noise scale: drop one")
+        return dataclasses.replace(reference, noise_scale=b_simple), data
+    if data.critical_batch_size is not None:
+        raise UsageError("{data.critical_batch_size} and {from_noise} both give the critical batch size: drop one")
+    return reference, dataclasses.replace(data, critical_batch_size=b_simple)
+
+
+def read_b_simple(path: str) -> float:
+    """The B_simple of a ``ddplab noise`` JSON report; UsageError when it holds no positive, finite one."""
+    try:
+        with open(path) as fh:
+            value = json.load(fh).get("b_simple")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{{from_noise}} {literal(repr(path))} is not a readable ddplab noise JSON report "
+                         f"({type(exc).__name__})") from None
+    if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise UsageError(f"{{from_noise}} {literal(repr(path))} holds no finite B_simple (|G|² was not resolved): "
+                         "measure more steps")
+    return float(value)

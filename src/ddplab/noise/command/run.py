@@ -1,0 +1,108 @@
+"""Run the user's training command with the noise scale's guest armed, then merge what its ranks recorded.
+
+The command runs unchanged through the auditor's runner (:func:`ddplab.auditor.runner.run_guest`: its own process
+group, signals forwarded, the bootstrap sitecustomize on PYTHONPATH), with ``DDPLAB_GUEST`` naming
+:mod:`ddplab.noise.guest.install`. Its exit code is kept; a run stopped by ``--deadline``, Ctrl-C or a failure
+reports the steps measured before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import signal
+import tempfile
+import time
+
+from ddplab.auditor import runner
+from ddplab.noise.command import report as command_report
+from ddplab.noise.command.config import CommandConfig
+from ddplab.noise.command.merge import WITHOUT_ACCUMULATION, Merged, merge
+from ddplab.noise.guest import record
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoiseOutcome:
+    """The command's exit and what was measured: a report, or one sentence saying why there is none."""
+
+    returncode: int
+    """The command's exit code; 128 + N when signal N ended it."""
+    signal: int | None = None
+    """The signal that ended the command, if one did."""
+    timed_out: bool = False
+    """Whether ``deadline_s`` stopped the command."""
+    report: command_report.CommandNoiseReport | None = None
+    why_nothing: str | None = None
+
+
+def measure_command(config: CommandConfig, *, program_stdout_to_stderr: bool = False) -> NoiseOutcome:
+    """Run the command with the guest armed in every process; the merged report, or why there is none."""
+    out_dir = tempfile.mkdtemp(prefix="ddplab-noise-")
+    try:
+        begun = time.monotonic()
+        status = runner.run_guest(list(config.command), out_dir, config.plan().to_env(),
+                                  2 if program_stdout_to_stderr else None, config.deadline_s)
+        timed_out = config.deadline_s is not None and time.monotonic() - begun >= config.deadline_s
+        events = record.read_all(out_dir)
+        started, loaded, failures = runner.markers(out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    ended = {"returncode": 128 - status if status < 0 else status, "signal": -status if status < 0 else None,
+             "timed_out": timed_out}
+    merged = merge(events)
+    if not merged.steps:
+        why = _why_nothing(config, merged, ended["returncode"], started, loaded, failures)
+        if timed_out:
+            why += f" (the command was stopped at --deadline {config.deadline_s:g} s)"
+        return NoiseOutcome(**ended, why_nothing=why)
+    stopped, cancelled = _stopped(config, ended["returncode"], ended["signal"], timed_out)
+
+    report = command_report.build(config.command, merged, start_step=config.start_step, every=config.every,
+                                  window=config.window, returncode=ended["returncode"], stopped_early=stopped,
+                                  cancelled_by=cancelled)
+    return NoiseOutcome(**ended, report=report)
+
+
+def _stopped(config: CommandConfig, returncode: int, signum: int | None, timed_out: bool) -> tuple[str | None,
+                                                                                                   str | None]:
+    if timed_out:
+        return f"the command was stopped at --deadline {config.deadline_s:g} s", None
+    if signum is not None or returncode in (130, 143, 129):
+        name = signal.Signals(signum or returncode - 128).name
+        return f"the command was stopped by {name}", name
+    if returncode != 0:
+        return f"the command failed with exit code {returncode}", None
+    return None, None
+
+
+def _why_nothing(config: CommandConfig, merged: Merged, returncode: int, started: int, loaded: int,
+                 failures: list[str]) -> str:
+    if failures:
+        return f"the noise scale's guest could not start in the command's Python processes ({failures[0]})"
+    if not merged.group:
+        return _no_model(started, loaded, returncode)
+    if WITHOUT_ACCUMULATION in merged.left_out:
+        return ("the command trains in one process (no distributed run, a world of one) without accumulation: the "
+                "noise scale compares gradients over two batch sizes, so it needs 2 or more ranks (e.g. torchrun "
+                "--nproc_per_node 2) or 2 or more micro-steps per optimizer step")
+    if merged.notes:
+        return f"nothing could be measured: {merged.notes[0]}"
+    if merged.left_out:
+        reason, count = next(iter(merged.left_out.items()))
+        return f"no measured step could be used: {count} were {reason}"
+    if merged.optimizer_steps is not None and merged.optimizer_steps <= config.start_step:
+        return (f"the run made {merged.optimizer_steps} optimizer steps, and measuring starts at step "
+                f"{config.start_step}: lower --start-step below {merged.optimizer_steps} or train longer")
+    return "the run ended before its first measured step finished"
+
+
+def _no_model(started: int, loaded: int, returncode: int) -> str:
+    if loaded:
+        failed = f", or failed before one trained (exit code {returncode})" if returncode else ""
+        return (f"the command started no distributed run{failed}: no DDP or FSDP2 model trained in it, so there is "
+                "no data-parallel reduction to measure; launch it on 2 or more ranks, e.g. "
+                "ddplab noise -- torchrun --nproc_per_node 2 train.py")
+    if started:
+        return "no Python process of the command imported torch: there was nothing to measure"
+    return ("the guest never loaded: the command started no Python process that reads PYTHONPATH "
+            "(python -E or -I ignores it)")
