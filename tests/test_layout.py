@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ddplab.cli.args import FLAGS
+from ddplab.cli.main import FLAGS
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "ddplab")
 # Fields that only a Python caller can set (no command passes them): shown by their own name everywhere.

@@ -181,3 +181,19 @@ def _parsing(kind: Any) -> dict[str, Any]:
     if kind in simple:
         return {"type": simple[kind]} if simple[kind] else {}
     raise TypeError(f"no flag for a field of type {kind!r}: give it a type= of its own")
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """--timeout and --deadline, for every command that starts ranks."""
+    from ddplab.runtime.launch_config import LaunchConfig
+
+    group = parser.add_argument_group("launch")
+    seconds = {"metavar": "SECONDS"}
+    add_fields(group, LaunchConfig, ("pg_timeout_s", "deadline_s"), pg_timeout_s=seconds, deadline_s=seconds)
+
+
+def launch_config(args: argparse.Namespace):
+    """The LaunchConfig the launch flags ask for (the world size is the command's to choose)."""
+    from ddplab.runtime.launch_config import LaunchConfig
+
+    return LaunchConfig(**fields_given(args, LaunchConfig, only=("pg_timeout_s", "deadline_s")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddplab.cli import render
-from ddplab.cli.args import HelpFormatter, flags, mark
+from ddplab.cli.args import HelpFormatter, mark
 from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError
 from ddplab.plan.planner import Data, Reference, Target
@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
     reference, target, data = config_from_args(args)
     if args.from_study:
-        result = plan_from_study(reference, target, data, args.from_study, names=flags())
+        result = plan_from_study(reference, target, data, args.from_study, names=args.flag_names)
     else:
-        result = planner.plan(reference, target, data, names=flags())
+        result = planner.plan(reference, target, data, names=args.flag_names)
     if args.json:
         render.print_json(result)
     else:
