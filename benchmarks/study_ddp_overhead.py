@@ -28,7 +28,7 @@ from ddplab.study.engines import ddp
 from ddplab.study.engines.vmap import cast, evaluate_model
 from ddplab.study.optim import torch_optimizer
 from ddplab.study.runs import RunResult
-from ddplab.study.verify import RankShards
+from ddplab.study.orders import RankShards
 
 
 def _plain(ctx, workload, config, plan, inputs, targets, result, evaluate=False):

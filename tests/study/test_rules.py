@@ -14,10 +14,10 @@ import torch
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
 from ddplab.study import analysis, grid, optim, rules, workloads
-from ddplab.study.config import OptimizerConfig, StudyConfig, Target, round_lr
+from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap
 from ddplab.study.report import StudyReport
-from ddplab.study.rules.base import OwnGroupRule
+from ddplab.study.rules.base import OwnGroupRule, round_lr
 from ddplab.study.runs import grid_group
 
 
@@ -220,7 +220,7 @@ def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_say
     reference = grid_group(config, 16, rules.grid_runs(config, 16)).results()
     for run in reference:
         run.steps_to_target, run.noise_g2, run.noise_trace = 50, [2.0, 2.0], [10.0, 30.0]
-    assert analysis.b_simple_at(config, 16, reference) == 10.0
+    assert rules.b_simple_at(config, 16, reference) == 10.0
     group = rule.group(config, 64, {16: reference})
     assert group.runs[0][0] == round_lr(0.02 * scaling.surge_lr_multiplier(16, 64, 10.0))
     # Not measurable (the reference's runs never arrived): the rule is skipped, and the warning says why.

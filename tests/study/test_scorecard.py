@@ -10,8 +10,9 @@ import pytest
 
 from ddplab.plan import scaling
 from ddplab.study import analysis, rules, workloads
-from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target, round_lr
+from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
 from ddplab.study.report import StudyReport
+from ddplab.study.rules.base import round_lr
 from ddplab.study.run import run_study
 from ddplab.study.runs import RunResult, grid_group
 

@@ -37,7 +37,6 @@ from ddplab.noise import estimators
 from ddplab.progress import Progress, silent
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch, world_size_for
 from ddplab.runtime.launch_config import under_torchrun
-from ddplab.runtime.sharding import epoch_permutation
 from ddplab.serialize import finite, write_json_atomic
 from ddplab.study import critical, optim
 from ddplab.study.branch_cache import BranchCache, checkpoint_digest
@@ -46,6 +45,7 @@ from ddplab.study.critical import BranchConfig
 from ddplab.study.engines.ddp import run_optimizer
 from ddplab.study.engines.vmap import cast, evaluate_model, runs_that_fit, threads, torch_dtype
 from ddplab.study.fit import median
+from ddplab.study.orders import Stream
 from ddplab.study.workloads import Workload
 
 B_SIMPLE_BATCHES = 16
@@ -72,34 +72,6 @@ class Checkpoint:
     """Where it came from: a file, or a step of the reference run."""
     notes: tuple[str, ...] = ()
     """What the user should know of it (a file without optimizer state, say)."""
-
-
-class Stream:
-    """Each seed's samples from position ``start`` on: its DistributedSampler epoch permutations back to back.
-
-    Step k of a global batch B takes positions start + kB … start + kB + B − 1, so at one seed every batch size
-    trains on the same samples in the same order, only grouped into steps differently.
-    """
-
-    def __init__(self, dataset_size: int, global_batch: int, seeds: list[int], start: int = 0):
-        self.size, self.global_batch, self.seeds, self.start = dataset_size, global_batch, seeds, start
-        self._epochs: dict[int, torch.Tensor] = {}
-
-    def indices(self, step: int) -> torch.Tensor:
-        """(len(seeds), B) sample indices of optimizer ``step`` (0-based)."""
-        positions = torch.arange(self.start + step * self.global_batch, self.start + (step + 1) * self.global_batch)
-        epochs = positions // self.size
-        for epoch in list(self._epochs):
-            if epoch < int(epochs[0]):
-                del self._epochs[epoch]
-        out = torch.empty(len(self.seeds), self.global_batch, dtype=torch.long)
-        for epoch in epochs.unique().tolist():
-            if epoch not in self._epochs:
-                self._epochs[epoch] = torch.stack([epoch_permutation(self.size, seed=s, epoch=epoch)
-                                                   for s in self.seeds])
-            mask = epochs == epoch
-            out[:, mask] = self._epochs[epoch][:, positions[mask] % self.size]
-        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Literal, get_args
 
 from ddplab.errors import UsageError
 from ddplab.runtime.config import ParallelismConfig
+from ddplab.study import rules
 from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
 FIXED_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "tuned")
@@ -177,18 +178,10 @@ class StudyConfig:
 
 
 def _check_rules(config: StudyConfig) -> None:
-    # The registry imports this module: it is read when a config is made, not when this module loads.
-    from ddplab.study import rules
-
     if not config.rules or any(name not in rules.REGISTRY for name in config.rules):
         raise UsageError(f"{{rules}} must be among {', '.join(rules.REGISTRY)}")
     for rule in rules.of(config):
         rule.check(config)
-
-
-def round_lr(lr: float) -> float:
-    # Twelve significant digits: the same lr reached by two rules is one run.
-    return float(f"{lr:.12g}")
 
 
 def target_for(*, spec: str | None, accuracy: float | None = None, loss: float | None = None) -> Target:

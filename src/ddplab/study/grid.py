@@ -13,9 +13,10 @@ import shutil
 
 from ddplab.errors import UsageError, literal
 from ddplab.serialize import write_json_atomic
-from ddplab.study import rules
-from ddplab.study.config import StudyConfig, round_lr
+from ddplab.study import engines, rules
+from ddplab.study.config import StudyConfig
 from ddplab.study.engines import Engine, Progress
+from ddplab.study.rules.base import round_lr
 from ddplab.study.runs import RunGroup, RunKey, RunResult, grid_group
 from ddplab.study.workloads import Workload
 
@@ -160,20 +161,20 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engin
         for rule in rules.of(config):
             group = rule.group(config, global_batch, results)
             if group is not None:
-                results[global_batch] += _trained(workload, config, cache, engine, group, advance, rule)
+                results[global_batch] += _trained(workload, config, cache, engine, group, advance)
     return results
 
 
 def _trained(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine, group: RunGroup,
-             advance: Progress | None, rule: rules.Rule | None = None) -> list[RunResult]:
-    """One group's runs: cached, or trained (by its rule where the rule trains its own, else by the engine)."""
+             advance: Progress | None) -> list[RunResult]:
+    """One group's runs: cached, or trained (by the engine that claims it, else the study's)."""
+    engine = engines.for_group(engine, group)
     cached = cache.load(group) if cache else None
     if cached is not None:
         if advance:
-            advance(config.max_steps * (len(group.runs) if rule is not None and rule.trains_itself else 1))
+            advance(config.max_steps * (len(group.runs) if engine.per_run else 1))
         return cached
-    train = rule.train if rule is not None and rule.trains_itself else engine.train
-    trained = train(workload, config, group, advance)
+    trained = engine.train(workload, config, group, advance)
     if cache:
         cache.save(group.global_batch_size, trained, group.cache_key)
     return trained

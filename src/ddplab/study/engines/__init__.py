@@ -1,7 +1,9 @@
 """The study's engines, registered by name, and ``--engine auto``: each group trained where a timed step says.
 
 - ``vmap`` (:mod:`ddplab.study.engines.vmap`): every run of a group in one process, vectorized;
-- ``ddp`` (:mod:`ddplab.study.engines.ddp`): each run on real DDP ranks.
+- ``ddp`` (:mod:`ddplab.study.engines.ddp`): each run on real DDP ranks;
+- ``changing`` (:mod:`ddplab.study.engines.changing`): runs whose batch changes, one model each, in this process;
+  it claims their groups whatever the study's engine (:func:`for_group`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ddplab.study.engines.base import Engine, Progress
+from ddplab.study.engines.changing import ChangingEngine
 
 if TYPE_CHECKING:
     from ddplab.study.config import StudyConfig
@@ -17,6 +20,15 @@ if TYPE_CHECKING:
 
 NAMES = ("vmap", "ddp")
 """The registered engines, in auto's order of preference (a tie goes to the first)."""
+
+
+CLAIMING: tuple[Engine, ...] = (ChangingEngine(),)
+"""Engines that train every group they claim, whatever engine the study trains the rest on."""
+
+
+def for_group(engine: Engine, group: RunGroup) -> Engine:
+    """The engine that trains ``group``: the one that claims it, else the study's ``engine``."""
+    return next((claiming for claiming in CLAIMING if claiming.claims(group)), engine)
 
 
 def fastest(engines: list[Engine], workload: Workload, config: StudyConfig, group: RunGroup
@@ -31,6 +43,7 @@ class Auto:
     :func:`fastest` picks."""
 
     name = "auto"
+    per_run = False
 
     def __init__(self, engines: list[Engine]):
         self.engines = engines
@@ -63,4 +76,4 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s" if seconds < 1000 else f"{seconds:.0f} s"
 
 
-__all__ = ["NAMES", "Auto", "Engine", "Progress", "fastest"]
+__all__ = ["CLAIMING", "NAMES", "Auto", "Engine", "Progress", "fastest", "for_group"]

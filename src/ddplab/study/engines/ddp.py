@@ -32,10 +32,10 @@ from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
-from ddplab.study.engines.vmap import Batches, cast, evaluate_model, synchronize, torch_dtype
+from ddplab.study.engines.vmap import cast, evaluate_model, synchronize, torch_dtype
 from ddplab.study.optim import torch_optimizer
+from ddplab.study.orders import Batches, RankShards
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
-from ddplab.study.verify import RankShards
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -293,6 +293,7 @@ class DdpEngine:
     # The timed step leaves out the launch, the collectives and rank 0's evaluations: the DDP engine must be
     # clearly faster for auto to leave the vectorized one (which also measures B_simple from halves and prunes).
     overhead = 1.5
+    per_run = False
 
     def __init__(self, launch_config: LaunchConfig, *, max_per_device: int | None = None,
                  device: torch.device | str = "cpu", strategy: strategies.Strategy | None = None):

@@ -6,7 +6,7 @@ outside SGD, Adam and AdamW, a model that does not vmap, a strategy that shards 
 Each run loads the checkpoint's model state, is wrapped by the strategy, builds its own torch optimizer (the spec's
 where it has one, :func:`~ddplab.study.engines.ddp.run_optimizer`) and takes the checkpoint's torch.optim state into
 it, keeping its own hyperparameters (its lr). Step k of global batch B trains on the samples the vectorized
-:class:`~ddplab.study.branch.Stream` gives at that seed, each rank its DistributedSampler share (every W-th), in
+:class:`~ddplab.study.orders.Stream` gives at that seed, each rank its DistributedSampler share (every W-th), in
 micro-batches under ``no_sync`` when the per-rank batch is capped: both engines see the same samples. The held-out
 loss is rank 0's (every rank's where the forward is a collective), broadcast, so every rank returns the same.
 """
@@ -26,10 +26,11 @@ from ddplab.runtime.launch import RankContext, launch
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
-from ddplab.study.branch import Checkpoint, Groups, Stream, Trained, held_out
+from ddplab.study.branch import Checkpoint, Groups, Trained, held_out
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.ddp import DdpEngine, DdpPlan, run_optimizer, split
 from ddplab.study.engines.vmap import cast, torch_dtype
+from ddplab.study.orders import Stream
 
 
 def train_branches_ddp(workload: workloads.Workload, config: StudyConfig, checkpoint: Checkpoint, groups: Groups,

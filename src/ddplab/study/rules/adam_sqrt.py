@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
-from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, OwnGroupRule
+from ddplab.study.rules.base import BatchRuns, OwnGroupRule, round_lr
+from ddplab.study.rules.registry import register
+
+if TYPE_CHECKING:
+    from ddplab.study.config import OptimizerConfig, StudyConfig
 
 
 class AdamSqrt(OwnGroupRule):
@@ -58,3 +62,6 @@ class AdamSqrt(OwnGroupRule):
             return []
         return [f"the adam-sqrt rule's 1 − k(1 − β) falls below 0 at global batch {', '.join(map(str, at))}: clamped "
                 "to 0; the rule was derived for batches that grow less than 1/(1 − β₁) (ddplab plan keeps β₁ instead)"]
+
+
+register(AdamSqrt())

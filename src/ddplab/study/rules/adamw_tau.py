@@ -9,11 +9,15 @@ from the grid's: a group of its own.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
-from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, OwnGroupRule
+from ddplab.study.rules.base import BatchRuns, OwnGroupRule, round_lr
+from ddplab.study.rules.registry import register
+
+if TYPE_CHECKING:
+    from ddplab.study.config import OptimizerConfig, StudyConfig
 
 
 class AdamWTau(OwnGroupRule):
@@ -58,3 +62,6 @@ class AdamWTau(OwnGroupRule):
                          "timescale_samples": scaling.adamw_timescale_steps(lr=lr,
                                                                             weight_decay=optimizer.weight_decay) * b})
         return {"adamw_tau": rows}
+
+
+register(AdamWTau())

@@ -3,10 +3,15 @@ times the gain measured from the noise scale, at every batch from the reference 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ddplab.study import fit
-from ddplab.study.config import StudyConfig
 from ddplab.study.rules.base import BatchRuns, OwnGroupRule, row
+from ddplab.study.rules.registry import register
 from ddplab.study.runs import steps
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 
 class AdaScale(OwnGroupRule):
@@ -45,3 +50,6 @@ class AdaScale(OwnGroupRule):
                         "steps_over_tuned": fit.ratio(median, best.get(b)),
                         "mean_gain": sum(gains) / len(gains) if gains else None})
         return {"adascale": out}
+
+
+register(AdaScale())

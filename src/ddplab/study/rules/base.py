@@ -9,11 +9,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
 from ddplab.study.runs import LrScaling, RunGroup, RunResult
 
 if TYPE_CHECKING:
-    from ddplab.study.workloads import Workload
+    from ddplab.study.config import OptimizerConfig, StudyConfig
+
+
+def round_lr(lr: float) -> float:
+    # Twelve significant digits: the same lr reached by two rules is one run.
+    return float(f"{lr:.12g}")
 
 
 class Best(NamedTuple):
@@ -66,6 +70,8 @@ class Rule:
     """On the DDP engine it measures across ranks, so it needs two or more."""
     single_process: ClassVar[bool] = False
     """It trains one model in this process (not under torchrun)."""
+    batch_changes: ClassVar[bool] = False
+    """Its runs change their global batch as they train: the engine for such runs trains its groups."""
 
     def check(self, config: StudyConfig) -> None:
         """Raise UsageError when the study's settings cannot run this rule."""
@@ -89,13 +95,6 @@ class Rule:
         """Its group of its own at ``global_batch``, or None; ``trained`` holds the shared grid's runs at every batch
         (and the rules' own groups trained before)."""
         return None
-
-    def train(self, workload: Workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
-        """Train its group itself; rules whose groups an engine trains never get here."""
-        raise NotImplementedError(f"the {self.name} rule's groups train on an engine")
-
-    trains_itself: ClassVar[bool] = False
-    """Its groups train in its own loop (:meth:`train`) rather than on an engine."""
 
     def stretches(self, config: StudyConfig) -> int:
         """Stretches of ``max_steps`` its own groups train (for progress)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ddplab.study.rules.base import GridRule
+from ddplab.study.rules.registry import register
 
 
 class Constant(GridRule):
@@ -29,3 +30,8 @@ class Sqrt(GridRule):
 
     def factor(self, k: float) -> float:
         return math.sqrt(k)
+
+
+register(Constant())
+register(Linear())
+register(Sqrt())

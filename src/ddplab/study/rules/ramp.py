@@ -12,12 +12,16 @@ judged against the best tuned fixed lr at its starting batch, not fitted.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ddplab.errors import UsageError
 from ddplab.study import fit
-from ddplab.study.config import StudyConfig
 from ddplab.study.rules import changing
 from ddplab.study.rules.base import BatchRuns
-from ddplab.study.runs import RunResult
+from ddplab.study.rules.registry import register
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 WARMUP_STEPS = 10
 
@@ -36,8 +40,23 @@ class Ramp(changing.ChangingRule):
         """The global batch ramp runs start from (the grid's smallest), or None without the rule."""
         return min(config.global_batch_sizes) if self.name in config.rules else None
 
-    def train_one(self, workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
-        return train_ramp(workload, config, lr, seed)
+    def micro_batch_size(self, config: StudyConfig) -> int:
+        # The one-process noise scale measures from two micro-batches of half the starting batch.
+        return min(config.global_batch_sizes) // 2
+
+    def adapter(self, workload, config: StudyConfig, model, optimizer):
+        """The library's BatchRamp, growing with the noise scale measured at every step, up to the grid's largest
+        batch."""
+        from ddplab.adapt.ramp import BatchRamp
+        from ddplab.noise.scale import GradientNoiseScale
+
+        micro = self.micro_batch_size(config)
+        noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
+                                   dataset_size=workload.train_size)
+        largest = min(max(config.global_batch_sizes), workload.train_size)
+        ramp = BatchRamp(model, optimizer, noise, max_accumulation_steps=max(2, largest // micro), rule="linear",
+                         warmup_steps=WARMUP_STEPS)
+        return ramp, noise.step
 
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
         """Median steps and samples of the ramp runs over those of the best-tuned fixed lr at their starting batch
@@ -57,22 +76,4 @@ class Ramp(changing.ChangingRule):
                 "adaptive": {self.name: adaptive}}
 
 
-def train_ramp(workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
-    """One ramp run from the grid's smallest batch at ``lr`` until it reaches the target, diverges or runs out of
-    steps."""
-    from ddplab.adapt.ramp import BatchRamp
-    from ddplab.noise.scale import GradientNoiseScale
-
-    start = min(config.global_batch_sizes)
-    micro = start // 2
-
-    def adapter(model, optimizer):
-        noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
-                                   dataset_size=workload.train_size)
-        largest = min(max(config.global_batch_sizes), workload.train_size)
-        ramp = BatchRamp(model, optimizer, noise, max_accumulation_steps=max(2, largest // micro), rule="linear",
-                         warmup_steps=WARMUP_STEPS)
-        return ramp, noise.step
-
-    return changing.train_changing(workload, config, rule=Ramp.name, global_batch=start, lr=lr, seed=seed,
-                                   micro=micro, adapter=adapter)
+register(Ramp())

@@ -11,12 +11,17 @@ B_simple is not a positive number) the rule is skipped with a warning that says 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
-from ddplab.study.config import StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, OwnGroupRule
+from ddplab.study.rules.base import BatchRuns, OwnGroupRule, round_lr
+from ddplab.study.rules.registry import register, sweeping
+from ddplab.study.rules.sweep import b_simple_at
 from ddplab.study.runs import RunGroup, RunResult
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 
 class Surge(OwnGroupRule):
@@ -34,19 +39,15 @@ class Surge(OwnGroupRule):
 
     def measures(self, config: StudyConfig) -> bool:
         """The study measures B_simple at the reference batch: the sweep's best runs there."""
-        from ddplab.study import rules
-
-        return rules.sweeping(config) is not None and config.reference_global_batch_size in config.global_batch_sizes
+        return sweeping(config) is not None and config.reference_global_batch_size in config.global_batch_sizes
 
     def noise_scale(self, config: StudyConfig, trained: dict[int, list[RunResult]]) -> float | None:
         """B_noise: ``noise_scale`` where given, else B_simple along the best tuned runs at the reference batch;
         None where that is not a positive number."""
         if config.noise_scale is not None:
             return config.noise_scale
-        from ddplab.study import analysis
-
         reference = config.reference_global_batch_size
-        value = analysis.b_simple_at(config, reference, trained.get(reference, []))
+        value = b_simple_at(config, reference, trained.get(reference, []))
         return value if value is not None and math.isfinite(value) and value > 0 else None
 
     def lr(self, config: StudyConfig, global_batch: int, noise_scale: float) -> float:
@@ -95,3 +96,6 @@ class Surge(OwnGroupRule):
 
 def _fixed_runs(batches: dict[int, BatchRuns]) -> dict[int, list[RunResult]]:
     return {b: list(view.fixed.values()) for b, view in batches.items()}
+
+
+register(Surge())

@@ -7,11 +7,15 @@ cannot beat the ground truth by a setting the sweep never tried."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
-from ddplab.study.config import StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, GridRule
+from ddplab.study.rules.base import BatchRuns, GridRule, round_lr
+from ddplab.study.rules.registry import register
 from ddplab.study.runs import RunResult
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 
 class Tuned(GridRule):
@@ -37,3 +41,6 @@ class Tuned(GridRule):
     def serves(self, run: RunResult, lrs: dict[float, list[str]]) -> bool:
         # Its sweep trains each lr with the study's optimizer and with each Adam rule's settings.
         return not run.rule and self.name in lrs.get(run.lr, [])
+
+
+register(Tuned())
