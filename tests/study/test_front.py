@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from ddplab.study import analysis, fit
+from ddplab.study import fit
+from ddplab.study.grid import analysis
 
 INF = math.inf
 # The digits study on docs/study/branched.md: the tuned runs' median steps at each global batch, and its fit.

@@ -13,10 +13,14 @@ import torch
 
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
-from ddplab.study import analysis, grid, optim, rules, workloads
+from ddplab.study import optim, rules, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap
-from ddplab.study.report import StudyReport
+from ddplab.study.grid import analysis
+from ddplab.study.grid import cache as grid_cache
+from ddplab.study.grid import training as grid_training
+from ddplab.study.report import figures as report_figures
+from ddplab.study.report.records import StudyReport
 from ddplab.study.rules.base import OwnGroupRule, round_lr
 from ddplab.study.runs import grid_group
 
@@ -59,15 +63,15 @@ def _config(**fields) -> StudyConfig:
 def test_a_rule_registered_in_one_file_trains_caches_and_is_fitted(adam_cbrt, tmp_path):
     workload = workloads.regression(dim=8, n_train=512, n_val=128)
     config = _config()
-    cache = grid.Cache(str(tmp_path), config.fingerprint(workload.fingerprint), fresh=False)
-    results = grid.run_grid(workload, config, cache, vmap.VmapEngine())
+    cache = grid_cache.Cache(str(tmp_path), config.fingerprint(workload.fingerprint), fresh=False)
+    results = grid_training.run_grid(workload, config, cache, vmap.VmapEngine())
     for b in config.global_batch_sizes:
         own = [r for r in results[b] if r.rule == "adam-cbrt"]
         assert [(r.lr, r.seed) for r in own] == adam_cbrt.runs(config, b)
         assert all(r.optimizer["betas"] == list(adam_cbrt.optimizer(config, b).betas) for r in own)
     # Its group's cache file is named for it; a second study reads it back and trains nothing.
     assert {"batch-16-adam-cbrt.json", "batch-64-adam-cbrt.json"} <= set(os.listdir(tmp_path / "runs"))
-    again = grid.run_grid(workload, config, cache, _NoTraining())
+    again = grid_training.run_grid(workload, config, cache, _NoTraining())
     assert {b: [r.to_json() for r in rs] for b, rs in again.items()} == \
         {b: [r.to_json() for r in rs] for b, rs in results.items()}
     found = analysis.analyze(config, results)
@@ -81,10 +85,10 @@ def test_a_rule_registered_in_one_file_trains_caches_and_is_fitted(adam_cbrt, tm
     assert report["trained_runs"] == sum(len(rs) for rs in results.values())
     assert sum(r.rule == "adam-cbrt" for rs in results.values() for r in rs) == 2 * config.seeds
     # Its runs are drawn in every plot, in a colour of its own.
-    from ddplab.study import plots
 
-    assert plots.color("adam-cbrt") not in {plots.color(name) for name in rules.REGISTRY if name != "adam-cbrt"}
-    assert all(os.path.getsize(path) for path in plots.plots(report, results, str(tmp_path)))
+    assert report_figures.color("adam-cbrt") not in {report_figures.color(name) for name in rules.REGISTRY
+                                                     if name != "adam-cbrt"}
+    assert all(os.path.getsize(path) for path in report_figures.plots(report, results, str(tmp_path)))
     with pytest.raises(UsageError, match="adam-cbrt rule scales Adam"):
         _config(optimizer=OptimizerConfig(family="sgd"))
 

@@ -12,6 +12,7 @@ from ddplab.cli import render
 from ddplab.cli.args import HelpFormatter, mark, number
 from ddplab.cli.options import add_fields, fields_given, help_text
 from ddplab.errors import SpecError, UsageError, literal
+from ddplab.study.branched.config import BranchConfig
 from ddplab.study.config import (
     DEFAULT_ACCURACY,
     WORKLOADS,
@@ -19,7 +20,6 @@ from ddplab.study.config import (
     StudyConfig,
     StudyOptions,
 )
-from ddplab.study.critical import BranchConfig
 from ddplab.study.rules import REGISTRY as RULES
 
 DESCRIPTION = f"""\
@@ -198,7 +198,8 @@ def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> Optimize
 def run(args: argparse.Namespace) -> int:
     config_from_args(args)  # bad flags are said before the spec is loaded (its optimizer guessed from the flags)
     branches = branch_config_from_args(args)
-    from ddplab.study.run import run_study, workload_defaults, workload_for
+    from ddplab.study.grid.study import run_study
+    from ddplab.study.workloads import workload_defaults, workload_for
 
     workload = workload_for(args.spec, args.workload)
     config, options = config_from_args(args, workload_defaults(workload))
@@ -219,8 +220,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, options: StudyOptions) -> int:
-    from ddplab.study.branch import measure
-    from ddplab.study.run import require_matplotlib
+    from ddplab.study.branched.measurement import measure
+    from ddplab.study.report.output import require_matplotlib
 
     if options.plots:
         require_matplotlib()  # said before anything trains
@@ -229,7 +230,7 @@ def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, o
         return 0  # under torchrun, rank 0 speaks for the branches
     values = report.to_json()
     if options.plots:
-        from ddplab.study.plots import branched_plot
+        from ddplab.study.report.branched_figure import branched_plot
 
         # branched.json is written before the plot is drawn, so a failing plot never loses a measurement.
         values["plots"] = [branched_plot(values, options.out)]
@@ -241,7 +242,7 @@ def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, o
 
 
 def _print_branches(values: dict) -> None:
-    from ddplab.study.report import optimizer_text
+    from ddplab.study.report.records import optimizer_text
 
     out = render.console()
     reference = values["reference"]
@@ -303,7 +304,7 @@ def _print(report) -> None:
     title = (f"ddplab study: {values['workload']}, steps to {target['kind']} {target['value']:g}, "
              f"{values['trained_runs']} runs, {values['seeds']} seeds, {values['seconds']:.0f} s")
     rows = []
-    from ddplab.study.report import optimizer_text
+    from ddplab.study.report.records import optimizer_text
 
     out.print(f"optimizer: {optimizer_text(values['optimizer'])}; engine: {values['engine']} "
               f"({values['engine_reason']})")

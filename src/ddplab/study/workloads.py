@@ -319,3 +319,21 @@ def _as_tensors(spec, dataset, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise spec.error(f"{literal(what)} must hold (input, target) tensor pairs of one shape "
                          f"({literal(exc)})") from None
     return inputs, targets
+
+
+def workload_for(spec: str | None, name: str | None = None) -> Workload:
+    """The spec's workload, or the built-in one named (digits by default)."""
+    if spec:
+        return from_spec(spec)
+    return load((name or "digits", ()))
+
+
+def workload_defaults(workload: Workload) -> dict:
+    """StudyConfig fields the workload sets (what a flag or a caller gives wins): a built-in workload's documented
+    target and grid; a spec's optimizer() family and hyperparameters, and its lr as the reference lr."""
+    out = dict(workload.defaults)
+    if workload.optimizer is not None:
+        out["optimizer"] = workload.optimizer
+    if workload.lr is not None:
+        out["reference_lr"] = workload.lr
+    return out

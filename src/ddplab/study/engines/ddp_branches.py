@@ -26,7 +26,7 @@ from ddplab.runtime.launch import RankContext, launch
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
-from ddplab.study.branch import Checkpoint, Groups, Trained, held_out
+from ddplab.study.branched.checkpoint import Checkpoint, Groups, Trained, held_out
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.ddp import DdpEngine, DdpPlan, run_optimizer, split
 from ddplab.study.engines.vmap import cast, torch_dtype

@@ -1,19 +1,20 @@
-"""``ddplab study``'s plots (PNG, matplotlib) and its self-contained HTML report."""
+"""The grid's figures (PNG, matplotlib): steps and samples per rule, the lrs, B_simple, the ramp, AdaScale."""
 
 from __future__ import annotations
 
-import base64
-import html
 import math
 import os
 
 from ddplab.study import rules
-from ddplab.study.report import optimizer_text
 
 COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "adam-sqrt": "tab:brown",
           "adamw-tau": "tab:olive", "surge": "tab:cyan", "tuned": "tab:green", "adascale": "tab:red",
           "ramp": "tab:purple", "schedule": "crimson"}
+
+
 SPARE = ("tab:pink", "gold", "navy", "black")
+
+
 ADAPTIVE_MARKERS = ("*", "P", "X", "D")
 """The markers of the rules whose batch changes on the Pareto plot, in the order the study reports them."""
 
@@ -25,7 +26,7 @@ def color(rule: str) -> str:
     return SPARE[list(rules.REGISTRY).index(rule) % len(SPARE)] if rule in rules.REGISTRY else SPARE[-1]
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,7 +61,7 @@ def plots(report: dict, results: dict, directory: str, compare: dict | None = No
 
 def _ramp_plot(report: dict, path: str) -> None:
     """Each ramp run's global batch and lr along its steps, the tuned fixed run's batch beside them."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_batch, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
     # Only runs whose batch changed carry a trajectory.
     for row in (r for r in report["runs"] if r.get("trajectory")):
@@ -79,12 +80,12 @@ def _ramp_plot(report: dict, path: str) -> None:
     ax_lr.set_title("ramp: the lr, linear in the batch, warmed up after each jump")
     for axis in (ax_batch, ax_lr):
         axis.set_xlabel("optimizer step")
-    _save(plt, fig, path, (ax_batch, ax_lr))
+    save_figure(plt, fig, path, (ax_batch, ax_lr))
 
 
 def _adascale_plot(report: dict, path: str) -> None:
     """AdaScale's gain along its runs (seed 0), and its steps to target beside the best-tuned fixed lr's."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_gain, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.5))
     cmap = plt.get_cmap("plasma")
     # Only AdaScale's runs carry gains.
@@ -103,11 +104,11 @@ def _adascale_plot(report: dict, path: str) -> None:
     tuned = [p for p in report["tuned_lr"] if p["median_steps"] is not None]
     ax_steps.plot([p["global_batch_size"] for p in tuned], [p["median_steps"] for p in tuned], "o-",
                   color=color("tuned"), label="best tuned fixed lr")
-    _batch_axes(ax_steps, "optimizer steps to target (median over seeds)", "AdaScale, untuned, vs the best tuned lr")
-    _save(plt, fig, path, (ax_gain, ax_steps))
+    batch_axes(ax_steps, "optimizer steps to target (median over seeds)", "AdaScale, untuned, vs the best tuned lr")
+    save_figure(plt, fig, path, (ax_gain, ax_steps))
 
 
-def _batch_axes(axis, ylabel: str, title: str | None = None, xlabel: str = "global batch size B") -> None:
+def batch_axes(axis, ylabel: str, title: str | None = None, xlabel: str = "global batch size B") -> None:
     """Log₂ global batch across, a log y up: the axes of every per-batch plot."""
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
@@ -117,15 +118,15 @@ def _batch_axes(axis, ylabel: str, title: str | None = None, xlabel: str = "glob
         axis.set_title(title)
 
 
-def _save(plt, fig, path: str, axes) -> None:
+def save_figure(plt, fig, path: str, axes) -> None:
     """Grid and legend on each axis, then the PNG, and the figure freed."""
     for axis in axes:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
-    _write(plt, fig, path)
+    write_figure(plt, fig, path)
 
 
-def _write(plt, fig, path: str) -> None:
+def write_figure(plt, fig, path: str) -> None:
     """The PNG, laid out, and the figure freed."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -133,7 +134,7 @@ def _write(plt, fig, path: str) -> None:
 
 
 def _steps_plot(report: dict, path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, ax_e) = plt.subplots(1, 2, figsize=(12, 4.8))
     batches = report["global_batch_sizes"]
     for rule in report["rules"]:
@@ -163,14 +164,14 @@ def _steps_plot(report: dict, path: str) -> None:
         ax.axvline(report["b_simple"]["value"], color="tab:purple", linestyle=":",
                    label=f"B_simple {report['b_simple']['value']:.3g}")
     for axis, label in ((ax, "optimizer steps to target (median over seeds)"), (ax_e, "samples to target S·B")):
-        _batch_axes(axis, label)
+        batch_axes(axis, label)
         axis.grid(True, which="both", alpha=0.3)
     target = report["target"]
     ax.set_title(f"{report['workload']}: steps to {target['kind']} {target['value']:g}")
     ax_e.set_title("compute side: E = S·B")
     ax.legend(fontsize=7, loc="lower left")
     ax_e.legend(fontsize=7, loc="upper left")
-    _write(plt, fig, path)
+    write_figure(plt, fig, path)
 
 
 def _seed_bars(report: dict, rule: str, points: list[tuple[int, float]]) -> tuple[list[float], list[float]]:
@@ -188,7 +189,7 @@ def _seed_bars(report: dict, rule: str, points: list[tuple[int, float]]) -> tupl
 def _compare_plot(report: dict, other: dict, path: str) -> None:
     """Two studies' best lr per batch side by side (say SGD and AdamW), each beside its own rule's prediction from
     its reference: linear for SGD, square root for Adam (Malladi et al. 2022)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
     for study, color in ((report, "tab:green"), (other, "tab:purple")):
         name = f"{study['optimizer'].get('name', '?')} ({study.get('workload', '?')})"
@@ -201,14 +202,14 @@ def _compare_plot(report: dict, other: dict, path: str) -> None:
         if batches:
             ax.plot(batches, [ref["lr"] * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
                     color=color, alpha=0.7, label=f"{name}: {rule.name} rule from its reference")
-    _batch_axes(ax, "learning rate", "best lr per batch: this study and the one compared")
-    _save(plt, fig, path, (ax,))
+    batch_axes(ax, "learning rate", "best lr per batch: this study and the one compared")
+    save_figure(plt, fig, path, (ax,))
 
 
 def _b_simple_plot(report: dict, path: str) -> None:
     """B_simple per batch size along the best tuned runs (95% interval), its early, middle and late thirds, the
     pooled value and B_crit: the noise scale grows as training goes, and B_crit is judged against it."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
     b_simple = report["b_simple"]
     # A log axis: a stretch whose |G|² was not resolved (no positive B_simple) is left out.
@@ -230,20 +231,20 @@ def _b_simple_plot(report: dict, path: str) -> None:
     tuned = report["fit"].get("tuned")
     if tuned and tuned.get("b_crit"):
         ax.axhline(tuned["b_crit"], color=color("tuned"), linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
-    _batch_axes(ax, "B_simple = tr Σ / |G|²", "the gradient noise scale along the best runs",
+    batch_axes(ax, "B_simple = tr Σ / |G|²", "the gradient noise scale along the best runs",
                 xlabel="global batch size B (the best tuned runs at it)")
-    _save(plt, fig, path, (ax,))
+    save_figure(plt, fig, path, (ax,))
 
 
 def _pareto_plot(report: dict, path: str) -> None:
     """Steps against samples for the tuned curve, with the fitted Pareto front (S/S_min − 1)(E/E_min − 1) = 1
     (McCandlish et al. 2018, fig. 7a)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.8))
     if not any(_median_points(report, rule) for rule in report["rules"]):
         ax.text(0.5, 0.5, "no rule's median run reached the target at two batch sizes", ha="center",
                 transform=ax.transAxes)
-        _write(plt, fig, path)
+        write_figure(plt, fig, path)
         return
     shown = []  # (samples, steps) of everything drawn: the axes hold them, not the fitted curve's far ends
     for rule in report["rules"]:
@@ -275,7 +276,7 @@ def _pareto_plot(report: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     # Beside the axes: the points crowd the front's bend, where a legend inside would cover them.
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
-    _write(plt, fig, path)
+    write_figure(plt, fig, path)
 
 
 def _plain_log_labels(ax) -> None:
@@ -354,7 +355,7 @@ def _median_points(report: dict, rule: str) -> list[tuple[int, float]]:
 
 
 def _lr_plot(report: dict, path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     tuned = report["tuned_lr"]
     if tuned:
@@ -369,12 +370,12 @@ def _lr_plot(report: dict, path: str) -> None:
     ax.plot(batches, [ref["lr"] * math.sqrt(b / ref["global_batch_size"]) for b in batches], "--",
             color=color("sqrt"), label="sqrt rule")
     ax.scatter([ref["global_batch_size"]], [ref["lr"]], marker="*", s=120, color="black", label="reference", zorder=3)
-    _batch_axes(ax, "learning rate", "best lr per batch (gray: the sweep)")
-    _save(plt, fig, path, [ax])
+    batch_axes(ax, "learning rate", "best lr per batch (gray: the sweep)")
+    save_figure(plt, fig, path, [ax])
 
 
 def _curves_plot(report: dict, results: dict, path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(12, 4.5))
     tuned = report["tuned_lr"]
     # A few batch sizes spread over the range, each at its best tuned lr, seed 0.
@@ -399,245 +400,4 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
-    _write(plt, fig, path)
-
-
-def branched_plot(values: dict, directory: str) -> str:
-    """``branched.png`` under ``directory`` from a ``branched.json``'s values: the critical batch at each checkpoint
-    against the samples seen (bars: its interval from the seeds; an open triangle with an arrow where it is the
-    largest branched batch, the true one perhaps above the grid), B_simple at the same checkpoints, the batch
-    schedule they imply as a step line, and the measurement's cost relative to one reference run. Returns its path."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    _critical_points(ax, values["branches"])
-    noise = [(b["samples_seen"], b["b_simple"]) for b in values["branches"] if b["b_simple"] and b["b_simple"] > 0]
-    if noise:
-        ax.plot(*zip(*noise), "s", color="tab:purple", label="B_simple at the checkpoint")
-    end = schedule_end(values)
-    xs, ys = schedule_line(values["schedule"], end)
-    ax.plot(xs, ys, "-", color=color("schedule"), linewidth=2, alpha=0.8, label="batch schedule")
-    for step in values["schedule"]:
-        lr = f" (lr {step['lr']:.3g})" if step["lr"] is not None else ""
-        ax.annotate(f"{step['global_batch_size']}{lr}", (step["samples_seen"], step["global_batch_size"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points", color=color("schedule"))
-    if values["reference_run"] is not None:
-        ax.axvline(values["reference_run"]["samples"], color="gray", linestyle=":",
-                   label="end of the reference run" + (" (target reached)" if values["reference_run"]["reached"]
-                                                        else " (target not reached)"))
-    grid = values["global_batch_sizes"]
-    ax.set_yscale("log", base=2)
-    ax.set_yticks(grid, [str(b) for b in grid])
-    # The grid, B_simple beyond it and the arrows of a critical batch at its top, with room for the bars' caps.
-    shown = [*grid, *(value for _, value in noise)]
-    ax.set_ylim(min(shown) / 1.25, max(shown) * 1.8)
-    ax.set_xlim(0, end * 1.04)
-    ax.set_xlabel("samples seen (the run's checkpoints)")
-    ax.set_ylabel("global batch")
-    ax.set_title(f"{values['workload']}: the critical batch as training goes (branches at {grid[0]}…{grid[-1]})\n"
-                 f"{cost_text(values['cost'])}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    path = os.path.join(directory, "branched.png")
-    _write(plt, fig, path)
-    return path
-
-
-def _critical_points(ax, branches: list[dict]) -> None:
-    """The critical batch per checkpoint with its seeds' interval; one at the grid's top marked as a lower bound."""
-    found = [b for b in branches if b["critical_batch_size"] is not None]
-    for at_edge in (False, True):
-        points = [b for b in found if b["at_edge"] == at_edge]
-        if not points:
-            continue
-        xs, ys = [b["samples_seen"] for b in points], [b["critical_batch_size"] for b in points]
-        lows = [y - (b["interval"][0] or y) for b, y in zip(points, ys)]
-        highs = [(b["interval"][1] or y) - y for b, y in zip(points, ys)]
-        label = ("critical batch at the grid's top: it may lie above" if at_edge else
-                 "critical batch (bars: worst and best seed)")
-        ax.errorbar(xs, ys, yerr=(lows, highs), fmt="^" if at_edge else "o", markersize=8, capsize=4,
-                    color="tab:blue", markerfacecolor="white" if at_edge else "tab:blue", label=label, zorder=3)
-        for x, y in zip(xs, ys) if at_edge else ():
-            ax.annotate("", xy=(x, y * 1.7), xytext=(x, y), arrowprops={"arrowstyle": "->", "color": "tab:blue"})
-
-
-def schedule_end(values: dict) -> int:
-    """Where the schedule's last step is drawn to: one reference run's samples, or the last checkpoint if later."""
-    last = max((b["samples_seen"] for b in values["branches"]), default=0)
-    return max(last, values["cost"]["reference_samples"] or 0, values["schedule"][-1]["samples_seen"])
-
-
-def schedule_line(schedule: list[dict], end: int) -> tuple[list[int], list[int]]:
-    """The schedule's global batch against samples seen as a step line's vertices, from its first entry to ``end``.
-
-    >>> schedule_line([{"samples_seen": 0, "global_batch_size": 32, "lr": 0.1},
-    ...                {"samples_seen": 416, "global_batch_size": 64, "lr": 0.2}], 4160)
-    ([0, 416, 416, 4160], [32, 32, 64, 64])
-    """
-    xs, ys = [], []
-    for step, following in zip(schedule, [*schedule[1:], None]):
-        until = following["samples_seen"] if following else end
-        xs += [step["samples_seen"], until]
-        ys += [step["global_batch_size"]] * 2
-    return xs, ys
-
-
-def cost_text(cost: dict) -> str:
-    """The measurement's cost in words, relative to one reference run where there is one.
-
-    >>> cost_text({"branch_samples": 276480, "reference_samples": 4160, "relative": 66.46153846153847})
-    'measurement: 276480 branch samples = 66.5× one reference run (4160 samples)'
-    """
-    relative = f" = {cost['relative']:.3g}× one reference run ({cost['reference_samples']} samples)" \
-        if cost["relative"] is not None else ""
-    return f"measurement: {cost['branch_samples']} branch samples{relative}"
-
-
-def _front_html(report: dict) -> str:
-    """The rules whose batch changes against the fixed-batch front: the tuned batches that reach the target in both
-    fewer steps and fewer samples, and the tuned fit's front at their median steps."""
-    fixed = {p["global_batch_size"]: p["median_steps"] for p in report["tuned_lr"]}
-    rows = ""
-    for name, entry in (report.get("adaptive") or {}).items():
-        beaten = ", ".join(f"{b} ({_n(fixed[b])} steps, {_n(fixed[b] * b)} samples)"
-                           for b in entry.get("dominated_by") or [])
-        rows += (f"<tr><td>{html_escape(name)}</td><td>{entry['start_global_batch_size']}</td>"
-                 f"<td>{_n(entry['median_steps'])}</td><td>{_n(entry['median_samples'])}</td>"
-                 f"<td>{beaten or 'none: on or below the front'}</td>"
-                 f"<td>{_n(entry.get('front_samples_at_steps'))}</td></tr>")
-    if not rows:
-        return ""
-    return ("<h2>Batches that change, against the fixed-batch front</h2><p>Median steps and samples to the target "
-            "of each rule whose batch changes as it trains; the best tuned fixed batches that reach the target in both "
-            "fewer steps and fewer samples (none: the rule lies on or below the front measured here); the samples "
-            "the tuned fit's front (S/S_min − 1)(E/E_min − 1) = 1 needs at the rule's median steps.</p>"
-            "<table><tr><th>rule</th><th>from global batch</th><th>median steps</th><th>median samples</th>"
-            f"<th>fixed batches with fewer of both</th><th>fitted front's samples at its steps</th></tr>{rows}</table>")
-
-
-def _fit_row(rule: str, f: dict) -> str:
-    """A rule's fit as a table row: an undefined (flat) fit shows why, not its zeros."""
-    if f.get("undefined"):
-        return (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>undefined</td><td>({html.escape(f['undefined'])})"
-                "</td><td>undefined</td></tr>")
-    return (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>{_n(f['b_crit'])}</td>"
-            f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>")
-
-
-def _settings(optimizer: dict | None) -> str:
-    """A run's Adam settings in the runs table: betas, eps, weight decay ("" for SGD)."""
-    if not optimizer:
-        return ""
-    betas = ", ".join(f"{b:.6g}" for b in optimizer["betas"])
-    return f"β ({betas}), ε {optimizer['eps']:.3g}, λ {optimizer['weight_decay']:.4g}"
-
-
-def _scorecard_html(report: dict) -> str:
-    """The scorecard: per rule its lr's distance from the best tuned lr and its steps over the best's."""
-    card = report.get("scorecard") or {}
-    rows = "".join(
-        f"<tr><td>{html_escape(rule)}</td><td>{_n(row['median_abs_log2_lr_gap'])}</td>"
-        f"<td>{_n(row['median_steps_ratio'])}</td>"
-        f"<td>{_n((row['steps_ratio_seed_range'] or [None, None])[0])} to "
-        f"{_n((row['steps_ratio_seed_range'] or [None, None])[1])}</td><td>{row['batches']}</td></tr>"
-        for rule, row in card.items())
-    if not rows:
-        return ""
-    peak, peak_text = report.get("lr_peak"), ""
-    if peak is not None:
-        where = (f"peaks inside the measured range at global batch {peak['global_batch_size']}"
-                 if peak["global_batch_size"] else "does not peak inside the measured range")
-        peak_text = (f"<p>The best tuned lr {where}; B_simple at the reference batch: {_n(peak['b_simple'])} "
-                     "(Li et al. 2024 put Adam's peak at B_noise).</p>")
-    return ("<h2>Scorecard</h2><p>Medians over the global batches: |log₂(rule's lr / best tuned lr)|, and the rule's "
-            "median steps to the target over the best tuned setting's (the range: its fewest and most seeds').</p>"
-            "<table><tr><th>rule</th><th>|log₂ lr gap|</th><th>steps ÷ tuned</th><th>seeds' range</th>"
-            f"<th>batches</th></tr>{rows}</table>{peak_text}")
-
-
-def write_html(report: dict, path: str) -> str:
-    """One HTML file: the plots embedded, the fits, B_simple and a table of every run."""
-    images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{_b64(p)}">'
-                     for p in report["plots"])
-    fits = "".join(_fit_row(rule, f) for rule, f in report["fit"].items())
-    runs = "".join(
-        f"<tr><td>{r['rule']}{' ★' if r.get('best') else ''}</td><td>{r['global_batch_size']}</td>"
-        f"<td>{r['lr']:.4g}</td><td>{html_escape(_settings(r.get('optimizer')))}"
-        f"{html_escape(' (' + r['variant'] + ')') if r.get('variant') else ''}</td>"
-        f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
-    b_simple = report.get("b_simple") or {}
-    adascale = "".join(
-        f"<tr><td>{p['global_batch_size']}</td><td>{p['scale']:g}</td><td>{_n(p['median_steps'])}</td>"
-        f"<td>{_n(p['tuned_median_steps'])}</td><td>{_n(p['steps_over_tuned'])}</td><td>{_n(p['mean_gain'])}</td></tr>"
-        for p in report.get("adascale") or [])
-    if adascale:
-        adascale = ("<h2>AdaScale from the reference lr, untuned</h2><table><tr><th>global batch</th><th>S</th>"
-                    "<th>median steps</th><th>best tuned median steps</th><th>ratio</th><th>mean gain</th></tr>"
-                    f"{adascale}</table>")
-    ramp = report.get("ramp")
-    if ramp:
-        adascale += (f"<h2>Batch ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}</h2>"
-                     f"<p>median {_n(ramp['median_steps'])} steps and {_n(ramp['median_samples'])} samples to the "
-                     f"target; the best tuned fixed lr at that batch: {_n(ramp['tuned_median_steps'])} steps, "
-                     f"{_n(ramp['tuned_median_samples'])} samples (ratios {_n(ramp['steps_over_tuned'])} and "
-                     f"{_n(ramp['samples_over_tuned'])}); final global batches "
-                     f"{', '.join(map(str, ramp['final_global_batch_sizes']))}</p>")
-    target = report["target"]
-    body = f"""<!doctype html><html><head><meta charset="utf-8">\
-<title>ddplab study: {html_escape(report['workload'])}</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}img{{max-width:100%;display:block;margin:1em 0}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
-<h1>ddplab study: {html_escape(report['workload'])}</h1>
-<p>{report.get('trained_runs', '')} runs trained ({html_escape(str(report.get('engine', 'vmap')))} engine). \
-Steps until validation {target['kind']} first reaches {target['value']:g} \
-(evaluated every {report['eval_every']} steps,
-budget {report['max_steps']}), median over {report['seeds']} seeds; \
-reference lr {report['reference']['lr']:g} at global batch
-{report['reference']['global_batch_size']}; {html_escape(optimizer_text(report['optimizer']))}. \
-Fit: S(B) = S_min(1 + B_crit/B).</p>
-<table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th>\
-<th>E_min (samples)</th></tr>{fits}</table>
-<p>B_simple along the best tuned runs: {_n(b_simple.get('value'))} \
-(95% interval [{_n((b_simple.get('ci95') or [None, None])[0])}, {_n((b_simple.get('ci95') or [None, None])[1])}]); \
-B_crit / B_simple = {_n(b_simple.get('b_crit_over_b_simple'))}</p>
-<p>B_crit is where the fitted curve bends: below it, doubling the global batch halves the steps; above it, \
-steps barely fall while the samples (compute) grow. B_simple = tr Σ / |G|² is the gradient noise scale measured \
-along the best runs (McCandlish et al. 2018): the batch at which one step's noise equals its signal. The two are \
-predicted to agree within a small factor; B_simple grows as the loss falls, so its per-batch values \
-(b_simple.png) rise along each run.</p>
-{_scorecard_html(report)}
-{''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
-{adascale}
-{_front_html(report)}
-{images}
-<h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>
-<table><tr><th>rule</th><th>global batch</th><th>lr</th><th>Adam settings (variant)</th><th>seed</th>\
-<th>steps to target</th></tr>{runs}</table>
-</body></html>"""
-    with open(path + ".tmp", "w") as fh:
-        fh.write(body)
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def html_escape(text: str) -> str:
-    return html.escape(str(text))
-
-
-def _b64(path: str) -> str:
-    with open(path, "rb") as fh:
-        return base64.b64encode(fh.read()).decode()
-
-
-def _n(value) -> str:
-    if value is None:
-        return "—"
-    return f"{value:.4g}"
-
-
-def _steps(run: dict) -> str:
-    if run["steps_to_target"] is not None:
-        return str(run["steps_to_target"])
-    if run.get("pruned"):
-        return "stopped: slower than the best lr"
-    return "diverged" if run.get("diverged") else "not reached"
-
+    write_figure(plt, fig, path)
