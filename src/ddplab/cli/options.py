@@ -106,9 +106,10 @@ def fields_given(args: argparse.Namespace, config: type, *, prefix: str = "",
     return out
 
 
-def help_text(config: type, name: str, *, prefix: str = "") -> str:
-    """The field's docstring as a flag's help: fields as flags, lower case, and its default."""
-    doc = docstrings(config).get(name)
+def help_text(config: type, name: str, *, prefix: str = "", doc: str | None = None) -> str:
+    """The field's docstring (or ``doc``, written as one) as a flag's help: fields as flags, lower case, and its
+    default."""
+    doc = doc or docstrings(config).get(name)
     if not doc:
         raise TypeError(f"{config.__name__}.{name} has no docstring to be its flag's help")
     names = {f.name for f in dataclasses.fields(config)}

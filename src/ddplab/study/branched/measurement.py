@@ -42,9 +42,11 @@ from ddplab.study.branched.judgement import Judge, _by_lr
 from ddplab.study.branched.loading import load_checkpoint
 from ddplab.study.branched.reference import reference_checkpoints
 from ddplab.study.config import StudyConfig, StudyOptions
-from ddplab.study.engines.choice import BranchEngine, engine_for
+from ddplab.study.engines.choice import BranchEngine, engine_for, resolve_device
 from ddplab.study.engines.vmap import threads
 from ddplab.study.report.branched import BranchReport
+from ddplab.study.report.branched_figure import branched_plot
+from ddplab.study.report.output import check_out, require_matplotlib
 from ddplab.study.workloads import Workload
 
 
@@ -86,13 +88,13 @@ class _Setup:
 def measure(workload: Workload, config: StudyConfig, branch: BranchConfig, options: StudyOptions | None = None, *,
             progress: Progress = silent, launch_config: LaunchConfig | None = None) -> BranchReport:
     """Branch from each checkpoint (``branch_from``) or from the reference run (``branch_at``), judge the critical
-    batch at each, and write ``branched.json`` under ``out``.
+    batch at each, and write ``branched.json`` under ``out``, then (with ``plots``) draw ``branched.png``.
 
     Under torchrun every process calls this: the branches train across the job's ranks, and rank 0 alone writes
-    branched.json (every rank returns the same report)."""
-    from ddplab.study.engines.choice import resolve_device
-
+    branched.json and the figure (every rank returns the same measurement)."""
     options = options or StudyOptions()
+    if options.plots:
+        require_matplotlib()  # said before anything trains
     engine, why = engine_for(workload, options)
     world_size = world_size_for(None, default=options.world_size) if engine == "ddp" else None
     check_branches(workload, config, branch, world_size)
@@ -112,8 +114,6 @@ def _measure_in_group(ctx: RankContext, setup: _Setup, progress: Progress) -> Br
 
 def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | None,
              ctx: RankContext | None) -> BranchReport:
-    from ddplab.study.report.output import check_out
-
     started = time.monotonic()
     workload, config, branch, options = setup.workload, setup.config, setup.branch, setup.options
     main = ctx is None or ctx.is_main
@@ -156,6 +156,9 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
     report.seconds = time.monotonic() - started
     if main:
         write_json_atomic(os.path.join(options.out, "branched.json"), report.to_json())
+        if options.plots:
+            # branched.json is written before the plot is drawn, so a failing plot never loses a measurement.
+            report.plots = [branched_plot(report.to_json(), options.out)]
     return report
 
 

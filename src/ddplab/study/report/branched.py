@@ -38,6 +38,8 @@ class BranchReport:
     own_optimizer: dict | None = None
     """The spec's own optimizer, where the branches trained with it instead of the config's (optim.describe)."""
     seconds: float = 0.0
+    plots: list[str] = dataclasses.field(default_factory=list)
+    """The figure drawn (branched.png), once it is."""
 
     @property
     def reference_samples(self) -> int | None:
@@ -65,5 +67,5 @@ class BranchReport:
                      "relative": self.branch_samples_total / reference if reference else None,
                      "per_checkpoint_relative": [b["branch_samples"] / reference if reference else None
                                                  for b in self.branches]},
-            "out": self.out, "seconds": self.seconds,
+            "out": self.out, "seconds": self.seconds, **({"plots": self.plots} if self.plots else {}),
         })

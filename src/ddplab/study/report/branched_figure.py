@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 
-from ddplab.study.report.figures import color, pyplot, write_figure
+from ddplab.study.report.figures import pyplot, write_figure
+
+SCHEDULE_COLOUR = "crimson"
+"""The batch schedule's line: the colour the grid's figures give the rule that follows such a schedule."""
 
 
 def branched_plot(values: dict, directory: str) -> str:
@@ -22,11 +25,11 @@ def branched_plot(values: dict, directory: str) -> str:
         ax.plot(*zip(*noise), "s", color="tab:purple", label="B_simple at the checkpoint")
     end = schedule_end(values)
     xs, ys = schedule_line(values["schedule"], end)
-    ax.plot(xs, ys, "-", color=color("schedule"), linewidth=2, alpha=0.8, label="batch schedule")
+    ax.plot(xs, ys, "-", color=SCHEDULE_COLOUR, linewidth=2, alpha=0.8, label="batch schedule")
     for step in values["schedule"]:
         lr = f" (lr {step['lr']:.3g})" if step["lr"] is not None else ""
         ax.annotate(f"{step['global_batch_size']}{lr}", (step["samples_seen"], step["global_batch_size"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points", color=color("schedule"))
+                    xytext=(3, 3), textcoords="offset points", color=SCHEDULE_COLOUR)
     if values["reference_run"] is not None:
         ax.axvline(values["reference_run"]["samples"], color="gray", linestyle=":",
                    label="end of the reference run" + (" (target reached)" if values["reference_run"]["reached"]

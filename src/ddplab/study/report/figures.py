@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from ddplab.study import rules
-
-COLORS = {"constant": "tab:gray", "linear": "tab:blue", "sqrt": "tab:orange", "adam-sqrt": "tab:brown",
-          "adamw-tau": "tab:olive", "surge": "tab:cyan", "tuned": "tab:green", "adascale": "tab:red",
-          "ramp": "tab:purple", "schedule": "crimson"}
-
 
 SPARE = ("tab:pink", "gold", "navy", "black")
 
@@ -21,9 +17,15 @@ ADAPTIVE_MARKERS = ("*", "P", "X", "D")
 
 def color(rule: str) -> str:
     """A rule's colour in every plot (a rule registered later takes a spare one, the same in every figure)."""
-    if rule in COLORS:
-        return COLORS[rule]
+    own = rules.get(rule).colour if rule in rules.REGISTRY else None
+    if own is not None:
+        return own
     return SPARE[list(rules.REGISTRY).index(rule) % len(SPARE)] if rule in rules.REGISTRY else SPARE[-1]
+
+
+def _truth_colour() -> str:
+    """The ground truth's colour (the tuned sweep's): its fit, its best lrs, its runs' batch."""
+    return color(rules.ground_truth().name)
 
 
 def pyplot():
@@ -50,62 +52,9 @@ def plots(report: dict, results: dict, directory: str, compare: dict | None = No
     if (report.get("b_simple") or {}).get("by_batch"):
         paths.append(os.path.join(directory, "b_simple.png"))
         _b_simple_plot(report, paths[-1])
-    if report.get("adascale"):
-        paths.append(os.path.join(directory, "adascale.png"))
-        _adascale_plot(report, paths[-1])
-    if report.get("ramp"):
-        paths.append(os.path.join(directory, "ramp.png"))
-        _ramp_plot(report, paths[-1])
+    for rule in rules.REGISTRY.values():
+        paths += rule.figures(report, directory, sys.modules[__name__])
     return paths
-
-
-def _ramp_plot(report: dict, path: str) -> None:
-    """Each ramp run's global batch and lr along its steps, the tuned fixed run's batch beside them."""
-    plt = pyplot()
-    fig, (ax_batch, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
-    # Only runs whose batch changed carry a trajectory.
-    for row in (r for r in report["runs"] if r.get("trajectory")):
-        steps, batches, lrs = zip(*row["trajectory"])
-        ax_batch.step(steps, batches, where="post", label=f"seed {row['seed']}")
-        ax_lr.step(steps, lrs, where="post", label=f"seed {row['seed']}")
-    ramp = report["ramp"]
-    ax_batch.axhline(ramp["start_global_batch_size"], color=color("tuned"), linestyle=":",
-                     label="fixed runs at the start")
-    if report.get("b_simple") and report["b_simple"]["value"]:
-        ax_batch.axhline(report["b_simple"]["value"], color="tab:purple", linestyle=":", label="B_simple (tuned runs)")
-    ax_batch.set_yscale("log", base=2)
-    ax_batch.set_ylabel("global batch")
-    ax_lr.set_ylabel("learning rate")
-    ax_batch.set_title("ramp: the global batch as the noise scale grows")
-    ax_lr.set_title("ramp: the lr, linear in the batch, warmed up after each jump")
-    for axis in (ax_batch, ax_lr):
-        axis.set_xlabel("optimizer step")
-    save_figure(plt, fig, path, (ax_batch, ax_lr))
-
-
-def _adascale_plot(report: dict, path: str) -> None:
-    """AdaScale's gain along its runs (seed 0), and its steps to target beside the best-tuned fixed lr's."""
-    plt = pyplot()
-    fig, (ax_gain, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.5))
-    cmap = plt.get_cmap("plasma")
-    # Only AdaScale's runs carry gains.
-    rows = [r for r in report["runs"] if r["seed"] == 0 and r.get("gains")]
-    for i, row in enumerate(rows):
-        steps, gains, _ = zip(*row["gains"])
-        scale = row["global_batch_size"] / report["reference"]["global_batch_size"]
-        label = f"B={row['global_batch_size']} (S={scale:g})"
-        ax_gain.plot(steps, gains, color=cmap(i / max(1, len(rows))), label=label)
-    ax_gain.set_xlabel("optimizer step")
-    ax_gain.set_ylabel("gain r_t (lr = reference lr × r_t)")
-    ax_gain.set_title("AdaScale's gain along its runs (seed 0)")
-    points = [p for p in report["adascale"] if p["median_steps"] is not None]
-    ax_steps.plot([p["global_batch_size"] for p in points], [p["median_steps"] for p in points], "o-",
-                  color=color("adascale"), label="AdaScale from the reference lr")
-    tuned = [p for p in report["tuned_lr"] if p["median_steps"] is not None]
-    ax_steps.plot([p["global_batch_size"] for p in tuned], [p["median_steps"] for p in tuned], "o-",
-                  color=color("tuned"), label="best tuned fixed lr")
-    batch_axes(ax_steps, "optimizer steps to target (median over seeds)", "AdaScale, untuned, vs the best tuned lr")
-    save_figure(plt, fig, path, (ax_gain, ax_steps))
 
 
 def batch_axes(axis, ylabel: str, title: str | None = None, xlabel: str = "global batch size B") -> None:
@@ -157,7 +106,7 @@ def _steps_plot(report: dict, path: str) -> None:
             if band:
                 ax.fill_between([b for b, _ in band], [v[0] for _, v in band], [v[1] for _, v in band],
                                 color=color(rule), alpha=0.12, linewidth=0)
-    tuned = report["fit"].get("tuned")
+    tuned = report["fit"].get(rules.ground_truth().name)
     if tuned and tuned["b_crit"] is not None:
         _regimes(ax, tuned, batches)
     if report.get("b_simple") and report["b_simple"]["value"]:
@@ -197,7 +146,7 @@ def _compare_plot(report: dict, other: dict, path: str) -> None:
         if points:
             ax.plot(*zip(*points), "o-", color=color, label=f"{name}: best tuned lr")
         ref = study["reference"]
-        rule = rules.get("linear" if study["optimizer"].get("family", "sgd") == "sgd" else "sqrt")
+        rule = rules.predicting(study["optimizer"].get("family", "sgd"))
         batches = sorted(study.get("global_batch_sizes") or [b for b, _ in points])
         if batches:
             ax.plot(batches, [ref["lr"] * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
@@ -228,9 +177,9 @@ def _b_simple_plot(report: dict, path: str) -> None:
     ax.plot([], [], "o", color="tab:purple", label="whole runs (95% interval)")
     if b_simple.get("value"):
         ax.axhline(b_simple["value"], color="tab:purple", linestyle=":", label=f"pooled {b_simple['value']:.3g}")
-    tuned = report["fit"].get("tuned")
+    tuned = report["fit"].get(rules.ground_truth().name)
     if tuned and tuned.get("b_crit"):
-        ax.axhline(tuned["b_crit"], color=color("tuned"), linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
+        ax.axhline(tuned["b_crit"], color=_truth_colour(), linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
     batch_axes(ax, "B_simple = tr Σ / |G|²", "the gradient noise scale along the best runs",
                 xlabel="global batch size B (the best tuned runs at it)")
     save_figure(plt, fig, path, (ax,))
@@ -254,12 +203,12 @@ def _pareto_plot(report: dict, path: str) -> None:
             for b, s in points:
                 ax.annotate(str(b), (b * s, s), fontsize=7, xytext=(3, 3), textcoords="offset points")
             shown += [(b * s, s) for b, s in points]
-    fit = report["fit"].get("tuned")
+    fit = report["fit"].get(rules.ground_truth().name)
     if fit and fit["b_crit"] is not None and fit["s_min"] and fit["e_min"]:
         s_min, e_min = fit["s_min"], fit["e_min"]
         # x = E/E_min − 1 over three decades: S = S_min(1 + 1/x), E = E_min(1 + x).
         xs = [10 ** (-2 + 4 * i / 200) for i in range(201)]
-        ax.plot([e_min * (1 + x) for x in xs], [s_min * (1 + 1 / x) for x in xs], "--", color=color("tuned"),
+        ax.plot([e_min * (1 + x) for x in xs], [s_min * (1 + 1 / x) for x in xs], "--", color=_truth_colour(),
                 label="tuned fit: (S/S_min − 1)(E/E_min − 1) = 1")
         ax.axhline(s_min, color="gray", linestyle=":", label=f"S_min {s_min:.3g}")
         ax.axvline(e_min, color="gray", linestyle="-.", label=f"E_min {e_min:.3g}")
@@ -361,14 +310,13 @@ def _lr_plot(report: dict, path: str) -> None:
     if tuned:
         for point in tuned:
             ax.scatter([point["global_batch_size"]] * len(point["sweep"]), point["sweep"], color="lightgray", s=12)
-        ax.plot([p["global_batch_size"] for p in tuned], [p["lr"] for p in tuned], "o-", color=color("tuned"),
+        ax.plot([p["global_batch_size"] for p in tuned], [p["lr"] for p in tuned], "o-", color=_truth_colour(),
                 label="best tuned lr")
     ref = report["reference"]
     batches = report["global_batch_sizes"]
-    ax.plot(batches, [ref["lr"] * b / ref["global_batch_size"] for b in batches], "--", color=color("linear"),
-            label="linear rule")
-    ax.plot(batches, [ref["lr"] * math.sqrt(b / ref["global_batch_size"]) for b in batches], "--",
-            color=color("sqrt"), label="sqrt rule")
+    for rule in (rule for rule in rules.REGISTRY.values() if rule.predicts):
+        ax.plot(batches, [ref["lr"] * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
+                color=color(rule.name), label=f"{rule.name} rule")
     ax.scatter([ref["global_batch_size"]], [ref["lr"]], marker="*", s=120, color="black", label="reference", zorder=3)
     batch_axes(ax, "learning rate", "best lr per batch (gray: the sweep)")
     save_figure(plt, fig, path, [ax])

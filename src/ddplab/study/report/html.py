@@ -7,6 +7,7 @@ import base64
 import html
 import os
 
+from ddplab.study import rules
 from ddplab.study.report.records import optimizer_text
 
 
@@ -83,22 +84,7 @@ def write_html(report: dict, path: str) -> str:
         f"{html_escape(' (' + r['variant'] + ')') if r.get('variant') else ''}</td>"
         f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
     b_simple = report.get("b_simple") or {}
-    adascale = "".join(
-        f"<tr><td>{p['global_batch_size']}</td><td>{p['scale']:g}</td><td>{_n(p['median_steps'])}</td>"
-        f"<td>{_n(p['tuned_median_steps'])}</td><td>{_n(p['steps_over_tuned'])}</td><td>{_n(p['mean_gain'])}</td></tr>"
-        for p in report.get("adascale") or [])
-    if adascale:
-        adascale = ("<h2>AdaScale from the reference lr, untuned</h2><table><tr><th>global batch</th><th>S</th>"
-                    "<th>median steps</th><th>best tuned median steps</th><th>ratio</th><th>mean gain</th></tr>"
-                    f"{adascale}</table>")
-    ramp = report.get("ramp")
-    if ramp:
-        adascale += (f"<h2>Batch ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}</h2>"
-                     f"<p>median {_n(ramp['median_steps'])} steps and {_n(ramp['median_samples'])} samples to the "
-                     f"target; the best tuned fixed lr at that batch: {_n(ramp['tuned_median_steps'])} steps, "
-                     f"{_n(ramp['tuned_median_samples'])} samples (ratios {_n(ramp['steps_over_tuned'])} and "
-                     f"{_n(ramp['samples_over_tuned'])}); final global batches "
-                     f"{', '.join(map(str, ramp['final_global_batch_sizes']))}</p>")
+    sections = "".join(rule.html(report) for rule in rules.REGISTRY.values())
     target = report["target"]
     body = f"""<!doctype html><html><head><meta charset="utf-8">\
 <title>ddplab study: {html_escape(report['workload'])}</title>
@@ -124,7 +110,7 @@ predicted to agree within a small factor; B_simple grows as the loss falls, so i
 (b_simple.png) rise along each run.</p>
 {_scorecard_html(report)}
 {''.join(f'<p>warning: {html_escape(w)}</p>' for w in report['warnings'])}
-{adascale}
+{sections}
 {_front_html(report)}
 {images}
 <h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>

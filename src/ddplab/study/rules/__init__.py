@@ -11,7 +11,17 @@ from __future__ import annotations
 # Each built-in rule registers itself on import: the order here is the order --help and the report list them.
 from ddplab.study.rules import fixed, adam_sqrt, adamw_tau, surge, tuned, adascale, ramp, schedule  # noqa: F401
 from ddplab.study.rules.base import BatchRuns, Best, Rule
-from ddplab.study.rules.registry import REGISTRY, get, of, register, sweeping
+from ddplab.study.rules.registry import (
+    REGISTRY,
+    defaults,
+    get,
+    ground_truth,
+    help_line,
+    of,
+    predicting,
+    register,
+    sweeping,
+)
 from ddplab.study.rules.sweep import (
     b_simple_at,
     grid_runs,
@@ -24,5 +34,6 @@ from ddplab.study.rules.sweep import (
     view,
 )
 
-__all__ = ["REGISTRY", "BatchRuns", "Best", "Rule", "b_simple_at", "get", "grid_runs", "lrs", "of", "register",
-           "sweep_lrs", "sweep_only", "sweep_points", "sweeping", "tuned_best", "variants", "view"]
+__all__ = ["REGISTRY", "BatchRuns", "Best", "Rule", "b_simple_at", "defaults", "get", "grid_runs", "ground_truth",
+           "help_line", "lrs", "of", "predicting", "register", "sweep_lrs", "sweep_only", "sweep_points", "sweeping",
+           "tuned_best", "variants", "view"]

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 class AdamSqrt(OwnGroupRule):
     name = "adam-sqrt"
     summary = "lr × √k, 1 − β' = k(1 − β), ε' = ε/√k (Malladi et al. 2022)"
+    help = "adam-sqrt is Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k)"
+    colour = "tab:brown"
+    default_for = ("adam", "adamw")
     adam_only = True
 
     def check(self, config: StudyConfig) -> None:

@@ -56,7 +56,15 @@ class Rule:
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    """One line for --help and the docs."""
+    """One line for the docs."""
+    help: ClassVar[str] = ""
+    """Its clause in --rules' help, after the defaults (``field`` names shown as their flags); "" for none."""
+    colour: ClassVar[str | None] = None
+    """Its colour in every figure (None: a spare one, the same in every figure)."""
+    default_for: ClassVar[tuple[str, ...]] = ()
+    """The optimizer families whose studies run it when no rules are given."""
+    predicts: ClassVar[tuple[str, ...]] = ()
+    """The optimizer families whose best lr it is the textbook prediction of (the lr figures draw it)."""
     shares_grid: ClassVar[bool] = False
     """Its runs are fixed lrs of the grid the fixed-lr rules share (one run may serve several rules)."""
     sweeps: ClassVar[bool] = False
@@ -126,6 +134,24 @@ class Rule:
     def warnings(self, config: StudyConfig, batches: dict[int, BatchRuns]) -> list[str]:
         return []
 
+    # What the study says of it, read from the study's JSON (``values``).
+    def lr_text(self, values: dict) -> list[str]:
+        """Its sentences on the lrs it trains, printed under the scorecard."""
+        return []
+
+    def text(self, values: dict) -> list[str]:
+        """Its sentences on how it did, printed after the lrs."""
+        return []
+
+    def html(self, values: dict) -> str:
+        """Its section of report.html ("" for none)."""
+        return ""
+
+    def figures(self, values: dict, directory: str, drawing) -> list[str]:
+        """Figures of its own under ``directory``, their paths; ``drawing`` is :mod:`ddplab.study.report.figures`
+        (its pyplot, colours and axes), handed in as the rules sit below the report."""
+        return []
+
 
 class GridRule(Rule):
     """A fixed lr at each batch (the reference lr × a factor of k = B/B_ref), in the shared grid."""
@@ -183,6 +209,11 @@ def row(rule: str, global_batch: int, run: RunResult, *, best: bool = False, **e
             "steps_to_target": run.steps_to_target, "samples_to_target": samples(run, global_batch),
             "diverged": run.diverged, "stalled": run.stalled, "pruned": run.pruned, "extension": run.extension,
             "best": best, **extra}
+
+
+def html_num(value: float | None) -> str:
+    """A number as report.html shows it: four figures, or a dash where there is none."""
+    return "—" if value is None else f"{value:.4g}"
 
 
 def samples(run: RunResult, global_batch: int) -> int | None:

@@ -15,6 +15,7 @@ from ddplab.study import fit
 from ddplab.study.rules.base import BatchRuns, Rule, round_lr, row
 from ddplab.study.rules.sweep import tuned_best
 from ddplab.study.runs import RunGroup, RunResult, steps
+from ddplab.text import num_or_dash
 
 if TYPE_CHECKING:
     from ddplab.adapt.accumulation import AccumulatedBatch
@@ -61,6 +62,19 @@ class ChangingRule(Rule):
     def rows(self, view: BatchRuns) -> list[dict]:
         return [row(self.name, view.global_batch_size, run, trajectory=run.trajectory)
                 for run in self.seeds_at(view) or []]
+
+
+    def text(self, values: dict) -> list[str]:
+        """Its medians beside the best tuned fixed lr's at its starting batch."""
+        summary = (values.get("adaptive") or {}).get(self.name)
+        if not summary:
+            return []
+        versus = "" if summary["fixed_median_steps"] is None else (
+            f" vs the best tuned fixed lr's {num_or_dash(summary['fixed_median_steps'])} steps and "
+            f"{num_or_dash(summary['fixed_median_samples'])} samples there")
+        return [f"{self.name} from global batch {summary['start_global_batch_size']}: median "
+                f"{num_or_dash(summary['median_steps'])} steps and {num_or_dash(summary['median_samples'])} "
+                f"samples{versus}"]
 
 
 def start_lr(config: StudyConfig, start: int, trained: list[RunResult]) -> float:

@@ -31,6 +31,28 @@ def of(config: StudyConfig) -> list[Rule]:
     return [REGISTRY[name] for name in config.rules]
 
 
+def defaults(family: str) -> tuple[str, ...]:
+    """The rules a study with the optimizer ``family`` runs when it is given none, in registry order."""
+    return tuple(name for name, rule in REGISTRY.items() if family in rule.default_for)
+
+
+def help_line() -> str:
+    """--rules' help, as a config field's docstring writes it: the defaults, then each rule's own clause."""
+    clauses = [rule.help for rule in REGISTRY.values() if rule.help]
+    return (f"lr rules, comma-separated (default {','.join(defaults('sgd'))} for SGD, {','.join(defaults('adam'))} "
+            "for Adam/AdamW); " + "; ".join(clauses) + ".")
+
+
+def ground_truth() -> Rule:
+    """The registered rule whose sweep is the ground truth the others are judged against (tuned)."""
+    return next(rule for rule in REGISTRY.values() if rule.sweeps)
+
+
+def predicting(family: str) -> Rule:
+    """The registered rule whose lr is the textbook prediction of the best for optimizer ``family``."""
+    return next(rule for rule in REGISTRY.values() if family in rule.predicts)
+
+
 def sweeping(config: StudyConfig) -> Rule | None:
     """The study's sweep (the ground truth), if it runs one."""
     return next((rule for rule in of(config) if rule.sweeps), None)

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 class Schedule(changing.ChangingRule):
     name = "schedule"
     summary = "ddplab.BatchSchedule following {schedule} from scratch, from its first global batch"
+    help = "schedule adds one BatchSchedule run per seed following ``schedule``"
+    colour = "crimson"
 
     def check(self, config: StudyConfig) -> None:
         if config.schedule is None:

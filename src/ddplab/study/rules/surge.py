@@ -19,6 +19,7 @@ from ddplab.study.rules.base import BatchRuns, OwnGroupRule, round_lr
 from ddplab.study.rules.registry import register, sweeping
 from ddplab.study.rules.sweep import b_simple_at
 from ddplab.study.runs import RunGroup, RunResult
+from ddplab.text import num_or_dash
 
 if TYPE_CHECKING:
     from ddplab.study.config import StudyConfig
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 class Surge(OwnGroupRule):
     name = "surge"
     summary = "lr × η*(B)/η*(B_ref), Adam's best lr rising to B_noise and falling past it (Li et al. 2024)"
+    help = ("surge is Li et al.'s lr peaking at B_noise (``noise_scale``, else the B_simple measured at the reference "
+            "batch)")
+    colour = "tab:cyan"
     adam_only = True
 
     def check(self, config: StudyConfig) -> None:
@@ -92,6 +96,15 @@ class Surge(OwnGroupRule):
             return []
         return [f"the surge rule's B_noise {noise_scale:.4g} is more than {scaling.SURGE_RANGE:g}× from global batch "
                 f"{', '.join(map(str, far))}: its lr there extrapolates the curve far from its peak"]
+
+
+    def lr_text(self, values: dict) -> list[str]:
+        surge = values.get("surge")
+        if not surge:
+            return []
+        source = "given" if surge["source"] == "given" else "B_simple at the reference batch"
+        return [f"surge rule: B_noise {num_or_dash(surge['noise_scale'])} ({source}); lr by global batch: "
+                + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in surge["by_batch"])]
 
 
 def _fixed_runs(batches: dict[int, BatchRuns]) -> dict[int, list[RunResult]]:

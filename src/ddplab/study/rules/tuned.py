@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 class Tuned(GridRule):
     name = "tuned"
     summary = "a sweep of lrs at every batch, the best kept"
+    help = "with Adam the tuned sweep trains each lr with every Adam rule's settings too"
+    colour = "tab:green"
+    default_for = ("sgd", "adam", "adamw")
     sweeps = True
 
     def check(self, config: StudyConfig) -> None:
