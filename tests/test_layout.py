@@ -299,6 +299,22 @@ def test_only_the_rules_spell_a_rules_name():
     assert sorted(_rule_name_branches(ast.parse(spelled), names)) == [1, 2, 3, 4]
 
 
+def test_only_the_engines_spell_an_engines_name():
+    from typing import get_args
+
+    from ddplab.study import engines
+    from ddplab.study.config import Engine
+
+    names = set(engines.ENGINES) | {engine.name for engine in engines.CLAIMING}
+    offenders = [f"{path}:{line}" for path, _, tree in _modules()
+                 if path.startswith(("study" + os.sep, os.path.join("cli", "study.py")))
+                 and not path.startswith(os.path.join("study", "engines") + os.sep)
+                 for line in _rule_name_branches(tree, names)]
+    assert offenders == []
+    # --engine offers auto and every engine registered, and no other.
+    assert set(get_args(Engine)) == {"auto", *engines.ENGINES} and names - set(engines.ENGINES) == {"changing"}
+
+
 def _constructs_ddp(tree, wrapper: str = "DistributedDataParallel") -> list[int]:
     """Lines calling ``wrapper(...)`` by name or attribute (imports and isinstance do not count)."""
     return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and

@@ -14,12 +14,12 @@ import torch
 from ddplab.cli.main import main
 from ddplab.errors import UsageError
 from ddplab.study import optim, orders, workloads
-from ddplab.study.branched import branches as branched_branches
 from ddplab.study.branched import loading as branched_loading
 from ddplab.study.branched import measurement as branched_measurement
 from ddplab.study.branched import reference as branched_reference
 from ddplab.study.branched.config import BranchConfig
 from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
+from ddplab.study.engines import vmap_branches
 
 DIM, REFERENCE = 16, 2
 
@@ -123,7 +123,7 @@ def test_a_branch_continues_as_torch_optim_would_from_the_saved_optimizer_state(
                                                               lambda steps: None)
     assert checkpoint.optimizer["state"]  # the run had stepped: its moments or buffer travel with it
     runs, global_batch, samples = [(0.01, 0), (0.04, 1)], 8, 80
-    got = branched_branches.train_branches(workload, config, checkpoint, global_batch, runs, samples,
+    got = vmap_branches.train_branches(workload, config, checkpoint, global_batch, runs, samples,
                                 device=torch.device("cpu"))[samples // global_batch]
     inputs, targets = workload.train
     for (lr, seed), loss in zip(runs, got):
@@ -289,13 +289,13 @@ def test_branches_are_cached_by_checkpoint_and_setting_so_a_rerun_or_another_tol
     path = tmp_path / "ckpt.pt"
     torch.save({"model": state.model, "optimizer": state.optimizer, "samples_seen": state.samples_seen}, path)
     trained = []
-    real = branched_branches.train_branches
+    real = vmap_branches.train_branches
 
     def counting(workload, config, checkpoint, global_batch, runs, samples, **kwargs):
         trained.append((global_batch, len(runs)))
         return real(workload, config, checkpoint, global_batch, runs, samples, **kwargs)
 
-    monkeypatch.setattr(branched_measurement, "train_branches", counting)
+    monkeypatch.setattr(vmap_branches, "train_branches", counting)
 
     def measure(**fields):
         options = StudyOptions(out=str(tmp_path / "out"), fresh=fields.pop("fresh", False))

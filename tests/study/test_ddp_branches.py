@@ -15,13 +15,13 @@ import torch
 
 from ddplab.cli.main import main
 from ddplab.study import workloads
-from ddplab.study.branched import branches as branched_branches
 from ddplab.study.branched import checkpoint as branched_checkpoint
 from ddplab.study.branched import measurement as branched_measurement
 from ddplab.study.branched import reference as branched_reference
 from ddplab.study.branched.config import BranchConfig
 from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
 from ddplab.study.engines import choice as engines_choice
+from ddplab.study.engines import vmap_branches
 from ddplab.study.engines.choice import build_engine
 from ddplab.study.engines.ddp_branches import load_state, train_branches_ddp
 
@@ -49,7 +49,7 @@ def test_branches_on_ranks_are_the_vectorized_branches_from_the_saved_optimizer_
     runs = [(0.01, 0), (0.04, 1), (0.02, 1)]
     groups = {4: (runs, {5}), 8: (runs, set()), 16: (runs, {0})}
     samples = 64
-    vectorized = {batch: branched_branches.train_branches(workload, config, checkpoint, batch, runs, samples,
+    vectorized = {batch: vmap_branches.train_branches(workload, config, checkpoint, batch, runs, samples,
                                                           device=CPU, record=record)
                   for batch, (runs, record) in groups.items()}
     for strategy, cap in (("ddp", None), ("ddp", 2), ("fsdp", None)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +24,12 @@ Groups = dict[int, tuple[Runs, set[int]]]
 
 Trained = dict[int, dict[int, list[float]]]
 """{global batch: {steps: each run's held-out loss after them}}."""
+Stop = Callable[[Trained], bool]
+"""Whether the judgement is settled by the batches trained so far (no larger batch need train)."""
+BranchTrainer = Callable[["Checkpoint", Groups, int, "Stop | None"], Trained]
+"""Trains one checkpoint's branches: (checkpoint, groups, samples, stop) -> each run's held-out losses, the batches in
+order and none after the first at which ``stop`` says the judgement is settled (an engine's, :mod:`ddplab.study.
+engines.registry`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,7 @@ import torch
 from ddplab.errors import UsageError, literal
 from ddplab.study.branched.checkpoint import Checkpoint, notes
 from ddplab.study.config import StudyConfig
-from ddplab.study.engines.ddp import run_optimizer
-from ddplab.study.engines.vmap import torch_dtype
+from ddplab.study.optim import run_optimizer, torch_dtype
 from ddplab.study.workloads import Workload
 
 

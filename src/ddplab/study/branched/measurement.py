@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,13 +32,14 @@ from ddplab.progress import Progress, silent
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch, world_size_for
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.serialize import write_json_atomic
+from ddplab.study import engines
 from ddplab.study.branched import judgement, schedule
-from ddplab.study.branched.branches import b_simple_at_checkpoint, train_branches
 from ddplab.study.branched.cache import BranchCache, checkpoint_digest
-from ddplab.study.branched.checkpoint import Checkpoint, Groups, Runs, Trained, held_out
+from ddplab.study.branched.checkpoint import BranchTrainer, Checkpoint, Groups, Runs, Trained, held_out
 from ddplab.study.branched.config import BranchConfig, scaled_lr
 from ddplab.study.branched.judgement import Judge, _by_lr
 from ddplab.study.branched.loading import load_checkpoint
+from ddplab.study.branched.noise_scale import b_simple_at_checkpoint
 from ddplab.study.branched.reference import reference_checkpoints
 from ddplab.study.config import StudyConfig, StudyOptions
 from ddplab.study.engines.choice import BranchEngine, engine_for, resolve_device
@@ -96,7 +96,7 @@ def measure(workload: Workload, config: StudyConfig, branch: BranchConfig, optio
     if options.plots:
         require_matplotlib()  # said before anything trains
     engine, why = engine_for(workload, options)
-    world_size = world_size_for(None, default=options.world_size) if engine == "ddp" else None
+    world_size = world_size_for(None, default=options.world_size) if not engines.vectorized(engine) else None
     check_branches(workload, config, branch, world_size)
     # Every checkpoint is read and checked before the first branch trains.
     checkpoints = [load_checkpoint(workload, config, path) for path in branch.branch_from or ()]
@@ -128,9 +128,9 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
     reference_steps = config.max_steps * 2 if branch.branch_at else 0
     total = reference_steps + per_checkpoint * (len(branch.branch_at or ()) or len(setup.checkpoints))
     advance = _Advance(progress, total)
-    train = _trainer(setup, device, launch_config, advance)
+    train = engines.branch_trainer(setup.engine, workload, config, device, options, launch_config, advance)
     cache = BranchCache(options.out, _cache_setting(setup, samples), fresh=options.fresh,
-                        by_group=setup.engine == "vmap") if main else None
+                        by_group=engines.vectorized(setup.engine)) if main else None
     with threads(options.threads):
         checkpoints, reference_run = setup.checkpoints, None
         if branch.branch_at:
@@ -145,7 +145,7 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
     steps = schedule.schedule([(f["samples_seen"], f["critical_batch_size"],
                                 {row["global_batch_size"]: row["lr"] for row in f["batches"]}) for f in found],
                               config.reference_global_batch_size, config.reference_lr)
-    on_ranks = setup.engine == "ddp"
+    on_ranks = not engines.vectorized(setup.engine)
     report = BranchReport(workload=workload.name, config=config, branch=branch, lr_rule=rule, samples=samples,
                           branches=found, schedule=steps, reference_run=reference_run,
                           branch_samples_total=sum(f["branch_samples"] for f in found), out=options.out,
@@ -167,46 +167,6 @@ def _rank_zeros(checkpoints: list[Checkpoint], run: dict) -> tuple[list[Checkpoi
     shared = [checkpoints, run]
     dist.broadcast_object_list(shared, src=0)
     return shared[0], shared[1]
-
-
-Trainer = Callable[[Checkpoint, Groups, int, "Stop | None"], Trained]
-"""Trains one checkpoint's branches: (checkpoint, groups, samples, stop) -> each run's held-out losses, the batches in
-order and none after the first at which ``stop`` says the judgement is settled."""
-
-
-Stop = Callable[[Trained], bool]
-
-
-def _trainer(setup: _Setup, device: torch.device, launch_config: LaunchConfig | None, advance) -> Trainer:
-    """The engine's way of training one checkpoint's branches, batch after batch."""
-    workload, config = setup.workload, setup.config
-    if setup.engine == "vmap":
-        def vectorized(checkpoint: Checkpoint, groups: Groups, samples: int, stop: Stop | None) -> Trained:
-            trained: Trained = {}
-            for batch, (runs, record) in groups.items():
-                trained[batch] = train_branches(workload, config, checkpoint, batch, runs, samples, device=device,
-                                                record=record, advance=advance)
-                if stop is not None and stop(trained):
-                    break
-            advance(_untrained_steps(groups, trained, samples))
-            return trained
-
-        return vectorized
-    from ddplab.study.engines.choice import build_engine
-    from ddplab.study.engines.ddp_branches import train_branches_ddp
-
-    engine = build_engine("ddp", device, setup.options, launch_config)
-
-    def on_ranks(checkpoint: Checkpoint, groups: Groups, samples: int, stop: Stop | None) -> Trained:
-        return train_branches_ddp(workload, config, checkpoint, groups, samples, engine=engine, stop=stop,
-                                  advance=advance)
-
-    return on_ranks
-
-
-def _untrained_steps(groups: Groups, trained: Trained, samples: int) -> int:
-    """The steps of the batches the ladder left out: the progress bar counts them done."""
-    return sum(samples // batch for batch in groups if batch not in trained)
 
 
 def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, checkpoint: Checkpoint, rule: str,
@@ -262,7 +222,7 @@ class _Training:
     """One checkpoint's branches trained through the cache: what it holds is read (by rank 0, under torchrun, and
     shared), what it lacks is trained and kept."""
 
-    def __init__(self, train: Trainer, cache: BranchCache | None, checkpoint: Checkpoint, samples: int,
+    def __init__(self, train: BranchTrainer, cache: BranchCache | None, checkpoint: Checkpoint, samples: int,
                  advance: _Advance, ctx: RankContext | None):
         self.train, self.cache, self.checkpoint, self.samples, self.advance = train, cache, checkpoint, samples, advance
         self.shared = ctx is not None and ctx.world_size > 1
@@ -314,7 +274,7 @@ def _cache_setting(setup: _Setup, samples: int) -> dict:
     options, config = setup.options, setup.config
     ranks = {"world_size": setup.world_size, "strategy": options.strategy, "replicate": options.replicate,
              "reduce_dtype": options.reduce_dtype, "max_per_device": options.max_batch_size_per_device} \
-        if setup.engine == "ddp" else {}
+        if not engines.vectorized(setup.engine) else {}
     return {"workload": setup.workload.fingerprint, "optimizer": config.optimizer.to_json(), "dtype": config.dtype,
             "own_optimizer": setup.workload.own_optimizer, "samples": samples, "engine": setup.engine,
             "device": setup.device.type, **ranks}

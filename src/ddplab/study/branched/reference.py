@@ -13,8 +13,8 @@ import torch
 from ddplab.errors import UsageError
 from ddplab.study.branched.checkpoint import Checkpoint
 from ddplab.study.config import StudyConfig
-from ddplab.study.engines.ddp import run_optimizer
-from ddplab.study.engines.vmap import cast, evaluate_model, torch_dtype
+from ddplab.study.engines.vmap import cast, evaluate_model
+from ddplab.study.optim import run_optimizer, torch_dtype
 from ddplab.study.orders import Stream
 from ddplab.study.workloads import Workload
 

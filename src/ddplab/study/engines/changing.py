@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from ddplab.study import rules
 from ddplab.study.engines.base import Progress
-from ddplab.study.engines.ddp import run_optimizer
-from ddplab.study.engines.vmap import cast, evaluate_model, seeded_state, torch_dtype
+from ddplab.study.engines.vmap import cast, evaluate_model, seeded_state
+from ddplab.study.optim import run_optimizer, torch_dtype
 from ddplab.study.orders import Batches
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle
 

@@ -14,8 +14,9 @@ from ddplab.errors import UsageError, literal
 from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, world_size_for
 from ddplab.runtime.launch_config import under_torchrun
-from ddplab.study import engines, rules
+from ddplab.study import rules
 from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.engines.auto import Auto
 from ddplab.study.engines.base import Engine
 from ddplab.study.engines.ddp import DdpEngine
 from ddplab.study.engines.vmap import VmapEngine
@@ -100,7 +101,7 @@ def build_engine(name: str, device: torch.device, options: StudyOptions, launch_
     if device.type == "cuda" and not under_torchrun() and world_size > torch.cuda.device_count():
         if name == "auto":
             # No rank could have a GPU of its own: the grid stays vectorized rather than fail mid-study.
-            return engines.Auto([vectorized])
+            return Auto([vectorized])
         raise UsageError(f"the DDP engine gives each of its {world_size} ranks a GPU of its own, but torch sees "
                          f"{torch.cuda.device_count()}: give {{world_size}} {torch.cuda.device_count()} or fewer, or "
                          "{device} cpu")
@@ -110,4 +111,4 @@ def build_engine(name: str, device: torch.device, options: StudyOptions, launch_
     strategy.check_runnable(world_size)
     on_ranks: Engine = DdpEngine(launch_config, max_per_device=options.max_batch_size_per_device, device=device,
                                  strategy=strategy)
-    return on_ranks if name == "ddp" else engines.Auto([vectorized, on_ranks])
+    return on_ranks if name == "ddp" else Auto([vectorized, on_ranks])

@@ -32,8 +32,8 @@ from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
-from ddplab.study.engines.vmap import cast, evaluate_model, synchronize, torch_dtype
-from ddplab.study.optim import torch_optimizer
+from ddplab.study.engines.vmap import cast, evaluate_model, synchronize
+from ddplab.study.optim import run_optimizer, torch_dtype, torch_optimizer
 from ddplab.study.orders import Batches, RankShards
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
 
@@ -110,17 +110,6 @@ def _prune_bound(config: StudyConfig, finished, setting: tuple[float, str]) -> f
     complete = [r for runs in by_lr.values() if len(runs) == config.seeds for r in runs]
     best_lr, best = settled_best(complete)
     return math.inf if best_lr is None or best_lr == setting else loser_bound(best, config.seeds)
-
-
-def run_optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
-    """One run's torch optimizer at ``lr``: the spec's own where it has one, else the study's."""
-    if workload.make_optimizer is None:
-        return torch_optimizer(config.optimizer, params, lr)
-    # The spec's own optimizer, every group's lr scaled as the rule scales the reference lr.
-    optimizer = workload.make_optimizer(params)
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * lr / workload.lr
-    return optimizer
 
 
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,

@@ -24,13 +24,10 @@ from ddplab.runtime import capacity
 from ddplab.study import optim
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
+from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Batches
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
 from ddplab.study.workloads import Workload
-
-
-def torch_dtype(config: StudyConfig) -> torch.dtype:
-    return torch.float64 if config.dtype == "float64" else torch.float32
 
 
 def seeded_params(workload: Workload, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -76,14 +76,14 @@ def _study(setup: _Setup, progress, launch_config, *, rank) -> StudyReport:
     if rank is not None:
         cache = RankZeroCache(cache, rank)
     engine = build_engine(setup.engine, setup.device, options, launch_config)
-    with threads(options.threads if setup.engine == "vmap" else torch.get_num_threads()):
+    with threads(options.threads if engines.vectorized(setup.engine) else torch.get_num_threads()):
         results = training.run_grid(workload, config, cache, engine, _advance(progress, config))
     name, why = engine.summary() if isinstance(engine, engines.Auto) else (setup.engine, setup.why)
     found = analysis.analyze(config, results)
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
                          own_optimizer=workload.own_optimizer,
                          out=options.out, engine=name, engine_reason=why, device=str(setup.device))
-    if options.verify_ddp and name == "vmap":
+    if options.verify_ddp and engines.vectorized(name):
         report.verify_ddp = verify_ddp(workload, config, options.verify_ddp, world_size=options.verify_world_size,
                                        steps=options.verify_steps, tuned=found.tuned_lr, launch_config=launch_config)
     if not main:

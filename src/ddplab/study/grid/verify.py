@@ -12,8 +12,8 @@ from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.serialize import finite
 from ddplab.study import rules, workloads
 from ddplab.study.config import StudyConfig
-from ddplab.study.engines.vmap import Group, cast, torch_dtype
-from ddplab.study.optim import torch_optimizer
+from ddplab.study.engines.vmap import Group, cast
+from ddplab.study.optim import torch_dtype, torch_optimizer
 from ddplab.study.orders import RankShards
 from ddplab.study.runs import grid_group
 from ddplab.study.workloads import Workload
@@ -97,7 +97,8 @@ def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig,
     for global_batch, lr, seed in points:
         torch.manual_seed(seed)
         model = workload.model().to(dtype).to(ctx.device)
-        ddp = strategies.get("ddp").wrap(model, ctx)
+        # The default strategy is plain DDP, the one the replay compares the vectorized runs with.
+        ddp = strategies.get().wrap(model, ctx)
         optimizer = torch_optimizer(config.optimizer, ddp.parameters(), lr)
         shards = RankShards(workload.train_size, global_batch, ctx, seed)
         for step in range(steps):

@@ -91,7 +91,7 @@ def write_html(report: dict, path: str) -> str:
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}img{{max-width:100%;display:block;margin:1em 0}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
 <h1>ddplab study: {html_escape(report['workload'])}</h1>
-<p>{report.get('trained_runs', '')} runs trained ({html_escape(str(report.get('engine', 'vmap')))} engine). \
+<p>{report.get('trained_runs', '')} runs trained ({html_escape(str(report['engine']))} engine). \
 Steps until validation {target['kind']} first reaches {target['value']:g} \
 (evaluated every {report['eval_every']} steps,
 budget {report['max_steps']}), median over {report['seeds']} seeds; \

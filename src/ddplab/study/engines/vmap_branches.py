@@ -1,6 +1,9 @@
-"""Branches from one checkpoint at one global batch, vectorized as the grid's vmap engine trains a group
-(``torch.func.vmap`` over ``functional_call``, torch.optim's update as stacked foreach steps), and the noise scale
-at a checkpoint's weights.
+"""The vmap engine's branches: from one checkpoint, each batch's runs vectorized as the engine trains a grid's
+group (``torch.func.vmap`` over ``functional_call``, torch.optim's update as stacked foreach steps), in this process.
+
+Each branch continues the data where the checkpoint left it: seed s draws DistributedSampler's epoch permutations
+for s from the checkpoint's samples seen on (:class:`~ddplab.study.orders.Stream`), so at one seed every batch size
+trains on the very same samples, only grouped differently.
 """
 
 from __future__ import annotations
@@ -11,17 +14,16 @@ from collections.abc import Callable
 import torch
 from torch.func import functional_call, vmap
 
-from ddplab.noise import estimators
+from ddplab.runtime.launch import LaunchConfig
 from ddplab.study import optim
-from ddplab.study.branched.checkpoint import Checkpoint, held_out
+from ddplab.study.branched.checkpoint import BranchTrainer, Checkpoint, Groups, Stop, Trained, held_out
 from ddplab.study.branched.loading import _optimizer_state
-from ddplab.study.config import StudyConfig
-from ddplab.study.engines.vmap import cast, runs_that_fit, torch_dtype
+from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.engines.registry import EngineKind, register
+from ddplab.study.engines.vmap import VmapEngine, cast, runs_that_fit
+from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Stream
 from ddplab.study.workloads import Workload
-
-B_SIMPLE_BATCHES = 16
-"""Batches the noise scale is measured on at each checkpoint (two halves each, as two DDP ranks would see them)."""
 
 
 def train_branches(workload: Workload, config: StudyConfig, checkpoint: Checkpoint, global_batch: int,
@@ -116,32 +118,22 @@ def _load_optimizer(stacked: optim.StackedOptimizer, states: dict[str, dict] | N
         stacked.steps = 1
 
 
-def b_simple_at_checkpoint(workload: Workload, config: StudyConfig, checkpoint: Checkpoint, global_batch: int,
-                device: torch.device, batches: int = B_SIMPLE_BATCHES) -> float | None:
-    """The noise scale B_simple = tr Σ / |G|² at the checkpoint's weights, from ``batches`` global batches each split
-    into two halves (``ddplab noise --world-size 2``'s estimator with its finite-dataset correction); None when
-    |G|² is not above 0."""
-    dtype = torch_dtype(config)
-    torch.manual_seed(0)
-    model = workload.model().to(dtype).to(device)
-    model.load_state_dict({k: cast(v, dtype) for k, v in checkpoint.model.items()})
-    half = min(global_batch, workload.train_size) // 2
-    stream = Stream(workload.train_size, 2 * half, [0], start=checkpoint.samples_seen)
-    inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
-    g2s, traces = [], []
-    for step in range(batches):
-        index = stream.indices(step)[0].to(device)
-        grads = [_flat_grad(workload, model, inputs[index[rank::2]], targets[index[rank::2]]) for rank in (0, 1)]
-        small = float((grads[0].pow(2).sum() + grads[1].pow(2).sum()) / 2)
-        big = float(((grads[0] + grads[1]) / 2).pow(2).sum())
-        g2, trace = estimators.unbiased_estimates(small, big, half, 2 * half, dataset_size=workload.train_size)
-        g2s.append(g2)
-        traces.append(trace)
-    value = estimators.summarize(g2s, traces).b_simple
-    return value if math.isfinite(value) else None
+def branch_trainer(workload: Workload, config: StudyConfig, device: torch.device, options: StudyOptions,
+                   launch_config: LaunchConfig | None, advance: Callable[[int], None]) -> BranchTrainer:
+    """How this engine trains one checkpoint's branches: batch after batch, in this process."""
+
+    def vectorized(checkpoint: Checkpoint, groups: Groups, samples: int, stop: Stop | None) -> Trained:
+        trained: Trained = {}
+        for batch, (runs, record) in groups.items():
+            trained[batch] = train_branches(workload, config, checkpoint, batch, runs, samples, device=device,
+                                            record=record, advance=advance)
+            if stop is not None and stop(trained):
+                break
+        # The steps of the batches the ladder left out: the progress bar counts them done.
+        advance(sum(samples // batch for batch in groups if batch not in trained))
+        return trained
+
+    return vectorized
 
 
-def _flat_grad(workload: Workload, model: torch.nn.Module, inputs, targets) -> torch.Tensor:
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(workload.step_fn(model, (inputs, targets), workload.loss), params, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in zip(grads, params)])
+register(EngineKind(name=VmapEngine.name, vectorized=True, branches=branch_trainer))
