@@ -21,7 +21,7 @@ from ddplab.study.grid import cache as grid_cache
 from ddplab.study.grid import training as grid_training
 from ddplab.study.report import figures as report_figures
 from ddplab.study.report.records import StudyReport
-from ddplab.study.rules.base import OwnGroupRule, round_lr
+from ddplab.study.rules.base import GridRule, OwnGroupRule, round_lr
 from ddplab.study.runs import grid_group
 
 
@@ -278,3 +278,47 @@ def test_the_spec_template_checks_and_studies_as_written(tmp_path, capsys):
     # The template's AdamW is the study's optimizer, its lr the reference lr.
     assert report["optimizer"]["name"] == "AdamW" and report["reference"]["lr"] == 3e-3
     assert any(r["steps_to_target"] for r in report["runs"])
+
+
+class Quartic(GridRule):
+    """lr × k^(1/4), in the shared grid, saying what it is as the built-in rules do (its colour, its help clause, its
+    sentence and its section of report.html)."""
+
+    name = "quartic"
+    summary = "lr × k^(1/4)"
+    help = "quartic is lr × k^(1/4), a rule of this test alone"
+    colour = "tab:pink"
+
+    def factor(self, k: float) -> float:
+        return k ** 0.25
+
+    def text(self, values: dict) -> list[str]:
+        return [f"quartic lr at global batch {b}: {self.lr_for(values, b):.4g}" for b in values["global_batch_sizes"]]
+
+    def html(self, values: dict) -> str:
+        return "<h2>The quartic rule</h2>"
+
+    def lr_for(self, values: dict, global_batch: int) -> float:
+        reference = values["reference"]
+        return reference["lr"] * self.factor(global_batch / reference["global_batch_size"])
+
+
+def test_a_rule_registered_in_one_file_is_said_by_the_command_line_the_report_and_the_figures(monkeypatch, tmp_path,
+                                                                                                capsys):
+    import json
+
+    from ddplab.cli.main import main
+    from ddplab.study.report import html
+
+    monkeypatch.setitem(rules.REGISTRY, Quartic.name, Quartic())
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        main(["study", "--help"])
+    assert "quartic is lr × k^(1/4), a rule of this test alone" in " ".join(capsys.readouterr().out.split())
+    main(["study", "--workload", "regression", "--rules", "constant,quartic", "--global-batch-sizes", "16,64",
+          "--seeds", "1", "--max-steps", "20", "--engine", "vmap", "--no-plots", "--out", str(tmp_path)])
+    with open(tmp_path / "study.json") as fh:
+        values = {**json.load(fh), "plots": []}
+    assert f"quartic lr at global batch 64: {Quartic().lr_for(values, 64):.4g}" in capsys.readouterr().out
+    assert "<h2>The quartic rule</h2>" in open(html.write_html(values, str(tmp_path / "report.html"))).read()
+    assert report_figures.color(Quartic.name) == "tab:pink"
