@@ -7,7 +7,7 @@ engine (``torch.func.vmap`` over ``functional_call``, torch.optim's update as st
 steps). Each branch continues the data where the checkpoint left it: seed s draws DistributedSampler's
 epoch permutations for s from the checkpoint's samples seen on, so at one seed every batch size
 trains on the very same samples, only grouped differently. What is compared is the training loss
-on the held-out split at the end of each branch; :mod:`ddplab.study.critical` judges it.
+on the held-out split at the end of each branch; :mod:`ddplab.study.branched.judgement` judges it.
 
 ``branch_at`` first trains the reference run itself (reference batch and lr, seed 0) to the target,
 then trains it again to the largest fraction, keeping its state (model and torch.optim's state) at each.

@@ -8,7 +8,7 @@ Adam and AdamW, a model that does not vmap, BatchNorm whose statistics must be p
 study under torchrun across nodes. The launch layer (:mod:`ddplab.runtime.launch`) starts
 ``world_size`` ranks once per global batch (or joins torchrun's group), and they train that
 batch's runs in turn. Each rank takes its DistributedSampler share of the engine's global batch
-(the order :mod:`ddplab.study.engine` uses, so both engines see the same samples at each step),
+(the order :mod:`ddplab.study.orders` gives, so both engines see the same samples at each step),
 in ``accumulation`` micro-batches under ``no_sync`` when the per-rank batch is capped.
 
 A group whose lr scales with AdaScale's gain is driven by ``ddplab.AdaScale`` itself, on the noise

@@ -4,7 +4,7 @@ A global batch B trains the same on W DDP ranks as in one process with B (DDP av
 ranks' mean gradients), so each batch size's runs live in one process: a slice of stacked
 parameters per run, one forward and backward for all of them through ``torch.func.vmap`` over
 ``functional_call`` — never a loop over runs. Each run's data order is DistributedSampler's
-(seed + epoch permutation, full batches only), so :mod:`ddplab.study.verify` can replay any grid
+(seed + epoch permutation, full batches only), so :mod:`ddplab.study.grid.verify` can replay any grid
 point on real DDP ranks and compare.
 """
 
