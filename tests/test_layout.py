@@ -68,7 +68,16 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
             base = ".".join(parts + ([node.module] if node.module else []))
         for alias in node.names:
             found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else _known_prefix(base, known))
+    # Importing a.b.c runs a.b's __init__ first: an arrow to each package above what is imported, bar the
+    # importer's own packages (already running when it runs).
+    own = {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
+    found |= {package for name in found for package in _packages_above(name) if package not in own}
     return {name for name in found if name in known and name != module}
+
+
+def _packages_above(name: str) -> list[str]:
+    """``a.b`` and ``a`` for ``a.b.c``."""
+    return [name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)]
 
 
 def _known_prefix(name: str, known: set[str]) -> str:
@@ -159,6 +168,15 @@ def test_the_cycle_finder_sees_a_circle_closed_inside_a_function(tmp_path):
     assert graph["planted.inner.b"] == {"planted.a"} and graph["planted.c"] == set()
     assert graph["planted.d"] == {"planted.c"}
     assert import_cycles(graph) == [["planted.a", "planted.inner.b", "planted.a"]]
+    # Importing a module runs its package's __init__: one that imports, through a sibling, what imported it, is a
+    # circle too (no import statement of the circle names the package itself).
+    other = tmp_path / "other"
+    (other / "inner").mkdir(parents=True)
+    files = {"__init__.py": "", "c.py": "from other.inner import f\n", "inner/e.py": "from other import c\n",
+             "inner/__init__.py": "from other.inner import e\n", "inner/f.py": ""}
+    for name, text in files.items():
+        (other / name).write_text(text)
+    assert import_cycles(import_graph(str(other), "other")) == [["other.c", "other.inner", "other.inner.e", "other.c"]]
     with pytest.raises(pytest.fail.Exception, match="import cycle: planted.a -> planted.inner.b -> planted.a$"):
         assert_no_import_cycle(graph)
 
