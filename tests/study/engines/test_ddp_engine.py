@@ -24,7 +24,7 @@ from ddplab.study.engines import vmap as engine
 from ddplab.study.grid import analysis
 from ddplab.study.grid import training as grid_training
 
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 
 
 def _ddp_engine(world_size: int, max_per_device: int | None) -> ddp.DdpEngine:

@@ -25,7 +25,7 @@ from ddplab.study.grid import training as grid_training
 from ddplab.study.runs import grid_group
 
 PLAIN_SGD = OptimizerConfig(momentum=0.0)
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 
 # ---------------------------------------------------------------------------------------------
 # The pure fit

@@ -268,8 +268,8 @@ def test_the_spec_template_checks_and_studies_as_written(tmp_path, capsys):
 
     from ddplab.cli.main import main
 
-    template = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "examples", "spec_template.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    template = os.path.join(root, "examples", "spec_template.py")
     assert main(["check", template, "--world-size", "2", "--batch-size", "8", "--steps", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "EQUIVALENT"
     assert main(["study", template, "--target-accuracy", "0.85", "--global-batch-sizes", "16,64", "--seeds", "1",

@@ -14,7 +14,7 @@ from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap as engine
 from ddplab.study.runs import grid_group
 
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 CNN_SPEC = os.path.join(SPECS, "study_cnn.py")
 
 

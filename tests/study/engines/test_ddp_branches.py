@@ -25,7 +25,7 @@ from ddplab.study.engines import vmap_branches
 from ddplab.study.engines.choice import build_engine
 from ddplab.study.engines.ddp_branches import load_state, train_branches_ddp
 
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 CPU = torch.device("cpu")
 
 
