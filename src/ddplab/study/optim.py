@@ -7,21 +7,16 @@ group's. Each update is torch.optim's formula, operation for operation (``torch/
 ``adam.py``'s single-tensor path, which CPU tensors take), so a run's trajectory is the one
 torch.optim would give it: tests/study compares them bit for bit on the CPU.
 
-Beside them, what every engine and the branches build a single run's training with: its torch optimizer
-(:func:`run_optimizer`, the spec's own where it has one) and its dtype (:func:`torch_dtype`).
+Beside them, the dtype every engine and the branches build a single run's model in (:func:`torch_dtype`); its
+torch optimizer is the workload's to say (:func:`ddplab.study.workloads.run_optimizer`).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from ddplab.errors import UsageError
 from ddplab.study.config import OptimizerConfig, StudyConfig
-
-if TYPE_CHECKING:
-    from ddplab.study.workloads import Workload
 
 Tensors = dict[str, torch.Tensor]
 
@@ -190,14 +185,3 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
 
 def torch_dtype(config: StudyConfig) -> torch.dtype:
     return torch.float64 if config.dtype == "float64" else torch.float32
-
-
-def run_optimizer(workload: Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
-    """One run's torch optimizer at ``lr``: the spec's own where it has one, else the study's."""
-    if workload.make_optimizer is None:
-        return torch_optimizer(config.optimizer, params, lr)
-    # The spec's own optimizer, every group's lr scaled as the rule scales the reference lr.
-    optimizer = workload.make_optimizer(params)
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * lr / workload.lr
-    return optimizer

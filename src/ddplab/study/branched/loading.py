@@ -13,8 +13,8 @@ import torch
 from ddplab.errors import UsageError, literal
 from ddplab.study.branched.checkpoint import Checkpoint, notes
 from ddplab.study.config import StudyConfig
-from ddplab.study.optim import run_optimizer, torch_dtype
-from ddplab.study.workloads import Workload
+from ddplab.study.optim import torch_dtype
+from ddplab.study.workloads import Workload, run_optimizer
 
 
 def load_checkpoint(workload: Workload, config: StudyConfig, path: str) -> Checkpoint:

@@ -14,9 +14,9 @@ from ddplab.errors import UsageError
 from ddplab.study.branched.checkpoint import Checkpoint
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.vmap import cast, evaluate_model
-from ddplab.study.optim import run_optimizer, torch_dtype
+from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Stream
-from ddplab.study.workloads import Workload
+from ddplab.study.workloads import Workload, run_optimizer
 
 
 def reference_checkpoints(workload: Workload, config: StudyConfig, fractions: tuple[float, ...],

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 from ddplab.study import rules
 from ddplab.study.engines.base import Progress
 from ddplab.study.engines.vmap import cast, evaluate_model, seeded_state
-from ddplab.study.optim import run_optimizer, torch_dtype
+from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Batches
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle
+from ddplab.study.workloads import run_optimizer
 
 if TYPE_CHECKING:
     from ddplab.study.config import StudyConfig

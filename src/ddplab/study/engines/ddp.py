@@ -33,9 +33,10 @@ from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
 from ddplab.study.engines.vmap import cast, evaluate_model, synchronize
-from ddplab.study.optim import run_optimizer, torch_dtype, torch_optimizer
+from ddplab.study.optim import torch_dtype, torch_optimizer
 from ddplab.study.orders import Batches, RankShards
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
+from ddplab.study.workloads import run_optimizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

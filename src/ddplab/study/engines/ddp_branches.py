@@ -33,8 +33,9 @@ from ddplab.study.engines.choice import build_engine
 from ddplab.study.engines.ddp import DdpEngine, DdpPlan, split
 from ddplab.study.engines.registry import EngineKind, register
 from ddplab.study.engines.vmap import cast
-from ddplab.study.optim import run_optimizer, torch_dtype
+from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Stream
+from ddplab.study.workloads import run_optimizer
 
 
 def train_branches_ddp(workload: workloads.Workload, config: StudyConfig, checkpoint: Checkpoint, groups: Groups,
