@@ -25,7 +25,7 @@ import torch
 
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig, StudyOptions, Target
-from ddplab.study.run import run_study
+from ddplab.study.grid.study import run_study
 
 RULES = ("constant", "linear", "sqrt", "tuned", "adascale", "ramp")
 

@@ -27,8 +27,8 @@ from ddplab.study.config import StudyConfig, Target
 from ddplab.study.engines import ddp
 from ddplab.study.engines.vmap import cast, evaluate_model
 from ddplab.study.optim import torch_optimizer
+from ddplab.study.orders import RankShards
 from ddplab.study.runs import RunResult
-from ddplab.study.verify import RankShards
 
 
 def _plain(ctx, workload, config, plan, inputs, targets, result, evaluate=False):

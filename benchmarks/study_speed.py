@@ -25,7 +25,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddplab.runtime.launch import LaunchConfig
-from ddplab.study import engines, optim, rules, run, workloads
+from ddplab.study import engines, optim, rules, workloads
 from ddplab.study.config import StudyConfig, Target
 from ddplab.study.engines import ddp
 from ddplab.study.engines import vmap as engine
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     workload = getattr(workloads, args.workload)()
-    defaults = run.workload_defaults(workload)
+    defaults = workloads.workload_defaults(workload)
     config = StudyConfig(**{"target": Target(kind="accuracy", value=0.95), **defaults})
     load_before = os.getloadavg()
     peak = {t: matmul_flops_per_s(t) for t in args.threads}

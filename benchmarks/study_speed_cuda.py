@@ -21,7 +21,7 @@ import platform
 import study_speed
 import torch
 
-from ddplab.study import rules, run, workloads
+from ddplab.study import rules, workloads
 from ddplab.study.config import StudyConfig, Target
 from ddplab.study.engines import vmap as engine
 from ddplab.study.runs import grid_group
@@ -93,7 +93,7 @@ def main() -> None:
         parser.error("torch sees no CUDA device here: benchmarks/study_speed.py measures the CPU")
     device = torch.device("cuda", torch.cuda.current_device())
     workload = getattr(workloads, args.workload)()
-    config = StudyConfig(**{"target": Target(kind="accuracy", value=0.95), **run.workload_defaults(workload)})
+    config = StudyConfig(**{"target": Target(kind="accuracy", value=0.95), **workloads.workload_defaults(workload)})
     peak = matmul_flops_per_s(device)
     print(json.dumps({"device": torch.cuda.get_device_name(device), "matmul_gflop_per_s": round(peak / 1e9, 1)}),
           flush=True)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ddplab.cli.args import FLAGS
+from ddplab.cli.main import FLAGS
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "ddplab")
 # Fields that only a Python caller can set (no command passes them): shown by their own name everywhere.
@@ -22,47 +22,163 @@ MAY_PRINT = {"auditor/exchange.py", "auditor/bootstrap/sitecustomize.py", "integ
 FIELD = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}")
 
 
-def _modules():
-    for folder, _, files in os.walk(SRC):
-        for name in files:
+def _modules(root: str = SRC, package: str = "ddplab"):
+    """(path relative to ``root``, dotted module name, parsed tree) for every module of the package at ``root``."""
+    for folder, _, files in os.walk(root):
+        for name in sorted(files):
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
-                relative = os.path.relpath(path, SRC)
-                module = "ddplab." + relative[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                relative = os.path.relpath(path, root)
+                module = package + "." + relative[:-3].replace(os.sep, ".").removesuffix("__init__")
                 with open(path) as fh:
                     yield relative, module.removesuffix("."), ast.parse(fh.read())
 
 
-def _top_level_imports(tree, module: str, known: set[str]) -> set[str]:
-    """ddplab modules imported when ``module`` is imported (not inside functions)."""
+def _type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``: the one block whose imports never run."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(node: ast.AST):
+    """Every import statement under ``node``, those inside functions and classes included, but not the body of an
+    ``if TYPE_CHECKING:`` block (its ``else`` runs, so it counts)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif _type_checking(child):
+            for other in child.orelse:
+                yield from _import_nodes(ast.Module(body=[other], type_ignores=[]))
+        else:
+            yield from _import_nodes(child)
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules that ``module`` imports, anywhere in its code, relative imports resolved."""
     found = set()
-    for node in tree.body:
+    for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
-                      for alias in node.names}
+            found |= {_known_prefix(alias.name, known) for alias in node.names}
+            continue
+        base = node.module or ""
+        if node.level:
+            parts = module.split(".") if is_package else module.split(".")[:-1]
+            parts = parts[:len(parts) - node.level + 1]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        for alias in node.names:
+            found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else _known_prefix(base, known))
+    # Importing a.b.c runs a.b's __init__ first: an arrow to each package above what is imported, bar the
+    # importer's own packages (already running when it runs).
+    own = {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
+    found |= {package for name in found for package in _packages_above(name) if package not in own}
     return {name for name in found if name in known and name != module}
 
 
-def test_no_import_cycle():
-    modules = list(_modules())
+def _packages_above(name: str) -> list[str]:
+    """``a.b`` and ``a`` for ``a.b.c``."""
+    return [name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)]
+
+
+def _known_prefix(name: str, known: set[str]) -> str:
+    """``name`` or the longest dotted prefix of it that is one of the package's modules."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def import_graph(root: str = SRC, package: str = "ddplab") -> dict[str, set[str]]:
+    """{module: the modules it imports} over every module of the package at ``root``."""
+    modules = [(path, module, tree) for path, module, tree in _modules(root, package)]
     known = {module for _, module, _ in modules}
-    graph = {module: _top_level_imports(tree, module, known) for _, module, tree in modules}
-    state: dict[str, int] = {}
+    return {module: _imports(tree, module, path.endswith("__init__.py"), known) for path, module, tree in modules}
 
-    def visit(module, path):
-        state[module] = 1
-        for target in graph[module]:
-            if state.get(target) == 1:
-                pytest.fail("import cycle: " + " -> ".join(path[path.index(target):] + [target]))
-            if state.get(target) is None:
-                visit(target, path + [target])
-        state[module] = 2
 
-    for module in graph:
-        if module not in state:
-            visit(module, [module])
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle as one path around it (first module repeated last), one per strongly connected set."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def connect(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                connect(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            members = set(stack[stack.index(module):])
+            del stack[stack.index(module):]
+            if len(members) > 1:
+                circles.append(_path_around(graph, members))
+
+    for module in sorted(graph):
+        if module not in index:
+            connect(module)
+    return circles
+
+
+def _path_around(graph: dict[str, set[str]], members: set[str]) -> list[str]:
+    """The shortest path from the first member back to itself through members only."""
+    start = min(members)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        module = frontier.pop(0)
+        for target in sorted(graph[module] & members):
+            if target == start:
+                return paths[module] + [start]
+            if target not in paths:
+                paths[target] = paths[module] + [target]
+                frontier.append(target)
+    raise AssertionError("a strongly connected set has a path around it")
+
+
+def assert_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    """Fail naming every circle, module by module."""
+    circles = import_cycles(graph)
+    if circles:
+        pytest.fail("import cycle: " + "; import cycle: ".join(" -> ".join(circle) for circle in circles))
+
+
+def test_no_import_cycle():
+    assert_no_import_cycle(import_graph())
+
+
+def test_the_cycle_finder_sees_a_circle_closed_inside_a_function(tmp_path):
+    package = tmp_path / "planted"
+    (package / "inner").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        # A circle closed by a late import, through a relative one.
+        "a.py": "from planted.inner import b\n",
+        "inner/__init__.py": "",
+        "inner/b.py": "def late():\n    from ..a import x\n    return x\n",
+        # Imports under TYPE_CHECKING never run: no arrow, so c and a make no circle.
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+        "d.py": "import planted.c\nclass D:\n    def f(self):\n        from .c import TYPE_CHECKING\n",
+    }
+    for name, text in files.items():
+        (package / name).write_text(text)
+    graph = import_graph(str(package), "planted")
+    assert graph["planted.inner.b"] == {"planted.a"} and graph["planted.c"] == set()
+    assert graph["planted.d"] == {"planted.c"}
+    assert import_cycles(graph) == [["planted.a", "planted.inner.b", "planted.a"]]
+    # Importing a module runs its package's __init__: one that imports, through a sibling, what imported it, is a
+    # circle too (no import statement of the circle names the package itself).
+    other = tmp_path / "other"
+    (other / "inner").mkdir(parents=True)
+    files = {"__init__.py": "", "c.py": "from other.inner import f\n", "inner/e.py": "from other import c\n",
+             "inner/__init__.py": "from other.inner import e\n", "inner/f.py": ""}
+    for name, text in files.items():
+        (other / name).write_text(text)
+    assert import_cycles(import_graph(str(other), "other")) == [["other.c", "other.inner", "other.inner.e", "other.c"]]
+    with pytest.raises(pytest.fail.Exception, match="import cycle: planted.a -> planted.inner.b -> planted.a$"):
+        assert_no_import_cycle(graph)
 
 
 def _prints(tree) -> list[int]:
@@ -153,30 +269,69 @@ def test_launch_state_lives_in_objects_not_module_globals():
         assert mutable == [], module.__name__
 
 
-def _rule_name_branches(tree, names: set[str]) -> list[int]:
-    """Lines that compare something with a study rule's name (==, !=, in, not in, a literal collection of names)."""
+def _rule_name_branches(tree, names: set[str], keys: bool = True) -> list[int]:
+    """Lines that spell a study rule's name where code decides by it: compared (==, !=, in, not in, a literal
+    collection of names), or, with ``keys``, used as a key (a subscript, a dict literal's key, ``.get(name)``) or
+    handed to ``rules.get``/``color``."""
     lines = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Compare):
-            continue
-        for operand in [node.left, *node.comparators]:
-            items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-            if any(isinstance(item, ast.Constant) and item.value in names for item in items):
-                lines.append(node.lineno)
+        spelled = []
+        if isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                spelled += operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        elif keys and isinstance(node, ast.Subscript) and not _annotation(node):
+            spelled.append(node.slice)
+        elif keys and isinstance(node, ast.Dict):
+            spelled += [key for key in node.keys if key is not None]
+        elif keys and isinstance(node, ast.Call) and node.args and \
+                (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in ("get", "color", "colour"):
+            spelled.append(node.args[0])
+        if any(isinstance(item, ast.Constant) and item.value in names for item in spelled):
+            lines.append(node.lineno)
     return lines
 
 
-def test_only_the_rules_branch_on_a_rules_name():
+def _annotation(node: ast.Subscript) -> bool:
+    """``Literal[...]``: a type's choices, not a key."""
+    return getattr(node.value, "id", None) == "Literal" or getattr(node.value, "attr", None) == "Literal"
+
+
+# Words that are a rule's name and another thing's too: the branched measurement's batch schedule (its JSON key,
+# StudyConfig's field) is spelled "schedule" as a key; comparing with it still counts.
+ALSO_NOT_A_RULE = {"schedule"}
+
+
+def test_only_the_rules_spell_a_rules_name():
     from ddplab.study import rules
 
     names = set(rules.REGISTRY)
     offenders = [f"{path}:{line}" for path, _, tree in _modules()
                  if path.startswith(("study" + os.sep, os.path.join("cli", "study.py")))
                  and not path.startswith(os.path.join("study", "rules") + os.sep)
+                 for line in sorted(set(_rule_name_branches(tree, names - ALSO_NOT_A_RULE))
+                                    | set(_rule_name_branches(tree, names & ALSO_NOT_A_RULE, keys=False)))]
+    assert offenders == []
+    # The scan sees a name where code decides by it, and not in a type's choices.
+    assert _rule_name_branches(ast.parse('if rule == "tuned" or "ramp" in rules: pass'), names) == [1, 1]
+    spelled = 'x = {"ramp": 1}[k]\ny = values["adascale"]\nz = values.get("surge")\nw = color("tuned")\n' \
+              'v: Literal["linear", "sqrt"]\nu = ("linear", "sqrt")'
+    assert sorted(_rule_name_branches(ast.parse(spelled), names)) == [1, 2, 3, 4]
+
+
+def test_only_the_engines_spell_an_engines_name():
+    from typing import get_args
+
+    from ddplab.study import engines
+    from ddplab.study.config import Engine
+
+    names = set(engines.ENGINES) | {engine.name for engine in engines.CLAIMING}
+    offenders = [f"{path}:{line}" for path, _, tree in _modules()
+                 if path.startswith(("study" + os.sep, os.path.join("cli", "study.py")))
+                 and not path.startswith(os.path.join("study", "engines") + os.sep)
                  for line in _rule_name_branches(tree, names)]
     assert offenders == []
-    # The scan sees a branch where there is one.
-    assert _rule_name_branches(ast.parse('if rule == "tuned" or "ramp" in rules: pass'), names) == [1, 1]
+    # --engine offers auto and every engine registered, and no other.
+    assert set(get_args(Engine)) == {"auto", *engines.ENGINES} and names - set(engines.ENGINES) == {"changing"}
 
 
 def _constructs_ddp(tree, wrapper: str = "DistributedDataParallel") -> list[int]:

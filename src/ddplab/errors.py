@@ -3,7 +3,7 @@
 A UsageError names what to change by its *field*, written ``{name}`` in its template
 (``"{reference.lr} must be a positive number, got 0"``). ``str(error)`` shows the field's Python
 name, as a library user wrote it; the command line renders the same template with its flags
-(``--ref-lr must be ...``) from one table, ``ddplab.cli.args.FLAGS``. Text that is not a field
+(``--ref-lr must be ...``) from one table, ``ddplab.cli.main.FLAGS``. Text that is not a field
 (a path, another program's message) goes through :func:`literal` so its braces stay braces.
 
 A rank's failure crosses the process boundary as a :class:`RankFailure` record (the model is torch

@@ -176,14 +176,15 @@ def test_a_bad_schedule_is_refused_in_one_sentence_naming_the_entry(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_the_schedule_a_branched_study_writes_is_followed_from_its_file(tmp_path):
-    from ddplab.study import branch, workloads
+    from ddplab.study import workloads
+    from ddplab.study.branched import measurement as branched_measurement
+    from ddplab.study.branched.config import BranchConfig
     from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
-    from ddplab.study.critical import BranchConfig
 
     # The noiseless regression of docs/study/branched.md with the lag criterion: "0:2 12:32", lrs 0.05 and 0.4.
     config = StudyConfig(target=Target(kind="loss", value=1e-4), reference_global_batch_size=2, reference_lr=0.05,
                          optimizer=OptimizerConfig(momentum=0.0), seeds=3, dtype="float64")
-    branch.measure(workloads.regression(dim=16), config,
+    branched_measurement.measure(workloads.regression(dim=16), config,
                    BranchConfig(branch_at=(0.1, 0.3, 0.6), branch_samples=256, branch_lag=0.5, branch_lr_rule="sqrt"),
                    StudyOptions(out=str(tmp_path)))
     written = json.load(open(os.path.join(tmp_path, "branched.json")))

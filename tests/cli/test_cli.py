@@ -313,7 +313,7 @@ def test_the_rules_help_names_every_rule_and_both_defaults():
 
 
 def test_the_flag_table_is_read_off_the_parsers():
-    from ddplab.cli.args import FLAGS, flags
+    from ddplab.cli.main import FLAGS, flags
     from ddplab.cli.options import RENAMES
 
     assert FLAGS == flags()

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddplab.cli.args import flags
-from ddplab.cli.main import main
+from ddplab.cli.main import flags, main
 from ddplab.errors import UsageError
 from ddplab.plan import mesh
 from ddplab.plan.planner import Data, Reference, Target, plan

@@ -91,8 +91,9 @@ def test_a_spec_loads_as_the_same_module_in_spawned_ranks(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_verify_ddp_rebuilds_its_workload_in_spawned_ranks():
-    from ddplab.study import verify, workloads
+    from ddplab.study import workloads
     from ddplab.study.config import StudyConfig, Target
+    from ddplab.study.grid import verify
 
     for workload in (workloads.regression(dim=4, n_train=256, n_val=64),
                      workloads.from_spec(os.path.join(SPECS, "study_eval.py"))):

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import ddplab
-from ddplab.cli.args import launch_config
 from ddplab.cli.main import build_parser, main
+from ddplab.cli.options import launch_config
 from ddplab.errors import LaunchError, UsageError
 from ddplab.noise import estimators as est
 from ddplab.runtime.deadline import Deadline

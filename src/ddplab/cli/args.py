@@ -1,18 +1,14 @@
-"""What every subcommand shares: argument types that only parse, the field-to-flag table, the launch flags.
+"""What every subcommand shares at the bottom: argument types that only parse, and the mark a flag carries.
 
 Values are validated once, by the library's configs, in their own words: ``{per_device_batch_size}``
-in a library error is a field, and :data:`FLAGS` says which flag sets it, so the command line
-reads ``--batch-size`` where a Python user reads ``per_device_batch_size``. The flags themselves are
-generated from the configs' fields (:mod:`ddplab.cli.options`), and FLAGS is read off the parsers.
+in a library error is a field, and :func:`mark` records which flag sets it. The field-to-flag table,
+:data:`ddplab.cli.main.FLAGS`, is read off the marks where the parser tree is built.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import textwrap
-
-from ddplab.errors import UsageError
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -30,47 +26,11 @@ class EndedBySignal(Exception):
         self.signum = signum
 
 
-def __getattr__(name: str):
-    # FLAGS is read off the parsers, which import this module: built on first use.
-    if name == "FLAGS":
-        return flags()
-    raise AttributeError(name)
-
-
-@functools.cache
-def flags() -> dict[str, str]:
-    """{field: flag} over every subcommand's parser: the name each field an error names has on the command line."""
-    from ddplab.cli.main import build_parser
-
-    found: dict[str, str] = {}
-    for parser in _parsers(build_parser()):
-        for action in parser._actions:
-            field, flag = getattr(action, "field", None), getattr(action, "flag", None)
-            if field is None:
-                continue
-            if found.setdefault(field, flag) != flag:
-                raise TypeError(f"{field} is {found[field]} on one command and {flag} on another")
-    return found
-
-
-def _parsers(parser: argparse.ArgumentParser):
-    yield parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                yield from _parsers(sub)
-
-
 def mark(action: argparse.Action, field: str, flag: str | None = None) -> argparse.Action:
     """Record that ``action`` sets ``field`` (shown as ``flag``, by default its first option or its metavar)."""
     action.field = field
     action.flag = flag or (action.option_strings[0] if action.option_strings else action.metavar)
     return action
-
-
-def flag_error(error: UsageError) -> str:
-    """A library error as the command line says it: each field as its flag."""
-    return error.render(flags())
 
 
 def parse_bool(text: str) -> bool:
@@ -115,21 +75,3 @@ def _parse(kind: type, text: str, expected: str):
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-
-
-def add_launch_flags(parser: argparse.ArgumentParser) -> None:
-    """--timeout and --deadline, for every command that starts ranks."""
-    from ddplab.cli.options import add_fields
-    from ddplab.runtime.launch_config import LaunchConfig
-
-    group = parser.add_argument_group("launch")
-    seconds = {"metavar": "SECONDS"}
-    add_fields(group, LaunchConfig, ("pg_timeout_s", "deadline_s"), pg_timeout_s=seconds, deadline_s=seconds)
-
-
-def launch_config(args: argparse.Namespace):
-    """The LaunchConfig the launch flags ask for (the world size is the command's to choose)."""
-    from ddplab.cli.options import fields_given
-    from ddplab.runtime.launch_config import LaunchConfig
-
-    return LaunchConfig(**fields_given(args, LaunchConfig, only=("pg_timeout_s", "deadline_s")))

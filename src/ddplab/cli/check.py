@@ -6,8 +6,8 @@ import argparse
 
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.cli import render
-from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config
-from ddplab.cli.options import add_fields, fields_given
+from ddplab.cli.args import HelpFormatter
+from ddplab.cli.options import add_fields, add_launch_flags, fields_given, launch_config
 from ddplab.text import count
 
 DESCRIPTION = f"""\

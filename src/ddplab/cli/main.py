@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import os
 import signal
@@ -23,7 +24,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-from ddplab.cli.args import HelpFormatter
+from ddplab.cli.args import EndedBySignal, HelpFormatter
 from ddplab.cli.help import add_help_flags, unknown_flag
 from ddplab.errors import DdplabWarning, LaunchError, UsageError
 
@@ -73,6 +74,13 @@ def fail(message: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's parser; a parse also carries the field-to-flag table as ``flag_names``."""
+    parser = _tree()
+    parser.set_defaults(flag_names=_flag_table(parser))
+    return parser
+
+
+def _tree() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ddplab",
         description=(
@@ -91,6 +99,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def __getattr__(name: str):
+    # FLAGS is read off the parsers: built on first use, not when the console script starts.
+    if name == "FLAGS":
+        return flags()
+    raise AttributeError(name)
+
+
+@functools.cache
+def flags() -> dict[str, str]:
+    """{field: flag} over every subcommand's parser: the name each field an error names has on the command line."""
+    return _flag_table(_tree())
+
+
+def _flag_table(parser: argparse.ArgumentParser) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for each in _parsers(parser):
+        for action in each._actions:
+            field, flag = getattr(action, "field", None), getattr(action, "flag", None)
+            if field is None:
+                continue
+            if found.setdefault(field, flag) != flag:
+                raise TypeError(f"{field} is {found[field]} on one command and {flag} on another")
+    return found
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def flag_error(error: UsageError) -> str:
+    """A library error as the command line says it: each field as its flag."""
+    return error.render(flags())
+
+
 def _version() -> str:
     from ddplab import __version__
 
@@ -99,8 +145,6 @@ def _version() -> str:
 
 def console() -> None:
     """The console script: :func:`main`, then the exit status, or death by the signal that ended the command."""
-    from ddplab.cli.args import EndedBySignal
-
     try:
         code = main(reraise_signals=True)
     except EndedBySignal as exc:
@@ -114,8 +158,6 @@ def console() -> None:
 
 def main(argv: list[str] | None = None, *, reraise_signals: bool = False) -> int:
     """Run one command; returns its exit code (128 + N where a signal N ended an audited command)."""
-    from ddplab.cli.args import EndedBySignal
-
     args = build_parser().parse_args(argv)
     with _warnings_as_lines():
         try:
@@ -125,8 +167,6 @@ def main(argv: list[str] | None = None, *, reraise_signals: bool = False) -> int
                 raise
             return 128 + exc.signum
         except UsageError as exc:
-            from ddplab.cli.args import flag_error
-
             if _said_by_rank_zero(exc):
                 return 2
             return fail(flag_error(exc) + _on_rank(exc))

@@ -9,8 +9,8 @@ import signal
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import EndedBySignal, HelpFormatter, add_launch_flags, launch_config, mark
-from ddplab.cli.options import add_field, add_fields, fields_given
+from ddplab.cli.args import EndedBySignal, HelpFormatter, mark
+from ddplab.cli.options import add_field, add_fields, add_launch_flags, fields_given, launch_config
 from ddplab.errors import UsageError, literal
 from ddplab.noise.command.config import CommandConfig
 from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig

@@ -108,9 +108,10 @@ def fields_given(args: argparse.Namespace, config: type, *, prefix: str = "",
     return out
 
 
-def help_text(config: type, name: str, *, prefix: str = "") -> str:
-    """The field's docstring as a flag's help: fields as flags, lower case, and its default."""
-    doc = docstrings(config).get(name)
+def help_text(config: type, name: str, *, prefix: str = "", doc: str | None = None) -> str:
+    """The field's docstring (or ``doc``, written as one) as a flag's help: fields as flags, lower case, and its
+    default."""
+    doc = doc or docstrings(config).get(name)
     if not doc:
         raise TypeError(f"{config.__name__}.{name} has no docstring to be its flag's help")
     names = {f.name for f in dataclasses.fields(config)}
@@ -183,3 +184,19 @@ def _parsing(kind: Any) -> dict[str, Any]:
     if kind in simple:
         return {"type": simple[kind]} if simple[kind] else {}
     raise TypeError(f"no flag for a field of type {kind!r}: give it a type= of its own")
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """--timeout and --deadline, for every command that starts ranks."""
+    from ddplab.runtime.launch_config import LaunchConfig
+
+    group = parser.add_argument_group("launch")
+    seconds = {"metavar": "SECONDS"}
+    add_fields(group, LaunchConfig, ("pg_timeout_s", "deadline_s"), pg_timeout_s=seconds, deadline_s=seconds)
+
+
+def launch_config(args: argparse.Namespace):
+    """The LaunchConfig the launch flags ask for (the world size is the command's to choose)."""
+    from ddplab.runtime.launch_config import LaunchConfig
+
+    return LaunchConfig(**fields_given(args, LaunchConfig, only=("pg_timeout_s", "deadline_s")))

@@ -6,7 +6,7 @@ import argparse
 import difflib
 
 from ddplab.cli import render
-from ddplab.cli.args import HelpFormatter, flags, mark
+from ddplab.cli.args import HelpFormatter, mark
 from ddplab.cli.options import add_fields, fields_given
 from ddplab.errors import UsageError
 from ddplab.plan.formats import FORMATS
@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("{from_study} and {from_noise} both give the critical batch size: drop one")
         reference, data = with_noise_report(reference, data, args.from_noise, surge=target.rule == "surge")
     if args.from_study:
-        result = plan_from_study(reference, target, data, args.from_study, names=flags())
+        result = plan_from_study(reference, target, data, args.from_study, names=args.flag_names)
     else:
-        result = planner.plan(reference, target, data, names=flags())
+        result = planner.plan(reference, target, data, names=args.flag_names)
     if args.json:
         render.print_json(result)
     else:
@@ -114,8 +114,8 @@ def _run_config(args: argparse.Namespace) -> int:
     result = plan_config(args.config, config_format=args.config_format,
                          reference=fields_given(args, Reference, prefix="reference"),
                          target=fields_given(args, Target, prefix="target"),
-                         data=fields_given(args, Data, prefix="data"), names=flags(), write_to=args.write_config,
-                         force=args.force)
+                         data=fields_given(args, Data, prefix="data"), names=args.flag_names,
+                         write_to=args.write_config, force=args.force)
     if args.write_config:
         write_config(result, args.write_config)
     if args.json:

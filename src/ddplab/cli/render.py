@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
 from typing import Any
 
 from ddplab import serialize
+from ddplab.text import num  # noqa: F401 (the tables' number format, shared with the library's sentences)
 
 
 def console(stderr: bool = False):
@@ -65,15 +65,6 @@ class ProgressBar:
     def __getstate__(self):
         # Pickled into a spawned rank before it started: only the label travels.
         return {"label": self.label, "status": self.status, "_bar": None, "_task": None}
-
-
-def num(value: float, digits: int = 4) -> str:
-    """A number for a table: fixed point when readable, scientific when tiny or huge."""
-    if value == 0 or not math.isfinite(value):
-        return str(value if value else 0)
-    if 1e-3 <= abs(value) < 1e6:
-        return f"{value:.{digits}f}".rstrip("0").rstrip(".") if abs(value) >= 1 else f"{value:.{digits + 2}f}"
-    return f"{value:.{digits - 1}e}"
 
 
 def table(title: str, columns: list[str], rows: list[list[str]]):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ddplab.cli import render
-from ddplab.cli.args import HelpFormatter, add_launch_flags, launch_config, mark
-from ddplab.cli.options import add_field, add_fields, fields_given
+from ddplab.cli.args import HelpFormatter, mark
+from ddplab.cli.options import add_field, add_fields, add_launch_flags, fields_given, launch_config
 from ddplab.sandbox.config import SandboxConfig
 
 EXPLAIN = """\

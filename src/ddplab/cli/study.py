@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 
@@ -12,6 +11,8 @@ from ddplab.cli import render
 from ddplab.cli.args import HelpFormatter, mark, number
 from ddplab.cli.options import add_fields, fields_given, help_text
 from ddplab.errors import SpecError, UsageError, literal
+from ddplab.study import rules
+from ddplab.study.branched.config import BranchConfig
 from ddplab.study.config import (
     DEFAULT_ACCURACY,
     WORKLOADS,
@@ -19,7 +20,7 @@ from ddplab.study.config import (
     StudyConfig,
     StudyOptions,
 )
-from ddplab.study.critical import BranchConfig
+from ddplab.study.report.text import front_lines
 from ddplab.study.rules import REGISTRY as RULES
 
 DESCRIPTION = f"""\
@@ -139,7 +140,8 @@ def branch_config_from_args(args: argparse.Namespace) -> BranchConfig | None:
 
 def _rules_help() -> str:
     # The rules are a registry, not a Literal: its names are the choices.
-    return help_text(StudyConfig, "rules").replace("comma-separated", f"comma-separated among {','.join(RULES)}", 1)
+    text = help_text(StudyConfig, "rules", doc=rules.help_line())
+    return text.replace("comma-separated", f"comma-separated among {','.join(RULES)}", 1)
 
 
 def _rule_list(text: str) -> tuple[str, ...]:
@@ -198,7 +200,8 @@ def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> Optimize
 def run(args: argparse.Namespace) -> int:
     config_from_args(args)  # bad flags are said before the spec is loaded (its optimizer guessed from the flags)
     branches = branch_config_from_args(args)
-    from ddplab.study.run import run_study, workload_defaults, workload_for
+    from ddplab.study.grid.study import run_study
+    from ddplab.study.workloads import workload_defaults, workload_for
 
     workload = workload_for(args.spec, args.workload)
     config, options = config_from_args(args, workload_defaults(workload))
@@ -219,20 +222,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, options: StudyOptions) -> int:
-    from ddplab.study.branch import measure
-    from ddplab.study.run import require_matplotlib
+    from ddplab.study.branched.measurement import measure
 
-    if options.plots:
-        require_matplotlib()  # said before anything trains
     report = measure(workload, config, branches, options, progress=render.ProgressBar("ddplab study"))
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the branches
     values = report.to_json()
-    if options.plots:
-        from ddplab.study.plots import branched_plot
-
-        # branched.json is written before the plot is drawn, so a failing plot never loses a measurement.
-        values["plots"] = [branched_plot(values, options.out)]
     if args.json:
         render.print_json(values)
     else:
@@ -241,7 +236,7 @@ def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, o
 
 
 def _print_branches(values: dict) -> None:
-    from ddplab.study.report import optimizer_text
+    from ddplab.study.report.records import optimizer_text
 
     out = render.console()
     reference = values["reference"]
@@ -303,7 +298,7 @@ def _print(report) -> None:
     title = (f"ddplab study: {values['workload']}, steps to {target['kind']} {target['value']:g}, "
              f"{values['trained_runs']} runs, {values['seeds']} seeds, {values['seconds']:.0f} s")
     rows = []
-    from ddplab.study.report import optimizer_text
+    from ddplab.study.report.records import optimizer_text
 
     out.print(f"optimizer: {optimizer_text(values['optimizer'])}; engine: {values['engine']} "
               f"({values['engine_reason']})")
@@ -320,31 +315,11 @@ def _print(report) -> None:
         out.print(f"best tuned lr by global batch: {tuned}")
     _print_b_simple(out, values["b_simple"])
     _print_scorecard(out, values)
-    if values.get("adascale"):
-        out.print("AdaScale from the reference lr, untuned: median steps vs the best tuned lr's at each global batch: "
-                  + ", ".join(f"{p['global_batch_size']} (S={p['scale']:g}): {_num(p['median_steps'])} vs "
-                              f"{_num(p['tuned_median_steps'])}" + (f" = {p['steps_over_tuned']:.2f}×"
-                                                                     if p["steps_over_tuned"] is not None else "")
-                              for p in values["adascale"]))
-    ramp = values.get("ramp")
-    if ramp:
-        versus = "" if ramp["tuned_median_steps"] is None else (
-            f" vs the best tuned lr's {_num(ramp['tuned_median_steps'])} steps and "
-            f"{_num(ramp['tuned_median_samples'])} samples")
-        ratios = "" if ramp["steps_over_tuned"] is None else (
-            f" ({ramp['steps_over_tuned']:.2f}× the steps, {ramp['samples_over_tuned']:.2f}× the samples)")
-        out.print(f"ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}: median "
-                  f"{_num(ramp['median_steps'])} steps and {_num(ramp['median_samples'])} samples{versus}{ratios}; "
-                  f"final global batches {', '.join(map(str, ramp['final_global_batch_sizes']))}")
-    for name, summary in (values.get("adaptive") or {}).items():
-        if values.get(name):
-            continue  # a rule with a section of its own printed it above, with more
-        versus = "" if summary["fixed_median_steps"] is None else (
-            f" vs the best tuned fixed lr's {_num(summary['fixed_median_steps'])} steps and "
-            f"{_num(summary['fixed_median_samples'])} samples there")
-        out.print(f"{name} from global batch {summary['start_global_batch_size']}: median "
-                  f"{_num(summary['median_steps'])} steps and {_num(summary['median_samples'])} samples{versus}")
-    _print_front(out, values)
+    for rule in RULES.values():
+        for line in rule.text(values):
+            out.print(line)
+    for line in front_lines(values):
+        out.print(line)
     for miss in values["unreached"]:
         best = "no finite metric" if miss["best_metric"] is None else \
             f"its runs' best {target['kind']}: {miss['best_metric']:.4g}"
@@ -357,48 +332,9 @@ def _print(report) -> None:
         out.print(f"report: {values['report']}")
 
 
-def _print_front(out, values: dict) -> None:
-    """Per rule whose batch changes: the fixed batches that beat it on both steps and samples, and where it lies
-    against the tuned fit's front at its median steps."""
-    # A batch whose median tuned run never arrived is no point of the front.
-    fixed = {p["global_batch_size"]: p["median_steps"] for p in values["tuned_lr"]
-             if p["median_steps"] is not None and math.isfinite(p["median_steps"])}
-    for name, entry in (values.get("adaptive") or {}).items():
-        steps, samples = entry["median_steps"], entry["median_samples"]
-        if steps is None:
-            beaten = f": dominated by every fixed batch that did ({_batches(entry['dominated_by'])})" \
-                if entry["dominated_by"] else ""
-            out.print(f"{name}: its median run did not reach the target{beaten}")
-            continue
-        if not fixed:
-            out.print(f"{name}: no fixed batch of the tuned sweep reached the target: no front to judge it against")
-            continue
-        where = f"{name} ({_num(steps)} steps, {_num(samples)} samples): "
-        if entry["dominated_by"]:
-            beaten = ", ".join(f"{b} ({_num(fixed[b])} steps, {_num(fixed[b] * b)} samples)"
-                               for b in entry["dominated_by"])
-            noun = "global batch" if len(entry["dominated_by"]) == 1 else "global batches"
-            where += f"above the fixed-batch front: dominated by {noun} {beaten}"
-        else:
-            where += ("on or below the fixed-batch front (no fixed batch reaches the target in both fewer steps and "
-                      "fewer samples)")
-        out.print(where + _versus_fit(steps, samples, entry["front_samples_at_steps"]))
-
-
-def _batches(batches: list[int]) -> str:
-    return ", ".join(map(str, batches))
-
-
-def _versus_fit(steps: float, samples: float, front: float | None) -> str:
-    """Where a (steps, samples) point lies against the tuned fit's front, in words ("" without a fit)."""
-    if front is None:
-        return ""
-    side = "below" if samples < front else "above" if samples > front else "on"
-    return f"; {side} the tuned fit's front, which needs {_num(front)} samples at {_num(steps)} steps"
-
-
 def _print_scorecard(out, values: dict) -> None:
-    """Per rule: how far its lr is from the best tuned lr, and its steps over the best's, with the seeds' range."""
+    """Per rule: how far its lr is from the best tuned lr, and its steps over the best's, with the seeds' range; then
+    what each rule says of its lrs."""
     card = values.get("scorecard") or {}
     if not card:
         return
@@ -408,16 +344,9 @@ def _print_scorecard(out, values: dict) -> None:
              str(row["batches"])] for rule, row in card.items()]
     out.print(render.table("scorecard: medians over the global batches, against the best tuned setting",
                            ["rule", "|log₂(lr / best lr)|", "steps ÷ tuned", "seeds' range", "batches"], rows))
-    surge = values.get("surge")
-    if surge:
-        source = "given" if surge["source"] == "given" else "B_simple at the reference batch"
-        out.print(f"surge rule: B_noise {_num(surge['noise_scale'])} ({source}); lr by global batch: "
-                  + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in surge["by_batch"]))
-    tau = values.get("adamw_tau")
-    if tau:
-        out.print(f"adamw-tau by global batch, lr / β₂ / ε / weight decay (β₁ {tau[0]['betas'][0]:g} kept): "
-                  + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g} / {p['betas'][1]:.6g} / {p['eps']:.3g} / "
-                              f"{p['weight_decay']:.4g}" for p in tau))
+    for rule in RULES.values():
+        for line in rule.lr_text(values):
+            out.print(line)
     peak = values.get("lr_peak")
     if peak is not None:
         where = (f"peaks inside the measured range, at global batch {peak['global_batch_size']}"

@@ -9,12 +9,13 @@ from typing import Literal, get_args
 
 from ddplab.errors import UsageError
 from ddplab.runtime.config import ParallelismConfig
+from ddplab.study import rules
 from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
-FIXED_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "tuned")
+FIXED_RULES: tuple[str, ...] = rules.defaults("sgd")
 """SGD's default rules: those that train at a fixed lr and batch."""
-ADAM_RULES: tuple[str, ...] = ("constant", "linear", "sqrt", "adam-sqrt", "tuned")
-"""Adam's and AdamW's default: ``adam-sqrt`` scales the betas and eps with the batch (Malladi et al. 2022)."""
+ADAM_RULES: tuple[str, ...] = rules.defaults("adam")
+"""Adam's and AdamW's default: the fixed ones and the rules that scale the betas and eps with the batch."""
 Family = Literal["sgd", "adam", "adamw"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 TargetKind = Literal["accuracy", "loss"]
@@ -109,13 +110,8 @@ class StudyConfig:
     global_batch_sizes: tuple[int, ...] = DEFAULT_BATCHES
     """Global batch sizes to measure, comma-separated."""
     rules: tuple[str, ...] | None = None
-    """lr rules, comma-separated (default constant,linear,sqrt,tuned for SGD, constant,linear,sqrt,adam-sqrt,tuned
-    for Adam/AdamW); adam-sqrt is Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k); adamw-tau is lr ×
-    √k with β₂' = β₂^k, ε' = ε/√k and AdamW's weight decay at a constant timescale (λ' = λ√k); surge is Li et al.'s
-    lr peaking at B_noise (``noise_scale``, else the B_simple measured at the reference batch); with Adam the tuned
-    sweep trains each lr with every Adam rule's settings too; adascale adds AdaScale runs from ``reference_lr``,
-    untuned, at every batch from the reference up; ramp adds one BatchRamp run per seed from the smallest batch,
-    growing with the measured noise scale; schedule adds one BatchSchedule run per seed following ``schedule``."""
+    """lr rules, comma-separated (default: the rules the optimizer's family runs by default); each rule says what it
+    is in its own module under ddplab.study.rules (:func:`ddplab.study.rules.help_line` joins them)."""
     reference_global_batch_size: int = 32
     """The reference's global batch, which the rules scale from."""
     reference_lr: float = 0.1
@@ -149,7 +145,7 @@ class StudyConfig:
 
     def __post_init__(self):
         if self.rules is None:
-            object.__setattr__(self, "rules", ADAM_RULES if self.optimizer.adam else FIXED_RULES)
+            object.__setattr__(self, "rules", rules.defaults(self.optimizer.family))
         if not self.global_batch_sizes or any(b < 1 for b in self.global_batch_sizes):
             raise UsageError("{global_batch_sizes} must be positive integers")
         _check_rules(self)
@@ -177,18 +173,10 @@ class StudyConfig:
 
 
 def _check_rules(config: StudyConfig) -> None:
-    # The registry imports this module: it is read when a config is made, not when this module loads.
-    from ddplab.study import rules
-
     if not config.rules or any(name not in rules.REGISTRY for name in config.rules):
         raise UsageError(f"{{rules}} must be among {', '.join(rules.REGISTRY)}")
     for rule in rules.of(config):
         rule.check(config)
-
-
-def round_lr(lr: float) -> float:
-    # Twelve significant digits: the same lr reached by two rules is one run.
-    return float(f"{lr:.12g}")
 
 
 def target_for(*, spec: str | None, accuracy: float | None = None, loss: float | None = None) -> Target:

@@ -6,6 +6,9 @@ per run, broadcast over the slice); Adam's and AdamW's betas, eps and weight dec
 group's. Each update is torch.optim's formula, operation for operation (``torch/optim/sgd.py``,
 ``adam.py``'s single-tensor path, which CPU tensors take), so a run's trajectory is the one
 torch.optim would give it: tests/study compares them bit for bit on the CPU.
+
+Beside them, the dtype every engine and the branches build a single run's model in (:func:`torch_dtype`); its
+torch optimizer is the workload's to say (:func:`ddplab.study.workloads.run_optimizer`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ddplab.errors import UsageError
-from ddplab.study.config import OptimizerConfig
+from ddplab.study.config import OptimizerConfig, StudyConfig
 
 Tensors = dict[str, torch.Tensor]
 
@@ -178,3 +181,7 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
                 and not (key in switches and not value)}
     return {"family": "other", "name": type(optimizer).__name__, **settings,
             "parameter_groups": len(optimizer.param_groups)}
+
+
+def torch_dtype(config: StudyConfig) -> torch.dtype:
+    return torch.float64 if config.dtype == "float64" else torch.float32

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from ddplab.noise import estimators
 from ddplab.study import fit
-from ddplab.study.config import OptimizerConfig, StudyConfig
+
+if TYPE_CHECKING:
+    from ddplab.study.config import OptimizerConfig, StudyConfig
 
 DIVERGED_LOSS = 1e6
 """A run whose training loss is not finite, or explodes past this, has diverged."""
@@ -206,3 +209,23 @@ def grid_group(config: StudyConfig, global_batch: int, runs, variants: dict[str,
     optimizers = tuple(variants[v] if v else config.optimizer for _, _, v in keys)
     return RunGroup(global_batch_size=global_batch, runs=pairs, optimizer=config.optimizer,
                     variants=tuple(v for _, _, v in keys), optimizers=optimizers, **fields)
+
+
+def b_simple_summary(runs: list[RunResult], stage: int | None = None) -> dict | None:
+    """B_simple of the runs' measurements (of the stage-th third of each run's, when given), with its interval and
+    the training steps it was measured between."""
+    g2s, traces, steps_measured = [], [], []
+    for run in runs:
+        n = len(run.noise_g2)
+        part = slice(None) if stage is None else slice(stage * n // 3, (stage + 1) * n // 3)
+        g2s += run.noise_g2[part]
+        traces += run.noise_trace[part]
+        # One measurement per evaluation: the history's steps say when each was taken.
+        if len(run.history) == n:
+            steps_measured += [h[0] for h in run.history[part]]
+    if len(g2s) < 2:
+        return None
+    summary = estimators.summarize(g2s, traces)
+    interval = list(summary.b_simple_ci95) if summary.b_simple_ci95 is not None else [None, None]
+    span = [min(steps_measured), max(steps_measured)] if steps_measured else None
+    return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps, "steps": span}

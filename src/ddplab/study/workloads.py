@@ -18,6 +18,8 @@ import torch
 
 from ddplab.errors import SpecError, UsageError, literal
 from ddplab.runtime import spec as spec_files
+from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+from ddplab.study.optim import describe, from_torch, torch_optimizer
 
 Source = tuple[str, tuple[tuple[str, Any], ...]]
 """(kind, keyword arguments): 'digits', 'regression' or 'spec', and what rebuilds it."""
@@ -122,8 +124,6 @@ def mnist1d() -> Workload:
         numpy.random.set_state(states[1])
     train = (torch.as_tensor(data["x"]).float(), torch.as_tensor(data["y"]).long())
     val = (torch.as_tensor(data["x_test"]).float(), torch.as_tensor(data["y_test"]).long())
-    from ddplab.study.config import Target
-
     defaults = (("target", Target(kind="accuracy", value=0.6)), ("reference_lr", 0.05),
                 ("global_batch_sizes", (8, 16, 32, 64, 128, 256, 512, 1024)), ("max_steps", 3000))
     return Workload(name="mnist1d-mlp", model=_mnist1d_mlp, loss=torch.nn.functional.cross_entropy, train=train,
@@ -154,8 +154,6 @@ def charlm() -> Workload:
     split = len(codes) * 9 // 10
     # Validation windows overlap less (every 4th start): they only measure, and evaluation is a forward per run.
     train, val = _windows(codes[:split]), _windows(codes[split:], stride=4)
-    from ddplab.study.config import OptimizerConfig, Target
-
     defaults = (("target", Target(kind="loss", value=2.1)), ("reference_lr", 1e-2),
                 ("optimizer", OptimizerConfig(family="adamw", weight_decay=0.1)),
                 ("global_batch_sizes", (8, 16, 32, 64, 128, 256)), ("max_steps", 2000))
@@ -215,8 +213,6 @@ def regression(*, dim: int = 16, n_train: int = 4096, n_val: int = 4096, seed: i
     targets = inputs @ w_star
     kwargs = (("dim", dim), ("n_train", n_train), ("n_val", n_val), ("seed", seed))
     name = f"gaussian-regression-{dim}"
-    from ddplab.study.config import OptimizerConfig, Target
-
     # Plain SGD, where the theory above holds; the lr is safe at small batches (the optimum is B / (2(B + dim + 1))).
     defaults = (("target", Target(kind="loss", value=1e-4)), ("optimizer", OptimizerConfig(momentum=0.0)),
                 ("reference_lr", 0.05))
@@ -272,8 +268,6 @@ def _spec_optimizer(spec, module) -> tuple[Any, float | None, str, dict | None]:
     engine can train it) of the spec's own optimizer(), if any."""
     if not callable(getattr(module, "optimizer", None)):
         return None, None, "", None
-    from ddplab.study.optim import describe, from_torch
-
     with spec.guard("optimizer(params)"):
         built = spec.optimizer(spec.model().parameters())
     if not isinstance(built, torch.optim.Optimizer):
@@ -319,3 +313,32 @@ def _as_tensors(spec, dataset, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise spec.error(f"{literal(what)} must hold (input, target) tensor pairs of one shape "
                          f"({literal(exc)})") from None
     return inputs, targets
+
+
+def workload_for(spec: str | None, name: str | None = None) -> Workload:
+    """The spec's workload, or the built-in one named (digits by default)."""
+    if spec:
+        return from_spec(spec)
+    return load((name or "digits", ()))
+
+
+def workload_defaults(workload: Workload) -> dict:
+    """StudyConfig fields the workload sets (what a flag or a caller gives wins): a built-in workload's documented
+    target and grid; a spec's optimizer() family and hyperparameters, and its lr as the reference lr."""
+    out = dict(workload.defaults)
+    if workload.optimizer is not None:
+        out["optimizer"] = workload.optimizer
+    if workload.lr is not None:
+        out["reference_lr"] = workload.lr
+    return out
+
+
+def run_optimizer(workload: Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
+    """One run's torch optimizer at ``lr``: the spec's own where it has one, else the study's."""
+    if workload.make_optimizer is None:
+        return torch_optimizer(config.optimizer, params, lr)
+    # The spec's own optimizer, every group's lr scaled as the rule scales the reference lr.
+    optimizer = workload.make_optimizer(params)
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * lr / workload.lr
+    return optimizer

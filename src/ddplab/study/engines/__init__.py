@@ -1,66 +1,39 @@
-"""The study's engines, registered by name, and ``--engine auto``: each group trained where a timed step says.
+"""The study's engines, for both products: what trains a grid's run groups and a checkpoint's branches.
 
-- ``vmap`` (:mod:`ddplab.study.engines.vmap`): every run of a group in one process, vectorized;
-- ``ddp`` (:mod:`ddplab.study.engines.ddp`): each run on real DDP ranks.
+- ``vmap`` (:mod:`~ddplab.study.engines.vmap`, its branches :mod:`~ddplab.study.engines.vmap_branches`): every run
+  of a group in one process, vectorized;
+- ``ddp`` (:mod:`~ddplab.study.engines.ddp`, :mod:`~ddplab.study.engines.ddp_branches`): each run on real DDP ranks;
+- ``changing`` (:mod:`~ddplab.study.engines.changing`): runs whose batch changes, one model each, in this process;
+  it claims their groups whatever the study's engine (:func:`for_group`);
+- ``auto`` (:mod:`~ddplab.study.engines.auto`) times a step on each; :mod:`~ddplab.study.engines.choice` is the one
+  chooser both products ask.
+
+Each engine registers itself (:mod:`~ddplab.study.engines.registry`) when its module is imported, here.
 """
 
+# ruff: noqa: I001
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# Every built-in engine registers itself on import: the order here is auto's order of preference.
+from ddplab.study.engines import vmap_branches, ddp_branches  # noqa: F401
+from ddplab.study.engines.auto import Auto, duration, fastest
 from ddplab.study.engines.base import Engine, Progress
+from ddplab.study.engines.changing import ChangingEngine
+from ddplab.study.engines.registry import ENGINES, EngineKind, branch_trainer, register, vectorized
 
 if TYPE_CHECKING:
-    from ddplab.study.config import StudyConfig
-    from ddplab.study.runs import RunGroup, RunResult
-    from ddplab.study.workloads import Workload
+    from ddplab.study.runs import RunGroup
 
-NAMES = ("vmap", "ddp")
-"""The registered engines, in auto's order of preference (a tie goes to the first)."""
+CLAIMING: tuple[Engine, ...] = (ChangingEngine(),)
+"""Engines that train every group they claim, whatever engine the study trains the rest on."""
 
 
-def fastest(engines: list[Engine], workload: Workload, config: StudyConfig, group: RunGroup
-            ) -> tuple[Engine, dict[str, float]]:
-    """The engine whose timed step, times its overhead, is least (the first on a tie); with every timing."""
-    seconds = {engine.name: engine.seconds_per_step(workload, config, group) for engine in engines}
-    return min(engines, key=lambda engine: seconds[engine.name] * engine.overhead), seconds
+def for_group(engine: Engine, group: RunGroup) -> Engine:
+    """The engine that trains ``group``: the one that claims it, else the study's ``engine``."""
+    return next((claiming for claiming in CLAIMING if claiming.claims(group)), engine)
 
 
-class Auto:
-    """``--engine auto``: before a batch's first group, a step timed on every engine; its groups train on the one
-    :func:`fastest` picks."""
-
-    name = "auto"
-
-    def __init__(self, engines: list[Engine]):
-        self.engines = engines
-        self.chosen: dict[int, tuple[Engine, dict[str, float], int]] = {}
-        """Per global batch: the engine taken, every engine's seconds per step of the group, and its runs."""
-
-    def train(self, workload: Workload, config: StudyConfig, group: RunGroup,
-              progress: Progress | None = None) -> list[RunResult]:
-        # Groups measured at every step (AdaScale), or of one run, stay on the first engine: nothing to time.
-        if group.lr_scaling != "fixed" or len(group.runs) < 2:
-            return self.engines[0].train(workload, config, group, progress)
-        b = group.global_batch_size
-        if b not in self.chosen:
-            self.chosen[b] = (*fastest(self.engines, workload, config, group), len(group.runs))
-        return self.chosen[b][0].train(workload, config, group, progress)
-
-    def summary(self) -> tuple[str, str]:
-        """(engine, why) for the report: which engine each batch size took, with the timings."""
-        if not self.chosen:
-            return self.engines[0].name, "no group was timed (each came from the cache or had one run)"
-        taken = sorted({engine.name for engine, _, _ in self.chosen.values()}, key=NAMES.index)
-        parts = [f"{b}: {engine.name} (one step of its {runs} runs: "
-                 + ", ".join(f"{name} {duration(s)}" for name, s in seconds.items()) + ")"
-                 for b, (engine, seconds, runs) in sorted(self.chosen.items())]
-        return "+".join(taken), "timed per global batch, each engine in this process: " + "; ".join(parts)
-
-
-def duration(seconds: float) -> str:
-    """Seconds as a person reads them: '438 ms', '4.09 s' (never an exponent)."""
-    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s" if seconds < 1000 else f"{seconds:.0f} s"
-
-
-__all__ = ["NAMES", "Auto", "Engine", "Progress", "fastest"]
+__all__ = ["CLAIMING", "ENGINES", "Auto", "Engine", "EngineKind", "Progress", "branch_trainer", "duration", "fastest",
+           "for_group", "register", "vectorized"]

@@ -8,7 +8,7 @@ Adam and AdamW, a model that does not vmap, BatchNorm whose statistics must be p
 study under torchrun across nodes. The launch layer (:mod:`ddplab.runtime.launch`) starts
 ``world_size`` ranks once per global batch (or joins torchrun's group), and they train that
 batch's runs in turn. Each rank takes its DistributedSampler share of the engine's global batch
-(the order :mod:`ddplab.study.engine` uses, so both engines see the same samples at each step),
+(the order :mod:`ddplab.study.orders` gives, so both engines see the same samples at each step),
 in ``accumulation`` micro-batches under ``no_sync`` when the per-rank batch is capped.
 
 A group whose lr scales with AdaScale's gain is driven by ``ddplab.AdaScale`` itself, on the noise
@@ -32,10 +32,11 @@ from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
-from ddplab.study.engines.vmap import Batches, cast, evaluate_model, synchronize, torch_dtype
-from ddplab.study.optim import torch_optimizer
+from ddplab.study.engines.vmap import cast, evaluate_model, synchronize
+from ddplab.study.optim import torch_dtype, torch_optimizer
+from ddplab.study.orders import Batches, RankShards
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
-from ddplab.study.verify import RankShards
+from ddplab.study.workloads import run_optimizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,17 +111,6 @@ def _prune_bound(config: StudyConfig, finished, setting: tuple[float, str]) -> f
     complete = [r for runs in by_lr.values() if len(runs) == config.seeds for r in runs]
     best_lr, best = settled_best(complete)
     return math.inf if best_lr is None or best_lr == setting else loser_bound(best, config.seeds)
-
-
-def run_optimizer(workload: workloads.Workload, config: StudyConfig, params, lr: float) -> torch.optim.Optimizer:
-    """One run's torch optimizer at ``lr``: the spec's own where it has one, else the study's."""
-    if workload.make_optimizer is None:
-        return torch_optimizer(config.optimizer, params, lr)
-    # The spec's own optimizer, every group's lr scaled as the rule scales the reference lr.
-    optimizer = workload.make_optimizer(params)
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * lr / workload.lr
-    return optimizer
 
 
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
@@ -293,6 +283,7 @@ class DdpEngine:
     # The timed step leaves out the launch, the collectives and rank 0's evaluations: the DDP engine must be
     # clearly faster for auto to leave the vectorized one (which also measures B_simple from halves and prunes).
     overhead = 1.5
+    per_run = False
 
     def __init__(self, launch_config: LaunchConfig, *, max_per_device: int | None = None,
                  device: torch.device | str = "cpu", strategy: strategies.Strategy | None = None):

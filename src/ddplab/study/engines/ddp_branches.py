@@ -1,12 +1,13 @@
 """Branches on real ranks: from one checkpoint, every (lr, seed) run of every branched global batch trained on
 ``world_size`` DDP ranks (or FSDP2's, HSDP's), one launch per checkpoint.
 
-For what the vectorized branches of :mod:`ddplab.study.branch` cannot train: a spec's own ``step()``, an optimizer
-outside SGD, Adam and AdamW, a model that does not vmap, a strategy that shards the model, a study under torchrun.
+For what the vectorized branches (:mod:`ddplab.study.engines.vmap_branches`) cannot train: a spec's own
+``step()``, an optimizer outside SGD, Adam and AdamW, a model that does not vmap, a strategy that shards the model,
+a study under torchrun.
 Each run loads the checkpoint's model state, is wrapped by the strategy, builds its own torch optimizer (the spec's
 where it has one, :func:`~ddplab.study.engines.ddp.run_optimizer`) and takes the checkpoint's torch.optim state into
 it, keeping its own hyperparameters (its lr). Step k of global batch B trains on the samples the vectorized
-:class:`~ddplab.study.branch.Stream` gives at that seed, each rank its DistributedSampler share (every W-th), in
+:class:`~ddplab.study.orders.Stream` gives at that seed, each rank its DistributedSampler share (every W-th), in
 micro-batches under ``no_sync`` when the per-rank batch is capped: both engines see the same samples. The held-out
 loss is rank 0's (every rank's where the forward is a collective), broadcast, so every rank returns the same.
 """
@@ -22,23 +23,28 @@ import torch
 import torch.distributed as dist
 
 from ddplab.runtime import strategies
-from ddplab.runtime.launch import RankContext, launch
+from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
-from ddplab.study.branch import Checkpoint, Groups, Stream, Trained, held_out
-from ddplab.study.config import StudyConfig
-from ddplab.study.engines.ddp import DdpEngine, DdpPlan, run_optimizer, split
-from ddplab.study.engines.vmap import cast, torch_dtype
+from ddplab.study.branched.checkpoint import BranchTrainer, Checkpoint, Groups, Stop, Trained, held_out
+from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.engines.choice import build_engine
+from ddplab.study.engines.ddp import DdpEngine, DdpPlan, split
+from ddplab.study.engines.registry import EngineKind, register
+from ddplab.study.engines.vmap import cast
+from ddplab.study.optim import torch_dtype
+from ddplab.study.orders import Stream
+from ddplab.study.workloads import run_optimizer
 
 
 def train_branches_ddp(workload: workloads.Workload, config: StudyConfig, checkpoint: Checkpoint, groups: Groups,
                        samples: int, *, engine: DdpEngine, stop: Callable[[Trained], bool] | None = None,
                        advance: Callable[[int], None] = lambda steps: None) -> Trained:
     """Train every batch's runs of ``groups`` from ``checkpoint`` for ``samples`` on the engine's ranks, in one
-    launch: {global batch: {steps: each run's held-out loss after them}}, as :func:`branch.train_branches`. The batches
-    train in order, and none after one at which ``stop`` (every rank holds the same losses, so every rank decides
-    alike) says the judgement is settled."""
+    launch: {global batch: {steps: each run's held-out loss after them}}, as the vectorized
+    :func:`~ddplab.study.engines.vmap_branches.train_branches`. The batches train in order, and none after one at
+    which ``stop`` (every rank holds the same losses, so every rank decides alike) says the judgement is settled."""
     world_size = engine.launch_config.world_size
     plans = {batch: split(batch, world_size, engine.max_per_device) for batch in groups}
     # Under torchrun this process is rank 0 and moves the bar step by step; a forked rank's copy of it must not.
@@ -160,3 +166,18 @@ def _like(param: torch.Tensor, key: str, value):
         # Every rank holds the whole checkpoint: each keeps its own shard, with no communication.
         return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
     return value
+
+
+def branch_trainer(workload: workloads.Workload, config: StudyConfig, device: torch.device, options: StudyOptions,
+                   launch_config: LaunchConfig | None, advance: Callable[[int], None]) -> BranchTrainer:
+    """How this engine trains one checkpoint's branches: every batch in one launch on its ranks."""
+    engine = build_engine(DdpEngine.name, device, options, launch_config)
+
+    def on_ranks(checkpoint: Checkpoint, groups: Groups, samples: int, stop: Stop | None) -> Trained:
+        return train_branches_ddp(workload, config, checkpoint, groups, samples, engine=engine, stop=stop,
+                                  advance=advance)
+
+    return on_ranks
+
+
+register(EngineKind(name=DdpEngine.name, vectorized=False, branches=branch_trainer))

@@ -4,7 +4,7 @@ A global batch B trains the same on W DDP ranks as in one process with B (DDP av
 ranks' mean gradients), so each batch size's runs live in one process: a slice of stacked
 parameters per run, one forward and backward for all of them through ``torch.func.vmap`` over
 ``functional_call`` — never a loop over runs. Each run's data order is DistributedSampler's
-(seed + epoch permutation, full batches only), so :mod:`ddplab.study.verify` can replay any grid
+(seed + epoch permutation, full batches only), so :mod:`ddplab.study.grid.verify` can replay any grid
 point on real DDP ranks and compare.
 """
 
@@ -21,37 +21,13 @@ from ddplab.adapt.gain import Smoothed, default_smoothing
 from ddplab.errors import UsageError
 from ddplab.noise import estimators
 from ddplab.runtime import capacity
-from ddplab.runtime.sharding import epoch_permutation
 from ddplab.study import optim
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
+from ddplab.study.optim import torch_dtype
+from ddplab.study.orders import Batches
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
 from ddplab.study.workloads import Workload
-
-
-def torch_dtype(config: StudyConfig) -> torch.dtype:
-    return torch.float64 if config.dtype == "float64" else torch.float32
-
-
-class Batches:
-    """Global batch ``step`` of each seed: positions step·B … step·B+B−1 of the epoch's permutation.
-
-    DistributedSampler gives rank r the positions r, r+W, r+2W, …; rank r's j-th loader batch of
-    B/W samples, over all ranks, covers exactly those B positions. Full batches only, so padding never enters.
-    """
-
-    def __init__(self, dataset_size: int, global_batch: int, seeds: list[int]):
-        self.size, self.global_batch, self.seeds = dataset_size, global_batch, seeds
-        self.per_epoch = dataset_size // global_batch
-        self._epoch, self._perms = -1, None
-
-    def indices(self, step: int) -> torch.Tensor:
-        """(len(seeds), B) sample indices for optimizer ``step`` (0-based)."""
-        epoch, within = divmod(step, self.per_epoch)
-        if epoch != self._epoch:
-            self._perms = torch.stack([epoch_permutation(self.size, seed=s, epoch=epoch) for s in self.seeds])
-            self._epoch = epoch
-        return self._perms[:, within * self.global_batch:(within + 1) * self.global_batch]
 
 
 def seeded_params(workload: Workload, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -396,6 +372,7 @@ class VmapEngine:
 
     name = "vmap"
     overhead = 1.0
+    per_run = False
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)

@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
-from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, OwnGroupRule
+from ddplab.study.rules.base import BatchRuns, OwnGroupRule, round_lr
+from ddplab.study.rules.registry import register
+
+if TYPE_CHECKING:
+    from ddplab.study.config import OptimizerConfig, StudyConfig
 
 
 class AdamSqrt(OwnGroupRule):
     name = "adam-sqrt"
     summary = "lr × √k, 1 − β' = k(1 − β), ε' = ε/√k (Malladi et al. 2022)"
+    help = "adam-sqrt is Malladi et al.'s rule (lr × √k, 1 − β' = k(1 − β), ε' = ε/√k)"
+    colour = "tab:brown"
+    default_for = ("adam", "adamw")
     adam_only = True
 
     def check(self, config: StudyConfig) -> None:
@@ -58,3 +65,6 @@ class AdamSqrt(OwnGroupRule):
             return []
         return [f"the adam-sqrt rule's 1 − k(1 − β) falls below 0 at global batch {', '.join(map(str, at))}: clamped "
                 "to 0; the rule was derived for batches that grow less than 1/(1 − β₁) (ddplab plan keeps β₁ instead)"]
+
+
+register(AdamSqrt())

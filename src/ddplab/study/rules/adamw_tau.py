@@ -9,16 +9,23 @@ from the grid's: a group of its own.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
-from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, OwnGroupRule
+from ddplab.study.rules.base import BatchRuns, OwnGroupRule, round_lr
+from ddplab.study.rules.registry import register
+
+if TYPE_CHECKING:
+    from ddplab.study.config import OptimizerConfig, StudyConfig
 
 
 class AdamWTau(OwnGroupRule):
     name = "adamw-tau"
     summary = "lr × √k, β₂' = β₂^k, ε' = ε/√k, weight decay at a constant AdamW timescale λ' = λ√k"
+    help = ("adamw-tau is lr × √k with β₂' = β₂^k, ε' = ε/√k and AdamW's weight decay at a constant timescale "
+            "(λ' = λ√k)")
+    colour = "tab:olive"
     adam_only = True
 
     def check(self, config: StudyConfig) -> None:
@@ -58,3 +65,14 @@ class AdamWTau(OwnGroupRule):
                          "timescale_samples": scaling.adamw_timescale_steps(lr=lr,
                                                                             weight_decay=optimizer.weight_decay) * b})
         return {"adamw_tau": rows}
+
+    def lr_text(self, values: dict) -> list[str]:
+        tau = values.get("adamw_tau")
+        if not tau:
+            return []
+        return [f"adamw-tau by global batch, lr / β₂ / ε / weight decay (β₁ {tau[0]['betas'][0]:g} kept): "
+                + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g} / {p['betas'][1]:.6g} / {p['eps']:.3g} / "
+                            f"{p['weight_decay']:.4g}" for p in tau)]
+
+
+register(AdamWTau())

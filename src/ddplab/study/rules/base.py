@@ -9,11 +9,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-from ddplab.study.config import OptimizerConfig, StudyConfig, round_lr
 from ddplab.study.runs import LrScaling, RunGroup, RunResult
 
 if TYPE_CHECKING:
-    from ddplab.study.workloads import Workload
+    from ddplab.study.config import OptimizerConfig, StudyConfig
+
+
+def round_lr(lr: float) -> float:
+    # Twelve significant digits: the same lr reached by two rules is one run.
+    return float(f"{lr:.12g}")
 
 
 class Best(NamedTuple):
@@ -52,7 +56,15 @@ class Rule:
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    """One line for --help and the docs."""
+    """One line for the docs."""
+    help: ClassVar[str] = ""
+    """Its clause in --rules' help, after the defaults (``field`` names shown as their flags); "" for none."""
+    colour: ClassVar[str | None] = None
+    """Its colour in every figure (None: a spare one, the same in every figure)."""
+    default_for: ClassVar[tuple[str, ...]] = ()
+    """The optimizer families whose studies run it when no rules are given."""
+    predicts: ClassVar[tuple[str, ...]] = ()
+    """The optimizer families whose best lr it is the textbook prediction of (the lr figures draw it)."""
     shares_grid: ClassVar[bool] = False
     """Its runs are fixed lrs of the grid the fixed-lr rules share (one run may serve several rules)."""
     sweeps: ClassVar[bool] = False
@@ -66,6 +78,8 @@ class Rule:
     """On the DDP engine it measures across ranks, so it needs two or more."""
     single_process: ClassVar[bool] = False
     """It trains one model in this process (not under torchrun)."""
+    batch_changes: ClassVar[bool] = False
+    """Its runs change their global batch as they train: the engine for such runs trains its groups."""
 
     def check(self, config: StudyConfig) -> None:
         """Raise UsageError when the study's settings cannot run this rule."""
@@ -89,13 +103,6 @@ class Rule:
         """Its group of its own at ``global_batch``, or None; ``trained`` holds the shared grid's runs at every batch
         (and the rules' own groups trained before)."""
         return None
-
-    def train(self, workload: Workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
-        """Train its group itself; rules whose groups an engine trains never get here."""
-        raise NotImplementedError(f"the {self.name} rule's groups train on an engine")
-
-    trains_itself: ClassVar[bool] = False
-    """Its groups train in its own loop (:meth:`train`) rather than on an engine."""
 
     def stretches(self, config: StudyConfig) -> int:
         """Stretches of ``max_steps`` its own groups train (for progress)."""
@@ -125,6 +132,24 @@ class Rule:
         return {}
 
     def warnings(self, config: StudyConfig, batches: dict[int, BatchRuns]) -> list[str]:
+        return []
+
+    # What the study says of it, read from the study's JSON (``values``).
+    def lr_text(self, values: dict) -> list[str]:
+        """Its sentences on the lrs it trains, printed under the scorecard."""
+        return []
+
+    def text(self, values: dict) -> list[str]:
+        """Its sentences on how it did, printed after the lrs."""
+        return []
+
+    def html(self, values: dict) -> str:
+        """Its section of report.html ("" for none)."""
+        return ""
+
+    def figures(self, values: dict, directory: str, drawing) -> list[str]:
+        """Figures of its own under ``directory``, their paths; ``drawing`` is :mod:`ddplab.study.report.figures`
+        (its pyplot, colours and axes), handed in as the rules sit below the report."""
         return []
 
 
@@ -184,6 +209,11 @@ def row(rule: str, global_batch: int, run: RunResult, *, best: bool = False, **e
             "steps_to_target": run.steps_to_target, "samples_to_target": samples(run, global_batch),
             "diverged": run.diverged, "stalled": run.stalled, "pruned": run.pruned, "extension": run.extension,
             "best": best, **extra}
+
+
+def html_num(value: float | None) -> str:
+    """A number as report.html shows it: four figures, or a dash where there is none."""
+    return "—" if value is None else f"{value:.4g}"
 
 
 def samples(run: RunResult, global_batch: int) -> int | None:

@@ -1,23 +1,25 @@
-"""What the rules whose global batch changes as they train share (``ramp``, ``schedule``): one model trained in
-this process, its loop, and how its runs are read against the tuned fixed runs at their starting batch.
-
-The loop trains one model with the run's optimizer and step (the spec's own where it has them, as on the DDP
-engine), from the same initial weights as the grid's runs of its seed, on micro-batches that follow
-DistributedSampler's order for that seed (full micro-batches only); an :class:`~ddplab.adapt.accumulation.
-AccumulatedBatch` (BatchRamp, BatchSchedule) sets the accumulation steps and the lr factor. It is evaluated as the
-grid's runs are, every ``eval_every`` optimizer steps, and each evaluation records the global batch and lr in force
-from the next step on.
+"""What the rules whose global batch changes as they train share (``ramp``, ``schedule``): one run per seed from
+a starting batch, at the lr a user would have tuned there, and how its runs are read against the tuned fixed runs at
+that batch. Each rule gives the adapter that changes the batch (an :class:`~ddplab.adapt.accumulation.
+AccumulatedBatch`: BatchRamp, BatchSchedule); the changing-batch engine (:mod:`ddplab.study.engines.changing`)
+trains its runs.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ddplab.study import fit
-from ddplab.study.config import StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, Rule, row
-from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle, steps
+from ddplab.study.rules.base import BatchRuns, Rule, round_lr, row
+from ddplab.study.rules.sweep import tuned_best
+from ddplab.study.runs import RunGroup, RunResult, steps
+from ddplab.text import num_or_dash
+
+if TYPE_CHECKING:
+    from ddplab.adapt.accumulation import AccumulatedBatch
+    from ddplab.study.config import StudyConfig
 
 
 class ChangingRule(Rule):
@@ -26,7 +28,7 @@ class ChangingRule(Rule):
 
     fitted = False
     single_process = True
-    trains_itself = True
+    batch_changes = True
 
     def start(self, config: StudyConfig) -> int | None:
         """The global batch its runs start from, or None without the rule."""
@@ -36,7 +38,12 @@ class ChangingRule(Rule):
         """What keeps its runs' cache apart from another setting's of the same rule."""
         return ""
 
-    def train_one(self, workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
+    def micro_batch_size(self, config: StudyConfig) -> int:
+        """The micro-batch its runs accumulate (it divides every global batch they reach)."""
+        raise NotImplementedError
+
+    def adapter(self, workload, config: StudyConfig, model, optimizer) -> tuple[AccumulatedBatch, Callable[[], None]]:
+        """The batch's adapter for one run's model and optimizer, and what to call before each optimizer step."""
         raise NotImplementedError
 
     def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
@@ -49,14 +56,6 @@ class ChangingRule(Rule):
     def stretches(self, config: StudyConfig) -> int:
         return config.seeds if self.name in config.rules else 0
 
-    def train(self, workload, config: StudyConfig, group: RunGroup, progress) -> list[RunResult]:
-        out = []
-        for lr, seed in group.runs:
-            out.append(self.train_one(workload, config, lr, seed))
-            if progress:
-                progress(config.max_steps)
-        return out
-
     def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
         return own_runs(view, self.name)
 
@@ -65,56 +64,23 @@ class ChangingRule(Rule):
                 for run in self.seeds_at(view) or []]
 
 
+    def text(self, values: dict) -> list[str]:
+        """Its medians beside the best tuned fixed lr's at its starting batch."""
+        summary = (values.get("adaptive") or {}).get(self.name)
+        if not summary:
+            return []
+        versus = "" if summary["fixed_median_steps"] is None else (
+            f" vs the best tuned fixed lr's {num_or_dash(summary['fixed_median_steps'])} steps and "
+            f"{num_or_dash(summary['fixed_median_samples'])} samples there")
+        return [f"{self.name} from global batch {summary['start_global_batch_size']}: median "
+                f"{num_or_dash(summary['median_steps'])} steps and {num_or_dash(summary['median_samples'])} "
+                f"samples{versus}"]
+
+
 def start_lr(config: StudyConfig, start: int, trained: list[RunResult]) -> float:
     """The lr runs start at: what a user would have tuned at the starting batch (else the linear rule's)."""
-    from ddplab.study import rules
-
-    best = rules.tuned_best(config, start, trained)
+    best = tuned_best(config, start, trained)
     return best.lr if best else round_lr(config.reference_lr * start / config.reference_global_batch_size)
-
-
-def train_changing(workload, config: StudyConfig, *, rule: str, global_batch: int, lr: float, seed: int,
-                   micro: int, adapter: Callable) -> RunResult:
-    """One run from ``global_batch`` at ``lr`` until it reaches the target, diverges or runs out of steps;
-    ``adapter(model, optimizer)`` builds the batch's adapter and returns it with what to call before each step."""
-    from ddplab.study.engines import vmap
-    from ddplab.study.engines.ddp import run_optimizer
-
-    dtype = vmap.torch_dtype(config)
-    model = workload.model().to(dtype)
-    params, buffers = vmap.seeded_state(workload, seed, dtype)
-    model.load_state_dict({**params, **buffers}, strict=False)
-    optimizer = run_optimizer(workload, config, model.parameters(), lr)
-    batch, before_step = adapter(model, optimizer)
-    result = RunResult(global_batch_size=global_batch, lr=lr, seed=seed, rule=rule)
-    batches = vmap.Batches(workload.train_size, micro, [seed])
-    inputs, targets = vmap.cast(workload.train[0], dtype), vmap.cast(workload.train[1], dtype)
-    drawn = samples = 0
-    for step in range(config.max_steps):
-        window, loss_sum = batch.accumulation_steps, 0.0
-        for _ in range(window):
-            index = batches.indices(drawn)[0]
-            drawn, samples = drawn + 1, samples + micro
-            loss = workload.step_fn(model, (inputs[index], targets[index]), workload.loss)
-            (loss / window).backward()
-            loss_sum += float(loss.detach())
-        loss = loss_sum / window
-        if not math.isfinite(loss) or abs(loss) > DIVERGED_LOSS:
-            result.diverged = True
-            break
-        before_step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % config.eval_every == 0:
-            metric = vmap.evaluate_model(workload, config, model)
-            result.history.append([step + 1, loss, metric])
-            result.trajectory.append([step + 1, batch.global_batch_size, lr * batch.lr_factor()])
-            if settle(config, result, step + 1, metric):
-                if result.steps_to_target is not None:
-                    result.samples_to_target = samples
-                break
-    batch.remove()
-    return result
 
 
 def own_runs(view: BatchRuns, name: str) -> list[RunResult] | None:

@@ -12,12 +12,18 @@ judged against the best tuned fixed lr at its starting batch, not fitted.
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 from ddplab.errors import UsageError
 from ddplab.study import fit
-from ddplab.study.config import StudyConfig
 from ddplab.study.rules import changing
-from ddplab.study.rules.base import BatchRuns
-from ddplab.study.runs import RunResult
+from ddplab.study.rules.base import BatchRuns, html_num
+from ddplab.study.rules.registry import ground_truth, register
+from ddplab.text import num_or_dash
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 WARMUP_STEPS = 10
 
@@ -25,6 +31,8 @@ WARMUP_STEPS = 10
 class Ramp(changing.ChangingRule):
     name = "ramp"
     summary = "ddplab.BatchRamp from the smallest batch, growing it with the noise scale"
+    help = "ramp adds one BatchRamp run per seed from the smallest batch, growing with the measured noise scale"
+    colour = "tab:purple"
 
     def check(self, config: StudyConfig) -> None:
         start = min(config.global_batch_sizes)
@@ -36,8 +44,23 @@ class Ramp(changing.ChangingRule):
         """The global batch ramp runs start from (the grid's smallest), or None without the rule."""
         return min(config.global_batch_sizes) if self.name in config.rules else None
 
-    def train_one(self, workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
-        return train_ramp(workload, config, lr, seed)
+    def micro_batch_size(self, config: StudyConfig) -> int:
+        # The one-process noise scale measures from two micro-batches of half the starting batch.
+        return min(config.global_batch_sizes) // 2
+
+    def adapter(self, workload, config: StudyConfig, model, optimizer):
+        """The library's BatchRamp, growing with the noise scale measured at every step, up to the grid's largest
+        batch."""
+        from ddplab.adapt.ramp import BatchRamp
+        from ddplab.noise.scale import GradientNoiseScale
+
+        micro = self.micro_batch_size(config)
+        noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
+                                   dataset_size=workload.train_size)
+        largest = min(max(config.global_batch_sizes), workload.train_size)
+        ramp = BatchRamp(model, optimizer, noise, max_accumulation_steps=max(2, largest // micro), rule="linear",
+                         warmup_steps=WARMUP_STEPS)
+        return ramp, noise.step
 
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
         """Median steps and samples of the ramp runs over those of the best-tuned fixed lr at their starting batch
@@ -56,23 +79,58 @@ class Ramp(changing.ChangingRule):
                          "final_global_batch_sizes": [r.trajectory[-1][1] if r.trajectory else start for r in runs]},
                 "adaptive": {self.name: adaptive}}
 
+    def text(self, values: dict) -> list[str]:
+        ramp = values.get("ramp")
+        if not ramp:
+            return super().text(values)
+        versus = "" if ramp["tuned_median_steps"] is None else (
+            f" vs the best tuned lr's {num_or_dash(ramp['tuned_median_steps'])} steps and "
+            f"{num_or_dash(ramp['tuned_median_samples'])} samples")
+        ratios = "" if ramp["steps_over_tuned"] is None else (
+            f" ({ramp['steps_over_tuned']:.2f}× the steps, {ramp['samples_over_tuned']:.2f}× the samples)")
+        return [f"ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}: median "
+                f"{num_or_dash(ramp['median_steps'])} steps and {num_or_dash(ramp['median_samples'])} samples{versus}"
+                f"{ratios}; final global batches {', '.join(map(str, ramp['final_global_batch_sizes']))}"]
 
-def train_ramp(workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
-    """One ramp run from the grid's smallest batch at ``lr`` until it reaches the target, diverges or runs out of
-    steps."""
-    from ddplab.adapt.ramp import BatchRamp
-    from ddplab.noise.scale import GradientNoiseScale
+    def figures(self, values: dict, directory: str, drawing) -> list[str]:
+        """ramp.png: each ramp run's global batch and lr along its steps, the tuned fixed run's batch beside them."""
+        if not values.get("ramp"):
+            return []
+        path = os.path.join(directory, "ramp.png")
+        report, sweep = values, ground_truth().name
+        plt = drawing.pyplot()
+        fig, (ax_batch, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
+        # Only runs whose batch changed carry a trajectory.
+        for row in (r for r in report["runs"] if r.get("trajectory")):
+            steps, batches, lrs = zip(*row["trajectory"])
+            ax_batch.step(steps, batches, where="post", label=f"seed {row['seed']}")
+            ax_lr.step(steps, lrs, where="post", label=f"seed {row['seed']}")
+        ramp = report["ramp"]
+        ax_batch.axhline(ramp["start_global_batch_size"], color=drawing.color(sweep), linestyle=":",
+                         label="fixed runs at the start")
+        if report.get("b_simple") and report["b_simple"]["value"]:
+            ax_batch.axhline(report["b_simple"]["value"], color="tab:purple", linestyle=":",
+                             label="B_simple (tuned runs)")
+        ax_batch.set_yscale("log", base=2)
+        ax_batch.set_ylabel("global batch")
+        ax_lr.set_ylabel("learning rate")
+        ax_batch.set_title("ramp: the global batch as the noise scale grows")
+        ax_lr.set_title("ramp: the lr, linear in the batch, warmed up after each jump")
+        for axis in (ax_batch, ax_lr):
+            axis.set_xlabel("optimizer step")
+        drawing.save_figure(plt, fig, path, (ax_batch, ax_lr))
+        return [path]
 
-    start = min(config.global_batch_sizes)
-    micro = start // 2
+    def html(self, values: dict) -> str:
+        ramp = values.get("ramp")
+        if not ramp:
+            return ""
+        return (f"<h2>Batch ramp from global batch {ramp['start_global_batch_size']} at lr {ramp['lr']:.4g}</h2>"
+                f"<p>median {html_num(ramp['median_steps'])} steps and {html_num(ramp['median_samples'])} samples to "
+                f"the target; the best tuned fixed lr at that batch: {html_num(ramp['tuned_median_steps'])} steps, "
+                f"{html_num(ramp['tuned_median_samples'])} samples (ratios {html_num(ramp['steps_over_tuned'])} and "
+                f"{html_num(ramp['samples_over_tuned'])}); final global batches "
+                f"{', '.join(map(str, ramp['final_global_batch_sizes']))}</p>")
 
-    def adapter(model, optimizer):
-        noise = GradientNoiseScale(model, per_device_batch_size=micro, accumulation_steps=2, every=1,
-                                   dataset_size=workload.train_size)
-        largest = min(max(config.global_batch_sizes), workload.train_size)
-        ramp = BatchRamp(model, optimizer, noise, max_accumulation_steps=max(2, largest // micro), rule="linear",
-                         warmup_steps=WARMUP_STEPS)
-        return ramp, noise.step
 
-    return changing.train_changing(workload, config, rule=Ramp.name, global_batch=start, lr=lr, seed=seed,
-                                   micro=micro, adapter=adapter)
+register(Ramp())

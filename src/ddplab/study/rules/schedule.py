@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import TYPE_CHECKING
 
 from ddplab.adapt import thresholds as th
 from ddplab.errors import UsageError
-from ddplab.study.config import StudyConfig
 from ddplab.study.rules import changing
 from ddplab.study.rules.base import BatchRuns
-from ddplab.study.runs import RunResult
+from ddplab.study.rules.registry import register
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 
 class Schedule(changing.ChangingRule):
     name = "schedule"
     summary = "ddplab.BatchSchedule following {schedule} from scratch, from its first global batch"
+    help = "schedule adds one BatchSchedule run per seed following ``schedule``"
+    colour = "crimson"
 
     def check(self, config: StudyConfig) -> None:
         if config.schedule is None:
@@ -45,8 +50,16 @@ class Schedule(changing.ChangingRule):
     def cache_tag(self, config: StudyConfig) -> str:
         return digest(config)
 
-    def train_one(self, workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
-        return train_schedule(workload, config, lr, seed)
+    def micro_batch_size(self, config: StudyConfig) -> int:
+        # Micro-batches that divide every entry's global batch.
+        return math.gcd(*(t.global_batch_size for t in thresholds(config)))
+
+    def adapter(self, workload, config: StudyConfig, model, optimizer):
+        """The library's BatchSchedule following the schedule from the run's lr (no warmup, nothing before a step)."""
+        from ddplab.adapt.schedule import BatchSchedule
+
+        micro = self.micro_batch_size(config)
+        return BatchSchedule(model, optimizer, config.schedule, per_device_batch_size=micro), lambda: None
 
     def report(self, config: StudyConfig, batches: dict[int, BatchRuns], tuned: list[dict]) -> dict:
         """Median steps and samples of the schedule's runs beside the best-tuned fixed lr's at its first batch."""
@@ -65,18 +78,4 @@ def digest(config: StudyConfig) -> str:
     return "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def train_schedule(workload, config: StudyConfig, lr: float, seed: int) -> RunResult:
-    """One run following the schedule from ``lr`` (each entry scaling it by its lr ÷ the first entry's) until it
-    reaches the target, diverges or runs out of steps."""
-    from ddplab.adapt.schedule import BatchSchedule
-
-    entries = thresholds(config)
-    # Micro-batches that divide every entry's global batch.
-    micro = math.gcd(*(t.global_batch_size for t in entries))
-
-    def adapter(model, optimizer):
-        return BatchSchedule(model, optimizer, config.schedule, per_device_batch_size=micro), lambda: None
-
-    return changing.train_changing(workload, config, rule=Schedule.name, global_batch=entries[0].global_batch_size,
-                                   lr=lr, seed=seed, micro=micro, adapter=adapter)
-
+register(Schedule())

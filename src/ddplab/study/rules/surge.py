@@ -11,17 +11,26 @@ B_simple is not a positive number) the rule is skipped with a warning that says 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
-from ddplab.study.config import StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, OwnGroupRule
+from ddplab.study.rules.base import BatchRuns, OwnGroupRule, round_lr
+from ddplab.study.rules.registry import register, sweeping
+from ddplab.study.rules.sweep import b_simple_at
 from ddplab.study.runs import RunGroup, RunResult
+from ddplab.text import num_or_dash
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 
 class Surge(OwnGroupRule):
     name = "surge"
     summary = "lr × η*(B)/η*(B_ref), Adam's best lr rising to B_noise and falling past it (Li et al. 2024)"
+    help = ("surge is Li et al.'s lr peaking at B_noise (``noise_scale``, else the B_simple measured at the reference "
+            "batch)")
+    colour = "tab:cyan"
     adam_only = True
 
     def check(self, config: StudyConfig) -> None:
@@ -34,19 +43,15 @@ class Surge(OwnGroupRule):
 
     def measures(self, config: StudyConfig) -> bool:
         """The study measures B_simple at the reference batch: the sweep's best runs there."""
-        from ddplab.study import rules
-
-        return rules.sweeping(config) is not None and config.reference_global_batch_size in config.global_batch_sizes
+        return sweeping(config) is not None and config.reference_global_batch_size in config.global_batch_sizes
 
     def noise_scale(self, config: StudyConfig, trained: dict[int, list[RunResult]]) -> float | None:
         """B_noise: ``noise_scale`` where given, else B_simple along the best tuned runs at the reference batch;
         None where that is not a positive number."""
         if config.noise_scale is not None:
             return config.noise_scale
-        from ddplab.study import analysis
-
         reference = config.reference_global_batch_size
-        value = analysis.b_simple_at(config, reference, trained.get(reference, []))
+        value = b_simple_at(config, reference, trained.get(reference, []))
         return value if value is not None and math.isfinite(value) and value > 0 else None
 
     def lr(self, config: StudyConfig, global_batch: int, noise_scale: float) -> float:
@@ -93,5 +98,17 @@ class Surge(OwnGroupRule):
                 f"{', '.join(map(str, far))}: its lr there extrapolates the curve far from its peak"]
 
 
+    def lr_text(self, values: dict) -> list[str]:
+        surge = values.get("surge")
+        if not surge:
+            return []
+        source = "given" if surge["source"] == "given" else "B_simple at the reference batch"
+        return [f"surge rule: B_noise {num_or_dash(surge['noise_scale'])} ({source}); lr by global batch: "
+                + ", ".join(f"{p['global_batch_size']}: {p['lr']:.4g}" for p in surge["by_batch"])]
+
+
 def _fixed_runs(batches: dict[int, BatchRuns]) -> dict[int, list[RunResult]]:
     return {b: list(view.fixed.values()) for b, view in batches.items()}
+
+
+register(Surge())

@@ -7,16 +7,23 @@ cannot beat the ground truth by a setting the sweep never tried."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
-from ddplab.study.config import StudyConfig, round_lr
-from ddplab.study.rules.base import BatchRuns, GridRule
+from ddplab.study.rules.base import BatchRuns, GridRule, round_lr
+from ddplab.study.rules.registry import register
 from ddplab.study.runs import RunResult
+
+if TYPE_CHECKING:
+    from ddplab.study.config import StudyConfig
 
 
 class Tuned(GridRule):
     name = "tuned"
     summary = "a sweep of lrs at every batch, the best kept"
+    help = "with Adam the tuned sweep trains each lr with every Adam rule's settings too"
+    colour = "tab:green"
+    default_for = ("sgd", "adam", "adamw")
     sweeps = True
 
     def check(self, config: StudyConfig) -> None:
@@ -37,3 +44,6 @@ class Tuned(GridRule):
     def serves(self, run: RunResult, lrs: dict[float, list[str]]) -> bool:
         # Its sweep trains each lr with the study's optimizer and with each Adam rule's settings.
         return not run.rule and self.name in lrs.get(run.lr, [])
+
+
+register(Tuned())

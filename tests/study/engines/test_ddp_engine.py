@@ -16,12 +16,15 @@ import torch
 from ddplab.cli.main import main
 from ddplab.noise import estimators as noise_estimators
 from ddplab.runtime.launch import LaunchConfig
-from ddplab.study import analysis, grid, workloads
+from ddplab.study import workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+from ddplab.study.engines import choice as engines_choice
 from ddplab.study.engines import ddp
 from ddplab.study.engines import vmap as engine
+from ddplab.study.grid import analysis
+from ddplab.study.grid import training as grid_training
 
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 
 
 def _ddp_engine(world_size: int, max_per_device: int | None) -> ddp.DdpEngine:
@@ -38,9 +41,9 @@ def test_the_ddp_engine_takes_the_vectorized_engines_steps():
     config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(8, 32), seeds=2,
                          optimizer=OptimizerConfig(family="adam"), reference_global_batch_size=8,
                          reference_lr=0.02, sweep_margin=2, max_steps=150, eval_every=5, dtype="float64")
-    vectorized = grid.run_grid(workload, config, None, engine.VmapEngine())
+    vectorized = grid_training.run_grid(workload, config, None, engine.VmapEngine())
     for world_size, cap in ((2, None), (2, 4)):
-        on_ranks = grid.run_grid(workload, config, None, _ddp_engine(world_size, cap))
+        on_ranks = grid_training.run_grid(workload, config, None, _ddp_engine(world_size, cap))
         for b in config.global_batch_sizes:
             assert len(on_ranks[b]) == len(vectorized[b]) > 0
             for mine, theirs in zip(on_ranks[b], vectorized[b]):
@@ -80,8 +83,8 @@ def test_adascale_on_the_ddp_engine_is_the_library_adapter_with_the_closed_form_
                          optimizer=OptimizerConfig(family="sgd", momentum=0.0), reference_global_batch_size=8,
                          reference_lr=0.02, rules=("constant", "adascale"), max_steps=400, eval_every=5,
                          dtype="float64")
-    vectorized = grid.run_grid(workload, config, None, engine.VmapEngine())
-    on_ranks = grid.run_grid(workload, config, None, _ddp_engine(2, None))
+    vectorized = grid_training.run_grid(workload, config, None, engine.VmapEngine())
+    on_ranks = grid_training.run_grid(workload, config, None, _ddp_engine(2, None))
     fixed = {b: [r for r in rs if r.rule != "adascale"] for b, rs in on_ranks.items()}
     ada = {b: [r for r in rs if r.rule == "adascale"] for b, rs in on_ranks.items()}
     assert all(len(ada[b]) == config.seeds for b in (8, 32))
@@ -282,18 +285,18 @@ def test_auto_times_each_batch_on_every_engine_and_trains_where_it_was_faster():
 
 def test_the_ddp_engine_on_gpus_needs_one_per_rank_and_auto_then_stays_vectorized(monkeypatch):
     from ddplab.errors import UsageError
-    from ddplab.study import engines, run
+    from ddplab.study import engines
     from ddplab.study.config import StudyOptions
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cuda = torch.device("cuda")
     with pytest.raises(UsageError, match="each of its 2 ranks a GPU of its own, but torch sees 1: give world_size 1"):
-        run.build_engine("ddp", cuda, StudyOptions(world_size=2), None)
-    auto = run.build_engine("auto", cuda, StudyOptions(world_size=2), None)
+        engines_choice.build_engine("ddp", cuda, StudyOptions(world_size=2), None)
+    auto = engines_choice.build_engine("auto", cuda, StudyOptions(world_size=2), None)
     assert isinstance(auto, engines.Auto) and [e.name for e in auto.engines] == ["vmap"]
-    one = run.build_engine("ddp", cuda, StudyOptions(world_size=1), None)
+    one = engines_choice.build_engine("ddp", cuda, StudyOptions(world_size=1), None)
     assert one.launch_config.backend == "nccl" and one.launch_config.world_size == 1
-    on_cpu = run.build_engine("ddp", torch.device("cpu"), StudyOptions(world_size=2), None)
+    on_cpu = engines_choice.build_engine("ddp", torch.device("cpu"), StudyOptions(world_size=2), None)
     assert on_cpu.launch_config.backend == "gloo"
 
 

@@ -16,14 +16,16 @@ from ddplab.cli import render
 from ddplab.cli.main import main
 from ddplab.errors import UsageError
 from ddplab.plan import from_study
-from ddplab.study import analysis, grid, rules, verify, workloads
 from ddplab.study import fit as study_fit
+from ddplab.study import rules, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap as engine
+from ddplab.study.grid import analysis, verify
+from ddplab.study.grid import training as grid_training
 from ddplab.study.runs import grid_group
 
 PLAIN_SGD = OptimizerConfig(momentum=0.0)
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 
 # ---------------------------------------------------------------------------------------------
 # The pure fit
@@ -152,7 +154,7 @@ def test_study_fit_matches_fit_of_exact_regression_curve():
                          reference_lr=0.1, sweep_factor=2 ** 0.5, sweep_margin=4, seeds=7, max_steps=600, eval_every=1,
                          dtype="float64")
     # 7 seeds: with 3, the median run is up to 19% ahead of the expected error's steps (Jensen) at some batch.
-    found = analysis.analyze(config, grid.run_grid(workload, config, None, engine.VmapEngine()))
+    found = analysis.analyze(config, grid_training.run_grid(workload, config, None, engine.VmapEngine()))
     exact = {b: min(s for lr in rules.get("tuned").grid_lrs(config, b) if (s := workloads.regression_expected_steps(
         dim=dim, global_batch=b, lr=lr, start=start, target=start * ratio)) is not None)
         for b in config.global_batch_sizes}
@@ -246,7 +248,7 @@ def test_a_ramp_that_cannot_grow_is_the_fixed_run_at_its_batch():
     workload = workloads.regression(dim=8, n_train=512, n_val=64)
     config = StudyConfig(target=Target(kind="loss", value=1e-12), global_batch_sizes=(16,), rules=("constant", "ramp"),
                          reference_global_batch_size=16, reference_lr=0.05, seeds=2, max_steps=40, dtype="float64")
-    runs = grid.run_grid(workload, config, None, engine.VmapEngine())[16]
+    runs = grid_training.run_grid(workload, config, None, engine.VmapEngine())[16]
     fixed = {r.seed: r for r in runs if r.rule != "ramp"}
     ramped = {r.seed: r for r in runs if r.rule == "ramp"}
     assert sorted(ramped) == [0, 1] and all(r.lr == 0.05 for r in ramped.values())
@@ -623,7 +625,7 @@ def test_the_built_in_workloads_bring_their_documented_settings():
 
     import numpy
 
-    from ddplab.study.run import workload_defaults
+    from ddplab.study.workloads import workload_defaults
 
     random.seed(7)
     numpy.random.seed(7)
@@ -751,7 +753,7 @@ def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
     config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(16, 64),
                          rules=("tuned",), reference_global_batch_size=16, reference_lr=0.01, sweep_margin=1,
                          optimizer=PLAIN_SGD, seeds=2, max_steps=400, eval_every=2, dtype="float64")
-    found = analysis.analyze(config, grid.run_grid(workload, config, None, engine.VmapEngine()))
+    found = analysis.analyze(config, grid_training.run_grid(workload, config, None, engine.VmapEngine()))
     for point in found.tuned_lr:
         assert point["sweep"][0] < point["lr"] < point["sweep"][-1], point
         # The exact recursion's best lr (1 / (2(1 + (dim + 1)/B))) lies within a sweep factor of the one found.
@@ -760,10 +762,10 @@ def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
     assert any(r["extension"] for r in found.runs) and not any("sits at the edge" in w for w in found.warnings)
     grid_runs = sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes)
     tight = dataclasses.replace(config, max_runs=grid_runs + 2)
-    found = analysis.analyze(tight, grid.run_grid(workload, tight, None, engine.VmapEngine()))
+    found = analysis.analyze(tight, grid_training.run_grid(workload, tight, None, engine.VmapEngine()))
     assert any("sits at the edge of its sweep" in w and "--max-runs" in w for w in found.warnings)
     with pytest.raises(UsageError, match=f"the grid has {grid_runs} fixed-lr runs, more than max_runs"):
-        grid.run_grid(workload, dataclasses.replace(config, max_runs=grid_runs - 1), None, engine.VmapEngine())
+        grid_training.run_grid(workload, dataclasses.replace(config, max_runs=grid_runs - 1), None, engine.VmapEngine())
 
 
 def test_a_fit_that_misses_its_points_or_sits_on_its_interval_edge_is_said():

@@ -8,15 +8,20 @@ import math
 import pytest
 
 from ddplab.errors import UsageError
-from ddplab.study import critical
-from ddplab.study.critical import BranchConfig, judge, megatron_schedule, schedule
+from ddplab.study.branched import config as branched_config
+from ddplab.study.branched import judgement as branched_judgement
+from ddplab.study.branched.config import BranchConfig
+from ddplab.study.branched.judgement import judge
+from ddplab.study.branched.schedule import megatron_schedule, schedule
 
 INF, NAN = math.inf, math.nan
 
 
 def test_the_modules_doctests_hold_their_hand_computed_values():
-    result = doctest.testmod(critical)
-    assert result.attempted >= 8 and result.failed == 0
+    from ddplab.study.branched import schedule as branched_schedule
+
+    results = [doctest.testmod(module) for module in (branched_config, branched_judgement, branched_schedule)]
+    assert sum(r.attempted for r in results) >= 8 and sum(r.failed for r in results) == 0
 
 
 def test_each_batch_is_judged_by_its_best_lr_and_the_default_tolerance_is_half_the_reference_seeds_range():
@@ -77,7 +82,7 @@ def test_stopping_the_doubling_once_the_judgement_is_settled_changes_nothing_it_
         full = judge(losses, 4, tolerance)
         for end in range(1, len(batches) + 1):
             partial = judge({b: losses[b] for b in batches[:end]}, 4, tolerance)
-            if critical.settled(partial) or end == len(batches):
+            if branched_judgement.settled(partial) or end == len(batches):
                 break
         stopped_early += end < len(batches)
         assert (partial.critical_batch_size, partial.interval, partial.tolerance) == \
@@ -95,9 +100,9 @@ def test_a_lag_tolerance_is_the_references_own_progress_over_the_budgets_last_fr
     rate = {2: 0.10, 4: 0.09, 8: 0.075, 16: 0.06, 32: 0.045}
     for budget in (64, 256):
         losses = {b: {0.1: [math.exp(-r * budget)]} for b, r in rate.items()}
-        tolerance = critical.lag_tolerance(math.exp(-0.10 * budget), math.exp(-0.10 * budget * 0.5))
+        tolerance = branched_judgement.lag_tolerance(math.exp(-0.10 * budget), math.exp(-0.10 * budget * 0.5))
         assert judge(losses, 2, tolerance).critical_batch_size == 16
-    assert critical.lag_tolerance(1.0, 0.9) == 0.0
+    assert branched_judgement.lag_tolerance(1.0, 0.9) == 0.0
 
 
 def test_the_schedule_doubles_when_the_critical_batch_reaches_twice_the_batch_and_never_shrinks():
@@ -122,7 +127,7 @@ def test_the_branch_config_checks_its_fields_and_derives_the_grid_and_budget():
     assert config.samples(8) == 8 * 256
     assert config.lr_rule(adam=False) == "linear" and config.lr_rule(adam=True) == "sqrt"
     assert BranchConfig(branch_from=("a.pt",), branch_lr_rule="sqrt").lr_rule(adam=False) == "sqrt"
-    assert critical.sweep(critical.scaled_lr(0.1, 32, 8, "sqrt"), 2.0) == (0.1, 0.2, 0.4)
+    assert branched_judgement.sweep(branched_config.scaled_lr(0.1, 32, 8, "sqrt"), 2.0) == (0.1, 0.2, 0.4)
     for bad, field in (({}, "branch_at"), ({"branch_at": (0.1,), "branch_from": ("a",)}, "branch_at"),
                        ({"branch_at": (1.0,)}, "branch_at"), ({"branch_at": (0.1,), "branch_doublings": 0},
                                                                "branch_doublings"),

@@ -9,12 +9,12 @@ import torch
 from ddplab.errors import UsageError
 from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
-from ddplab.runtime.sharding import rank_indices
 from ddplab.serialize import finite
 from ddplab.study import rules, workloads
 from ddplab.study.config import StudyConfig
-from ddplab.study.engines.vmap import Group, cast, torch_dtype
-from ddplab.study.optim import torch_optimizer
+from ddplab.study.engines.vmap import Group, cast
+from ddplab.study.optim import torch_dtype, torch_optimizer
+from ddplab.study.orders import RankShards
 from ddplab.study.runs import grid_group
 from ddplab.study.workloads import Workload
 
@@ -97,7 +97,8 @@ def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig,
     for global_batch, lr, seed in points:
         torch.manual_seed(seed)
         model = workload.model().to(dtype).to(ctx.device)
-        ddp = strategies.get("ddp").wrap(model, ctx)
+        # The default strategy is plain DDP, the one the replay compares the vectorized runs with.
+        ddp = strategies.get().wrap(model, ctx)
         optimizer = torch_optimizer(config.optimizer, ddp.parameters(), lr)
         shards = RankShards(workload.train_size, global_batch, ctx, seed)
         for step in range(steps):
@@ -108,20 +109,3 @@ def _ddp_points(ctx: RankContext, source: workloads.Source, config: StudyConfig,
         out.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
         del ddp, optimizer, model
     return out
-
-
-class RankShards:
-    """This rank's part of global batch ``step``, in the engine's epochs (N // B full batches each)."""
-
-    def __init__(self, dataset_size: int, global_batch: int, ctx: RankContext, seed: int):
-        self.size, self.ctx, self.seed = dataset_size, ctx, seed
-        self.per_device, self.per_epoch = global_batch // ctx.world_size, dataset_size // global_batch
-        self._epoch, self._shard = -1, torch.empty(0, dtype=torch.long)
-
-    def batch(self, step: int) -> torch.Tensor:
-        epoch, within = divmod(step, self.per_epoch)
-        if epoch != self._epoch:
-            self._shard = torch.tensor(rank_indices(self.size, world_size=self.ctx.world_size, rank=self.ctx.rank,
-                                                    seed=self.seed, epoch=epoch))
-            self._epoch = epoch
-        return self._shard[within * self.per_device:(within + 1) * self.per_device]

@@ -10,11 +10,10 @@ import dataclasses
 import math
 
 from ddplab.errors import UsageError
-from ddplab.noise import estimators
 from ddplab.study import fit, rules
 from ddplab.study.config import StudyConfig
 from ddplab.study.rules.base import BatchRuns, row
-from ddplab.study.runs import RunResult, steps
+from ddplab.study.runs import RunResult, b_simple_summary, steps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,7 +240,7 @@ def _edge_warnings(tuned: list[dict]) -> list[str]:
 def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None:
     """B_simple pooled along the best runs, and per batch size in three stretches of each run's way to the
     target (B_simple grows as the loss falls: a pooled value mixes them, weighted to the slow small batches)."""
-    pooled = _summary(best_runs)
+    pooled = b_simple_summary(best_runs)
     if pooled is None:
         return None
     # No ratio where B_simple's interval cannot tell it from zero, or reaches infinity (|G|² indistinguishable from
@@ -252,8 +251,8 @@ def _b_simple(best_runs: list[RunResult], tuned_fit: dict | None) -> dict | None
     by_batch = []
     for b in sorted({r.global_batch_size for r in best_runs}):
         runs = [r for r in best_runs if r.global_batch_size == b]
-        stages = [_summary(runs, stage) for stage in range(3)]
-        by_batch.append({"global_batch_size": b, **(_summary(runs) or {"value": None}),
+        stages = [b_simple_summary(runs, stage) for stage in range(3)]
+        by_batch.append({"global_batch_size": b, **(b_simple_summary(runs) or {"value": None}),
                          "by_progress": [s["value"] if s else None for s in stages]})
     return {**pooled, "b_crit_over_b_simple": ratio, "by_batch": by_batch, "measured": _measured(pooled["steps"])}
 
@@ -266,26 +265,6 @@ def _measured(steps: list[int] | None) -> str:
             "DDP ranks' shares as ddplab noise splits it. At the same weights and batches the two give the same "
             "numbers; ddplab noise, from the spec's initial weights at its own lr over --steps, measures another "
             "stretch of training")
-
-
-def _summary(runs: list[RunResult], stage: int | None = None) -> dict | None:
-    """B_simple of the runs' measurements (of the stage-th third of each run's, when given), with its interval and
-    the training steps it was measured between."""
-    g2s, traces, steps_measured = [], [], []
-    for run in runs:
-        n = len(run.noise_g2)
-        part = slice(None) if stage is None else slice(stage * n // 3, (stage + 1) * n // 3)
-        g2s += run.noise_g2[part]
-        traces += run.noise_trace[part]
-        # One measurement per evaluation: the history's steps say when each was taken.
-        if len(run.history) == n:
-            steps_measured += [h[0] for h in run.history[part]]
-    if len(g2s) < 2:
-        return None
-    summary = estimators.summarize(g2s, traces)
-    interval = list(summary.b_simple_ci95) if summary.b_simple_ci95 is not None else [None, None]
-    span = [min(steps_measured), max(steps_measured)] if steps_measured else None
-    return {"value": summary.b_simple, "ci95": interval, "measurements": summary.steps, "steps": span}
 
 
 def _unreached(config: StudyConfig, batches: dict[int, BatchRuns]) -> list[dict]:
@@ -315,18 +294,6 @@ def _best_metric(config: StudyConfig, runs: list[RunResult]) -> float | None:
     if not metrics:
         return None
     return max(metrics) if config.target.kind == "accuracy" else min(metrics)
-
-
-def b_simple_at(config: StudyConfig, global_batch: int, runs: list[RunResult]) -> float | None:
-    """B_simple along the best tuned runs at one batch (its seeds that reached the target), as ``b_simple``'s
-    ``by_batch`` gives it: what the surge rule takes for B_noise at the reference batch. None where not measured."""
-    best = rules.tuned_best(config, global_batch, runs)
-    if best is None:
-        return None
-    fixed = {r.key: r for r in runs if r.fixed}
-    arrived = [fixed[(best.lr, seed, best.variant)] for seed in range(config.seeds)]
-    summary = _summary([r for r in arrived if r.steps_to_target is not None])
-    return summary["value"] if summary else None
 
 
 def scorecard(config: StudyConfig, batches: dict[int, BatchRuns]) -> dict[str, dict]:

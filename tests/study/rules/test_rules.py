@@ -13,11 +13,15 @@ import torch
 
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
-from ddplab.study import analysis, grid, optim, rules, workloads
-from ddplab.study.config import OptimizerConfig, StudyConfig, Target, round_lr
+from ddplab.study import optim, rules, workloads
+from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap
-from ddplab.study.report import StudyReport
-from ddplab.study.rules.base import OwnGroupRule
+from ddplab.study.grid import analysis
+from ddplab.study.grid import cache as grid_cache
+from ddplab.study.grid import training as grid_training
+from ddplab.study.report import figures as report_figures
+from ddplab.study.report.records import StudyReport
+from ddplab.study.rules.base import GridRule, OwnGroupRule, round_lr
 from ddplab.study.runs import grid_group
 
 
@@ -59,15 +63,15 @@ def _config(**fields) -> StudyConfig:
 def test_a_rule_registered_in_one_file_trains_caches_and_is_fitted(adam_cbrt, tmp_path):
     workload = workloads.regression(dim=8, n_train=512, n_val=128)
     config = _config()
-    cache = grid.Cache(str(tmp_path), config.fingerprint(workload.fingerprint), fresh=False)
-    results = grid.run_grid(workload, config, cache, vmap.VmapEngine())
+    cache = grid_cache.Cache(str(tmp_path), config.fingerprint(workload.fingerprint), fresh=False)
+    results = grid_training.run_grid(workload, config, cache, vmap.VmapEngine())
     for b in config.global_batch_sizes:
         own = [r for r in results[b] if r.rule == "adam-cbrt"]
         assert [(r.lr, r.seed) for r in own] == adam_cbrt.runs(config, b)
         assert all(r.optimizer["betas"] == list(adam_cbrt.optimizer(config, b).betas) for r in own)
     # Its group's cache file is named for it; a second study reads it back and trains nothing.
     assert {"batch-16-adam-cbrt.json", "batch-64-adam-cbrt.json"} <= set(os.listdir(tmp_path / "runs"))
-    again = grid.run_grid(workload, config, cache, _NoTraining())
+    again = grid_training.run_grid(workload, config, cache, _NoTraining())
     assert {b: [r.to_json() for r in rs] for b, rs in again.items()} == \
         {b: [r.to_json() for r in rs] for b, rs in results.items()}
     found = analysis.analyze(config, results)
@@ -81,10 +85,10 @@ def test_a_rule_registered_in_one_file_trains_caches_and_is_fitted(adam_cbrt, tm
     assert report["trained_runs"] == sum(len(rs) for rs in results.values())
     assert sum(r.rule == "adam-cbrt" for rs in results.values() for r in rs) == 2 * config.seeds
     # Its runs are drawn in every plot, in a colour of its own.
-    from ddplab.study import plots
 
-    assert plots.color("adam-cbrt") not in {plots.color(name) for name in rules.REGISTRY if name != "adam-cbrt"}
-    assert all(os.path.getsize(path) for path in plots.plots(report, results, str(tmp_path)))
+    assert report_figures.color("adam-cbrt") not in {report_figures.color(name) for name in rules.REGISTRY
+                                                     if name != "adam-cbrt"}
+    assert all(os.path.getsize(path) for path in report_figures.plots(report, results, str(tmp_path)))
     with pytest.raises(UsageError, match="adam-cbrt rule scales Adam"):
         _config(optimizer=OptimizerConfig(family="sgd"))
 
@@ -220,7 +224,7 @@ def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_say
     reference = grid_group(config, 16, rules.grid_runs(config, 16)).results()
     for run in reference:
         run.steps_to_target, run.noise_g2, run.noise_trace = 50, [2.0, 2.0], [10.0, 30.0]
-    assert analysis.b_simple_at(config, 16, reference) == 10.0
+    assert rules.b_simple_at(config, 16, reference) == 10.0
     group = rule.group(config, 64, {16: reference})
     assert group.runs[0][0] == round_lr(0.02 * scaling.surge_lr_multiplier(16, 64, 10.0))
     # Not measurable (the reference's runs never arrived): the rule is skipped, and the warning says why.
@@ -264,8 +268,8 @@ def test_the_spec_template_checks_and_studies_as_written(tmp_path, capsys):
 
     from ddplab.cli.main import main
 
-    template = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "examples", "spec_template.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    template = os.path.join(root, "examples", "spec_template.py")
     assert main(["check", template, "--world-size", "2", "--batch-size", "8", "--steps", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "EQUIVALENT"
     assert main(["study", template, "--target-accuracy", "0.85", "--global-batch-sizes", "16,64", "--seeds", "1",
@@ -274,3 +278,47 @@ def test_the_spec_template_checks_and_studies_as_written(tmp_path, capsys):
     # The template's AdamW is the study's optimizer, its lr the reference lr.
     assert report["optimizer"]["name"] == "AdamW" and report["reference"]["lr"] == 3e-3
     assert any(r["steps_to_target"] for r in report["runs"])
+
+
+class Quartic(GridRule):
+    """lr × k^(1/4), in the shared grid, saying what it is as the built-in rules do (its colour, its help clause, its
+    sentence and its section of report.html)."""
+
+    name = "quartic"
+    summary = "lr × k^(1/4)"
+    help = "quartic is lr × k^(1/4), a rule of this test alone"
+    colour = "tab:pink"
+
+    def factor(self, k: float) -> float:
+        return k ** 0.25
+
+    def text(self, values: dict) -> list[str]:
+        return [f"quartic lr at global batch {b}: {self.lr_for(values, b):.4g}" for b in values["global_batch_sizes"]]
+
+    def html(self, values: dict) -> str:
+        return "<h2>The quartic rule</h2>"
+
+    def lr_for(self, values: dict, global_batch: int) -> float:
+        reference = values["reference"]
+        return reference["lr"] * self.factor(global_batch / reference["global_batch_size"])
+
+
+def test_a_rule_registered_in_one_file_is_said_by_the_command_line_the_report_and_the_figures(monkeypatch, tmp_path,
+                                                                                                capsys):
+    import json
+
+    from ddplab.cli.main import main
+    from ddplab.study.report import html
+
+    monkeypatch.setitem(rules.REGISTRY, Quartic.name, Quartic())
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        main(["study", "--help"])
+    assert "quartic is lr × k^(1/4), a rule of this test alone" in " ".join(capsys.readouterr().out.split())
+    main(["study", "--workload", "regression", "--rules", "constant,quartic", "--global-batch-sizes", "16,64",
+          "--seeds", "1", "--max-steps", "20", "--engine", "vmap", "--no-plots", "--out", str(tmp_path)])
+    with open(tmp_path / "study.json") as fh:
+        values = {**json.load(fh), "plots": []}
+    assert f"quartic lr at global batch 64: {Quartic().lr_for(values, 64):.4g}" in capsys.readouterr().out
+    assert "<h2>The quartic rule</h2>" in open(html.write_html(values, str(tmp_path / "report.html"))).read()
+    assert report_figures.color(Quartic.name) == "tab:pink"

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from ddplab.study import plots
+from ddplab.study.report import branched_figure as report_branched_figure
+from ddplab.study.report import figures as report_figures
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -36,14 +37,15 @@ BRANCHED = {
 def _drawn(monkeypatch, values: dict, directory: str):
     """branched_plot's figure, kept open, and the path it wrote."""
     figures = []
-    real = plots._write
-    monkeypatch.setattr(plots, "_write", lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
-    path = plots.branched_plot(values, directory)
+    real = report_figures.write_figure
+    monkeypatch.setattr(report_branched_figure, "write_figure",
+                        lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
+    path = report_branched_figure.branched_plot(values, directory)
     return figures[0].axes[0], path
 
 
 def test_the_modules_doctests_hold():
-    assert doctest.testmod(plots).failed == 0
+    assert [doctest.testmod(module).failed for module in (report_figures, report_branched_figure)] == [0, 0]
 
 
 @pytest.mark.timeout(60)
@@ -120,9 +122,10 @@ def test_the_pareto_plot_marks_each_rule_whose_batch_changes_at_its_medians_with
                            "schedule": {"median_steps": 80.0, "median_samples": 8160.0, "start_global_batch_size": 32,
                                         "dominated_by": []}}}
     figures = []
-    real = plots._write
-    monkeypatch.setattr(plots, "_write", lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
-    plots._pareto_plot(report, str(tmp_path / "pareto.png"))
+    real = report_figures.write_figure
+    monkeypatch.setattr(report_figures, "write_figure",
+                        lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
+    report_figures._pareto_plot(report, str(tmp_path / "pareto.png"))
     ax = figures[0].axes[0]
     marked = {c.get_label().split(" ")[0]: c for c in ax.containers}
     assert set(marked) == {"ramp", "schedule"}

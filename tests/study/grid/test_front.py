@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from ddplab.study import analysis, fit
+from ddplab.study import fit
+from ddplab.study.grid import analysis
 
 INF = math.inf
 # The digits study on docs/study/branched.md: the tuned runs' median steps at each global batch, and its fit.
@@ -76,7 +77,12 @@ def test_each_adaptive_entry_gains_its_dominators_and_the_fronts_samples_at_its_
 
 def test_the_printed_lines_say_each_rules_dominators_and_its_side_of_the_fitted_front(capsys, monkeypatch):
     from ddplab.cli.render import console
-    from ddplab.cli.study import _print_front
+    from ddplab.study.report.text import front_lines
+
+    def _print_front(out, values):
+        # The library says it; the command line prints each sentence as a line.
+        for line in front_lines(values):
+            out.print(line)
 
     monkeypatch.setenv("COLUMNS", "400")
     tuned = [{"global_batch_size": b, "median_steps": s} for b, s in FIXED]

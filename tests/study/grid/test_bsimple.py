@@ -14,7 +14,7 @@ from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap as engine
 from ddplab.study.runs import grid_group
 
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 CNN_SPEC = os.path.join(SPECS, "study_cnn.py")
 
 
@@ -116,7 +116,8 @@ def test_the_study_resolves_b_simple_at_a_large_batch_and_says_where_it_measured
     """End to end on the regression (B_simple = dim + 1 at every step): the pooled value and each batch's, the
     largest included (where one half against the whole batch read 0), cover dim + 1; the report names the training
     steps measured and gives B_crit / B_simple only from a value its interval tells from zero."""
-    from ddplab.study import analysis, grid
+    from ddplab.study.grid import analysis
+    from ddplab.study.grid import training as grid_training
 
     dim = 15
     workload = workloads.regression(dim=dim, n_train=8192, n_val=1024)
@@ -124,7 +125,7 @@ def test_the_study_resolves_b_simple_at_a_large_batch_and_says_where_it_measured
     config = StudyConfig(target=Target(kind="loss", value=start * 1e-3), optimizer=OptimizerConfig(momentum=0.0),
                          rules=("tuned",), global_batch_sizes=(16, 256), reference_global_batch_size=16,
                          reference_lr=0.1, sweep_margin=2, seeds=8, max_steps=400, eval_every=1, dtype="float64")
-    results = grid.run_grid(workload, config, None, engine.VmapEngine())
+    results = grid_training.run_grid(workload, config, None, engine.VmapEngine())
     found = analysis.analyze(config, results)
     b_simple = found.b_simple
     for row in [b_simple, *b_simple["by_batch"]]:

@@ -27,93 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal, get_args
+from typing import Literal
 
 from ddplab.errors import UsageError
-from ddplab.study import rules
+from ddplab.study.branched.checkpoint import Groups, Trained
 from ddplab.study.fit import median
-from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
-LrRule = Literal["auto", "linear", "sqrt"]
 Losses = Mapping[int, Mapping[float, Sequence[float]]]
 """{global batch: {lr: each seed's loss at the end of its branch}}; a diverged run's loss is inf or nan."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BranchConfig:
-    """Where to branch from, and how the branches are trained and judged."""
-
-    branch_at: tuple[float, ...] | None = None
-    """Fractions of the reference run's steps to branch from, comma-separated (e.g. 0.1,0.3,0.6): the reference run
-    (the reference global batch and lr, seed 0) trains to the target (or the step budget) first."""
-    branch_from: tuple[str, ...] | None = None
-    """Checkpoints of your run to branch from: torch.save'd dicts with model, optimizer and samples_seen (or step,
-    counted in reference global batches), or what the spec's load(path, model, optimizer) reads."""
-    branch_samples: int | None = None
-    """Samples every branch trains (the same at every batch; a multiple of the largest branched batch; default 8
-    steps of it)."""
-    branch_doublings: int = 5
-    """How many times the branches double the reference global batch: × 1, 2, 4, … 2^this."""
-    branch_lr_rule: LrRule = "auto"
-    """How a branch's lr scales from the reference lr (then swept once down and once up by the sweep factor): linear,
-    sqrt, or auto (linear for SGD, sqrt for Adam and AdamW)."""
-    branch_tolerance: float | None = None
-    """How much higher than the reference batch's a batch's end loss may be and still match, in loss units
-    (default: half the range of the reference batch's seeds)."""
-    branch_lag: float | None = None
-    """Instead of a tolerance in loss: a batch matches when its end loss is no worse than where the reference batch
-    was this fraction of the budget earlier (0.5: half the samples behind, McCandlish et al.'s B_crit)."""
-    branch_every_batch: bool = False
-    """Train every batch of the grid. By default the doubling stops at the first batch that misses with every seed:
-    no larger batch can change the critical batch or its interval, so their branches would only cost samples."""
-
-    def __post_init__(self):
-        if (self.branch_at is None) == (self.branch_from is None):
-            raise UsageError("give one of {branch_at} and {branch_from}")
-        if self.branch_at is not None:
-            if not self.branch_at or not all(0 <= f < 1 for f in self.branch_at):
-                raise UsageError(f"{{branch_at}} must be fractions in [0, 1), got {self.branch_at}")
-            object.__setattr__(self, "branch_at", tuple(sorted(set(self.branch_at))))
-        if self.branch_from is not None:
-            if not self.branch_from:
-                raise UsageError("{branch_from} needs at least one checkpoint file")
-            object.__setattr__(self, "branch_from", tuple(self.branch_from))
-        positive("branch_samples", self.branch_samples, integer=True)
-        at_least("branch_doublings", self.branch_doublings)
-        one_of("branch_lr_rule", self.branch_lr_rule, get_args(LrRule))
-        zero_or_more("branch_tolerance", self.branch_tolerance)
-        if self.branch_lag is not None:
-            within("branch_lag", self.branch_lag, "(0, 1)")
-        if self.branch_tolerance is not None and self.branch_lag is not None:
-            raise UsageError("give {branch_tolerance} or {branch_lag}, not both")
-
-    def global_batch_sizes(self, reference_global_batch_size: int) -> tuple[int, ...]:
-        """The branches' batches: B_ref·2^i for i = 0 … ``branch_doublings``."""
-        return tuple(reference_global_batch_size << i for i in range(self.branch_doublings + 1))
-
-    def samples(self, reference_global_batch_size: int) -> int:
-        """Samples per branch: ``branch_samples``, else 8 steps of the largest batch; a multiple of it."""
-        largest = self.global_batch_sizes(reference_global_batch_size)[-1]
-        samples = self.branch_samples or 8 * largest
-        if samples % largest:
-            raise UsageError(f"{{branch_samples}} {samples} must be a multiple of the largest branched global batch "
-                             f"{largest}, so that every batch trains on the same samples")
-        return samples
-
-    def lr_rule(self, adam: bool) -> Literal["linear", "sqrt"]:
-        """The lr rule in force: auto is sqrt for Adam and AdamW, linear for SGD."""
-        if self.branch_lr_rule == "auto":
-            return "sqrt" if adam else "linear"
-        return self.branch_lr_rule
-
-
-def scaled_lr(reference_lr: float, global_batch: int, reference_global_batch: int, rule: str) -> float:
-    """The rule's lr at ``global_batch``.
-
-    >>> scaled_lr(0.1, 128, 32, "linear"), scaled_lr(0.1, 128, 32, "sqrt")
-    (0.4, 0.2)
-    """
-    return reference_lr * rules.get(rule).factor(global_batch / reference_global_batch)
 
 
 def sweep(lr: float, factor: float) -> tuple[float, ...]:
@@ -271,39 +192,35 @@ def _largest_matching(batches: list[int], matches: list[bool]) -> int:
     return critical
 
 
-ScheduleStep = dict
-"""{"samples_seen": n, "global_batch_size": B, "lr": lr}: from n samples on, train at B with lr."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Judge:
+    """How one checkpoint's branches are judged, from the batches trained so far (picklable: ranks call it too)."""
+
+    groups: Groups
+    reference: int
+    samples: int
+    tolerance: float | None
+    lag_step: int | None
+    prior: Trained = dataclasses.field(default_factory=dict)
+    """Batches trained before: what a later call adds is judged with them."""
+
+    def __call__(self, trained: Trained) -> Judgement:
+        trained = {**self.prior, **trained}
+        losses = {batch: _by_lr(self.groups[batch][0], trained[batch][self.samples // batch]) for batch in trained}
+        tolerance = self.tolerance
+        if self.lag_step is not None:
+            earlier = _by_lr(self.groups[self.reference][0], trained[self.reference][self.lag_step])
+            lr, end = best(losses[self.reference])
+            tolerance = lag_tolerance(end, median(earlier[lr])) if lr is not None else 0.0
+        return judge(losses, self.reference, tolerance)
+
+    def settled(self, trained: Trained) -> bool:
+        """No larger batch can change the judgement (:func:`settled`)."""
+        return settled(self(trained))
 
 
-def schedule(checkpoints: Sequence[tuple[int, int | None, Mapping[int, float]]], reference_global_batch: int,
-             reference_lr: float) -> list[ScheduleStep]:
-    """Merrill et al.'s batch size warmup from measured critical batches: start at the reference batch and, at each
-    checkpoint (samples seen, critical batch, {batch: its best lr there}) in order, double the batch as many times
-    as the critical batch is at least twice it (so it never passes the critical batch). The lr of a step is the
-    best the branches found at that batch there.
-
-    >>> steps = schedule([(0, 8, {}), (1000, 16, {16: 0.2}), (3000, 64, {32: 0.3, 64: 0.5})], 8, 0.1)
-    >>> [(s["samples_seen"], s["global_batch_size"], s["lr"]) for s in steps]
-    [(0, 8, 0.1), (1000, 16, 0.2), (3000, 64, 0.5)]
-    """
-    steps = [{"samples_seen": 0, "global_batch_size": reference_global_batch, "lr": reference_lr}]
-    for samples_seen, critical, best_lrs in sorted(checkpoints, key=lambda c: c[0]):
-        batch = steps[-1]["global_batch_size"]
-        while critical is not None and critical >= 2 * batch:
-            batch *= 2
-        if batch != steps[-1]["global_batch_size"]:
-            step = {"samples_seen": samples_seen, "global_batch_size": batch, "lr": best_lrs.get(batch)}
-            # A doubling at the very start replaces the reference batch rather than adding a second threshold 0.
-            steps[-1:] = [step] if samples_seen == steps[-1]["samples_seen"] else [steps[-1], step]
-    return steps
-
-
-def megatron_schedule(steps: Sequence[ScheduleStep]) -> str:
-    """The schedule as Megatron-LM's ``--step-batch-size-schedule`` reads it: space-separated ``SAMPLES:BATCH``
-    pairs, thresholds in samples (no ``--seq-length``), the first at 0, strictly increasing.
-
-    >>> megatron_schedule([{"samples_seen": 0, "global_batch_size": 8, "lr": 0.1},
-    ...                    {"samples_seen": 1000, "global_batch_size": 16, "lr": 0.2}])
-    '0:8 1000:16'
-    """
-    return " ".join(f"{step['samples_seen']}:{step['global_batch_size']}" for step in steps)
+def _by_lr(runs: list[tuple[float, int]], losses: list[float]) -> dict[float, list[float]]:
+    out: dict[float, list[float]] = {}
+    for (lr, _), loss in zip(runs, losses):
+        out.setdefault(lr, []).append(loss)
+    return out

@@ -6,9 +6,9 @@ import dataclasses
 from typing import Any
 
 from ddplab.serialize import finite
-from ddplab.study.analysis import StudyAnalysis
 from ddplab.study.config import StudyConfig
-from ddplab.study.verify import VerifyResult
+from ddplab.study.grid.analysis import StudyAnalysis
+from ddplab.study.grid.verify import VerifyResult
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -14,17 +14,22 @@ import pytest
 import torch
 
 from ddplab.cli.main import main
-from ddplab.study import branch, workloads
+from ddplab.study import workloads
+from ddplab.study.branched import checkpoint as branched_checkpoint
+from ddplab.study.branched import measurement as branched_measurement
+from ddplab.study.branched import reference as branched_reference
+from ddplab.study.branched.config import BranchConfig
 from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
-from ddplab.study.critical import BranchConfig
+from ddplab.study.engines import choice as engines_choice
+from ddplab.study.engines import vmap_branches
+from ddplab.study.engines.choice import build_engine
 from ddplab.study.engines.ddp_branches import load_state, train_branches_ddp
-from ddplab.study.run import build_engine
 
-SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "specs")
 CPU = torch.device("cpu")
 
 
-def _largest_difference(a: branch.Trained, b: branch.Trained) -> float:
+def _largest_difference(a: branched_checkpoint.Trained, b: branched_checkpoint.Trained) -> float:
     assert {batch: set(steps) for batch, steps in a.items()} == {batch: set(steps) for batch, steps in b.items()}
     return max(abs(x - y) for batch in a for step in a[batch] for x, y in zip(a[batch][step], b[batch][step]))
 
@@ -39,13 +44,14 @@ def test_branches_on_ranks_are_the_vectorized_branches_from_the_saved_optimizer_
     workload = workloads.regression(dim=8, n_train=512, n_val=256)
     config = StudyConfig(target=Target(kind="loss", value=1e-3), reference_global_batch_size=4, reference_lr=0.02,
                          optimizer=optimizer, dtype="float64", max_steps=40)
-    [checkpoint], _ = branch.reference_checkpoints(workload, config, (0.5,), CPU, lambda steps: None)
+    [checkpoint], _ = branched_reference.reference_checkpoints(workload, config, (0.5,), CPU, lambda steps: None)
     assert checkpoint.optimizer["state"] and checkpoint.samples_seen == 80
     runs = [(0.01, 0), (0.04, 1), (0.02, 1)]
     groups = {4: (runs, {5}), 8: (runs, set()), 16: (runs, {0})}
     samples = 64
-    vectorized = {batch: branch.train_branches(workload, config, checkpoint, batch, runs, samples, device=CPU,
-                                               record=record) for batch, (runs, record) in groups.items()}
+    vectorized = {batch: vmap_branches.train_branches(workload, config, checkpoint, batch, runs, samples,
+                                                          device=CPU, record=record)
+                  for batch, (runs, record) in groups.items()}
     for strategy, cap in (("ddp", None), ("ddp", 2), ("fsdp", None)):
         engine = build_engine("ddp", CPU, StudyOptions(world_size=2, strategy=strategy, max_batch_size_per_device=cap),
                               None)
@@ -140,7 +146,8 @@ def test_a_spec_with_its_own_step_branches_on_ranks_and_what_still_cannot_is_one
     config = StudyConfig(target=Target(kind="accuracy", value=0.85), reference_global_batch_size=8,
                          reference_lr=0.1, max_steps=60, seeds=2)
     calls = []
-    report = branch.measure(workload, config, BranchConfig(branch_at=(0.5,), branch_doublings=2, branch_samples=64),
+    report = branched_measurement.measure(workload, config,
+                                          BranchConfig(branch_at=(0.5,), branch_doublings=2, branch_samples=64),
                             StudyOptions(out=str(tmp_path / "out")),
                             progress=lambda done, total, status="": calls.append((done, total)))
     values = json.loads((tmp_path / "out" / "branched.json").read_text())
@@ -177,16 +184,16 @@ def test_the_branches_train_vectorized_unless_something_asks_for_ranks(monkeypat
 
     regression, spec = workloads.regression(dim=4, n_train=64, n_val=16), workloads.from_spec(
         os.path.join(SPECS, "study_rmsprop.py"))
-    assert branch.engine_for(regression, StudyOptions()) == \
+    assert engines_choice.engine_for(regression, StudyOptions()) == \
         ("vmap", "the model and optimizer vectorize: every run of a batch trains at once in this process")
-    assert branch.engine_for(regression, StudyOptions(engine="ddp")) == ("ddp", "asked for")
-    assert branch.engine_for(regression, StudyOptions(strategy="hsdp")) == \
+    assert engines_choice.engine_for(regression, StudyOptions(engine="ddp")) == ("ddp", "asked for")
+    assert engines_choice.engine_for(regression, StudyOptions(strategy="hsdp")) == \
         ("ddp", "the hsdp strategy wraps the model on ranks")
-    assert branch.engine_for(spec, StudyOptions()) == \
+    assert engines_choice.engine_for(spec, StudyOptions()) == \
         ("ddp", "the spec cannot be vectorized: its optimizer() (RMSprop is not among SGD, Adam and AdamW)")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert branch.engine_for(regression, StudyOptions()) == \
+    assert engines_choice.engine_for(regression, StudyOptions()) == \
         ("ddp", "under torchrun the branches train across the job's ranks")
     with pytest.raises(UsageError, match="engine vmap cannot train these branches: under torchrun"):
-        branch.engine_for(regression, StudyOptions(engine="vmap"))
+        engines_choice.engine_for(regression, StudyOptions(engine="vmap"))

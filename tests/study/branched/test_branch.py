@@ -13,9 +13,13 @@ import torch
 
 from ddplab.cli.main import main
 from ddplab.errors import UsageError
-from ddplab.study import branch, optim, workloads
+from ddplab.study import optim, orders, workloads
+from ddplab.study.branched import loading as branched_loading
+from ddplab.study.branched import measurement as branched_measurement
+from ddplab.study.branched import reference as branched_reference
+from ddplab.study.branched.config import BranchConfig
 from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
-from ddplab.study.critical import BranchConfig
+from ddplab.study.engines import vmap_branches
 
 DIM, REFERENCE = 16, 2
 
@@ -40,9 +44,10 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
     config = _regression_config()
     fractions = (0.1, 0.3, 0.6)
     calls = []
-    lagged = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256, branch_lag=0.5,
-                                                           branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)),
-                            progress=lambda done, total, status="": calls.append((done, total)))
+    lagged = branched_measurement.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
+                                                                         branch_lag=0.5, branch_lr_rule="sqrt"),
+                                          StudyOptions(out=str(tmp_path)),
+                                          progress=lambda done, total, status="": calls.append((done, total)))
     values = lagged.to_json()
     # The progress bar moves forward to its total: the reference run's budget, then every branch step, and those of
     # the lrs past a sweep's edge.
@@ -80,9 +85,9 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
     # The seeds' own spread as the tolerance asks for no degradation beyond the seeds' noise. On this problem a
     # doubling costs per-sample progress from the first one (the rate above falls 5% from 2 to 4), compounded over
     # the branch: the judgement stops at the reference or one doubling above, far below B_simple.
-    seeds = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
+    seeds = branched_measurement.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
                                                           branch_lr_rule="sqrt"), StudyOptions(out=str(tmp_path)))
-    every = branch.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
+    every = branched_measurement.measure(workload, config, BranchConfig(branch_at=fractions, branch_samples=256,
                                                           branch_lr_rule="sqrt", branch_every_batch=True),
                            StudyOptions(out=str(tmp_path)))
     for strict, full in zip(seeds.branches, every.branches):
@@ -114,10 +119,11 @@ def test_a_branch_continues_as_torch_optim_would_from_the_saved_optimizer_state(
     workload = workloads.regression(dim=8)
     config = StudyConfig(target=Target(kind="loss", value=1e-3), reference_global_batch_size=4, reference_lr=0.02,
                          optimizer=optimizer, dtype="float64", max_steps=40)
-    [checkpoint], _ = branch.reference_checkpoints(workload, config, (0.5,), torch.device("cpu"), lambda steps: None)
+    [checkpoint], _ = branched_reference.reference_checkpoints(workload, config, (0.5,), torch.device("cpu"),
+                                                              lambda steps: None)
     assert checkpoint.optimizer["state"]  # the run had stepped: its moments or buffer travel with it
     runs, global_batch, samples = [(0.01, 0), (0.04, 1)], 8, 80
-    got = branch.train_branches(workload, config, checkpoint, global_batch, runs, samples,
+    got = vmap_branches.train_branches(workload, config, checkpoint, global_batch, runs, samples,
                                 device=torch.device("cpu"))[samples // global_batch]
     inputs, targets = workload.train
     for (lr, seed), loss in zip(runs, got):
@@ -128,7 +134,7 @@ def test_a_branch_continues_as_torch_optim_would_from_the_saved_optimizer_state(
         torch_optimizer.load_state_dict(copy.deepcopy(checkpoint.optimizer))
         for group in torch_optimizer.param_groups:
             group["lr"] = lr
-        stream = branch.Stream(workload.train_size, global_batch, [seed], start=checkpoint.samples_seen)
+        stream = orders.Stream(workload.train_size, global_batch, [seed], start=checkpoint.samples_seen)
         for step in range(samples // global_batch):
             index = stream.indices(step)[0]
             torch_optimizer.zero_grad()
@@ -145,7 +151,8 @@ def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_one
                                                                                               monkeypatch):
     workload = workloads.regression(dim=DIM)
     config = _regression_config(max_steps=200)
-    [state], _ = branch.reference_checkpoints(workload, config, (0.3,), torch.device("cpu"), lambda steps: None)
+    [state], _ = branched_reference.reference_checkpoints(workload, config, (0.3,), torch.device("cpu"),
+                                                              lambda steps: None)
     good = tmp_path / "good.pt"
     torch.save({"model": state.model, "optimizer": state.optimizer, "step": state.samples_seen // REFERENCE}, good)
     base = ["study", "--workload", "regression", "--ref-global-batch-size", str(REFERENCE), "--ref-lr",
@@ -277,23 +284,24 @@ def test_branches_are_cached_by_checkpoint_and_setting_so_a_rerun_or_another_tol
         tmp_path, monkeypatch):
     workload = workloads.regression(dim=DIM)
     config = _regression_config(max_steps=200)
-    [state], _ = branch.reference_checkpoints(workload, config, (0.3,), torch.device("cpu"), lambda steps: None)
+    [state], _ = branched_reference.reference_checkpoints(workload, config, (0.3,), torch.device("cpu"),
+                                                              lambda steps: None)
     path = tmp_path / "ckpt.pt"
     torch.save({"model": state.model, "optimizer": state.optimizer, "samples_seen": state.samples_seen}, path)
     trained = []
-    real = branch.train_branches
+    real = vmap_branches.train_branches
 
     def counting(workload, config, checkpoint, global_batch, runs, samples, **kwargs):
         trained.append((global_batch, len(runs)))
         return real(workload, config, checkpoint, global_batch, runs, samples, **kwargs)
 
-    monkeypatch.setattr(branch, "train_branches", counting)
+    monkeypatch.setattr(vmap_branches, "train_branches", counting)
 
     def measure(**fields):
         options = StudyOptions(out=str(tmp_path / "out"), fresh=fields.pop("fresh", False))
         trained.clear()
         settings = dict(branch_from=(str(path),), branch_samples=64, branch_doublings=3, **fields)
-        return branch.measure(workload, config, BranchConfig(**settings), options).to_json()
+        return branched_measurement.measure(workload, config, BranchConfig(**settings), options).to_json()
 
     first = measure()
     first_trained = list(trained)
@@ -321,14 +329,14 @@ def test_branches_are_cached_by_checkpoint_and_setting_so_a_rerun_or_another_tol
 
 
 def test_wrapped_state_dicts_lose_their_wrappers_prefixes_and_a_broken_cache_is_no_cache(tmp_path):
-    from ddplab.study.branch_cache import BranchCache
+    from ddplab.study.branched.cache import BranchCache
 
     bare = {"weight": 1, "bias": 2}
     # DDP inside torch.compile, compile inside DDP, and a model whose own child is called "module".
-    assert branch._unwrapped({f"_orig_mod.module.{k}": v for k, v in bare.items()}, set(bare)) == bare
-    assert branch._unwrapped({f"module._orig_mod.{k}": v for k, v in bare.items()}, set(bare)) == bare
+    assert branched_loading._unwrapped({f"_orig_mod.module.{k}": v for k, v in bare.items()}, set(bare)) == bare
+    assert branched_loading._unwrapped({f"module._orig_mod.{k}": v for k, v in bare.items()}, set(bare)) == bare
     own = {"module.weight": 1, "module.bias": 2}
-    assert branch._unwrapped(own, set(own)) == own
+    assert branched_loading._unwrapped(own, set(own)) == own
     # Edited or broken entries read as missing, and a good entry of the same file still serves.
     cache = BranchCache(str(tmp_path), {"workload": "w"})
     cache.save("ckpt", 8, [(0.1, 0), (0.2, 0)], {4: [1.5, math.inf]})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddplab.study import plots
+from ddplab.study.report import figures as plots
 
 pytest.importorskip("matplotlib")
 
@@ -29,8 +29,8 @@ REPORT = {"workload": "digits-mlp", "target": {"kind": "accuracy", "value": 0.95
 def _drawn(monkeypatch, draw, report: dict, tmp_path):
     """The figure ``draw`` makes of ``report``, laid out as the PNG it wrote."""
     figures = []
-    real = plots._write
-    monkeypatch.setattr(plots, "_write", lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
+    real = plots.write_figure
+    monkeypatch.setattr(plots, "write_figure", lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
     draw(report, str(tmp_path / "plot.png"))
     (figure,) = figures
     figure.canvas.draw()

@@ -9,10 +9,12 @@ import math
 import pytest
 
 from ddplab.plan import scaling
-from ddplab.study import analysis, rules, workloads
-from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target, round_lr
-from ddplab.study.report import StudyReport
-from ddplab.study.run import run_study
+from ddplab.study import rules, workloads
+from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
+from ddplab.study.grid import analysis
+from ddplab.study.grid.study import run_study
+from ddplab.study.report.records import StudyReport
+from ddplab.study.rules.base import round_lr
 from ddplab.study.runs import RunResult, grid_group
 
 ADAMW = OptimizerConfig(family="adamw", betas=(0.9, 0.99), weight_decay=0.1)

@@ -1,0 +1,121 @@
+"""The study's grid: which runs each global batch needs, trained once and cached per batch size.
+
+The cache lives under ``DIR/runs/``, one JSON per batch size, each written atomically, and is
+tied to a fingerprint of the workload (a spec's content included) and every training setting:
+a changed setting or spec never silently reuses old runs.
+"""
+
+from __future__ import annotations
+
+from ddplab.errors import UsageError
+from ddplab.study import engines, rules
+from ddplab.study.config import StudyConfig
+from ddplab.study.engines import Engine, Progress
+from ddplab.study.grid.cache import Cache
+from ddplab.study.rules.base import round_lr
+from ddplab.study.runs import RunGroup, RunResult, grid_group
+from ddplab.study.workloads import Workload
+
+
+def check_grid(workload: Workload, config: StudyConfig) -> None:
+    """Refuse what cannot run before training anything."""
+    too_big = [b for b in config.global_batch_sizes if b > workload.train_size]
+    if too_big:
+        raise UsageError(f"global batch {too_big[0]} is larger than the {workload.train_size} training samples; "
+                         f"use {{global_batch_sizes}} up to {workload.train_size}")
+    if workload.val is None and workload.evaluate is None:
+        raise UsageError("the workload has no validation split and no evaluate(): nothing tells when the target is "
+                         "reached")
+
+
+def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine,
+             advance: Progress | None = None) -> dict[int, list[RunResult]]:
+    """Every batch size's groups, from the cache when they are there, else trained and cached at once: at every
+    batch the shared grid of fixed lrs (with the tuned sweep's Adam variants) and the sweep's extensions past its
+    edge; then each rule's group of its own, which may read the grid at any batch (the surge rule's B_simple at the
+    reference).
+
+    ``advance(steps)`` is told each stretch of the step budget as it is used (or skipped).
+    """
+    results = {}
+    budget = _Budget(config)
+    for global_batch in sorted(config.global_batch_sizes):
+        runs = rules.grid_runs(config, global_batch)
+        grid = grid_group(config, global_batch, runs, rules.variants(config, global_batch),
+                          sweep_only=rules.sweep_only(config, global_batch))
+        results[global_batch] = _trained(workload, config, cache, engine, grid, advance) if runs else []
+        results[global_batch] += _extend_sweep(workload, config, cache, engine, global_batch, results[global_batch],
+                                               budget)
+    # Then the groups of rules with runs of their own (another update, an lr another rule may share).
+    for global_batch in sorted(config.global_batch_sizes):
+        for rule in rules.of(config):
+            group = rule.group(config, global_batch, results)
+            if group is not None:
+                results[global_batch] += _trained(workload, config, cache, engine, group, advance)
+    return results
+
+
+def _trained(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine, group: RunGroup,
+             advance: Progress | None) -> list[RunResult]:
+    """One group's runs: cached, or trained (by the engine that claims it, else the study's)."""
+    engine = engines.for_group(engine, group)
+    cached = cache.load(group) if cache else None
+    if cached is not None:
+        if advance:
+            advance(config.max_steps * (len(group.runs) if engine.per_run else 1))
+        return cached
+    trained = engine.train(workload, config, group, advance)
+    if cache:
+        cache.save(group.global_batch_size, trained, group.cache_key)
+    return trained
+
+
+class _Budget:
+    """Fixed-lr runs the study may still add to extend its sweeps (``max_runs`` less the grid's own)."""
+
+    def __init__(self, config: StudyConfig):
+        self.left = config.max_runs - sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes)
+        if self.left < 0:
+            raise UsageError(f"the grid has {config.max_runs - self.left} fixed-lr runs, more than {{max_runs}} "
+                             f"{config.max_runs}: raise it, or give fewer {{global_batch_sizes}}, seeds or a coarser "
+                             "{sweep_factor}")
+
+
+def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine, global_batch: int,
+                  runs: list[RunResult], budget: _Budget) -> list[RunResult]:
+    """Runs past the sweep's edge, a factor at a time, until its best lr is interior (or the next lr diverged, or
+    the budget is spent): the sweep's best is only a best when something on each side lost to it."""
+    sweep = rules.sweeping(config)
+    if sweep is None:
+        return []
+    cached = cache.load_any(global_batch, "-extension") if cache else {}
+    variants = rules.variants(config, global_batch)
+    added: list[RunResult] = []
+    while True:
+        best = rules.tuned_best(config, global_batch, runs + added)
+        lrs = sorted(lr for lr, names in rules.sweep_lrs(config, global_batch, runs + added).items()
+                     if sweep.name in names)
+        if best is None or best.lr not in (lrs[0], lrs[-1]):
+            return added
+        lr = round_lr(best.lr * config.sweep_factor if best.lr == lrs[-1] else best.lr / config.sweep_factor)
+        # The new lr with every setting the sweep tries, as each of its lrs.
+        new = [(lr, seed, variant) for _, variant in rules.sweep_points(config, global_batch, [lr])
+               for seed in range(config.seeds)]
+        if all(key in cached for key in new):
+            trained = [cached[key] for key in new]
+        elif budget.left < len(new):
+            return added
+        else:
+            budget.left -= len(new)
+            trained = engine.train(workload, config, grid_group(config, global_batch, new, variants, extension=True))
+        added += trained
+        if cache:
+            cache.save(global_batch, added, "-extension")
+        if all(r.diverged for r in trained):
+            return added
+
+
+def groups(config: StudyConfig) -> int:
+    """Stretches of ``max_steps`` the grid trains: a group per batch size, and those of the rules' own groups."""
+    return sum(bool(rules.grid_runs(config, b)) for b in config.global_batch_sizes) + \
+        sum(rule.stretches(config) for rule in rules.of(config))
