@@ -105,6 +105,7 @@ CORRECT = {
     "token_lm_eval_padded_not_combined": Case("token_lm.py", ("--eval-samples", "41", "--eval-results", "rank0")),
     "token_lm_fsdp_global": Case("token_lm.py", ("--strategy", "fsdp"), launchers=("torchrun",)),
     "token_lm_fsdp_tp_global": Case("token_lm.py", ("--strategy", "fsdp-tp"), world_size=4, launchers=("torchrun",)),
+    "token_lm_tp_only": Case("token_lm.py", ("--strategy", "tp"), launchers=("torchrun",)),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -125,7 +126,7 @@ DEFAULT_CORRECT = [
     ("token_lm_global", "torchrun"), ("token_lm_hand_global", "fork"), ("token_lm_scaled_terms", "fork"),
     ("token_lm_packed_token_mean", "spawn"), ("token_lm_zero_grad_before_backward", "fork"),
     ("token_lm_eval_padded_not_combined", "fork"), ("token_lm_fsdp_global", "torchrun"),
-    ("token_lm_fsdp_tp_global", "torchrun"),
+    ("token_lm_fsdp_tp_global", "torchrun"), ("token_lm_tp_only", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -241,6 +242,8 @@ SETTING = {"token_lm_fsdp_tp_global": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
            "fsdp_trainer": (2, "fsdp", {"dp": 2}), "fsdp_trainer_4": (4, "fsdp", {"dp": 4}),
            "hsdp_reduce_every_micro_batch": (4, "hsdp", {"dp_replicate": 2, "dp_shard": 2}),
            "tp_dp": (2, "fsdp+tp", {"dp": 2, "tp": 2}), "trainer_class": (2, "ddp", None)}
+# Runs with model parallelism and no data-parallel dimension: the mesh the report names instead of a DDP model.
+MODEL_PARALLEL_ONLY = {"token_lm_tp_only": {"tp": 2}}
 # Information a correct program must get (and no other, in these programs).
 INFO = {"hsdp_reduce_every_micro_batch": {"ACCUMULATION_REDUCES_EVERY_STEP"}, "fsdp_trainer": set(), "tp_dp": set()}
 
@@ -427,6 +430,8 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     if name in INFO:
         infos = {f["code"] for f in report["findings"] if f["severity"] == "info"} - {"RUN_INFO"}
         assert infos == INFO[name], _why(f"INFO: {infos}", audited, report)
+    if name in MODEL_PARALLEL_ONLY:
+        assert report["model_parallel_only"] == MODEL_PARALLEL_ONLY[name], _why("MESH", audited, report)
     if name in CONFIGURED_LR:
         assert report["lr"] == pytest.approx(CONFIGURED_LR[name]), _why(f"LR: {report['lr']}", audited, report)
     if case.script == "epochs_and_exit.py":

@@ -9,7 +9,8 @@ last). Evaluation on every rank over a DistributedSampler(shuffle=False) of `--e
 correct tokens and documents summed by all_reduce (`--eval-results rank0`: rank 0's own), printed by rank 0.
 
   --strategy ddp|fsdp|fsdp-tp   DistributedDataParallel, FSDP2's fully_shard on a 1-D mesh, or a ("dp", "tp")
-                        mesh (4 ranks): the hidden layer and head tensor-parallel, FSDP2 over dp, the data split by dp
+                        mesh (4 ranks): the hidden layer and head tensor-parallel, FSDP2 over dp, the data split by dp;
+                        `tp`: tensor parallelism alone, every rank fed the same batches
   --loss global         correct: the summed token loss × world size ÷ the step's label tokens all-reduced over the
                         ranks and summed over its micro-batches (torchtitan's global valid-token count)
   --loss hand-global    the same, with the token loss written by hand (log_softmax, gather, mask)
@@ -115,6 +116,8 @@ class Trainer:
         self.step = 0
 
     def _sync(self, enabled: bool):
+        if self.args.strategy == "tp":
+            return contextlib.nullcontext()  # no data-parallel reduction to defer
         if self.args.strategy != "ddp":
             self.model.set_requires_gradient_sync(enabled)
             return contextlib.nullcontext()
@@ -190,6 +193,11 @@ def wrap(model, strategy: str, world_size: int):
         return fully_shard(model, mesh=mesh), (dist.get_rank(), world_size)
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    if strategy == "tp":
+        # Tensor parallelism alone: every rank holds a shard of each layer and trains on the same batch.
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {"mlp.0": ColwiseParallel(), "head": RowwiseParallel()})
+        return model, (0, 1)
     # tp × dp as torchtitan builds it: the hidden layer split column-wise, the head row-wise, then FSDP2 over dp.
     mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"mlp.0": ColwiseParallel(), "head": RowwiseParallel()})
@@ -213,7 +221,7 @@ def train(rank, world_size, args):
 
 if __name__ == "__main__":
     parser = _harness.parser(__doc__)
-    parser.add_argument("--strategy", choices=("ddp", "fsdp", "fsdp-tp"), default="ddp")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp", "fsdp-tp", "tp"), default="ddp")
     parser.add_argument("--loss", default="global", choices=("global", "hand-global", "scaled-terms", "token-mean",
                                                               "rank-mean",
                                                               "hand-mean", "hand-sum", "global-no-world"))
