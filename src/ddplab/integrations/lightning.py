@@ -268,14 +268,14 @@ class Audit(Callback):
         self.state = ddplab.audit(model, steps=self.steps)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from ddplab.auditor import findings
+        from ddplab.auditor import rendering
 
         if self.state is None:
             return
         # The report ends the audit: every patch is undone before the trainer goes on.
         self.report = self.state.report(timeout=self.timeout)
         if trainer.global_rank == 0:
-            print(findings.render_text(self.report), file=sys.stderr, flush=True)
+            print(rendering.render_text(self.report), file=sys.stderr, flush=True)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.state is not None:
