@@ -313,7 +313,7 @@ def test_a_rule_registered_in_one_file_is_said_by_the_command_line_the_report_an
     monkeypatch.setitem(rules.REGISTRY, Quartic.name, Quartic())
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):
-        main(["study", "--help"])
+        main(["study", "--help-all"])  # every flag with its whole help; -h is the short one
     assert "quartic is lr × k^(1/4), a rule of this test alone" in " ".join(capsys.readouterr().out.split())
     main(["study", "--workload", "regression", "--rules", "constant,quartic", "--global-batch-sizes", "16,64",
           "--seeds", "1", "--max-steps", "20", "--engine", "vmap", "--no-plots", "--out", str(tmp_path)])
