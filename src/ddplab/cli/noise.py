@@ -133,15 +133,7 @@ def run(args: argparse.Namespace) -> int:
     report = measure_spec(config, launch_config(args), progress=render.ProgressBar("training", status=True))
     if report is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
-    # The figures first: a plot that fails never loses them.
-    if args.json:
-        render.print_json(report)
-    else:
-        _print(report)
-    if args.json_file is not None:
-        _write_json(args.json_file, report)
-    if args.plot:
-        _plot(report, args.plot)
+    _report(args, report, _print, _plot)
     return _stopped_early(report)
 
 
@@ -295,14 +287,19 @@ def _run_command(args: argparse.Namespace, config: CommandConfig) -> int:
 
 
 def _report_command(args: argparse.Namespace, report) -> None:
+    _report(args, report, _print_command, _plot_by_samples)
+
+
+def _report(args: argparse.Namespace, report, show, plot) -> None:
+    """The figures first (a plot that fails never loses them), then the JSON file and the plot."""
     if args.json:
         render.print_json(report)
     else:
-        _print_command(report)
+        show(report)
     if args.json_file is not None:
         _write_json(args.json_file, report)
     if args.plot:
-        _plot_by_samples(report, args.plot)
+        plot(report, args.plot)
 
 
 def _print_command(report) -> None:
