@@ -171,9 +171,9 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
     grid = fields_given(args, StudyConfig)
     optimizer = fields_given(args, OptimizerConfig, prefix="optimizer")
     if defaults is None and (args.spec or args.workload not in (None, "digits")) and "family" not in optimizer:
-        # The workload's optimizer is not known yet: the family its flags name stands in for it.
-        family = "adam" if {"betas", "eps"} & optimizer.keys() else "sgd"
-        defaults = {"optimizer": OptimizerConfig(family=family)}
+        # The workload's optimizer is not known yet: the family its flags or rules name stands in for it (the rules
+        # are judged against the optimizer the study trains once the spec is loaded).
+        defaults = {"optimizer": OptimizerConfig(family=_stand_in_family(optimizer, grid.get("rules")))}
     defaults = defaults or {}
     for field in ("reference_lr", "global_batch_sizes", "max_steps"):
         if field not in grid and field in defaults:
@@ -183,6 +183,14 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
         grid["global_batch_sizes"] = tuple(sorted(set(grid["global_batch_sizes"])))
     options = StudyOptions(**fields_given(args, StudyOptions))
     return StudyConfig(target=target, **grid), options
+
+
+def _stand_in_family(optimizer: dict, asked: tuple[str, ...] | None) -> str:
+    """The optimizer family assumed before the workload's own is known: AdamW where a rule asked for needs Adam's
+    settings (AdamW suits every such rule), Adam where --betas or --eps are given, else SGD."""
+    if any(rules.get(name).adam_only for name in asked or ()):
+        return "adamw"
+    return "adam" if {"betas", "eps"} & optimizer.keys() else "sgd"
 
 
 def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> OptimizerConfig:

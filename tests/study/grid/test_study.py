@@ -745,6 +745,31 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     assert "the study measured the best lr of AdamW" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(120)
+def test_rules_are_judged_against_the_optimizer_the_spec_trains(tmp_path, capsys):
+    """Adam's rules named with --rules are accepted for a spec whose optimizer() is AdamW (no --optimizer needed),
+    and refused, naming the optimizer, for a spec whose optimizer() is SGD or Adam."""
+    spec = os.path.join(SPECS, "study_adamw.py")
+    argv = ["study", spec, "--target-accuracy", "0.9", "--global-batch-sizes", "32,64", "--seeds", "1",
+            "--max-steps", "10", "--rules", "tuned,sqrt,adam-sqrt,surge,adamw-tau", "--engine", "vmap", "--no-plots",
+            "--out", str(tmp_path / "out"), "--json"]
+    assert main(argv) in (0, 1)
+    report = json.loads(capsys.readouterr().out)
+    assert report["optimizer"]["name"] == "AdamW"
+    assert report["rules"] == ["tuned", "sqrt", "adam-sqrt", "surge", "adamw-tau"]
+    text = open(spec).read()
+    for optimizer, rule, needs in (("torch.optim.SGD(params, lr=0.1)", "adam-sqrt", "adam or adamw"),
+                                   ("torch.optim.Adam(params, lr=3e-3)", "adamw-tau", "adamw")):
+        other = tmp_path / f"{rule}.py"
+        other.write_text(text.replace("torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.05)",
+                                      optimizer))
+        assert main(["study", str(other), "--target-accuracy", "0.9", "--rules", f"tuned,{rule}", "--no-plots",
+                     "--out", str(tmp_path / rule)]) == 2
+        err = capsys.readouterr().err
+        name = optimizer.split("(")[0].split(".")[-1]
+        assert f"the study trains {name}: it needs --optimizer {needs}" in err, err
+
+
 def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
     """Noiseless regression, SGD without momentum, a sweep far below the best lr: runs are added a factor at a time
     until the best is interior, each addition cached with the rest; a budget too small for that leaves the warning."""

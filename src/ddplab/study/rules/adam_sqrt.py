@@ -26,8 +26,8 @@ class AdamSqrt(OwnGroupRule):
 
     def check(self, config: StudyConfig) -> None:
         if not config.optimizer.adam:
-            raise UsageError("the adam-sqrt rule scales Adam's betas and eps: it needs {optimizer.family} adam or "
-                             "adamw")
+            raise UsageError(f"the adam-sqrt rule scales Adam's betas and eps, and the study trains "
+                             f"{config.optimizer.name}: it needs {{optimizer.family}} adam or adamw")
 
     def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
         k = global_batch / config.reference_global_batch_size

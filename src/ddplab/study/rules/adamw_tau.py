@@ -30,8 +30,8 @@ class AdamWTau(OwnGroupRule):
 
     def check(self, config: StudyConfig) -> None:
         if config.optimizer.family != "adamw":
-            raise UsageError("the adamw-tau rule scales AdamW's decoupled weight decay: it needs {optimizer.family} "
-                             "adamw")
+            raise UsageError(f"the adamw-tau rule scales AdamW's decoupled weight decay, and the study trains "
+                             f"{config.optimizer.name}: it needs {{optimizer.family}} adamw")
 
     def lr_ratio(self, config: StudyConfig, global_batch: int) -> float:
         """η'/η at ``global_batch``: the square-root rule's √k."""

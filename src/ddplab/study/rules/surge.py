@@ -35,7 +35,8 @@ class Surge(OwnGroupRule):
 
     def check(self, config: StudyConfig) -> None:
         if not config.optimizer.adam:
-            raise UsageError("the surge rule describes Adam's best lr: it needs {optimizer.family} adam or adamw")
+            raise UsageError(f"the surge rule describes Adam's best lr, and the study trains {config.optimizer.name}: "
+                             "it needs {optimizer.family} adam or adamw")
         if config.noise_scale is None and not self.measures(config):
             raise UsageError("the surge rule needs B_noise: give {noise_scale}, or keep tuned in {rules} and the "
                              f"reference batch {config.reference_global_batch_size} in {{global_batch_sizes}}, where "
