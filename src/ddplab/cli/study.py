@@ -174,6 +174,9 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
         # The workload's optimizer is not known yet: the family its flags or rules name stands in for it (the rules
         # are judged against the optimizer the study trains once the spec is loaded).
         defaults = {"optimizer": OptimizerConfig(family=_stand_in_family(optimizer, grid.get("rules")))}
+    if "reference_lr" in grid:
+        # An lr one gives is the one the rules scale from; else they scale from the tuned best at the reference batch.
+        grid["rules_lr"] = grid["reference_lr"]
     defaults = defaults or {}
     for field in ("reference_lr", "global_batch_sizes", "max_steps"):
         if field not in grid and field in defaults:
@@ -321,6 +324,11 @@ def _print(report) -> None:
                                                                           if p.get("variant") else "")
                           for p in values["tuned_lr"])
         out.print(f"best tuned lr by global batch: {tuned}")
+    scaled = values["reference"]["rules_lr"]
+    if scaled and scaled["source"] == "tuned" and scaled["lr"] != values["reference"]["lr"]:
+        out.print(f"the rules scale from lr {scaled['lr']:.4g}, the best tuned lr at the reference batch "
+                  f"{values['reference']['global_batch_size']}, not the reference lr {values['reference']['lr']:.4g} "
+                  "(--ref-lr keeps one's own)")
     _print_b_simple(out, values["b_simple"])
     _print_scorecard(out, values)
     for rule in RULES.values():

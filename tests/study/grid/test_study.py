@@ -770,6 +770,37 @@ def test_rules_are_judged_against_the_optimizer_the_spec_trains(tmp_path, capsys
         assert f"the study trains {name}: it needs --optimizer {needs}" in err, err
 
 
+@pytest.mark.timeout(180)
+def test_the_rules_scale_from_the_tuned_best_at_the_reference_batch_unless_an_lr_is_given(tmp_path, capsys):
+    """By default every rule's lr is the best tuned lr at the reference batch × its factor, and the output says so;
+    --ref-lr keeps the user's lr for the rules (the sweep is the same, so the cache serves it)."""
+    spec = os.path.join(SPECS, "study_adamw.py")
+    argv = ["study", spec, "--target-accuracy", "0.9", "--global-batch-sizes", "32,64", "--seeds", "1",
+            "--max-steps", "200", "--rules", "tuned,constant,sqrt,adam-sqrt,adamw-tau", "--engine", "vmap",
+            "--no-plots", "--out", str(tmp_path / "out")]
+
+    def rule_lrs(report: dict, batch: int) -> dict[str, float]:
+        return {r["rule"]: r["lr"] for r in report["runs"] if r["global_batch_size"] == batch and r["rule"] != "tuned"}
+
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = next(p["lr"] for p in report["tuned_lr"] if p["global_batch_size"] == 32)
+    # The spec's lr 3e-3 is not the study's best at its reference batch: the case where the two differ.
+    assert best != 3e-3 and report["reference"] == {"global_batch_size": 32, "lr": 3e-3,
+                                                    "rules_lr": {"lr": best, "source": "tuned"}}
+    factor = {"constant": 1.0, "sqrt": math.sqrt(2), "adam-sqrt": math.sqrt(2), "adamw-tau": math.sqrt(2)}
+    assert rule_lrs(report, 64) == pytest.approx({rule: best * f for rule, f in factor.items()})
+    assert rule_lrs(report, 32) == pytest.approx({rule: best for rule in factor})
+    assert main(argv) == 0
+    assert (f"the rules scale from lr {best:.4g}, the best tuned lr at the reference batch 32, not the reference lr "
+            "0.003") in " ".join(capsys.readouterr().out.split())
+    assert main([*argv, "--ref-lr", "3e-3", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["reference"]["rules_lr"] == {"lr": 3e-3, "source": "given"}
+    assert rule_lrs(given, 64) == pytest.approx({rule: 3e-3 * f for rule, f in factor.items()})
+    assert given["tuned_lr"] == report["tuned_lr"]
+
+
 def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
     """Noiseless regression, SGD without momentum, a sweep far below the best lr: runs are added a factor at a time
     until the best is interior, each addition cached with the rest; a budget too small for that leaves the warning."""

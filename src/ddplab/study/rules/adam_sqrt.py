@@ -31,7 +31,7 @@ class AdamSqrt(OwnGroupRule):
 
     def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
         k = global_batch / config.reference_global_batch_size
-        return [(round_lr(config.reference_lr * math.sqrt(k)), seed) for seed in range(config.seeds)]
+        return [(round_lr(config.scale_lr * math.sqrt(k)), seed) for seed in range(config.seeds)]
 
     def scaled(self, config: StudyConfig, global_batch: int) -> tuple[OptimizerConfig, list[str]]:
         """The optimizer at ``global_batch``: 1 − β' = k(1 − β) (clamped at 0) and ε' = ε/√k; with

@@ -38,7 +38,7 @@ class AdamWTau(OwnGroupRule):
         return scaling.lr_multiplier(global_batch / config.reference_global_batch_size, "sqrt")
 
     def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
-        lr = round_lr(config.reference_lr * self.lr_ratio(config, global_batch))
+        lr = round_lr(config.scale_lr * self.lr_ratio(config, global_batch))
         return [(lr, seed) for seed in range(config.seeds)]
 
     def optimizer(self, config: StudyConfig, global_batch: int) -> OptimizerConfig:

@@ -56,7 +56,7 @@ class Surge(OwnGroupRule):
         return value if value is not None and math.isfinite(value) and value > 0 else None
 
     def lr(self, config: StudyConfig, global_batch: int, noise_scale: float) -> float:
-        return round_lr(config.reference_lr * scaling.surge_lr_multiplier(config.reference_global_batch_size,
+        return round_lr(config.scale_lr * scaling.surge_lr_multiplier(config.reference_global_batch_size,
                                                                           global_batch, noise_scale))
 
     def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:
