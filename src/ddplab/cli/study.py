@@ -27,9 +27,10 @@ DESCRIPTION = f"""\
 Train a grid of runs — global batch sizes × lr rules × seeds — each until it first reaches a
 target, and fit steps-to-target S(B) = S_min(1 + B_crit/B) (McCandlish et al. 2018) per rule:
 perfect scaling (S ∝ 1/B) below B_crit, diminishing returns around it, no further gain past it
-(Shallue et al. 2019). Rules scale the reference lr: constant, linear (× B/B_ref), sqrt
-(× √(B/B_ref)); tuned sweeps lrs at every batch size and keeps the best: the ground truth the
-rules are judged against. B_simple (the gradient noise scale, as in ddplab noise) is measured
+(Shallue et al. 2019). Rules scale an lr at the reference batch: constant, linear (× B/B_ref),
+sqrt (× √(B/B_ref)); tuned sweeps lrs at every batch size and keeps the best: the ground truth
+the rules are judged against. The reference batch trains first, and the rules scale from its best
+tuned lr (--ref-lr: from that lr instead). B_simple (the gradient noise scale, as in ddplab noise) is measured
 along the best tuned runs and printed beside B_crit. With Adam or AdamW the sweep also trains
 every lr with each Adam rule's betas, eps and weight decay; a scorecard gives each rule's distance
 from the best tuned lr and its steps over the best tuned runs'.

@@ -712,7 +712,10 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     report = json.loads(capsys.readouterr().out)
     assert report["optimizer"] == {"family": "adamw", "name": "AdamW", "betas": [0.9, 0.98], "eps": 1e-8,
                                    "weight_decay": 0.05}
-    assert report["engine"] == "vmap" and report["reference"] == {"global_batch_size": 32, "lr": 3e-3}
+    # The reference batch 32 is not trained here: the rules scale from the spec's lr, and a warning says why.
+    assert report["engine"] == "vmap" and report["reference"] == {
+        "global_batch_size": 32, "lr": 3e-3, "rules_lr": {"lr": 3e-3, "source": "reference_lr"}}
+    assert any("the reference batch 32 is not among the global batch sizes" in w for w in report["warnings"])
     assert report["rules"] == ["constant", "linear", "sqrt", "adam-sqrt", "tuned"]
     # k = 2 at batch 64: 1 − β' = 2(1 − β), ε' = ε/√2, lr × √2 (plan's numbers).
     at_64 = next(p for p in report["adam_sqrt"] if p["global_batch_size"] == 64)
