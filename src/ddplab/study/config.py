@@ -115,7 +115,7 @@ class StudyConfig:
     reference_global_batch_size: int = 32
     """The reference's global batch, which the rules scale from."""
     reference_lr: float = 0.1
-    """Learning rate at the reference global batch: the tuned sweep is laid out around it at every batch."""
+    """Learning rate at the reference global batch, where the tuned sweep is laid out around it."""
     rules_lr: float | None = None
     """The lr the rules scale from at the reference batch (default: the tuned sweep's best lr there, which trains
     before the other batches; ``reference_lr`` where the study runs no sweep there). ``--ref-lr`` sets it too."""

@@ -775,8 +775,8 @@ def test_rules_are_judged_against_the_optimizer_the_spec_trains(tmp_path, capsys
 
 @pytest.mark.timeout(180)
 def test_the_rules_scale_from_the_tuned_best_at_the_reference_batch_unless_an_lr_is_given(tmp_path, capsys):
-    """By default every rule's lr is the best tuned lr at the reference batch × its factor, and the output says so;
-    --ref-lr keeps the user's lr for the rules (the sweep is the same, so the cache serves it)."""
+    """By default every rule's lr is the best tuned lr at the reference batch × its factor, the other batches'
+    sweeps are laid out around it, and the output says so; --ref-lr keeps the user's lr for the rules."""
     spec = os.path.join(SPECS, "study_adamw.py")
     argv = ["study", spec, "--target-accuracy", "0.9", "--global-batch-sizes", "32,64", "--seeds", "1",
             "--max-steps", "200", "--rules", "tuned,constant,sqrt,adam-sqrt,adamw-tau", "--engine", "vmap",
@@ -801,7 +801,11 @@ def test_the_rules_scale_from_the_tuned_best_at_the_reference_batch_unless_an_lr
     given = json.loads(capsys.readouterr().out)
     assert given["reference"]["rules_lr"] == {"lr": 3e-3, "source": "given"}
     assert rule_lrs(given, 64) == pytest.approx({rule: 3e-3 * f for rule, f in factor.items()})
-    assert given["tuned_lr"] == report["tuned_lr"]
+    # The sweep at the reference batch is the same; at 64 it spans the rules' lrs from either.
+    assert report["tuned_lr"][0]["sweep"] == given["tuned_lr"][0]["sweep"]
+    for found in (report, given):
+        sweep = found["tuned_lr"][1]["sweep"]
+        assert all(sweep[0] <= lr <= sweep[-1] for lr in rule_lrs(found, 64).values())
 
 
 def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
