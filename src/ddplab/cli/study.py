@@ -326,7 +326,7 @@ def _print(report) -> None:
                           for p in values["tuned_lr"])
         out.print(f"best tuned lr by global batch: {tuned}")
     scaled = values["reference"]["rules_lr"]
-    if scaled and scaled["source"] == "tuned" and scaled["lr"] != values["reference"]["lr"]:
+    if scaled and scaled["source"] == "best_at_reference" and scaled["lr"] != values["reference"]["lr"]:
         out.print(f"the rules scale from lr {scaled['lr']:.4g}, the best tuned lr at the reference batch "
                   f"{values['reference']['global_batch_size']}, not the reference lr {values['reference']['lr']:.4g} "
                   "(--ref-lr keeps one's own)")

@@ -134,7 +134,7 @@ def test_a_small_real_study_reports_the_scorecard_and_trains_each_rule_with_its_
     runs = values["runs"]
     # The rules scale from the sweep's best lr at the reference batch 16.
     scale = values["reference"]["rules_lr"]["lr"]
-    assert values["reference"]["rules_lr"]["source"] == "tuned"
+    assert values["reference"]["rules_lr"]["source"] == "best_at_reference"
     assert scale == next(p["lr"] for p in values["tuned_lr"] if p["global_batch_size"] == 16)
     for b in (16, 64):
         surge = [r for r in runs if r["rule"] == "surge" and r["global_batch_size"] == b]

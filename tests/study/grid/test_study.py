@@ -789,8 +789,8 @@ def test_the_rules_scale_from_the_tuned_best_at_the_reference_batch_unless_an_lr
     report = json.loads(capsys.readouterr().out)
     best = next(p["lr"] for p in report["tuned_lr"] if p["global_batch_size"] == 32)
     # The spec's lr 3e-3 is not the study's best at its reference batch: the case where the two differ.
-    assert best != 3e-3 and report["reference"] == {"global_batch_size": 32, "lr": 3e-3,
-                                                    "rules_lr": {"lr": best, "source": "tuned"}}
+    assert best != 3e-3 and report["reference"] == {
+        "global_batch_size": 32, "lr": 3e-3, "rules_lr": {"lr": best, "source": "best_at_reference"}}
     factor = {"constant": 1.0, "sqrt": math.sqrt(2), "adam-sqrt": math.sqrt(2), "adamw-tau": math.sqrt(2)}
     assert rule_lrs(report, 64) == pytest.approx({rule: best * f for rule, f in factor.items()})
     assert rule_lrs(report, 32) == pytest.approx({rule: best for rule in factor})

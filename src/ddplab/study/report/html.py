@@ -152,5 +152,5 @@ def _rules_lr(reference: dict) -> str:
     scaled = reference.get("rules_lr")
     if not scaled or scaled["lr"] == reference["lr"]:
         return ""
-    why = "the best tuned lr there" if scaled["source"] == "tuned" else "as given"
+    why = "the best tuned lr there" if scaled["source"] == "best_at_reference" else "as given"
     return f" (the rules scale from lr {scaled['lr']:g}, {why})"

@@ -102,12 +102,14 @@ def anchored(config: StudyConfig, trained: dict[int, list[RunResult]]) -> StudyC
 
 
 def rules_lr(config: StudyConfig, trained: dict[int, list[RunResult]]) -> dict:
-    """The lr the rules scaled from and where it came from: ``given`` (``rules_lr``), ``tuned`` (the sweep's best at
-    the reference batch) or ``reference_lr`` (no sweep there, or none of its medians arrived)."""
+    """The lr the rules scaled from and where it came from: ``given`` (``rules_lr``), ``best_at_reference`` (the
+    sweep's best at the reference batch) or ``reference_lr`` (no sweep there, or none of its medians arrived)."""
     if config.rules_lr is not None:
         return {"lr": config.rules_lr, "source": "given"}
     found = anchored(config, trained).rules_lr
-    return {"lr": config.reference_lr, "source": "reference_lr"} if found is None else {"lr": found, "source": "tuned"}
+    if found is None:
+        return {"lr": config.reference_lr, "source": "reference_lr"}
+    return {"lr": found, "source": "best_at_reference"}
 
 
 def view(config: StudyConfig, global_batch: int, runs: list[RunResult]) -> BatchRuns:
