@@ -16,7 +16,9 @@ PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "r
                # ddplab.adapt.BatchRamp's.
                "max_accumulation_steps", "rule", "warmup_steps", "target_ratio", "interval",
                # ddplab.adapt.BatchSchedule's.
-               "schedule", "samples_seen"}
+               "schedule", "samples_seen",
+               # StudyConfig's lr the rules scale from: --ref-lr sets it with reference_lr, checked first.
+               "rules_lr"}
 # The auditor's voice inside the user's program, where there is no command line to print for it.
 MAY_PRINT = {"auditor/exchange.py", "auditor/bootstrap/sitecustomize.py", "integrations/lightning.py"}
 FIELD = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}")

@@ -27,9 +27,10 @@ DESCRIPTION = f"""\
 Train a grid of runs — global batch sizes × lr rules × seeds — each until it first reaches a
 target, and fit steps-to-target S(B) = S_min(1 + B_crit/B) (McCandlish et al. 2018) per rule:
 perfect scaling (S ∝ 1/B) below B_crit, diminishing returns around it, no further gain past it
-(Shallue et al. 2019). Rules scale the reference lr: constant, linear (× B/B_ref), sqrt
-(× √(B/B_ref)); tuned sweeps lrs at every batch size and keeps the best: the ground truth the
-rules are judged against. B_simple (the gradient noise scale, as in ddplab noise) is measured
+(Shallue et al. 2019). Rules scale an lr at the reference batch: constant, linear (× B/B_ref),
+sqrt (× √(B/B_ref)); tuned sweeps lrs at every batch size and keeps the best: the ground truth
+the rules are judged against. The reference batch trains first, and the rules scale from its best
+tuned lr (--ref-lr: from that lr instead). B_simple (the gradient noise scale, as in ddplab noise) is measured
 along the best tuned runs and printed beside B_crit. With Adam or AdamW the sweep also trains
 every lr with each Adam rule's betas, eps and weight decay; a scorecard gives each rule's distance
 from the best tuned lr and its steps over the best tuned runs'.
@@ -171,9 +172,12 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
     grid = fields_given(args, StudyConfig)
     optimizer = fields_given(args, OptimizerConfig, prefix="optimizer")
     if defaults is None and (args.spec or args.workload not in (None, "digits")) and "family" not in optimizer:
-        # The workload's optimizer is not known yet: the family its flags name stands in for it.
-        family = "adam" if {"betas", "eps"} & optimizer.keys() else "sgd"
-        defaults = {"optimizer": OptimizerConfig(family=family)}
+        # The workload's optimizer is not known yet: the family its flags or rules name stands in for it (the rules
+        # are judged against the optimizer the study trains once the spec is loaded).
+        defaults = {"optimizer": OptimizerConfig(family=_stand_in_family(optimizer, grid.get("rules")))}
+    if "reference_lr" in grid:
+        # An lr one gives is the one the rules scale from; else they scale from the tuned best at the reference batch.
+        grid["rules_lr"] = grid["reference_lr"]
     defaults = defaults or {}
     for field in ("reference_lr", "global_batch_sizes", "max_steps"):
         if field not in grid and field in defaults:
@@ -183,6 +187,14 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
         grid["global_batch_sizes"] = tuple(sorted(set(grid["global_batch_sizes"])))
     options = StudyOptions(**fields_given(args, StudyOptions))
     return StudyConfig(target=target, **grid), options
+
+
+def _stand_in_family(optimizer: dict, asked: tuple[str, ...] | None) -> str:
+    """The optimizer family assumed before the workload's own is known: AdamW where a rule asked for needs Adam's
+    settings (AdamW suits every such rule), Adam where --betas or --eps are given, else SGD."""
+    if any(rules.get(name).adam_only for name in asked or ()):
+        return "adamw"
+    return "adam" if {"betas", "eps"} & optimizer.keys() else "sgd"
 
 
 def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> OptimizerConfig:
@@ -313,6 +325,11 @@ def _print(report) -> None:
                                                                           if p.get("variant") else "")
                           for p in values["tuned_lr"])
         out.print(f"best tuned lr by global batch: {tuned}")
+    scaled = values["reference"]["rules_lr"]
+    if scaled and scaled["source"] == "best_at_reference" and scaled["lr"] != values["reference"]["lr"]:
+        out.print(f"the rules scale from lr {scaled['lr']:.4g}, the best tuned lr at the reference batch "
+                  f"{values['reference']['global_batch_size']}, not the reference lr {values['reference']['lr']:.4g} "
+                  "(--ref-lr keeps one's own)")
     _print_b_simple(out, values["b_simple"])
     _print_scorecard(out, values)
     for rule in RULES.values():

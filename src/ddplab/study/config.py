@@ -25,9 +25,9 @@ Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 WORKLOADS = ("digits", "mnist1d", "charlm", "regression")
 """The built-in workloads (``--workload``)."""
-UNCACHED_FIELDS = ("global_batch_sizes", "rules", "max_runs", "noise_scale", "schedule")
-"""The StudyConfig fields a cached run does not depend on: the surge rule's lrs follow noise_scale and its runs are
-found by lr; the schedule rule's runs are cached by the schedule's digest."""
+UNCACHED_FIELDS = ("global_batch_sizes", "rules", "max_runs", "noise_scale", "schedule", "rules_lr")
+"""The StudyConfig fields a cached run does not depend on: the surge rule's lrs follow noise_scale and every rule's
+follow rules_lr, and runs are found by lr; the schedule rule's runs are cached by the schedule's digest."""
 DEFAULT_ACCURACY = 0.95
 """The built-in workload's target, when none is given."""
 
@@ -115,7 +115,10 @@ class StudyConfig:
     reference_global_batch_size: int = 32
     """The reference's global batch, which the rules scale from."""
     reference_lr: float = 0.1
-    """Learning rate at the reference global batch."""
+    """Learning rate at the reference global batch, where the tuned sweep is laid out around it."""
+    rules_lr: float | None = None
+    """The lr the rules scale from at the reference batch (default: the tuned sweep's best lr there, which trains
+    before the other batches; ``reference_lr`` where the study runs no sweep there). ``--ref-lr`` sets it too."""
     seeds: int = 3
     """Seeds per grid point: model init and data order."""
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -153,12 +156,19 @@ class StudyConfig:
             at_least(field, getattr(self, field))
         zero_or_more("patience", self.patience)
         positive("reference_lr", self.reference_lr)
+        if self.rules_lr is not None:
+            positive("rules_lr", self.rules_lr)
         if self.noise_scale is not None:
             positive("noise_scale", self.noise_scale)
         if not self.sweep_factor > 1 or not self.sweep_margin >= 1:
             raise UsageError("{sweep_factor} must be above 1 and {sweep_margin} at least 1")
         if self.dtype not in get_args(Dtype):
             raise UsageError(f"{{dtype}} must be float32 or float64, got {self.dtype!r}")
+
+    @property
+    def scale_lr(self) -> float:
+        """The lr the rules scale from: ``rules_lr`` once known, else ``reference_lr``."""
+        return self.reference_lr if self.rules_lr is None else self.rules_lr
 
     def settings(self, workload_fingerprint: str) -> dict:
         """What a cached run depends on, by field: the workload (its content) and every training setting."""

@@ -132,14 +132,18 @@ def test_a_small_real_study_reports_the_scorecard_and_trains_each_rule_with_its_
     # surge took that B_simple for B_noise; each of its runs trained at the lr the rule gives, with AdamW as given.
     assert values["surge"]["noise_scale"] == noise and values["surge"]["source"] == "b_simple_at_reference"
     runs = values["runs"]
+    # The rules scale from the sweep's best lr at the reference batch 16.
+    scale = values["reference"]["rules_lr"]["lr"]
+    assert values["reference"]["rules_lr"]["source"] == "best_at_reference"
+    assert scale == next(p["lr"] for p in values["tuned_lr"] if p["global_batch_size"] == 16)
     for b in (16, 64):
         surge = [r for r in runs if r["rule"] == "surge" and r["global_batch_size"] == b]
         assert len(surge) == 2 and {r["lr"] for r in surge} == \
-            {round_lr(0.02 * scaling.surge_lr_multiplier(16, b, noise))}
+            {round_lr(scale * scaling.surge_lr_multiplier(16, b, noise))}
         assert all(r["optimizer"] == {"betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1} for r in surge)
     # adamw-tau at 64 (k = 4): lr × 2, β₂⁴, ε/2, λ × 2.
     tau = [r for r in runs if r["rule"] == "adamw-tau" and r["global_batch_size"] == 64]
-    assert len(tau) == 2 and all(r["lr"] == 0.04 for r in tau)
+    assert len(tau) == 2 and all(r["lr"] == round_lr(scale * 2) for r in tau)
     for r in tau:
         assert r["optimizer"]["betas"] == [0.9, 0.99 ** 4] and r["optimizer"]["eps"] == 5e-9
         assert r["optimizer"]["weight_decay"] == pytest.approx(0.2)

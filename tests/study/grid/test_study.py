@@ -712,7 +712,10 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     report = json.loads(capsys.readouterr().out)
     assert report["optimizer"] == {"family": "adamw", "name": "AdamW", "betas": [0.9, 0.98], "eps": 1e-8,
                                    "weight_decay": 0.05}
-    assert report["engine"] == "vmap" and report["reference"] == {"global_batch_size": 32, "lr": 3e-3}
+    # The reference batch 32 is not trained here: the rules scale from the spec's lr, and a warning says why.
+    assert report["engine"] == "vmap" and report["reference"] == {
+        "global_batch_size": 32, "lr": 3e-3, "rules_lr": {"lr": 3e-3, "source": "reference_lr"}}
+    assert any("the reference batch 32 is not among the global batch sizes" in w for w in report["warnings"])
     assert report["rules"] == ["constant", "linear", "sqrt", "adam-sqrt", "tuned"]
     # k = 2 at batch 64: 1 − β' = 2(1 − β), ε' = ε/√2, lr × √2 (plan's numbers).
     at_64 = next(p for p in report["adam_sqrt"] if p["global_batch_size"] == 64)
@@ -743,6 +746,66 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["rule"] == "measured"
     assert main(plan) == 2
     assert "the study measured the best lr of AdamW" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_rules_are_judged_against_the_optimizer_the_spec_trains(tmp_path, capsys):
+    """Adam's rules named with --rules are accepted for a spec whose optimizer() is AdamW (no --optimizer needed),
+    and refused, naming the optimizer, for a spec whose optimizer() is SGD or Adam."""
+    spec = os.path.join(SPECS, "study_adamw.py")
+    argv = ["study", spec, "--target-accuracy", "0.9", "--global-batch-sizes", "32,64", "--seeds", "1",
+            "--max-steps", "10", "--rules", "tuned,sqrt,adam-sqrt,surge,adamw-tau", "--engine", "vmap", "--no-plots",
+            "--out", str(tmp_path / "out"), "--json"]
+    assert main(argv) in (0, 1)
+    report = json.loads(capsys.readouterr().out)
+    assert report["optimizer"]["name"] == "AdamW"
+    assert report["rules"] == ["tuned", "sqrt", "adam-sqrt", "surge", "adamw-tau"]
+    text = open(spec).read()
+    for optimizer, rule, needs in (("torch.optim.SGD(params, lr=0.1)", "adam-sqrt", "adam or adamw"),
+                                   ("torch.optim.Adam(params, lr=3e-3)", "adamw-tau", "adamw")):
+        other = tmp_path / f"{rule}.py"
+        other.write_text(text.replace("torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.05)",
+                                      optimizer))
+        assert main(["study", str(other), "--target-accuracy", "0.9", "--rules", f"tuned,{rule}", "--no-plots",
+                     "--out", str(tmp_path / rule)]) == 2
+        err = capsys.readouterr().err
+        name = optimizer.split("(")[0].split(".")[-1]
+        assert f"the study trains {name}: it needs --optimizer {needs}" in err, err
+
+
+@pytest.mark.timeout(180)
+def test_the_rules_scale_from_the_tuned_best_at_the_reference_batch_unless_an_lr_is_given(tmp_path, capsys):
+    """By default every rule's lr is the best tuned lr at the reference batch × its factor, the other batches'
+    sweeps are laid out around it, and the output says so; --ref-lr keeps the user's lr for the rules."""
+    spec = os.path.join(SPECS, "study_adamw.py")
+    argv = ["study", spec, "--target-accuracy", "0.9", "--global-batch-sizes", "32,64", "--seeds", "1",
+            "--max-steps", "200", "--rules", "tuned,constant,sqrt,adam-sqrt,adamw-tau", "--engine", "vmap",
+            "--no-plots", "--out", str(tmp_path / "out")]
+
+    def rule_lrs(report: dict, batch: int) -> dict[str, float]:
+        return {r["rule"]: r["lr"] for r in report["runs"] if r["global_batch_size"] == batch and r["rule"] != "tuned"}
+
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = next(p["lr"] for p in report["tuned_lr"] if p["global_batch_size"] == 32)
+    # The spec's lr 3e-3 is not the study's best at its reference batch: the case where the two differ.
+    assert best != 3e-3 and report["reference"] == {
+        "global_batch_size": 32, "lr": 3e-3, "rules_lr": {"lr": best, "source": "best_at_reference"}}
+    factor = {"constant": 1.0, "sqrt": math.sqrt(2), "adam-sqrt": math.sqrt(2), "adamw-tau": math.sqrt(2)}
+    assert rule_lrs(report, 64) == pytest.approx({rule: best * f for rule, f in factor.items()})
+    assert rule_lrs(report, 32) == pytest.approx({rule: best for rule in factor})
+    assert main(argv) == 0
+    assert (f"the rules scale from lr {best:.4g}, the best tuned lr at the reference batch 32, not the reference lr "
+            "0.003") in " ".join(capsys.readouterr().out.split())
+    assert main([*argv, "--ref-lr", "3e-3", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["reference"]["rules_lr"] == {"lr": 3e-3, "source": "given"}
+    assert rule_lrs(given, 64) == pytest.approx({rule: 3e-3 * f for rule, f in factor.items()})
+    # The sweep at the reference batch is the same; at 64 it spans the rules' lrs from either.
+    assert report["tuned_lr"][0]["sweep"] == given["tuned_lr"][0]["sweep"]
+    for found in (report, given):
+        sweep = found["tuned_lr"][1]["sweep"]
+        assert all(sweep[0] <= lr <= sweep[-1] for lr in rule_lrs(found, 64).values())
 
 
 def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():

@@ -38,6 +38,8 @@ class StudyAnalysis:
     lr_peak: dict | None = None
     """Adam-family studies: the batch where the best tuned lr peaks inside the measured range (None where it does
     not), and B_simple at the reference batch."""
+    rules_lr: dict | None = None
+    """The lr the rules scaled from and its source (:func:`ddplab.study.rules.rules_lr`)."""
 
     @property
     def reached(self) -> bool:
@@ -48,6 +50,8 @@ class StudyAnalysis:
 def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAnalysis:
     """The study's answer from its runs; UsageError when every lr of a batch size diverged."""
     _check_divergence(config, results)
+    scaled_from = rules.rules_lr(config, results)
+    config = rules.anchored(config, results)
     batches = {b: rules.view(config, b, results[b]) for b in sorted(results)}
     asked = rules.of(config)
     runs, tuned = [], []
@@ -71,6 +75,7 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     for rule in asked:
         warnings += rule.warnings(config, batches)
     best_runs = [run for p in tuned for run in batches[p["global_batch_size"]].seeds_at(p["lr"], p["variant"])]
+    warnings += _rules_lr_warnings(config, scaled_from)
     warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get(sweep.name, {})
                                                                          if sweep else {})
     # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
@@ -83,7 +88,21 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     b_simple = _b_simple(best_runs, fits.get(sweep.name) if sweep else None)
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
-                         sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple))
+                         sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple),
+                         rules_lr=scaled_from)
+
+
+def _rules_lr_warnings(config: StudyConfig, scaled_from: dict) -> list[str]:
+    """Where the rules could not scale from the tuned best at the reference batch although they were to."""
+    if scaled_from["source"] != "reference_lr" or rules.sweeping(config) is None:
+        return []
+    reference = config.reference_global_batch_size
+    if reference not in config.global_batch_sizes:
+        why = f"the reference batch {reference} is not among the global batch sizes"
+    else:
+        why = f"no lr of the tuned sweep at the reference batch {reference} had its median run reach the target"
+    return [f"the rules scale from the reference lr {config.reference_lr:g}, not the best tuned lr at the reference "
+            f"batch: {why}"]
 
 
 def _sections(reports: list[dict]) -> dict:

@@ -31,15 +31,20 @@ def check_grid(workload: Workload, config: StudyConfig) -> None:
 def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine,
              advance: Progress | None = None) -> dict[int, list[RunResult]]:
     """Every batch size's groups, from the cache when they are there, else trained and cached at once: at every
-    batch the shared grid of fixed lrs (with the tuned sweep's Adam variants) and the sweep's extensions past its
-    edge; then each rule's group of its own, which may read the grid at any batch (the surge rule's B_simple at the
-    reference).
+    batch, the reference batch first, the shared grid of fixed lrs (with the tuned sweep's Adam variants) and the
+    sweep's extensions past its edge, the rules' lrs scaled from the sweep's best at the reference batch where
+    ``rules_lr`` is not given; then each rule's group of its own, which may read the grid at any batch (the surge
+    rule's B_simple at the reference).
 
     ``advance(steps)`` is told each stretch of the step budget as it is used (or skipped).
     """
     results = {}
     budget = _Budget(config)
-    for global_batch in sorted(config.global_batch_sizes):
+    # The reference batch first: the rules scale from its sweep's best lr (rules.anchored), unless told another.
+    reference = config.reference_global_batch_size
+    for global_batch in sorted(config.global_batch_sizes, key=lambda b: (b != reference, b)):
+        if global_batch != reference:
+            config = rules.anchored(config, results)
         runs = rules.grid_runs(config, global_batch)
         grid = grid_group(config, global_batch, runs, rules.variants(config, global_batch),
                           sweep_only=rules.sweep_only(config, global_batch))
@@ -52,7 +57,7 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engin
             group = rule.group(config, global_batch, results)
             if group is not None:
                 results[global_batch] += _trained(workload, config, cache, engine, group, advance)
-    return results
+    return {b: results[b] for b in sorted(results)}
 
 
 def _trained(workload: Workload, config: StudyConfig, cache: Cache | None, engine: Engine, group: RunGroup,

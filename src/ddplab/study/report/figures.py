@@ -151,7 +151,7 @@ def _compare_plot(report: dict, other: dict, path: str) -> None:
         rule = rules.predicting(study["optimizer"].get("family", "sgd"))
         batches = sorted(study.get("global_batch_sizes") or [b for b, _ in points])
         if batches:
-            ax.plot(batches, [ref["lr"] * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
+            ax.plot(batches, [scale_lr(ref) * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
                     color=color, alpha=0.7, label=f"{name}: {rule.name} rule from its reference")
     batch_axes(ax, "learning rate", "best lr per batch: this study and the one compared")
     save_figure(plt, fig, path, (ax,))
@@ -335,6 +335,11 @@ def _median_points(report: dict, rule: str) -> list[tuple[int, float]]:
     return sorted((int(b), s) for b, s in fit["median_steps"].items() if s is not None)
 
 
+def scale_lr(reference: dict) -> float:
+    """The lr a study's rules scaled from (its JSON's ``reference``; a study.json from before says only its lr)."""
+    return (reference.get("rules_lr") or {}).get("lr") or reference["lr"]
+
+
 def _lr_plot(report: dict, path: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -347,9 +352,10 @@ def _lr_plot(report: dict, path: str) -> None:
     ref = report["reference"]
     batches = report["global_batch_sizes"]
     for rule in (rule for rule in rules.REGISTRY.values() if rule.predicts):
-        ax.plot(batches, [ref["lr"] * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
+        ax.plot(batches, [scale_lr(ref) * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
                 color=color(rule.name), label=f"{rule.name} rule")
-    ax.scatter([ref["global_batch_size"]], [ref["lr"]], marker="*", s=120, color="black", label="reference", zorder=3)
+    ax.scatter([ref["global_batch_size"]], [scale_lr(ref)], marker="*", s=120, color="black", label="reference",
+               zorder=3)
     batch_axes(ax, "learning rate", "best lr per batch (gray: the sweep)")
     save_figure(plt, fig, path, [ax])
 

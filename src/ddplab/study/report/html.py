@@ -96,7 +96,8 @@ Steps until validation {target['kind']} first reaches {target['value']:g} \
 (evaluated every {report['eval_every']} steps,
 budget {report['max_steps']}), median over {report['seeds']} seeds; \
 reference lr {report['reference']['lr']:g} at global batch
-{report['reference']['global_batch_size']}; {html_escape(optimizer_text(report['optimizer']))}. \
+{report['reference']['global_batch_size']}{_rules_lr(report['reference'])}; \
+{html_escape(optimizer_text(report['optimizer']))}. \
 Fit: S(B) = S_min(1 + B_crit/B).</p>
 <table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th>\
 <th>E_min (samples)</th></tr>{fits}</table>
@@ -144,3 +145,12 @@ def _steps(run: dict) -> str:
     if run.get("pruned"):
         return "stopped: slower than the best lr"
     return "diverged" if run.get("diverged") else "not reached"
+
+
+def _rules_lr(reference: dict) -> str:
+    """Where the rules scaled from another lr than the reference's: which, and why."""
+    scaled = reference.get("rules_lr")
+    if not scaled or scaled["lr"] == reference["lr"]:
+        return ""
+    why = "the best tuned lr there" if scaled["source"] == "best_at_reference" else "as given"
+    return f" (the rules scale from lr {scaled['lr']:g}, {why})"

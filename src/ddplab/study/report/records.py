@@ -44,7 +44,8 @@ class StudyReport:
         out = {
             "workload": self.workload, "target": cfg.target.to_json(), "rules": list(cfg.rules),
             "global_batch_sizes": sorted(cfg.global_batch_sizes),
-            "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr},
+            "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr,
+                          "rules_lr": analysis.rules_lr},
             "seeds": cfg.seeds, "max_steps": cfg.max_steps, "eval_every": cfg.eval_every, "patience": cfg.patience,
             "dtype": cfg.dtype, "train_size": self.train_size,
             "optimizer": self.own_optimizer or cfg.optimizer.to_json(),

@@ -23,9 +23,11 @@ from ddplab.study.rules.registry import (
     sweeping,
 )
 from ddplab.study.rules.sweep import (
+    anchored,
     b_simple_at,
     grid_runs,
     lrs,
+    rules_lr,
     sweep_lrs,
     sweep_only,
     sweep_points,
@@ -34,6 +36,6 @@ from ddplab.study.rules.sweep import (
     view,
 )
 
-__all__ = ["REGISTRY", "BatchRuns", "Best", "Rule", "b_simple_at", "defaults", "get", "grid_runs", "ground_truth",
-           "help_line", "lrs", "of", "predicting", "register", "sweep_lrs", "sweep_only", "sweep_points", "sweeping",
-           "tuned_best", "variants", "view"]
+__all__ = ["REGISTRY", "BatchRuns", "Best", "Rule", "anchored", "b_simple_at", "defaults", "get", "grid_runs",
+           "ground_truth", "help_line", "lrs", "of", "predicting", "register", "rules_lr", "sweep_lrs", "sweep_only",
+           "sweep_points", "sweeping", "tuned_best", "variants", "view"]

@@ -26,12 +26,12 @@ class AdamSqrt(OwnGroupRule):
 
     def check(self, config: StudyConfig) -> None:
         if not config.optimizer.adam:
-            raise UsageError("the adam-sqrt rule scales Adam's betas and eps: it needs {optimizer.family} adam or "
-                             "adamw")
+            raise UsageError(f"the adam-sqrt rule scales Adam's betas and eps, and the study trains "
+                             f"{config.optimizer.name}: it needs {{optimizer.family}} adam or adamw")
 
     def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
         k = global_batch / config.reference_global_batch_size
-        return [(round_lr(config.reference_lr * math.sqrt(k)), seed) for seed in range(config.seeds)]
+        return [(round_lr(config.scale_lr * math.sqrt(k)), seed) for seed in range(config.seeds)]
 
     def scaled(self, config: StudyConfig, global_batch: int) -> tuple[OptimizerConfig, list[str]]:
         """The optimizer at ``global_batch``: 1 − β' = k(1 − β) (clamped at 0) and ε' = ε/√k; with

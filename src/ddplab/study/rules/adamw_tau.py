@@ -30,15 +30,15 @@ class AdamWTau(OwnGroupRule):
 
     def check(self, config: StudyConfig) -> None:
         if config.optimizer.family != "adamw":
-            raise UsageError("the adamw-tau rule scales AdamW's decoupled weight decay: it needs {optimizer.family} "
-                             "adamw")
+            raise UsageError(f"the adamw-tau rule scales AdamW's decoupled weight decay, and the study trains "
+                             f"{config.optimizer.name}: it needs {{optimizer.family}} adamw")
 
     def lr_ratio(self, config: StudyConfig, global_batch: int) -> float:
         """η'/η at ``global_batch``: the square-root rule's √k."""
         return scaling.lr_multiplier(global_batch / config.reference_global_batch_size, "sqrt")
 
     def runs(self, config: StudyConfig, global_batch: int) -> list[tuple[float, int]]:
-        lr = round_lr(config.reference_lr * self.lr_ratio(config, global_batch))
+        lr = round_lr(config.scale_lr * self.lr_ratio(config, global_batch))
         return [(lr, seed) for seed in range(config.seeds)]
 
     def optimizer(self, config: StudyConfig, global_batch: int) -> OptimizerConfig:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class AdaScale(OwnGroupRule):
     name = "adascale"
     summary = "the reference lr × AdaScale's measured gain (Johnson et al. 2020), untuned"
-    help = "adascale adds AdaScale runs from ``reference_lr``, untuned, at every batch from the reference up"
+    help = "adascale adds AdaScale runs from the rules' reference lr, untuned, at every batch from the reference up"
     colour = "tab:red"
     lr_scaling = "gain"
     multi_rank = True
@@ -28,7 +28,7 @@ class AdaScale(OwnGroupRule):
         # AdaScale only scales up, and measures from two halves of the batch.
         if self.name not in config.rules or global_batch < max(config.reference_global_batch_size, 2):
             return []
-        return [(config.reference_lr, seed) for seed in range(config.seeds)]
+        return [(config.scale_lr, seed) for seed in range(config.seeds)]
 
     def lr_at(self, view: BatchRuns) -> float | None:
         """The lr its updates took on average: the reference lr × the mean gain recorded at its evaluations."""

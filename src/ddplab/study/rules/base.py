@@ -162,7 +162,7 @@ class GridRule(Rule):
         raise NotImplementedError
 
     def lr(self, config: StudyConfig, global_batch: int) -> float:
-        return round_lr(config.reference_lr * self.factor(global_batch / config.reference_global_batch_size))
+        return round_lr(config.scale_lr * self.factor(global_batch / config.reference_global_batch_size))
 
     def grid_lrs(self, config: StudyConfig, global_batch: int) -> list[float]:
         return [self.lr(config, global_batch)]

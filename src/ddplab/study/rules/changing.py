@@ -80,7 +80,7 @@ class ChangingRule(Rule):
 def start_lr(config: StudyConfig, start: int, trained: list[RunResult]) -> float:
     """The lr runs start at: what a user would have tuned at the starting batch (else the linear rule's)."""
     best = tuned_best(config, start, trained)
-    return best.lr if best else round_lr(config.reference_lr * start / config.reference_global_batch_size)
+    return best.lr if best else round_lr(config.scale_lr * start / config.reference_global_batch_size)
 
 
 def own_runs(view: BatchRuns, name: str) -> list[RunResult] | None:

@@ -35,7 +35,8 @@ class Surge(OwnGroupRule):
 
     def check(self, config: StudyConfig) -> None:
         if not config.optimizer.adam:
-            raise UsageError("the surge rule describes Adam's best lr: it needs {optimizer.family} adam or adamw")
+            raise UsageError(f"the surge rule describes Adam's best lr, and the study trains {config.optimizer.name}: "
+                             "it needs {optimizer.family} adam or adamw")
         if config.noise_scale is None and not self.measures(config):
             raise UsageError("the surge rule needs B_noise: give {noise_scale}, or keep tuned in {rules} and the "
                              f"reference batch {config.reference_global_batch_size} in {{global_batch_sizes}}, where "
@@ -55,7 +56,7 @@ class Surge(OwnGroupRule):
         return value if value is not None and math.isfinite(value) and value > 0 else None
 
     def lr(self, config: StudyConfig, global_batch: int, noise_scale: float) -> float:
-        return round_lr(config.reference_lr * scaling.surge_lr_multiplier(config.reference_global_batch_size,
+        return round_lr(config.scale_lr * scaling.surge_lr_multiplier(config.reference_global_batch_size,
                                                                           global_batch, noise_scale))
 
     def group(self, config: StudyConfig, global_batch: int, trained: dict[int, list[RunResult]]) -> RunGroup | None:

@@ -3,6 +3,7 @@ its best, and one batch's runs as a :class:`~ddplab.study.rules.base.BatchRuns` 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from ddplab.study import fit
@@ -69,8 +70,9 @@ def sweep_lrs(config: StudyConfig, global_batch: int, runs: list[RunResult]) -> 
     out = {lr: list(names) for lr, names in lrs(config, global_batch).items()}
     sweep = sweeping(config)
     for run in runs:
-        if run.extension and sweep is not None:
-            out.setdefault(run.lr, [sweep.name])
+        # An extension's lr may also be a rule's (the rules scale from the sweep's best, which may be one).
+        if run.extension and sweep is not None and sweep.name not in out.setdefault(run.lr, []):
+            out[run.lr].append(sweep.name)
     return out
 
 
@@ -87,6 +89,27 @@ def tuned_best(config: StudyConfig, global_batch: int, runs: list[RunResult]) ->
     # A setting whose runs are not all here (a cache from before the variants) is no candidate.
     best = fit.best_lr({point: [steps(r) for r in found] for point, found in points.items() if None not in found})
     return Best(lr=best[0][0], median_steps=best[1], variant=best[0][1]) if best else None
+
+
+def anchored(config: StudyConfig, trained: dict[int, list[RunResult]]) -> StudyConfig:
+    """``config`` with ``rules_lr`` the tuned sweep's best lr at the reference batch, where it is not set and that
+    batch's runs are in ``trained`` (the rules scale from what the study found best there); else ``config``."""
+    reference = config.reference_global_batch_size
+    if config.rules_lr is not None or reference not in trained:
+        return config
+    best = tuned_best(config, reference, trained[reference])
+    return config if best is None else dataclasses.replace(config, rules_lr=best.lr)
+
+
+def rules_lr(config: StudyConfig, trained: dict[int, list[RunResult]]) -> dict:
+    """The lr the rules scaled from and where it came from: ``given`` (``rules_lr``), ``best_at_reference`` (the
+    sweep's best at the reference batch) or ``reference_lr`` (no sweep there, or none of its medians arrived)."""
+    if config.rules_lr is not None:
+        return {"lr": config.rules_lr, "source": "given"}
+    found = anchored(config, trained).rules_lr
+    if found is None:
+        return {"lr": config.reference_lr, "source": "reference_lr"}
+    return {"lr": found, "source": "best_at_reference"}
 
 
 def view(config: StudyConfig, global_batch: int, runs: list[RunResult]) -> BatchRuns:

@@ -31,12 +31,16 @@ class Tuned(GridRule):
             raise UsageError("{global_batch_sizes} needs at least two sizes for a fit")
 
     def grid_lrs(self, config: StudyConfig, global_batch: int) -> list[float]:
-        """A log grid through the reference lr, spanning the constant and linear rules' lrs widened by the margin."""
+        """A log grid spanning the constant and linear rules' lrs widened by the margin: through the reference lr
+        at the reference batch (which trains first), through the lr the rules scale from elsewhere (the best there,
+        a point of the same grid, unless given), so the rules' runs never stand outside the sweep they are judged
+        by."""
         k = global_batch / config.reference_global_batch_size
         low, high = min(1.0, k) / config.sweep_margin, max(1.0, k) * config.sweep_margin
         step = math.log(config.sweep_factor)
         first, last = math.ceil(math.log(low) / step - 1e-9), math.floor(math.log(high) / step + 1e-9)
-        return [round_lr(config.reference_lr * config.sweep_factor ** i) for i in range(first, last + 1)]
+        centre = config.reference_lr if global_batch == config.reference_global_batch_size else config.scale_lr
+        return [round_lr(centre * config.sweep_factor ** i) for i in range(first, last + 1)]
 
     def seeds_at(self, view: BatchRuns) -> list[RunResult] | None:
         return view.seeds_at(view.best.lr, view.best.variant) if view.best is not None else None
