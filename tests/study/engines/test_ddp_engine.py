@@ -40,7 +40,9 @@ def test_the_ddp_engine_takes_the_vectorized_engines_steps():
     start = float(workload.val[1].pow(2).mean())
     config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(8, 32), seeds=2,
                          optimizer=OptimizerConfig(family="adam"), reference_global_batch_size=8,
-                         reference_lr=0.02, sweep_margin=2, max_steps=150, eval_every=5, dtype="float64")
+                         # The rules scale from the reference lr itself (as --ref-lr does): runs of known lrs.
+                         reference_lr=0.02, rules_lr=0.02, sweep_margin=2, max_steps=150, eval_every=5,
+                         dtype="float64")
     vectorized = grid_training.run_grid(workload, config, None, engine.VmapEngine())
     for world_size, cap in ((2, None), (2, 4)):
         on_ranks = grid_training.run_grid(workload, config, None, _ddp_engine(world_size, cap))
