@@ -53,5 +53,7 @@ def _rank_main(rank, world_size, train):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         train(rank, world_size)
+        # A rank that exits the instant its last collective returns can abort in gloo: meet the peers first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -71,3 +71,4 @@ def fit(callbacks: list, epochs: int, **result) -> None:
                        steps=trainer.global_step, lr=LR, batches_per_epoch=SAMPLES // 2 // BATCH,
                        complete=module.complete, same_weights=all(torch.equal(gathered[0], w) for w in gathered),
                        **{key: value() for key, value in result.items()})
+    _data.leave()

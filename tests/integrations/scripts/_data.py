@@ -20,6 +20,16 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
 
+def leave() -> None:
+    """End this rank's process group as the launch layer does, a barrier first: a rank that exits the instant its
+    last collective returns can abort in gloo ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def write_result(rank: int, **values) -> None:
     """Rank 0's numbers for the test, in the file named by DDPLAB_TEST_RESULT (if set)."""
     path = os.environ.get("DDPLAB_TEST_RESULT")

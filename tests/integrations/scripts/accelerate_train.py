@@ -74,6 +74,7 @@ def main():
     # last gather returns can abort in gloo's teardown).
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    _data.leave()
     sys.exit(0)
 
 

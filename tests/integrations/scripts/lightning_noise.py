@@ -56,6 +56,7 @@ def main():
                        audit={f.code: f.severity for f in audit.report.problems}, audited=audit.report.steps_audited,
                        logged={k: float(trainer.callback_metrics[k])
                                for k in ("b_simple", "grad_sq_norm", "trace_sigma")})
+    _data.leave()
     sys.exit(0)
 
 

@@ -104,6 +104,7 @@ def main():
     rank, gns, history = with_accelerate(spec) if framework == "accelerate" else with_trainer(spec)
     _data.write_result(rank, history=[{"g_small_sq": r["g_small_sq"], "g_big_sq": r["g_big_sq"]} for r in history],
                        b_small=gns.b_small, b_big=gns.b_big, b_simple=gns.summary().b_simple)
+    _data.leave()
     sys.exit(0)
 
 
