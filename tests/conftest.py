@@ -1,5 +1,6 @@
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -24,3 +25,24 @@ def _clean_distributed_state():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# torch's gloo can abort a rank that exits while one of its worker threads still holds a finished collective's work
+# (docs/benchmarks.md, "Teardown"): the process dies of SIGABRT after its last line, whatever it computed. A training
+# script run by a test that ends so, and only so, is run once more; any other failure, or a second abort, stands.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _aborted_at_exit(done) -> bool:
+    return done.returncode != 0 and isinstance(done.stderr, str) and GLOO_EXIT_ABORT in done.stderr
+
+
+@pytest.fixture(autouse=True)
+def _rerun_a_script_aborted_by_the_gloo_exit_race(monkeypatch):
+    run = subprocess.run
+
+    def run_once_more_after_an_exit_abort(*args, **kwargs):
+        done = run(*args, **kwargs)
+        return run(*args, **kwargs) if _aborted_at_exit(done) else done
+
+    monkeypatch.setattr(subprocess, "run", run_once_more_after_an_exit_abort)
