@@ -182,14 +182,20 @@ def _stopped_early(report) -> int:
     return 1
 
 
-def _print(report) -> None:
-    values = report.to_json()
+def _scale_rows(values: dict) -> list[list[str]]:
+    """The rows a spec's report and a command's share: B_simple, |G|², tr(Σ) and the steps factor."""
     rows = [["B_simple (critical batch)", *_b_simple_cells(values)],
             ["|G|²", f"{values['g2']:.4g}", "squared norm of the true gradient"],
             ["tr(Σ)", f"{values['trace_sigma']:.4g}", "per-sample gradient variance, summed over parameters"]]
     if values["steps_factor"] is not None:
         rows.append(["steps factor", f"{values['steps_factor']:.3f}", f"1 + B_simple/B at global batch "
                      f"{values['global_batch_size']}: steps relative to the fewest possible"])
+    return rows
+
+
+def _print(report) -> None:
+    values = report.to_json()
+    rows = _scale_rows(values)
     rows.append(["AdaScale gain", f"{values['adascale_gain']:.3f}",
                  f"lr multiplier AdaScale implies for a batch of {values['global_batch_size']} vs {values['b_small']} "
                  f"(scale {values['adascale_scale']:g})"])
@@ -304,12 +310,7 @@ def _report(args: argparse.Namespace, report, show, plot) -> None:
 
 def _print_command(report) -> None:
     values = report.to_json()
-    rows = [["B_simple (critical batch)", *_b_simple_cells(values)],
-            ["|G|²", f"{values['g2']:.4g}", "squared norm of the true gradient"],
-            ["tr(Σ)", f"{values['trace_sigma']:.4g}", "per-sample gradient variance, summed over parameters"]]
-    if values["steps_factor"] is not None:
-        rows.append(["steps factor", f"{values['steps_factor']:.3f}", f"1 + B_simple/B at global batch "
-                     f"{values['global_batch_size']}: steps relative to the fewest possible"])
+    rows = _scale_rows(values)
     for point in values["by_samples"] if len(values["by_samples"]) > 1 else []:
         rows.append([f"  at {point['samples_seen']:,.0f} samples", _point_value(point),
                      f"steps {point['steps'][0]}-{point['steps'][1]}"])
