@@ -423,6 +423,19 @@ def test_a_datasets_signature_tells_shards_apart_and_needs_data_to_tell():
     assert _signature(Synthetic()) is None
 
 
+def test_a_view_of_the_loaded_batch_keeping_its_samples_is_that_batch():
+    """A language model's ``batch[:, :-1]`` is matched to the loaded batch (its indices are compared across ranks);
+    a micro-batch sliced from it, or a copy, is not the whole batch and is left unmatched."""
+    from ddplab.auditor.data import _batch_base
+
+    batch = torch.stack([torch.arange(6) + 6 * row for row in range(4)])  # as a DataLoader's collate makes it
+    assert _batch_base(batch[:, :-1]) is batch and _batch_base(batch[:, 1:].t().t()) is batch
+    assert _batch_base(batch[:2]) is None and _batch_base(batch[:, :-1].contiguous()) is None
+    assert _batch_base(batch) is None and _batch_base(None) is None and _batch_base(batch[0, 0]) is None
+    # A loaded batch that is itself a view (of a flat stream): its inputs' base is the stream, not the batch.
+    assert _batch_base(torch.arange(24).reshape(4, 6)[:, :-1]) is None
+
+
 # --- the command: flags, bad input, signals ---
 
 def test_bad_commands_and_paths_are_one_line_errors(tmp_path, capsys):

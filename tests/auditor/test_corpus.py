@@ -97,6 +97,7 @@ CORRECT = {
     "hsdp_reduce_every_micro_batch": Case("fsdp_trainer.py", ("--mesh", "hsdp", "--sync", "every-micro-batch"),
                                           world_size=4, launchers=("torchrun",)),
     "tp_dp": Case("tp_dp.py", world_size=4, launchers=("torchrun",)),
+    "tp_dp_sequences": Case("tp_dp.py", ("--data", "sequences"), world_size=4, launchers=("torchrun",)),
     # Token-level losses over documents of different lengths: divided by the step's global token count.
     "token_lm_global": Case("token_lm.py"),
     "token_lm_hand_global": Case("token_lm.py", ("--loss", "hand-global")),
@@ -173,6 +174,10 @@ MISTAKES = {
     # tp × dp with DistributedSampler(dataset): split by the world size, so a tp group's two ranks differ.
     "tp_dp_world_sampler": (Case("tp_dp.py", ("--mistake", "world-sampler"), world_size=4, launchers=("torchrun",)),
                             {"TP_RANKS_SEE_DIFFERENT_DATA": "error"}, {}, "torchrun"),
+    # Fabric's shape: the model is fed a view of the loaded batch (batch[:, :-1]), whose indices are still compared.
+    "tp_dp_world_sampler_sequences": (Case("tp_dp.py", ("--mistake", "world-sampler", "--data", "sequences"),
+                                           world_size=4, launchers=("torchrun",)),
+                                      {"TP_RANKS_SEE_DIFFERENT_DATA": "error"}, {}, "torchrun"),
     # Token means over documents of different lengths, each divided by a count of its own.
     "token_mean_per_micro_batch": (Case("token_lm.py", ("--loss", "token-mean")),
                                    {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "torchrun"),
@@ -215,6 +220,8 @@ MESSAGES = {
                                   "accumulation steps does not make a sum a mean); FSDP2 (fsdp) averages the gradients "
                                   "over the data-parallel ranks, so W here is the data-parallel size 2"),
     "tp_dp_world_sampler": ("TP_RANKS_SEE_DIFFERENT_DATA", "in the tp group of ranks 0, 1, "),
+    "tp_dp_world_sampler_sequences": ("TP_RANKS_SEE_DIFFERENT_DATA", "training batches of rank 1 and rank 0 were "
+                                                                     "loaded from different dataset indices"),
     # The weights the documents' lengths give (first step, seed 0): rank 0's micro-batches hold 95 and 31 tokens.
     "token_mean_per_micro_batch": ("LOSS_NORMALISED_PER_MICRO_BATCH",
                                    "on rank 0 the micro-batches held 95, 31 elements, so an element of micro-batch 2 "

@@ -245,13 +245,27 @@ def training_forward(audit, key: str, inputs, window: int) -> bool:
     if not audit.loaded or not _collecting(audit):
         return False
     first = _first_tensor(inputs)
-    fingerprint = audit.loaded.pop(tensors.digest(first), None) if first is not None else None
+    fingerprint = None
+    for candidate in (first, _batch_base(first)):
+        if candidate is not None and fingerprint is None:
+            fingerprint = audit.loaded.pop(tensors.digest(candidate), None)
     if fingerprint is None:
         return False
     indices = audit.index_batches.setdefault(key, [])
     if len(indices) < window:
         indices.append(fingerprint)
     return True
+
+
+def _batch_base(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The loaded batch an input is a view of, keeping its samples (a language model's ``batch[:, :-1]``); None for
+    a slice of the samples (a micro-batch), which is not the whole loaded batch. A copy made after the slice
+    (``.contiguous()``, ``.to(device)``) keeps no base, and a loaded batch that is itself a view has its own base
+    instead: neither is matched, and their finding then compares the inputs themselves."""
+    base = getattr(tensor, "_base", None)
+    if base is None or not tensors.is_plain(base) or base.dim() == 0 or tensor.dim() == 0:
+        return None
+    return base if base.shape[0] == tensor.shape[0] else None
 
 
 def _first_tensor(value) -> torch.Tensor | None:

@@ -350,7 +350,8 @@ def _differing_batches(by_rank: dict[int, dict[str, Any]]) -> str | None:
     reference = by_rank[reference_rank]
     dims = "/".join(reference.get("dims", [])) or "tensor-parallel"
     for field, what in (("index_batches", "were loaded from different dataset indices"),
-                        ("batches", "were different tensors")):
+                        ("batches", "held different values (the model's inputs compared element for element: too "
+                                    "few of their DataLoader indices were seen)")):
         # Under context parallelism each rank holds its own slice of every sequence: only indices can be compared.
         if field == "batches" and any(r.get("sharded_inputs") for r in by_rank.values()):
             return None

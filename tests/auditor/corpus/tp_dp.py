@@ -13,6 +13,10 @@ parameters.
 Mistake (`--mistake world-sampler`): `DistributedSampler(dataset)` as a DDP script writes it, split by the world
 size: the two ranks of a tp group load different batches, and each parallelised layer combines shards computed on
 different samples. Nothing fails; training learns less (TP_RANKS_SEE_DIFFERENT_DATA).
+
+`--data sequences` is Lightning's Fabric tensor-parallel example's shape: each sample is one sequence of BLOCK + 1
+tokens drawn once from a seeded generator, and the loop feeds the model `batch[:, :-1]` against `batch[:, 1:]`
+(the model's input is a view of the loaded batch, not the batch itself).
 """
 
 import logging
@@ -77,6 +81,24 @@ class TokenWindows(Dataset):
         return self.tokens[start:start + BLOCK], self.tokens[start + 1:start + 1 + BLOCK]
 
 
+class TokenSequences(Dataset):
+    """Lightning's RandomTokenDataset: the sequences drawn once, from a generator seeded alike on every rank."""
+
+    def __init__(self, count):
+        self.tokens = torch.randint(VOCAB, (count, BLOCK + 1), generator=torch.Generator().manual_seed(42))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        return self.tokens[index]
+
+
+def split(batch):
+    """(inputs, targets) of a loaded batch: a pair as loaded, or one sequence and the same shifted by a token."""
+    return batch if isinstance(batch, (list, tuple)) else (batch[:, :-1], batch[:, 1:])
+
+
 def parallelize(model, mesh):
     """torchtitan's order: tensor parallelism inside each block, then FSDP2 on each block and on the root."""
     plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel(),
@@ -109,7 +131,8 @@ def evaluate(model, loader, dp_group):
     model.eval()
     totals = torch.zeros(2)
     with torch.no_grad():
-        for x, y in loader:
+        for batch in loader:
+            x, y = split(batch)
             totals += torch.stack([F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum"),
                                    torch.tensor(float(y.numel()))])
     model.train()
@@ -124,6 +147,8 @@ def train(rank, world_size, args):
     dp = mesh["dp"]
     stream = torch.randint(VOCAB, (512 * BLOCK + 128 + 1,), generator=torch.Generator().manual_seed(0))
     train_set, val_set = TokenWindows(stream[:512 * BLOCK + 1]), TokenWindows(stream[512 * BLOCK:])
+    if args.data == "sequences":
+        train_set = TokenSequences(512)
     if args.mistake == "world-sampler":
         sampler = DistributedSampler(train_set, shuffle=True, seed=0)
     else:
@@ -139,7 +164,7 @@ def train(rank, world_size, args):
     sampler.set_epoch(0)
     batches = iter(loader)
     for step in range(STEPS):
-        x, y = next(batches)
+        x, y = split(next(batches))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         grad_norm = clip_by_mesh(model.parameters(), MAX_NORM)
@@ -158,4 +183,5 @@ if __name__ == "__main__":
     parser = _harness.parser(__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--mistake", choices=("none", "world-sampler"), default="none")
+    parser.add_argument("--data", choices=("windows", "sequences"), default="windows")
     _harness.run(train, parser.parse_args())
