@@ -8,7 +8,8 @@ must end at the same parameters (checked), then the wall-clock ratio is the spee
 The floor: the group's FLOPs per step (counted by torch.utils.flop_counter on one real step)
 divided by the sustained FLOP/s of a large float32 matrix product on this machine (measured here,
 at each thread count). ``ratio_to_floor`` is the group's time per step over that floor: 1 would be
-every step running at matmul peak. Each row also says which engine ``--engine auto`` picks there.
+every step running at matmul peak. Each row also says which engine ``--engine fastest`` picks there
+(``auto_picks``: the timed choice was once the default, ``auto``).
 
     PYTHONPATH=src python benchmarks/study_speed.py [--workload digits|mnist1d|charlm] [--out FILE.json]
 """

@@ -5,7 +5,7 @@ step, as there) over the sustained float32 FLOP/s of a large matrix product on t
 the clock read only once the device has finished. ``ratio_to_floor`` is a step's time over that floor: 1 would
 be every step running at matmul peak, and below 1 is impossible, so a ratio under 1 means a clock that did not
 wait for the GPU. Each row gives it for this script's synchronized timing and for the engine's own
-(``engine_s_per_step``: what ``--engine auto`` compares), and the largest parameter difference between the
+(``engine_s_per_step``: what ``--engine fastest`` compares), and the largest parameter difference between the
 runs trained 10 steps on the GPU and on the CPU (None with dropout, whose masks differ between devices).
 
     PYTHONPATH=src python benchmarks/study_speed_cuda.py [--workload digits|mnist1d|charlm] [--out FILE.json]

@@ -80,7 +80,7 @@ def test_the_study_vectorized_on_cuda_trains_as_on_the_cpu_and_as_nccl_ranks(cpu
 @pytest.mark.timeout(600)
 def test_a_vectorized_step_on_cuda_is_timed_against_the_devices_matmul_floor(tmp_path):
     """benchmarks/study_speed_cuda.py: a step takes at least the device's matmul floor (the clock waited for the
-    GPU), by the benchmark's clock and by the engine's own (what --engine auto compares), and the runs trained on
+    GPU), by the benchmark's clock and by the engine's own (what --engine fastest compares), and the runs trained on
     the GPU match the same runs on the CPU after 10 steps."""
     out = tmp_path / "speed.json"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "study_speed_cuda.py"), "--workload",

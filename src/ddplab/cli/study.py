@@ -41,7 +41,9 @@ runs in one process, all runs of a batch size vectorized (torch.func.vmap over t
 each with its own dropout masks and BatchNorm statistics; the optimizer is torch.optim's SGD, Adam
 or AdamW as stacked updates); --verify-ddp K replays K grid points on real DDP ranks and reports
 the largest difference. What cannot be vectorized (a spec's own step(), another optimizer) trains
-on the DDP engine: each run on --world-size real DDP ranks, one launch per batch size. Under
+on the DDP engine: each run on --world-size real DDP ranks, one launch per batch size (--engine
+fastest times a step both ways per batch size and takes the faster: quicker, but the numbers then
+follow the machine's load; the default never times). Under
 torchrun (one node or several) every process runs the command and the grid trains across the
 job; rank 0 owns the cache and the report. With BatchNorm, the vectorized engine normalizes over
 the whole global batch, as one device would; DDP ranks normalize over their own share.
@@ -340,6 +342,8 @@ def _print(report) -> None:
     for miss in values["unreached"]:
         best = "no finite metric" if miss["best_metric"] is None else \
             f"its runs' best {target['kind']}: {miss['best_metric']:.4g}"
+        if miss.get("arrived"):
+            best = f"{miss['arrived']} of its {miss['runs']} runs arrived, short of a median; {best}"
         out.print(f"median run never reached the target: rule {miss['rule']} at global batch "
                   f"{miss['global_batch_size']} ({best})")
     _print_verify(out, values.get("verify_ddp"))

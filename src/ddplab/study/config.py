@@ -20,7 +20,7 @@ Family = Literal["sgd", "adam", "adamw"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
 TargetKind = Literal["accuracy", "loss"]
 Dtype = Literal["float32", "float64"]
-Engine = Literal["auto", "vmap", "ddp"]
+Engine = Literal["auto", "vmap", "ddp", "fastest"]
 Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 WORKLOADS = ("digits", "mnist1d", "charlm", "regression")
@@ -222,9 +222,11 @@ class StudyOptions(ParallelismConfig):
     hand-offs than they gain)."""
     engine: Engine = "auto"
     """vmap: a batch size's runs train at once in one process, vectorized; ddp: each run on ``world_size`` real DDP
-    ranks, one launch per batch size (a spec's own step(), any optimizer, torchrun across nodes); auto: where the spec
-    allows both, a step timed both ways at each batch size picks the faster (a model with buffers, such as
-    BatchNorm, stays vectorized), else ddp; the report says which and why."""
+    ranks, one launch per batch size (a spec's own step(), any optimizer, torchrun across nodes); auto: vmap where the
+    spec, the strategy and the launcher allow it, else ddp, a fixed choice so the same command gives the same numbers
+    on any machine; fastest: where both can, a step timed both ways at each batch size picks the faster (the numbers
+    then follow the machine's load: the engines agree within float32 rounding, which an unstable lr can grow into
+    other steps to target); the report says which and why."""
     world_size: int = 2
     """Ranks of the DDP engine (under torchrun: torchrun's)."""
     max_batch_size_per_device: int | None = None

@@ -19,7 +19,7 @@ class Engine(Protocol):
 
     name: str
     overhead: float
-    """What an in-process timed step leaves out, as a factor: ``--engine auto`` takes this engine only where its
+    """What an in-process timed step leaves out, as a factor: ``--engine fastest`` takes this engine only where its
     timed step times this factor beats every other engine's."""
     per_run: bool
     """It tells progress one stretch of ``max_steps`` per run of a group (else one per group)."""

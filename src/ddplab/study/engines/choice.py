@@ -16,9 +16,9 @@ from ddplab.runtime.launch import LaunchConfig, world_size_for
 from ddplab.runtime.launch_config import under_torchrun
 from ddplab.study import rules
 from ddplab.study.config import StudyConfig, StudyOptions
-from ddplab.study.engines.auto import Auto
 from ddplab.study.engines.base import Engine
 from ddplab.study.engines.ddp import DdpEngine
+from ddplab.study.engines.fastest import Fastest
 from ddplab.study.engines.vmap import VmapEngine
 from ddplab.study.workloads import Workload
 
@@ -50,8 +50,9 @@ def _needs_ranks(workload: Workload, options: StudyOptions) -> str:
 
 
 def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions) -> tuple[str, str]:
-    """(engine, why): what trains the grid, and the reason in words."""
-    if options.engine == "vmap" or (options.engine == "auto" and not workload.not_vectorized
+    """(engine, why): what trains the grid, and the reason in words. ``auto`` is a fixed choice (vmap wherever it can
+    train the grid), never a timing, so the same command gives the same numbers on any machine and under any load."""
+    if options.engine == "vmap" or (options.engine in ("auto", "fastest") and not workload.not_vectorized
                                     and not under_torchrun() and options.wraps_in_ddp):
         if not options.wraps_in_ddp:
             raise UsageError(f"{{strategy}} {options.strategy} wraps the model on ranks, which only the DDP engine "
@@ -61,8 +62,11 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
                              f"{literal(workload.not_vectorized)}; use {{engine}} ddp (or auto)")
         if under_torchrun():
             raise UsageError("under torchrun the grid runs across the job's ranks: use {engine} ddp (or auto)")
-        if options.engine == "auto" and not _has_buffers(workload):
-            return "auto", "timed per batch size"
+        if options.engine == "fastest":
+            if not _has_buffers(workload):
+                return "fastest", "timed per batch size"
+            return "vmap", ("not timed: the model has buffers (BatchNorm normalizes over the global batch when "
+                            "vectorized, per rank on DDP), so one engine trains every batch size")
         return "vmap", ("asked for" if options.engine == "vmap" else
                         "the model and optimizer vectorize: every run of a batch size trains at once in one process")
     for rule in rules.of(config):
@@ -93,15 +97,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def build_engine(name: str, device: torch.device, options: StudyOptions, launch_config: LaunchConfig | None):
-    """The engine ``name`` (vmap, ddp, or auto over both) on ``device``."""
+    """The engine ``name`` (vmap, ddp, or fastest over both) on ``device``."""
     vectorized = VmapEngine(device)
     if name == "vmap":
         return vectorized
     world_size = world_size_for(None, default=options.world_size)
     if device.type == "cuda" and not under_torchrun() and world_size > torch.cuda.device_count():
-        if name == "auto":
+        if name == "fastest":
             # No rank could have a GPU of its own: the grid stays vectorized rather than fail mid-study.
-            return Auto([vectorized])
+            return Fastest([vectorized])
         raise UsageError(f"the DDP engine gives each of its {world_size} ranks a GPU of its own, but torch sees "
                          f"{torch.cuda.device_count()}: give {{world_size}} {torch.cuda.device_count()} or fewer, or "
                          "{device} cpu")
@@ -111,4 +115,4 @@ def build_engine(name: str, device: torch.device, options: StudyOptions, launch_
     strategy.check_runnable(world_size)
     on_ranks: Engine = DdpEngine(launch_config, max_per_device=options.max_batch_size_per_device, device=device,
                                  strategy=strategy)
-    return on_ranks if name == "ddp" else Auto([vectorized, on_ranks])
+    return on_ranks if name == "ddp" else Fastest([vectorized, on_ranks])

@@ -281,7 +281,7 @@ class DdpEngine:
 
     name = "ddp"
     # The timed step leaves out the launch, the collectives and rank 0's evaluations: the DDP engine must be
-    # clearly faster for auto to leave the vectorized one (which also measures B_simple from halves and prunes).
+    # clearly faster for fastest to leave the vectorized one (which also measures B_simple from halves and prunes).
     overhead = 1.5
     per_run = False
 

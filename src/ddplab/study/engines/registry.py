@@ -30,7 +30,8 @@ class EngineKind:
 
 
 ENGINES: dict[str, EngineKind] = {}
-"""The engines ``--engine`` names (besides auto), in auto's order of preference (a tie goes to the first)."""
+"""The engines ``--engine`` names (besides auto and fastest), in fastest's order of preference (a tie goes to the
+first)."""
 
 
 def register(kind: EngineKind) -> EngineKind:
@@ -40,7 +41,7 @@ def register(kind: EngineKind) -> EngineKind:
 
 
 def vectorized(name: str) -> bool:
-    """Whether the engine ``name`` trains every run at once in this process (auto, or a mix, is not one engine)."""
+    """Whether the engine ``name`` trains every run at once in this process (fastest, or a mix, is not one engine)."""
     return name in ENGINES and ENGINES[name].vectorized
 
 

@@ -287,14 +287,16 @@ def _measured(steps: list[int] | None) -> str:
 
 
 def _unreached(config: StudyConfig, batches: dict[int, BatchRuns]) -> list[dict]:
-    """Per (rule, batch) whose median run missed the target: how close its runs got."""
+    """Per (rule, batch) whose median run missed the target: how close its runs got, and how many arrived (a run
+    that arrived reached the target, so the best metric can pass it while the median missed)."""
     out = []
     for b, view in batches.items():
         runs = list(view.fixed.values()) + [run for own in view.own.values() for run in own.values()]
         for rule in rules.of(config):
             served = [run for run in runs if rule.serves(run, view.lrs)]
             if served and math.isinf(_median_steps(served)):
-                out.append({"rule": rule.name, "global_batch_size": b, "best_metric": _best_metric(config, served)})
+                out.append({"rule": rule.name, "global_batch_size": b, "best_metric": _best_metric(config, served),
+                            "arrived": sum(run.steps_to_target is not None for run in served), "runs": len(served)})
     return out
 
 

@@ -33,7 +33,7 @@ class _Setup:
     config: StudyConfig
     options: StudyOptions
     engine: str
-    """The engine asked for or chosen: vmap, ddp or auto."""
+    """The engine asked for or chosen: vmap, ddp or fastest."""
     why: str
     device: torch.device
 
@@ -78,7 +78,7 @@ def _study(setup: _Setup, progress, launch_config, *, rank) -> StudyReport:
     engine = build_engine(setup.engine, setup.device, options, launch_config)
     with threads(options.threads if engines.vectorized(setup.engine) else torch.get_num_threads()):
         results = training.run_grid(workload, config, cache, engine, _advance(progress, config))
-    name, why = engine.summary() if isinstance(engine, engines.Auto) else (setup.engine, setup.why)
+    name, why = engine.summary() if isinstance(engine, engines.Fastest) else (setup.engine, setup.why)
     found = analysis.analyze(config, results)
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
                          own_optimizer=workload.own_optimizer,

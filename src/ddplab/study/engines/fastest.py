@@ -1,4 +1,8 @@
-"""``--engine auto``: before a batch's first group, a step timed on every engine; its groups train on the fastest."""
+"""``--engine fastest``: before a batch's first group, a step timed on every engine; its groups train on the fastest.
+
+Opt-in: the engines agree only within float32 rounding, which an unstable lr can grow into other steps to target,
+and the pick follows the machine's load, so the same command can give other numbers. ``auto`` never times.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +24,11 @@ def fastest(engines: list[Engine], workload: Workload, config: StudyConfig, grou
     return min(engines, key=lambda engine: seconds[engine.name] * engine.overhead), seconds
 
 
-class Auto:
-    """``--engine auto``: before a batch's first group, a step timed on every engine; its groups train on the one
+class Fastest:
+    """``--engine fastest``: before a batch's first group, a step timed on every engine; its groups train on the one
     :func:`fastest` picks."""
 
-    name = "auto"
+    name = "fastest"
     per_run = False
 
     def __init__(self, engines: list[Engine]):
