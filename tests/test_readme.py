@@ -136,3 +136,49 @@ def test_the_refresh_pastes_a_commands_output_under_it_and_keeps_the_rest(tmp_pa
         "… (2 lines trimmed)\n```\n<!-- /output -->\n<!-- output: printf 'a\\nb\\nc\\n' -->\n```text\n"
         "$ printf 'a\\nb\\nc\\n'\na\nb\nc\n```\n<!-- /output -->\nafter\n")
     assert list(outputs) == ["printf 'a\\nb\\nc\\n'"]
+    # refresh_all writes a page once its commands ran, in the order their --out folders need.
+    first, second = tmp_path / "a.md", tmp_path / "b.md"
+    first.write_text("<!-- output: echo one -->\n```text\n```\n<!-- /output -->\n")
+    second.write_text("<!-- output: echo two -->\n```text\n```\n<!-- /output -->\n")
+    refresh_docs.refresh_all([str(first), str(second)])
+    assert "$ echo one\none\n" in first.read_text() and "$ echo two\ntwo\n" in second.read_text()
+
+
+def test_the_refresh_runs_a_command_after_the_one_whose_out_folder_it_reads():
+    schedule = "ddplab study --schedule /tmp/x-branched/branched.json --out /tmp/x-schedule"
+    branched = "ddplab study --branch-at 0.1 --out /tmp/x-branched"
+    later = "ddplab study --out /tmp/x-branched-2"
+    assert refresh_docs.in_order([schedule, later, branched]) == [branched, schedule, later]
+    assert refresh_docs.in_order([later, schedule]) == [later, schedule]
+    # Every page's commands can run in the order the refresh takes.
+    ordered = refresh_docs.in_order(refresh_docs.commands_in(PAGES))
+    writes: dict[str, int] = {}
+    for i, command in enumerate(ordered):
+        for match in refresh_docs.OUT_DIR.finditer(command):
+            writes.setdefault(match[1], i)
+    assert all(writes.get(path, -1) <= i for i, c in enumerate(ordered) for path in refresh_docs.TMP_PATH.findall(c))
+
+
+# A duration depends on the machine and its load: "942 s", "1.2 ms", "(4.09 s)"; everything else must match.
+DURATION = re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|s|min)\b")
+
+
+def _unclocked(text: str) -> str:
+    """``text`` with its durations blanked, and its spacing (a table's padding, a line's wrap) made one space: a
+    shorter duration narrows a column or moves a wrap, and changes no figure."""
+    return " ".join(re.sub(r"[━─═]+", " ", DURATION.sub("<duration>", text)).split())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_readmes_pasted_outputs_are_what_the_current_code_prints():
+    """Each README command run again: its whole pasted output (in the README, or on the page its trimmed block is cut
+    from) is what the current code prints, durations aside. A figure left from older code fails here; run
+    ``python tools/refresh_docs.py`` after a change that moves one."""
+    whole = {match["cmd"]: output for text in TEXTS.values() for match, output in pasted_outputs(text)
+             if not (match["skip"] or match["head"] or match["tail"])}
+    commands = [match["cmd"] for match, _ in pasted_outputs(README)]
+    assert len(commands) >= 6
+    for command in commands:
+        fresh = refresh_docs.run(command)
+        assert _unclocked(fresh) == _unclocked(whole[command]), f"stale pasted output of: {command}"

@@ -84,13 +84,63 @@ def refresh(path: str, outputs: dict[str, str]) -> None:
     os.replace(path + ".tmp", path)
 
 
+# A path a command reads under /tmp, and the folder a command writes there (--out).
+TMP_PATH = re.compile(r"(?<![\w/])/tmp/[\w.-]+")
+OUT_DIR = re.compile(r"--out[ =](/tmp/[\w.-]+)")
+
+
+def in_order(commands: list[str]) -> list[str]:
+    """``commands`` in page order, except that a command reading a folder under /tmp that another one writes
+    (``--out``) runs after it: a page may quote a schedule before the study that makes it."""
+    writer: dict[str, str] = {}
+    for command in commands:
+        for match in OUT_DIR.finditer(command):
+            writer.setdefault(match[1], command)
+    ordered: list[str] = []
+
+    def visit(command: str, seen: frozenset[str]) -> None:
+        if command in ordered or command in seen:
+            return
+        for path in TMP_PATH.findall(command):
+            source = writer.get(path)
+            if source is not None and source != command:
+                visit(source, seen | {command})
+        ordered.append(command)
+
+    for command in commands:
+        visit(command, frozenset())
+    return ordered
+
+
+def commands_in(paths: list[str]) -> list[str]:
+    """Every command quoted in ``paths``, once each, in page order."""
+    found: dict[str, None] = {}
+    for path in paths:
+        with open(path) as fh:
+            found.update((match["cmd"], None) for match in BLOCK.finditer(fh.read()))
+    return list(found)
+
+
 def pages() -> list[str]:
     """README.md, then every Markdown page of the docs site."""
     docs = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
     return [os.path.join(ROOT, "README.md"), *docs]
 
 
-if __name__ == "__main__":
+def refresh_all(targets: list[str]) -> None:
+    """Every command of ``targets`` run in :func:`in_order`; each page written as soon as its last command has run,
+    so a refresh stopped late keeps the pages it finished."""
     outputs: dict[str, str] = {}
-    for target in sys.argv[1:] or pages():
+    waiting = {target: set(commands_in([target])) for target in targets}
+    for command in in_order(commands_in(targets)):
+        print(f"$ {command}", file=sys.stderr, flush=True)
+        outputs[command] = run(command)
+        for target in [t for t, needs in waiting.items() if needs <= outputs.keys()]:
+            refresh(target, outputs)
+            del waiting[target]
+    for target in waiting:
         refresh(target, outputs)
+
+
+if __name__ == "__main__":
+    refresh_all(sys.argv[1:] or pages())
