@@ -293,6 +293,8 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
                 "seconds"):
         assert key in report
     assert {r["rule"] for r in report["runs"]} == {"linear", "tuned"}
+    # 2 seeds: the intervals say they are too narrow to lean on.
+    assert report["fit"] and report["warnings"].count(analysis.FEW_SEEDS) == 1
     assert all(set(r) >= {"rule", "global_batch_size", "lr", "seed", "steps_to_target"} for r in report["runs"])
     assert all(os.path.exists(p) for p in report["plots"]) and os.path.exists(report["report"])
     with open(report["report"]) as fh:

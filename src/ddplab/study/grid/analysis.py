@@ -196,7 +196,16 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
                             "past the critical batch, or the rule does not scale its lr with the batch)")
             continue
         warnings += _fit_warnings(rule, fitted)
+    seeds = min((len(s) for by_batch in steps_by_rule.values() for s in by_batch.values()), default=0)
+    if fits and seeds == 2:
+        warnings.append(FEW_SEEDS)
     return fits, warnings
+
+
+FEW_SEEDS = ("B_crit's 95% intervals resample 2 seeds, so each batch's median can take at most 3 values: they "
+             "understate the uncertainty (another engine's float32 rounding alone can move B_crit outside them); "
+             "more seeds (--seeds 5 or more) give intervals worth reading")
+"""Said once per study of 2 seeds: a bootstrap over so few draws is far narrower than the spread it stands for."""
 
 
 MISSED_BY = 1.5
