@@ -66,15 +66,20 @@ def render(match: re.Match, output: str) -> str:
     return f"{opening}\n```text\n$ {match['cmd']}\n{trim(output, skip, head, tail)}\n```\n<!-- /output -->"
 
 
+def run_once(command: str, outputs: dict[str, str]) -> str:
+    """``command``'s output, run (and named on stderr) only when ``outputs`` does not hold it yet."""
+    if command not in outputs:
+        print(f"$ {command}", file=sys.stderr, flush=True)
+        outputs[command] = run(command)
+    return outputs[command]
+
+
 def refresh(path: str, outputs: dict[str, str]) -> None:
     with open(path) as fh:
         source = fh.read()
 
     def replace(match):
-        if match["cmd"] not in outputs:
-            print(f"$ {match['cmd']}", file=sys.stderr, flush=True)
-            outputs[match["cmd"]] = run(match["cmd"])
-        return render(match, outputs[match["cmd"]])
+        return render(match, run_once(match["cmd"], outputs))
 
     # Every command runs before the file is touched, and the new text replaces it whole: a refresh that is
     # stopped half-way leaves the file as it was.
@@ -131,11 +136,10 @@ def refresh_all(targets: list[str]) -> None:
     """Every command of ``targets`` run in :func:`in_order`; each page written as soon as its last command has run,
     so a refresh stopped late keeps the pages it finished."""
     outputs: dict[str, str] = {}
-    waiting = {target: set(commands_in([target])) for target in targets}
-    for command in in_order(commands_in(targets)):
-        print(f"$ {command}", file=sys.stderr, flush=True)
-        outputs[command] = run(command)
-        for target in [t for t, needs in waiting.items() if needs <= outputs.keys()]:
+    waiting = {target: commands_in([target]) for target in targets}
+    for command in in_order(list(dict.fromkeys(c for needs in waiting.values() for c in needs))):
+        run_once(command, outputs)
+        for target in [t for t, needs in waiting.items() if outputs.keys() >= set(needs)]:
             refresh(target, outputs)
             del waiting[target]
     for target in waiting:

@@ -1,11 +1,11 @@
 """One CLI policy for every subcommand: spellings, error sentences, help hints, and tables that never split a number."""
 
-import argparse
 import contextlib
 import io
 import re
 
 import pytest
+from _parsers import leaves
 
 from ddplab.cli import render
 from ddplab.cli.main import build_parser, main
@@ -20,15 +20,6 @@ REQUIRED = {
     ("study",): [],
 }
 CANDIDATE_VALUES = ("1", "0.5", "0.9,0.99", "x")
-
-
-def _leaves(parser, prefix=()):
-    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not subparsers:
-        yield prefix, parser
-    for action in subparsers:
-        for name, sub in action.choices.items():
-            yield from _leaves(sub, prefix + (name,))
 
 
 def _outcome(argv):
@@ -51,12 +42,12 @@ def _hyphenated_flags(parser):
 
 
 def test_every_subcommand_has_a_known_required_set():
-    assert {path for path, _ in _leaves(build_parser())} == set(REQUIRED)
+    assert {path for path, _ in leaves(build_parser())} == set(REQUIRED)
 
 
 def test_underscores_are_accepted_on_every_subcommands_flags():
     checked = []
-    for path, parser in _leaves(build_parser()):
+    for path, parser in leaves(build_parser()):
         for action, option in _hyphenated_flags(parser):
             underscored = "--" + option[2:].replace("-", "_")
             values = [None] if action.nargs == 0 else [str(action.choices[0])] if action.choices else CANDIDATE_VALUES
@@ -83,7 +74,7 @@ def _number_flags():
     from ddplab.cli import args
 
     number_types = {int, float, args.integer, args.number}
-    for path, parser in _leaves(build_parser()):
+    for path, parser in leaves(build_parser()):
         for action in parser._actions:
             if action.type in number_types and action.option_strings:
                 yield path, action.option_strings[0]
@@ -292,7 +283,7 @@ def test_help_quotes_the_defaults_the_configs_hold():
     from ddplab.study.config import StudyConfig, StudyOptions
 
     helps = {path: {option: action.help for action in parser._actions for option in action.option_strings}
-             for path, parser in _leaves(build_parser())}
+             for path, parser in leaves(build_parser())}
     assert f"(default {CheckConfig.steps})" in helps[("check",)]["--steps"]
     assert f"(default {NoiseConfig.steps})" in helps[("noise",)]["--steps"]
     assert f"default {CheckConfig.tolerance:g}" in helps[("check",)]["--tolerance"]
@@ -307,7 +298,7 @@ def test_the_rules_help_names_every_rule_and_both_defaults():
     from ddplab.study.config import ADAM_RULES, FIXED_RULES
     from ddplab.study.rules import REGISTRY as RULES
 
-    rules = next(a.help for a in dict(_leaves(build_parser()))[("study",)]._actions if "--rules" in a.option_strings)
+    rules = next(a.help for a in dict(leaves(build_parser()))[("study",)]._actions if "--rules" in a.option_strings)
     assert all(rule in rules for rule in RULES)
     assert f"default {','.join(FIXED_RULES)} for SGD, {','.join(ADAM_RULES)} for Adam/AdamW" in rules
 
@@ -324,7 +315,7 @@ def test_the_flag_table_is_read_off_the_parsers():
     # Every rename names a field some command sets: no stale entry.
     assert set(RENAMES) - set(FLAGS) == set()
     # Every flag a parser has is in the table, unless it sets no config field.
-    options = {option for _, parser in _leaves(build_parser()) for action in parser._actions
+    options = {option for _, parser in leaves(build_parser()) for action in parser._actions
                for option in action.option_strings}
     unmapped = options - set(FLAGS.values()) - {"-h", "--help", "--help-all", "--json", "--strict", "--plot",
                                                 "--no-deterministic"}

@@ -1,9 +1,9 @@
 """Help that fits a screen (--help), every flag behind it (--help-all), a mistyped flag answered with the nearest."""
 
-import argparse
 import os
 
 import pytest
+from _parsers import leaves
 
 from ddplab.cli.help import COMMON, examples_of, nearest
 from ddplab.cli.main import build_parser, main
@@ -12,16 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCREEN_LINES = 40
 
 
-def _leaves(parser, prefix=()):
-    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not subparsers:
-        yield prefix, parser
-    for action in subparsers:
-        for name, sub in action.choices.items():
-            yield from _leaves(sub, prefix + (name,))
-
-
-LEAVES = dict(_leaves(build_parser()))
+LEAVES = dict(leaves(build_parser()))
 
 
 def _help(argv, capsys, monkeypatch, columns=80) -> str:
