@@ -1,6 +1,9 @@
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -46,3 +49,43 @@ def _rerun_a_script_aborted_by_the_gloo_exit_race(monkeypatch):
         return run(*args, **kwargs) if _aborted_at_exit(done) else done
 
     monkeypatch.setattr(subprocess, "run", run_once_more_after_an_exit_abort)
+
+
+@pytest.fixture(autouse=True)
+def _rerun_a_guest_command_aborted_by_the_gloo_exit_race(monkeypatch):
+    """The same rule for a command that ``audit`` or ``noise`` runs: its ranks' output reaches the test's captured
+    streams from the run that counts only, and a rerun starts from an empty guest folder."""
+    from ddplab.auditor import runner
+
+    run_guest = runner.run_guest
+
+    def run_once_more_after_an_exit_abort(command, out_dir, *args, **kwargs):
+        status, out, err = _held(lambda: run_guest(command, out_dir, *args, **kwargs))
+        if status != 0 and GLOO_EXIT_ABORT in err.decode(errors="replace"):
+            shutil.rmtree(out_dir)
+            os.makedirs(out_dir)
+            status, out, err = _held(lambda: run_guest(command, out_dir, *args, **kwargs))
+        os.write(1, out)
+        os.write(2, err)
+        return status
+
+    monkeypatch.setattr(runner, "run_guest", run_once_more_after_an_exit_abort)
+
+
+def _held(run) -> tuple[int, bytes, bytes]:
+    """Run with fds 1 and 2 (which the command's processes inherit) sent to files; the status and what they got."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            status = run()
+        finally:
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+        out.seek(0)
+        err.seek(0)
+        return status, out.read(), err.read()

@@ -104,6 +104,13 @@ def test_training_output_and_exit_code_are_unchanged(strategy, tmp_path):
     assert code == 3 and out["returncode"] == 3 and out["measured_steps"] == 20
     assert (tmp_path / "plain.txt").read_text() == (tmp_path / "measured.txt").read_text()
     assert (tmp_path / "plain.txt").read_text().count("loss") == 50
+    # The failure came after the planned steps: nothing was cut short. Planned past the run's end, it was.
+    assert out["stopped_early"] is None
+    assert out["failed_after_measuring"] == ("the command failed with exit code 3 after the last planned step was "
+                                             "measured: the figures are complete")
+    code, out = _noise(tmp_path, ["--start-step", "1", "--steps", "30"], [sys.executable, *args, "--exit-code", "3"])
+    assert code == 3 and out["measured_steps"] == 24 and out["failed_after_measuring"] is None
+    assert out["stopped_early"] == "the command failed with exit code 3"
 
 
 @pytest.mark.slow

@@ -319,7 +319,7 @@ def _print_command(report) -> None:
         rows.append(["left out", str(left), f"measured steps {reason}"])
     out = render.console()
     out.print(render.table(_command_title(values), ["", "value", "meaning"], rows))
-    for note in filter(None, [values["note"], *values["guest_notes"]]):
+    for note in filter(None, [values["note"], *values["guest_notes"], values["failed_after_measuring"]]):
         out.print(f"note: {note}", markup=False)
     if values["stopped_early"]:
         out.print(f"stopped early: {values['stopped_early']}; the figures are those of the steps measured before",

@@ -37,6 +37,8 @@ class CommandNoiseReport:
     """Why the command stopped before its end (the deadline, a signal, a failure); None when it finished."""
     cancelled_by: str | None = None
     """The signal that stopped the command ('SIGINT' for Ctrl-C); None when none did."""
+    failed_after: str | None = None
+    """That the command failed only after the last planned step was measured; None when it did not."""
 
     @property
     def first(self) -> StepNorms:
@@ -87,12 +89,13 @@ class CommandNoiseReport:
             "guest_seconds_per_measured_step": merged.guest_s, "measured_step_seconds": merged.step_s,
             "overhead": self.overhead, "per_step": self.history, "by_samples": self.by_samples,
             "schedule": self.schedule(), "returncode": self.returncode, "stopped_early": self.stopped_early,
-            "cancelled_by": self.cancelled_by,
+            "cancelled_by": self.cancelled_by, "failed_after_measuring": self.failed_after,
         })
 
 
 def build(command: tuple[str, ...], merged: Merged, *, start_step: int, every: int | None, window: int,
-          returncode: int, stopped_early: str | None = None, cancelled_by: str | None = None) -> CommandNoiseReport:
+          returncode: int, stopped_early: str | None = None, cancelled_by: str | None = None,
+          failed_after: str | None = None) -> CommandNoiseReport:
     """The report of the merged steps; ValueError when no step was measured."""
     if not merged.steps:
         raise ValueError("no measured step")
@@ -100,7 +103,8 @@ def build(command: tuple[str, ...], merged: Merged, *, start_step: int, every: i
     summary = estimators.summarize([r["g2"] for r in history], [r["trace_sigma"] for r in history])
     return CommandNoiseReport(command=command, merged=merged, summary=summary, history=history,
                               by_samples=by_samples(history, window), start_step=start_step, every=every,
-                              returncode=returncode, stopped_early=stopped_early, cancelled_by=cancelled_by)
+                              returncode=returncode, stopped_early=stopped_early, cancelled_by=cancelled_by,
+                              failed_after=failed_after)
 
 
 def _estimate(step: StepNorms) -> dict[str, float]:

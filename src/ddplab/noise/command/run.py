@@ -56,10 +56,14 @@ def measure_command(config: CommandConfig, *, program_stdout_to_stderr: bool = F
             why += f" (the command was stopped at --deadline {config.deadline_s:g} s)"
         return NoiseOutcome(**ended, why_nothing=why)
     stopped, cancelled = _stopped(config, ended["returncode"], ended["signal"], timed_out)
-
+    failed_after = None
+    if stopped is not None and cancelled is None and not timed_out and _last_planned_step_measured(config, merged):
+        # A failure past the plan (gloo's abort at exit, a crash in the script's own ending) cut nothing short.
+        stopped, failed_after = None, (f"the command failed with exit code {ended['returncode']} after the last "
+                                       "planned step was measured: the figures are complete")
     report = command_report.build(config.command, merged, start_step=config.start_step, every=config.every,
                                   window=config.window, returncode=ended["returncode"], stopped_early=stopped,
-                                  cancelled_by=cancelled)
+                                  cancelled_by=cancelled, failed_after=failed_after)
     return NoiseOutcome(**ended, report=report)
 
 
@@ -73,6 +77,11 @@ def _stopped(config: CommandConfig, returncode: int, signum: int | None, timed_o
     if returncode != 0:
         return f"the command failed with exit code {returncode}", None
     return None, None
+
+
+def _last_planned_step_measured(config: CommandConfig, merged: Merged) -> bool:
+    plan = config.plan()
+    return plan.steps is not None and plan.finished(merged.steps[-1].step + 1)
 
 
 def _why_nothing(config: CommandConfig, merged: Merged, returncode: int, started: int, loaded: int,
