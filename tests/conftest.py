@@ -36,8 +36,8 @@ def _clean_distributed_state():
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
-def _aborted_at_exit(done) -> bool:
-    return done.returncode != 0 and isinstance(done.stderr, str) and GLOO_EXIT_ABORT in done.stderr
+def _aborted_at_exit(returncode: int, stderr) -> bool:
+    return returncode != 0 and isinstance(stderr, str) and GLOO_EXIT_ABORT in stderr
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,7 @@ def _rerun_a_script_aborted_by_the_gloo_exit_race(monkeypatch):
 
     def run_once_more_after_an_exit_abort(*args, **kwargs):
         done = run(*args, **kwargs)
-        return run(*args, **kwargs) if _aborted_at_exit(done) else done
+        return run(*args, **kwargs) if _aborted_at_exit(done.returncode, done.stderr) else done
 
     monkeypatch.setattr(subprocess, "run", run_once_more_after_an_exit_abort)
 
@@ -61,7 +61,7 @@ def _rerun_a_guest_command_aborted_by_the_gloo_exit_race(monkeypatch):
 
     def run_once_more_after_an_exit_abort(command, out_dir, *args, **kwargs):
         status, out, err = _held(lambda: run_guest(command, out_dir, *args, **kwargs))
-        if status != 0 and GLOO_EXIT_ABORT in err.decode(errors="replace"):
+        if _aborted_at_exit(status, err.decode(errors="replace")):
             shutil.rmtree(out_dir)
             os.makedirs(out_dir)
             status, out, err = _held(lambda: run_guest(command, out_dir, *args, **kwargs))

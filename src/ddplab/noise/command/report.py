@@ -37,7 +37,7 @@ class CommandNoiseReport:
     """Why the command stopped before its end (the deadline, a signal, a failure); None when it finished."""
     cancelled_by: str | None = None
     """The signal that stopped the command ('SIGINT' for Ctrl-C); None when none did."""
-    failed_after: str | None = None
+    failed_after_measuring: str | None = None
     """That the command failed only after the last planned step was measured; None when it did not."""
 
     @property
@@ -89,13 +89,13 @@ class CommandNoiseReport:
             "guest_seconds_per_measured_step": merged.guest_s, "measured_step_seconds": merged.step_s,
             "overhead": self.overhead, "per_step": self.history, "by_samples": self.by_samples,
             "schedule": self.schedule(), "returncode": self.returncode, "stopped_early": self.stopped_early,
-            "cancelled_by": self.cancelled_by, "failed_after_measuring": self.failed_after,
+            "cancelled_by": self.cancelled_by, "failed_after_measuring": self.failed_after_measuring,
         })
 
 
 def build(command: tuple[str, ...], merged: Merged, *, start_step: int, every: int | None, window: int,
           returncode: int, stopped_early: str | None = None, cancelled_by: str | None = None,
-          failed_after: str | None = None) -> CommandNoiseReport:
+          failed_after_measuring: str | None = None) -> CommandNoiseReport:
     """The report of the merged steps; ValueError when no step was measured."""
     if not merged.steps:
         raise ValueError("no measured step")
@@ -104,7 +104,7 @@ def build(command: tuple[str, ...], merged: Merged, *, start_step: int, every: i
     return CommandNoiseReport(command=command, merged=merged, summary=summary, history=history,
                               by_samples=by_samples(history, window), start_step=start_step, every=every,
                               returncode=returncode, stopped_early=stopped_early, cancelled_by=cancelled_by,
-                              failed_after=failed_after)
+                              failed_after_measuring=failed_after_measuring)
 
 
 def _estimate(step: StepNorms) -> dict[str, float]:

@@ -55,28 +55,29 @@ def measure_command(config: CommandConfig, *, program_stdout_to_stderr: bool = F
         if timed_out:
             why += f" (the command was stopped at --deadline {config.deadline_s:g} s)"
         return NoiseOutcome(**ended, why_nothing=why)
-    stopped, cancelled = _stopped(config, ended["returncode"], ended["signal"], timed_out)
-    failed_after = None
-    if stopped is not None and cancelled is None and not timed_out and _last_planned_step_measured(config, merged):
-        # A failure past the plan (gloo's abort at exit, a crash in the script's own ending) cut nothing short.
-        stopped, failed_after = None, (f"the command failed with exit code {ended['returncode']} after the last "
-                                       "planned step was measured: the figures are complete")
+    stopped, cancelled, failed_after = _ending(config, merged, ended["returncode"], ended["signal"], timed_out)
     report = command_report.build(config.command, merged, start_step=config.start_step, every=config.every,
                                   window=config.window, returncode=ended["returncode"], stopped_early=stopped,
-                                  cancelled_by=cancelled, failed_after=failed_after)
+                                  cancelled_by=cancelled, failed_after_measuring=failed_after)
     return NoiseOutcome(**ended, report=report)
 
 
-def _stopped(config: CommandConfig, returncode: int, signum: int | None, timed_out: bool) -> tuple[str | None,
-                                                                                                   str | None]:
+def _ending(config: CommandConfig, merged: Merged, returncode: int, signum: int | None,
+            timed_out: bool) -> tuple[str | None, str | None, str | None]:
+    """How the command ended: why it stopped early, the signal that cancelled it, and a failure that came only after
+    the last planned step was measured (each None when it does not apply)."""
     if timed_out:
-        return f"the command was stopped at --deadline {config.deadline_s:g} s", None
+        return f"the command was stopped at --deadline {config.deadline_s:g} s", None, None
     if signum is not None or returncode in (130, 143, 129):
         name = signal.Signals(signum or returncode - 128).name
-        return f"the command was stopped by {name}", name
+        return f"the command was stopped by {name}", name, None
+    if returncode != 0 and _last_planned_step_measured(config, merged):
+        # A failure past the plan (gloo's abort at exit, a crash in the script's own ending) cut nothing short.
+        return None, None, (f"the command failed with exit code {returncode} after the last planned step was "
+                            "measured: the figures are complete")
     if returncode != 0:
-        return f"the command failed with exit code {returncode}", None
-    return None, None
+        return f"the command failed with exit code {returncode}", None, None
+    return None, None, None
 
 
 def _last_planned_step_measured(config: CommandConfig, merged: Merged) -> bool:
