@@ -1,11 +1,16 @@
 """Every finding the audit can make: its severity, what it does to training, and how to fix it (pure data).
 
 The fix for a loss normalised by a local count is also given in the words of the framework the program used.
+Messages whose truth depends on the data-parallel reduction hold ``{reduction}`` (what the run's reduction does, in
+its engine's words) and ``{divisor}`` (what it divides the ranks' summed gradients by): :func:`message` fills them
+with the run's own :class:`~ddplab.runtime.reduction.Reduction`.
 """
 
 from __future__ import annotations
 
 from typing import Literal
+
+from ddplab.runtime.reduction import Reduction
 
 Severity = Literal["error", "warning", "info"]
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -14,9 +19,10 @@ SEVERITY_ORDER: dict[Severity, int] = {ERROR: 0, WARNING: 1, INFO: 2}
 # The fix for a loss normalised by a local count, in a plain loop (frameworks' own words in FRAMEWORK_FIXES).
 GLOBAL_COUNT_RECIPE = (
     "divide the summed loss by the valid-element count of the whole optimizer step, all-reduced over the "
-    "data-parallel ranks (and context-parallel ones) and summed over the step's micro-batches, times the "
-    "data-parallel size DDP and FSDP2 divide by: count = sum((labels != -100).sum() for the step's micro-batches); "
-    "dist.all_reduce(count, group=dp_group); loss = F.cross_entropy(logits, labels, reduction='sum') * dp_size / "
+    "data-parallel ranks (and context-parallel ones) and summed over the step's micro-batches, times what the "
+    "reduction divides the ranks' summed gradients by ({divisor}): count = sum((labels != -100).sum() for the "
+    "step's micro-batches); "
+    "dist.all_reduce(count, group=dp_group); loss = F.cross_entropy(logits, labels, reduction='sum'){times} / "
     "count for each micro-batch (torchtitan's global valid-token count)")
 # What the same fix is called in a framework the program used, per finding.
 FRAMEWORK_FIXES: dict[str, str] = {
@@ -32,6 +38,12 @@ FRAMEWORK_FIXES: dict[str, str] = {
                   "gradient_accumulation_steps, Accelerator.backward divides by the steps: multiply them back in)",
 }
 TOKEN_FINDINGS = ("LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH")
+# SCHEDULER_STEPS_PER_PROCESS's fix in the words of a framework that steps the scheduler itself.
+SCHEDULER_FIXES: dict[str, str] = {
+    "accelerate": "give the schedule's lengths in scheduler steps (multiply warmup and total steps by "
+                  "num_processes), or prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) "
+                  "and step it once per optimizer step yourself",
+}
 
 # code → (severity, what it does to training, the fix)
 CATALOGUE: dict[str, tuple[str, str, str]] = {
@@ -67,11 +79,13 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "before iterating the loader"),
     "SUM_REDUCTION": (
         WARNING,
-        "backward starts from a loss summed over the batch: DDP and FSDP2 average gradients over the data-parallel "
-        "ranks, so the gradient is 1/W of what one process summing the global batch gets (with SGD the step is W "
-        "times smaller; Adam-style optimizers mostly normalise the scale away, but not their epsilon or an L2 penalty "
-        "in the loss)",
-        "use reduction='mean', divide the summed loss by a sample or token count, or multiply it by the world size"),
+        "backward starts from a loss summed over the batch: {reduction}, so the gradient is 1/{divisor} of what one "
+        "process summing the global batch gets (with SGD the step is {divisor} times smaller; Adam-style optimizers "
+        "mostly normalise the scale away, but not their epsilon or an L2 penalty in the loss)",
+        "for a token loss, divide the summed loss by the step's valid-token count all-reduced over the data-parallel "
+        "ranks, times {divisor} (the global-count recipe; reduction='mean' divides each micro-batch by its own "
+        "count, which weighs tokens unequally); for a loss over samples of one size, reduction='mean' or a division "
+        "by the sample count; or multiply the summed loss by {divisor}"),
     "BATCHNORM_NOT_SYNCED": (
         INFO,
         "BatchNorm normalises with statistics over each rank's batch, not the global batch",
@@ -101,9 +115,8 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         WARNING,
         "the lr scheduler steps several times per optimizer step, so a warmup or decay given in optimizer steps "
         "runs that many times faster: warmup ends early, and a decay reaches its end while training goes on",
-        "give the schedule's lengths in scheduler steps (multiply warmup and total steps by num_processes), or "
-        "prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) and step it once per "
-        "optimizer step yourself"),
+        "call scheduler.step() once per optimizer step (after optimizer.step(), outside the micro-batch loop), or "
+        "give the schedule's lengths in the scheduler steps it really takes"),
     "LR_SCALED_NOT_SCHEDULE": (
         WARNING,
         "the optimizer's lr was scaled for the world size after its scheduler was built: the scheduler's base_lrs "
@@ -119,8 +132,8 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "dimensions), not dist.get_world_size(); `ddplab plan --tp` computes it"),
     "LOSS_NORMALISED_PER_DEVICE": (
         WARNING,
-        "each rank divided its loss by its own element (token) count, and DDP (or FSDP2) averages those means: with "
-        "different counts per rank, an element on a rank with few weighs more than one on a rank with many, so the "
+        "each rank divided its loss by its own element (token) count, and {reduction}: with different counts per "
+        "rank, an element on a rank with few weighs more than one on a rank with many, so the "
         "gradient is not the mean over the global batch's elements",
         GLOBAL_COUNT_RECIPE),
     "LOSS_NORMALISED_PER_MICRO_BATCH": (
@@ -131,11 +144,25 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         GLOBAL_COUNT_RECIPE),
     "GLOBAL_COUNT_WITHOUT_WORLD_SIZE": (
         WARNING,
-        "the loss was divided by the element count of the whole step on all data-parallel ranks, and DDP then "
-        "averages the gradients over those ranks: the gradient is 1/W of the global mean's (with SGD the step is W "
-        "times smaller)",
-        "multiply the loss by the data-parallel size: loss = loss_sum * dp_size / global_count (DDP and FSDP2 "
-        "divide the summed gradients by dp_size, so this gives exactly the global mean)"),
+        "the loss was divided by the element count of the whole step on all data-parallel ranks, and {reduction}: "
+        "the gradient is 1/{divisor} of the global mean's (with SGD the step is {divisor} times smaller)",
+        "multiply the loss by what the reduction divides by: loss = loss_sum * {divisor} / global_count (the "
+        "reduction then divides the ranks' summed gradients by {divisor}, so this gives exactly the global mean)"),
+    "DIVIDE_FACTOR": (
+        WARNING,
+        "the loss was normalised as a reduction that averages needs it (a mean over each rank's own elements, or the "
+        "step's global count times the data-parallel size), but {reduction}: the gradient is {factor} times the "
+        "global mean's",
+        "make the two agree: either keep the reduction and divide the summed loss by the global count alone "
+        "(times {divisor}), or remove set_gradient_divide_factor (or the summing comm hook) so that the reduction "
+        "averages"),
+    "GATHERED_LOSS_WITHOUT_WORLD_SIZE": (
+        WARNING,
+        "the loss is computed over features all-gathered from every rank by a gather whose backward passes back "
+        "only this rank's slice: each rank's parameters get its own rows' share of the loss's gradient, and "
+        "{reduction}: the gradient is 1/{size} of what one process computing the same loss gets",
+        "multiply the loss by the world size, or gather with torch.distributed.nn.functional.all_gather, whose "
+        "backward all-reduces the gradient of every gathered slice"),
     "EVAL_SAMPLES_DUPLICATED": (
         WARNING,
         "an evaluation pass over a DistributedSampler that padded the dataset to a multiple of the ranks "
@@ -157,3 +184,29 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "nothing to fix in training; the detail says what the audit could not see"),
     "RUN_INFO": (INFO, "", ""),
 }
+
+# The findings whose message and fix depend on the run's reduction (:func:`message`).
+REDUCTION_FINDINGS = ("SUM_REDUCTION", "GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "DIVIDE_FACTOR",
+                      "GATHERED_LOSS_WITHOUT_WORLD_SIZE", *TOKEN_FINDINGS)
+# What a message says of a reduction nobody has described yet (a rank's own findings, before the merge).
+_ANY_REDUCTION = {"reduction": "DDP and FSDP2 average the gradients over the W data-parallel ranks", "divisor": "W",
+                  "times": " * dp_size", "size": "W", "factor": "W/D"}
+
+
+def fill(text: str, reduction: Reduction | None) -> str:
+    """A catalogue text with the run's reduction in it (or the default average's words, where it is unknown)."""
+    if reduction is None or not reduction.known:
+        return text.format(**_ANY_REDUCTION)
+    divisor = f"{reduction.divisor:g}"
+    times = "" if reduction.sums else f" * {divisor}"
+    size = reduction.data_parallel_size
+    return text.format(reduction=reduction.describe(), divisor=divisor, times=times, size=size,
+                       factor=f"{size / reduction.divisor:g}")
+
+
+def message(code: str, reduction: Reduction | None = None) -> tuple[str, str]:
+    """``code``'s message and fix, saying what ``reduction`` does where they depend on it."""
+    _, text, fix = CATALOGUE[code]
+    if code not in REDUCTION_FINDINGS:
+        return text, fix
+    return fill(text, reduction), fill(fix, reduction)

@@ -12,17 +12,10 @@ optimizer step). Watched for the whole run: evaluation comes after the audited w
 from __future__ import annotations
 
 import dataclasses
-import functools
-import sys
 
-import torch.distributed as dist
-
-from ddplab.auditor import state
+from ddplab.auditor import collectives, state
 from ddplab.auditor.patches import Patches
 
-# The collectives that carry data: a barrier or a broadcast of settings combines no results.
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "gather",
-               "gather_object", "reduce_scatter", "reduce_scatter_tensor")
 # Callers whose collectives are not the program's results: torch itself, frameworks that handle the padding.
 NOT_THE_PROGRAM = ("torch.", "ddplab.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "accelerate.",
                    "transformers.", "torchmetrics.")
@@ -47,9 +40,7 @@ _PASSES: list[_Pass] = []
 def install(patches: Patches) -> None:
     """Watch the collectives; DistributedSampler's passes and the loaders' batches come through :mod:`data`."""
     _PASSES.clear()
-    for name in COLLECTIVES:
-        if callable(getattr(dist, name, None)):
-            patches.replace(dist, name, functools.partial(_watched_collective, name))
+    collectives.watch(_on_collective)
 
 
 def watch_pass(sampler, iterator):
@@ -96,14 +87,9 @@ def batch_returned(ended: list[_Pass]) -> None:
             _PASSES.remove(this_pass)
 
 
-def _watched_collective(name: str, original):
-    @functools.wraps(original)
-    def collective(*args, **kwargs):
-        if _PASSES:
-            _collective_called(name, sys._getframe(1).f_globals.get("__name__", ""))
-        return original(*args, **kwargs)
-
-    return collective
+def _on_collective(name: str, args: tuple, kwargs: dict, caller: str) -> None:
+    if _PASSES:
+        _collective_called(name, caller)
 
 
 @state.guarded("watching collectives after evaluation")

@@ -18,10 +18,14 @@ from ddplab.auditor.catalogue import (
     CATALOGUE,
     ERROR,
     FRAMEWORK_FIXES,
+    REDUCTION_FINDINGS,
+    SCHEDULER_FIXES,
     SEVERITY_ORDER,
     TOKEN_FINDINGS,
     Severity,
+    message,
 )
+from ddplab.runtime.reduction import Reduction, averaging, measured_divisor
 
 
 @dataclasses.dataclass
@@ -37,8 +41,8 @@ class Finding:
 
     @classmethod
     def make(cls, code: str, rank: int, detail: str = "", severity: Severity | None = None) -> Finding:
-        default_severity, message, fix = CATALOGUE[code]
-        return cls(code, severity or default_severity, message, fix, [rank], detail)
+        text, fix = message(code)
+        return cls(code, severity or CATALOGUE[code][0], text, fix, [rank], detail)
 
     def to_json(self) -> dict[str, Any]:
         message = f"{self.message} ({self.detail})" if self.detail and self.message else self.message or self.detail
@@ -67,6 +71,17 @@ class Report:
     model_parallel_only: dict[str, int] | None = None
     """The mesh of a run with model parallelism but no data-parallel dimension (pure tensor or sequence
     parallelism), whose optimizer stepped DTensor parameters; None otherwise."""
+    reduction: Reduction | None = None
+    """What the data-parallel reduction did to the ranks' gradients (the divisor read or measured); None when no
+    step of a data-parallel model was audited."""
+    unaudited: str | None = None
+    """Why a run that started no step ddplab reads was not audited (an engine it does not read); None otherwise."""
+
+    @property
+    def audited(self) -> bool:
+        """Whether anything of the run was audited: an optimizer step of a model ddplab reads, or evidence that
+        the ranks each trained alone (a run of model parallelism alone is described, not audited)."""
+        return self.why_nothing is None and (self.steps_audited > 0 or bool(self.problems))
 
     @property
     def has_error(self) -> bool:
@@ -84,12 +99,17 @@ class Report:
             return (f"world size {self.world_size}, model parallelism on mesh {shape} with no data-parallel "
                     "dimension: every rank trains on the same batch, so the data-parallel findings do not apply")
         if self.steps_audited == 0:
-            return f"world size {self.world_size}, no optimizer step of a DDP model was audited"
+            why = self.unaudited or ("no optimizer step of a DDP or FSDP2 model was seen (the run built none, or its "
+                                     "training stopped before a step)")
+            return f"world size {self.world_size}, nothing was audited: {why}"
         steps = f"{self.steps_audited} optimizer steps audited"
         if self.steps_requested and self.steps_audited < self.steps_requested:
             steps += f" (the run made fewer than the {self.steps_requested} asked for)"
         setting = describe_setting(self.world_size, self.data_parallel_size, self.strategy, self.mesh)
-        return f"{setting}, global batch {self.global_batch_size}, lr {format_lr(self.lr)}, {steps}"
+        reduction = self.reduction
+        # The reduction is named where the program chose it: a sum, a divisor of its own, a comm hook.
+        chosen = f"; {reduction.describe()}" if reduction is not None and reduction.source else ""
+        return f"{setting}, global batch {self.global_batch_size}, lr {format_lr(self.lr)}, {steps}{chosen}"
 
     def signature(self) -> list[list]:
         """What a reader would see change between two reports of one run (JSON-shaped)."""
@@ -99,16 +119,18 @@ class Report:
         return {"world_size": self.world_size, "data_parallel_size": self.data_parallel_size,
                 "global_batch_size": self.global_batch_size, "strategy": self.strategy, "mesh": self.mesh,
                 "lr": self.lr, "steps_audited": self.steps_audited, "steps_requested": self.steps_requested,
-                "findings": [f.to_json() for f in self.findings], "audited": self.why_nothing is None,
-                "model_parallel_only": self.model_parallel_only}
+                "findings": [f.to_json() for f in self.findings], "audited": self.audited,
+                "model_parallel_only": self.model_parallel_only,
+                "reduction": self.reduction.to_json() if self.reduction is not None else None}
 
 
 def merge(rank_records: list[dict[str, Any]]) -> Report:
     """Merge per-rank records into one report: their own findings, then what comparing them shows."""
     merged: dict[str, Finding] = {}
     records = sorted(rank_records, key=lambda r: r.get("rank", 0))
+    reduction = run_reduction(records)
     local = [Finding(**raw) for record in records for raw in record.get("findings", [])]
-    for finding in local + cross_rank_findings(records):
+    for finding in _judged_by(local, reduction) + cross_rank_findings(records, reduction):
         if finding.code in merged:
             known = merged[finding.code]
             known.ranks = sorted(set(known.ranks) | set(finding.ranks))
@@ -118,14 +140,65 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
             merged[finding.code] = dataclasses.replace(finding, ranks=sorted(finding.ranks))
     main = records[0] if records else {}
     findings = sorted(merged.values(), key=lambda f: (SEVERITY_ORDER[f.severity], f.code))
+    used = {name for record in records for name in record.get("frameworks", [])}
     dimension = _data_parallel_dimension(main)
     for finding in findings:
+        if finding.code in REDUCTION_FINDINGS:
+            # What the message says of the reduction is the run's own (a rank's findings were made before it was).
+            finding.message, fix = message(finding.code, reduction)
+            finding.fix = fix if finding.fix == message(finding.code)[1] else finding.fix
+        if finding.code == "SCHEDULER_STEPS_PER_PROCESS":
+            finding.fix = next((SCHEDULER_FIXES[name] for name in SCHEDULER_FIXES if name in used), finding.fix)
         # Fixes that name the mesh's data-parallel dimension use the program's own name for it.
         finding.fix = finding.fix.replace("mesh['dp']", f"mesh['{dimension}']")
     return Report(main.get("world_size"), main.get("global_batch_size"), main.get("lr"),
                   max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings,
                   data_parallel_size=main.get("data_parallel_size"), strategy=main.get("strategy"),
-                  mesh=main.get("mesh"), model_parallel_only=main.get("model_parallel_only"))
+                  mesh=main.get("mesh"), model_parallel_only=main.get("model_parallel_only"), reduction=reduction,
+                  unaudited=next((r["unaudited"] for r in records if r.get("unaudited")), None))
+
+
+def run_reduction(records: list[dict[str, Any]]) -> Reduction | None:
+    """The run's reduction: as rank 0 read it, with a divisor measured across the ranks where it had to be (a DDP
+    communication hook of the program's own: :mod:`ddplab.auditor.comm_hooks`)."""
+    main = records[0] if records else {}
+    reduction = Reduction.from_json(main.get("reduction"))
+    if reduction is None:
+        if not main.get("steps_audited"):
+            return None
+        size = main.get("data_parallel_size") or main.get("world_size") or 1
+        return averaging(main.get("strategy") or "ddp", size)
+    if reduction.known:
+        return reduction
+    return dataclasses.replace(reduction, divisor=_measured(records))
+
+
+def _measured(records: list[dict[str, Any]]) -> float | None:
+    """D from the first step whose hooked reductions every rank measured: Σ_r local_r = D · reduced."""
+    by_step: dict[tuple[str, int], dict[int, list[float]]] = {}
+    for record in records:
+        for window in record.get("windows", []):
+            if window.get("comm_sums"):
+                by_step.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window["comm_sums"]
+    for (_, _), sums in sorted(by_step.items(), key=lambda item: item[0][1]):
+        if len(sums) == len(records) and len(records) >= 2:
+            reduced = [reduced for _, reduced in sums.values()]
+            return measured_divisor([local for local, _ in sums.values()], sum(reduced) / len(reduced))
+    return None
+
+
+def _judged_by(local: list[Finding], reduction: Reduction | None) -> list[Finding]:
+    """A rank's own findings that hold under the run's reduction: a summed loss is what one process summing the
+    global batch computes when the reduction sums too; under a divisor nobody could read, it is not judged."""
+    if reduction is None or (reduction.known and not reduction.sums):
+        return local
+    kept = [finding for finding in local if finding.code != "SUM_REDUCTION"]
+    if not reduction.known and len(kept) < len(local):
+        note = Finding.make("AUDIT_INCOMPLETE", local[0].ranks[0],
+                            f"{reduction.describe()}: a summed loss was seen, but how it compares with one process "
+                            "depends on that divisor, so it was not judged")
+        kept.append(note)
+    return kept
 
 
 def _data_parallel_dimension(record: dict[str, Any]) -> str:
@@ -162,7 +235,7 @@ def nothing_audited(why: str) -> Report:
 
 # --- comparing ranks' records ---
 
-def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
+def cross_rank_findings(records: list[dict[str, Any]], reduction: Reduction | None = None) -> list[Finding]:
     """Parameters, buffers and gradients compared step by step; batches compared over the whole window."""
     out = []
     joined = _joined(records)
@@ -182,7 +255,7 @@ def cross_rank_findings(records: list[dict[str, Any]]) -> list[Finding]:
     tokens = _per_device_tokens(windows)
     if tokens is not None:
         out.append(tokens)
-    out += _normalisation_findings(windows, records)
+    out += _normalisation_findings(windows, records, reduction)
     # Tensors first; then the indices behind them, which random augmentation cannot hide.
     duplicate = _duplicate_batches(records, "batches") or _duplicate_batches(records, "index_batches")
     if duplicate is not None:
@@ -254,12 +327,13 @@ def _per_device_tokens(windows) -> Finding | None:
     return None
 
 
-def _normalisation_findings(windows, records: list[dict[str, Any]]) -> list[Finding]:
-    """Losses divided by per-rank or per-micro-batch counts, or by a global count without × W."""
+def _normalisation_findings(windows, records: list[dict[str, Any]], reduction: Reduction | None) -> list[Finding]:
+    """Losses divided by per-rank or per-micro-batch counts, or by a global count that disagrees with the reduction."""
     used = {name for record in records for name in record.get("frameworks", [])}
     framework = next((name for name in FRAMEWORK_FIXES if name in used), None)
+    divisor = normalisation.AVERAGE if reduction is None else reduction.divisor
     out = []
-    for judgement in normalisation.judge_windows(windows):
+    for judgement in normalisation.judge_windows(windows, divisor):
         ranks = sorted({rank for (_, step), by_rank in windows.items() if step == judgement.step for rank in by_rank})
         finding = Finding.make(judgement.code, ranks[0] if ranks else 0, judgement.detail)
         finding.ranks = ranks or [0]

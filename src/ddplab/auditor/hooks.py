@@ -35,6 +35,7 @@ from ddplab.auditor import batches, exchange, frameworks, losses, meshes, schedu
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
 from ddplab.runtime import compat, strategies
+from ddplab.runtime.reduction import averaging
 
 
 def install(patches: Patches) -> None:
@@ -97,6 +98,8 @@ def attach(audit: AuditState, ddp: DistributedDataParallel) -> None:
     ignored = getattr(ddp, "parameters_to_ignore", set())
     params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
     info = audit.wrappers[ddp] = WrapperInfo(ddp.module, key, group, params)
+    # DDP's own reducer averages; a comm hook registered later says otherwise (comm_hooks).
+    info.reduction = averaging("ddp", len(group))
     audit.batches[key] = info.batches
     audit.modules[strategy.module(ddp)] = info
     for _, param in info.params():
@@ -244,6 +247,7 @@ def _optimizer_stepped(audit: AuditState, optimizer) -> None:
         if audit.wrapper_count == 0:
             meshes.note_model_parallel_only(audit, optimizer)
             frameworks.check_not_distributed(audit, optimizer)
+            frameworks.note_unread_engine(audit)
             schedulers.check(audit, optimizer)
         return
     schedulers.check(audit, optimizer)
@@ -267,6 +271,8 @@ def _ddp_step_evidence(audit: AuditState, info: WrapperInfo) -> None:
     window = audit.window(info)
     window["grads"] = tensors.named_digests([(n, p.grad) for n, p in stepped])
     window["params"] = tensors.named_digests(params)
+    if info.comm_sums is not None:
+        window["comm_sums"], info.comm_sums = info.comm_sums, None
 
 
 def _owner(audit: AuditState, optimizer) -> WrapperInfo | None:

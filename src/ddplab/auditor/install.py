@@ -11,7 +11,21 @@ from __future__ import annotations
 import os
 import sys
 
-from ddplab.auditor import data, environment, evaluation, exchange, frameworks, hooks, losses, meshes, schedulers, state
+from ddplab.auditor import (
+    collectives,
+    comm_hooks,
+    data,
+    environment,
+    evaluation,
+    exchange,
+    frameworks,
+    gathers,
+    hooks,
+    losses,
+    meshes,
+    schedulers,
+    state,
+)
 from ddplab.auditor import findings as fnd
 from ddplab.auditor.patches import Patches
 
@@ -28,7 +42,7 @@ def install(steps: int = 5, out_dir: str | None = None) -> state.AuditState:
         return audit
     audit = state.start(steps, out_dir)
     _PATCHES = Patches()
-    for module in (hooks, meshes, data, evaluation, losses, schedulers, frameworks):
+    for module in (hooks, comm_hooks, meshes, collectives, data, evaluation, losses, gathers, schedulers, frameworks):
         module.install(_PATCHES)
     if out_dir:
         _PATCHES.replace(sys, "excepthook", environment.watched_excepthook)
@@ -65,6 +79,7 @@ def _at_exit() -> None:
     audit = state.current()
     if audit is not None:
         frameworks.at_exit()
+        schedulers.at_exit()
         audit.write()
 
 

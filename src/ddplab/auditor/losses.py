@@ -11,6 +11,12 @@ judged by its effect too: during the audited window a hook on the tagged node re
 that backward brings to each summed term, its *weight*. A mean over a micro-batch of n samples
 weighs each term at most 1/n (1/(n·A) with A accumulated micro-batches, less still per token); a sum
 weighs it 1, or 1/A once divided by the accumulation steps, so it grows with the per-device batch.
+
+A sum scaled by a constant the program wrote (``0.1 * (-0.5 * kl.sum())``, a β-VAE's divergence beside a mean
+reconstruction term) is a sum too: when the only numbers between the sum and backward are Python floats and
+integers (:mod:`ddplab.auditor.scales`) and none of them is a count of the batch it sums, its terms weigh the same
+whatever the per-device batch, and that term is SUM_REDUCTION. A count of the program's own (a tensor) on the way is
+a normalisation, judged across ranks by :mod:`ddplab.auditor.normalisation`.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import math
 
 import torch
 
-from ddplab.auditor import state, tensors, weights
+from ddplab.auditor import gathers, loss_functions, scales, state, tensors, weights
 from ddplab.auditor.patches import Patches
 
 LOSS_FUNCTIONS = ("l1_loss", "mse_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
@@ -39,6 +45,11 @@ SEARCH_NODES = 256
 # Autograd nodes that normalise what flows through them: a sum over their results is no sum over samples (a product
 # with a single number, such as terms times dp_size / count, normalises too).
 NORMALISING_NODES = ("MeanBackward", "DivBackward")
+
+
+# A normaliser this close (relatively) to a count of the batch it sums divides by that count.
+COUNT_TOLERANCE = 0.1
+_INSIDE_LOSS_FUNCTION = [0]  # loss functions being computed: their own sums (gaussian_nll's) are theirs, not a hand's
 
 
 def install(patches: Patches) -> None:
@@ -72,18 +83,22 @@ def _checking_backward(original_backward):
 def _tag_reduction(name, loss_fn):
     @functools.wraps(loss_fn)
     def wrapper(*args, **kwargs):
-        out = loss_fn(*args, **kwargs)
-        _tag(name, out, args, kwargs)
+        _INSIDE_LOSS_FUNCTION[0] += 1
+        try:
+            out = loss_fn(*args, **kwargs)
+        finally:
+            _INSIDE_LOSS_FUNCTION[0] -= 1
+        _tag(name, loss_fn, out, args, kwargs)
         return out
 
     return wrapper
 
 
 @state.guarded("tagging a loss")
-def _tag(audit, name: str, out, args, kwargs) -> None:
+def _tag(audit, name: str, loss_fn, out, args, kwargs) -> None:
     if not (isinstance(out, torch.Tensor) and out.grad_fn is not None) or _compiling():
         return
-    reduction = kwargs.get("reduction")
+    reduction = loss_functions.reduction(loss_fn, args, kwargs)
     # Tagged on the autograd node, which lives and dies with this loss's graph; the tensor is untouched.
     if reduction in ("sum", "none"):
         out.grad_fn.metadata[TAG] = reduction
@@ -92,7 +107,7 @@ def _tag(audit, name: str, out, args, kwargs) -> None:
         if reduction == "none":
             weights.watch_terms(audit, out)
         else:
-            weights.watch_loss_function(audit, name, args, kwargs, out)
+            weights.watch_loss_function(audit, name, loss_fn, args, kwargs, out)
 
 
 def _weigh(audit, out: torch.Tensor) -> None:
@@ -106,7 +121,8 @@ def _watched_sum(original_sum):
     def watched_sum(input, *args, **kwargs):
         out = original_sum(input, *args, **kwargs)
         audit = state.current()
-        if audit is not None and audit.armed and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        if audit is not None and audit.armed and isinstance(out, torch.Tensor) and out.grad_fn is not None and \
+                not _INSIDE_LOSS_FUNCTION[0]:
             _hand_written_sum(input, out, not args and "dim" not in kwargs)
         return out
 
@@ -115,7 +131,7 @@ def _watched_sum(original_sum):
 
 @state.guarded("watching a sum")
 def _hand_written_sum(audit, summed, out: torch.Tensor, full: bool) -> None:
-    if _compiling() or audit.training_info is None or not tensors.is_plain(summed) or \
+    if _compiling() or audit.training_info is None or not tensors.is_local(summed) or \
             not _from_model_output(audit, summed):
         return
     _weigh(audit, out)
@@ -183,6 +199,7 @@ def check_step(audit, samples: int) -> None:
     """
     summed, audit.loss_weights = audit.loss_weights, []
     audit.output_nodes.clear()
+    audit.gathered = None
     if "SUM_REDUCTION" in audit.findings:
         return
     for weight, micro_batch in summed:
@@ -190,7 +207,7 @@ def check_step(audit, samples: int) -> None:
         divisor = 1 / weight if weight > 0 else math.inf
         # Divided by nothing, or by exactly the accumulation steps: a sum; any other scale is no evidence.
         if weight * micro_batch >= GROWTH and any(math.isclose(divisor, d, rel_tol=1e-3) for d in {1, accumulation}):
-            audit.add("SUM_REDUCTION", _grown_detail(micro_batch, accumulation, round(divisor)) + _factor_note(audit))
+            audit.add("SUM_REDUCTION", _grown_detail(micro_batch, accumulation, round(divisor)))
             return
 
 
@@ -222,21 +239,47 @@ def summed(loss) -> bool:
 @state.guarded("inspecting a loss")
 def _check_loss(audit, loss: torch.Tensor) -> None:
     node = loss.grad_fn
-    if node is None or not summed(loss):
+    if node is None:
         return
-    if node.metadata.get(TAG) == "sum":
-        audit.add("SUM_REDUCTION",
-                  "a loss computed with reduction='sum' reached backward as it is" + _factor_note(audit))
+    terms = scales.reached(node, loss.dtype)
+    gathers.before_backward(audit, node, terms)
+    if not summed(loss):
+        _constant_scaled_sums(audit, terms)
+    elif node.metadata.get(TAG) == "sum":
+        audit.add("SUM_REDUCTION", "a loss computed with reduction='sum' reached backward as it is")
     else:
         audit.add("SUM_REDUCTION", "per-sample losses (reduction='none') were summed with .sum() and reached "
-                                   "backward without division by a count" + _factor_note(audit))
+                                   "backward without division by a count")
 
 
-def _factor_note(audit) -> str:
-    """Under a device mesh, what W is: the data-parallel size, which FSDP2 divides the reduced gradient by."""
-    if audit.mesh is None or audit.data_parallel_size is None:
-        return ""
-    size = audit.data_parallel_size
-    world = f", not the world size {audit.world_size}" if size != audit.world_size else ""
-    return (f"; FSDP2 ({audit.strategy}) averages the gradients over the data-parallel ranks, so W here is the "
-            f"data-parallel size {size}{world}")
+def _constant_scaled_sums(audit, terms: list[scales.Reached]) -> None:
+    """A sum whose only scale on the way to backward is a constant the program wrote: its terms' weight stays the
+    same whatever the per-device batch, beside any mean term whose weight shrinks with it."""
+    if "SUM_REDUCTION" in audit.findings:
+        return
+    for term in terms:
+        record = term.record
+        if not (record.summed and term.python_floats and term.scale) or _divided_by_a_count(record, term.scale):
+            continue
+        means = sorted({other.record.site for other in terms if other.record.divide_by_count})
+        beside = f", beside the mean at {means[0]}, whose weight shrinks as the batch grows" if means else ""
+        audit.add("SUM_REDUCTION",
+                  f"{record.what} at {record.site} reached backward scaled by the constant {term.scale:.4g} and "
+                  f"divided by no count of its batch: each of its terms weighs {abs(term.scale):.4g} in the gradient "
+                  f"whatever the per-device batch{beside}, so that term grows with the per-device batch")
+        return
+
+
+def _divided_by_a_count(record: weights.Record, scale: float) -> bool:
+    """Whether 1/|scale| is (near) a count of the batch the sum is over: its micro-batch's samples (or a multiple:
+    samples × positions), or its summed elements."""
+    normaliser = 1 / abs(scale)
+    audit = state.current()
+    samples = audit.micro_batch if audit is not None else None
+    counts = [int(record.count)] if record.count is not None else []
+    if samples:
+        counts.append(samples)
+        multiple = round(normaliser / samples)
+        if multiple >= 1 and math.isclose(normaliser, multiple * samples, rel_tol=COUNT_TOLERANCE / 10):
+            return True
+    return any(count > 0 and abs(normaliser - count) <= COUNT_TOLERANCE * count for count in counts)

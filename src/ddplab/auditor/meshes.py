@@ -35,6 +35,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ddplab.auditor import batches, losses, state
 from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
+from ddplab.runtime.reduction import Reduction
+from ddplab.runtime.strategies.fsdp import gradient_divide_factors
 
 # Mesh dimension names with a meaning of their own (torch's and torchtitan's names).
 CONTEXT_DIMS = ("cp",)
@@ -244,10 +246,28 @@ def note_model_parallel_only(audit: AuditState, optimizer) -> None:
 
 
 def note_setting(audit: AuditState, info: WrapperInfo) -> None:
-    """The run's strategy, mesh and data-parallel degree, as ``info``'s model has them."""
+    """The run's strategy, mesh, data-parallel degree and reduction, as ``info``'s model has them now."""
     audit.data_parallel_size = len(info.group)
     audit.strategy = info.layout.strategy if info.layout is not None else "ddp"
     audit.mesh = info.layout.mesh if info.layout is not None else None
+    if info.layout is not None:
+        # Read again at every audited step: set_gradient_divide_factor may follow the first forward.
+        info.reduction = fsdp_reduction(info.root(), info.layout.strategy, len(info.group))
+    audit.reduction = info.reduction
+
+
+def fsdp_reduction(root, strategy: str, data_parallel_size: int) -> Reduction | None:
+    """What FSDP2 divides the ranks' summed gradients by in ``root`` (None: the model is gone)."""
+    if root is None:
+        return None
+    factors = gradient_divide_factors(root, data_parallel_size)
+    if len(factors) > 1:
+        shown = ", ".join(f"{factor:g}" for factor in sorted(factors))
+        return Reduction(strategy, data_parallel_size, None, f"set_gradient_divide_factor: {shown} in different "
+                                                            "groups")
+    divisor = factors.pop() if factors else float(data_parallel_size)
+    source = "" if divisor == data_parallel_size else f"set_gradient_divide_factor({divisor:g})"
+    return Reduction(strategy, data_parallel_size, divisor, source)
 
 
 def _layout(rank: int, root, params, fsdp_module: type) -> Layout:

@@ -1,12 +1,16 @@
 """How a loss was normalised, judged from what its elements weighed on every rank and micro-batch (pure Python).
 
-DDP and FSDP2 average gradients over the W data-parallel ranks, so a step computes the mean over the global batch's
-N elements (tokens, or samples) exactly when every element weighs W/N in its own rank's backward. Each rank records,
-per loss line and micro-batch, the weight w of its counted elements and their count c
+A data-parallel reduction sums the W ranks' gradients and divides by D (D = W for DDP's and FSDP2's average, 1 for a
+reduction that sums: :class:`~ddplab.runtime.reduction.Reduction`), so a step computes the mean over the global
+batch's N elements (tokens, or samples) exactly when every element weighs D/N in its own rank's backward. Each rank
+records, per loss line and micro-batch, the weight w of its counted elements and their count c
 (:mod:`ddplab.auditor.weights`). Over one optimizer step:
 
-- every w equal: one normaliser for the whole step; w·N = 1 means a global count without × W
-  (``GLOBAL_COUNT_WITHOUT_WORLD_SIZE``), W/N is right, and anything else is a constant scale (silent);
+- every w equal: one normaliser for the whole step, M = 1/w elements, and the step's gradient is w·N/D times the
+  global mean's: w·N/D = 1/W under an average is a global count without × W (``GLOBAL_COUNT_WITHOUT_WORLD_SIZE``);
+  w = W/N under a reduction that does not average is the average's recipe under a sum (``DIVIDE_FACTOR``); w = D/N
+  is right, and anything else is a constant scale (silent). The factors of W are judged with a tolerance that
+  separates them (:data:`NEAR`): a count a few per cent off the loss's own is still W times off without × W;
 - one w per rank, with w times the rank's count equal across ranks: each rank divided by its own count
   (``LOSS_NORMALISED_PER_DEVICE``);
 - w varying within a rank, with w·c equal over every micro-batch: each micro-batch divided by its own count
@@ -18,9 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
-# Two weights (or weight × count products) within this relative distance are equal: float32's 1/n.
+# Two weights within this relative distance are equal: float32's 1/n.
 TOLERANCE = 1e-4
+# A normaliser this close (relatively) to a count is that count: a count that includes a token per sequence the loss
+# does not use (labels shifted twice) differs from the loss's own by 1-5%, far less than any factor of W >= 2.
+NEAR = 0.1
+# What the reduction divides the ranks' summed gradients by: the data-parallel size (an average), a number, or unknown.
+Divisor = float | Literal["average"] | None
+AVERAGE: Divisor = "average"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +41,8 @@ class Part:
     rank: int
     micro_step: int
     weight: float
-    count: int
+    count: float
+    """The units weighed: tokens, samples, elements; the summed class weights of a class-weighted mean."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,30 +60,59 @@ def _equal(values) -> bool:
     return max(values) - min(values) <= TOLERANCE * max(abs(v) for v in values)
 
 
-def judge(parts: list[Part], world_size: int, step: int) -> Judgement | None:
-    """The finding one loss line's parts in one step give, if any (``world_size``: the data-parallel ranks)."""
+def judge(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVERAGE) -> Judgement | None:
+    """The finding one loss line's parts in one step give, if any.
+
+    ``world_size``: the data-parallel ranks (W); ``divisor``: what the reduction divides their summed gradients by
+    (D; :data:`AVERAGE` for W; None where it is unknown, so that no judgement of the scale is made).
+    """
     if len({p.rank for p in parts}) < 2 and len(parts) < 2:
         return None
     total = sum(p.count for p in parts)
     if _equal(p.weight for p in parts):
-        if world_size > 1 and math.isclose(parts[0].weight * total, 1.0, rel_tol=TOLERANCE):
-            return Judgement("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", step, _global_detail(parts, world_size, total), 1.0)
-        return None
+        return _one_normaliser(parts, world_size, step, float(world_size) if divisor == AVERAGE else divisor, total)
     by_rank: dict[int, list[Part]] = {}
     for part in parts:
         by_rank.setdefault(part.rank, []).append(part)
+    spread = max(p.weight for p in parts) / min(p.weight for p in parts)
     if all(_equal(p.weight for p in own) for own in by_rank.values()):
         # One weight per rank: each rank's step divided by its own count, if weight × the rank's count agrees.
-        attributed = _equal(own[0].weight * sum(p.count for p in own) for own in by_rank.values())
+        attributed = _follows([own[0].weight * sum(p.count for p in own) for own in by_rank.values()], spread)
         code = "LOSS_NORMALISED_PER_DEVICE"
     else:
-        attributed = _equal(p.weight * p.count for p in parts)
+        attributed = _follows([p.weight * p.count for p in parts], spread)
         code = "LOSS_NORMALISED_PER_MICRO_BATCH"
     if not attributed:
         return None  # not one constant over each part's own count: nothing to attribute
-    spread = max(p.weight for p in parts) / min(p.weight for p in parts)
     detail = _unequal_detail(parts, by_rank, code == "LOSS_NORMALISED_PER_MICRO_BATCH", total)
     return Judgement(code, step, detail, spread)
+
+
+def _follows(products: list[float], spread: float) -> bool:
+    """Whether weight × count is one constant: exactly, or near enough (a count a token per sequence off the loss's
+    own) while the weights themselves differ far more than the products do."""
+    if _equal(products):
+        return True
+    product_spread = max(products) / min(products)
+    return product_spread - 1 <= NEAR and product_spread - 1 <= (spread - 1) / 4
+
+
+def _one_normaliser(parts: list[Part], world_size: int, step: int, divisor: float | None,
+                    total: int) -> Judgement | None:
+    """Every element weighed the same w: the step's loss was divided by one number, M = 1/w elements."""
+    if world_size < 2 or divisor is None:
+        return None
+    scale = parts[0].weight * total / divisor  # the gradient over the global mean's
+    if math.isclose(divisor, world_size, rel_tol=TOLERANCE) and _near(scale, 1 / world_size):
+        return Judgement("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", step,
+                         _global_detail(parts, world_size, total, divisor), 1.0)
+    if not math.isclose(divisor, world_size, rel_tol=TOLERANCE) and _near(scale, world_size / divisor):
+        return Judgement("DIVIDE_FACTOR", step, _divide_factor_detail(parts, world_size, total, divisor), 1.0)
+    return None
+
+
+def _near(value: float, target: float) -> bool:
+    return abs(value - target) <= NEAR * target
 
 
 def relative_weights(parts: list[Part]) -> tuple[float, float]:
@@ -103,14 +144,38 @@ def _ratio(parts: list[Part]) -> float:
     return max(p.weight for p in parts) / min(p.weight for p in parts)
 
 
-def _global_detail(parts: list[Part], world_size: int, total: int) -> str:
-    return (f"every element weighed 1/{total}, one over the step's {total} elements on all {world_size} "
-            f"data-parallel ranks, and the gradients are then averaged over those {world_size} ranks: the gradient "
-            f"is 1/{world_size} of the global mean's")
+def _normaliser(parts: list[Part], total: int, times: float = 1.0) -> str:
+    """What the loss was divided by, against the loss's own element count, where the two differ."""
+    normaliser = times / parts[0].weight
+    if math.isclose(normaliser, total, rel_tol=TOLERANCE):
+        return f"every element weighed {times:g}/{total}, {times:g} over the step's {total} elements"
+    return (f"every element weighed {times:g}/{normaliser:,.0f}: the count divides by {normaliser:,.0f} elements, "
+            f"where the loss uses {total:,} over the step's micro-batches and ranks ({normaliser / total - 1:+.1%})")
 
 
-def judge_windows(windows: dict[tuple[str, int], dict[int, dict]]) -> list[Judgement]:
-    """Every step of every model, every loss line: the strongest judgement of each kind."""
+def _global_detail(parts: list[Part], world_size: int, total: int, divisor: float) -> str:
+    scale = parts[0].weight * total / divisor
+    factor = _factor(scale, 1 / world_size, f"1/{world_size}")
+    return (f"{_normaliser(parts, total)} on all {world_size} data-parallel ranks, and the reduction divides the "
+            f"ranks' summed gradients by {divisor:g}: the gradient is {factor} of the global mean's")
+
+
+def _divide_factor_detail(parts: list[Part], world_size: int, total: int, divisor: float) -> str:
+    scale = parts[0].weight * total / divisor
+    expected = world_size / divisor
+    return (f"{_normaliser(parts, total, world_size)} on all {world_size} data-parallel ranks (× {world_size}, for "
+            f"an average), but the reduction divides the ranks' summed gradients by {divisor:g}: the gradient is "
+            f"{_factor(scale, expected, f'{expected:g}')} times the global mean's")
+
+
+def _factor(value: float, exact: float, name: str) -> str:
+    """``name`` where ``value`` is ``exact``; else the value, and the factor it is near."""
+    return name if math.isclose(value, exact, rel_tol=TOLERANCE) else f"{value:.3g} (about {name})"
+
+
+def judge_windows(windows: dict[tuple[str, int], dict[int, dict]], divisor: Divisor = AVERAGE) -> list[Judgement]:
+    """Every step of every model, every loss line: the strongest judgement of each kind (``divisor``: the
+    reduction's D, as in :func:`judge`)."""
     best: dict[str, Judgement] = {}
     for (_, step), by_rank in sorted(windows.items(), key=lambda item: item[0][1]):
         world = max((len(w.get("group", [])) for w in by_rank.values()), default=len(by_rank))
@@ -119,7 +184,7 @@ def judge_windows(windows: dict[tuple[str, int], dict[int, dict]]) -> list[Judge
                 # A loss some ranks never computed (rank-dependent code), or one line computing several losses in
                 # a micro-batch (a loop over tasks, each its own mean): nothing to compare element for element.
                 continue
-            judgement = judge(parts, world, step)
+            judgement = judge(parts, world, step, divisor)
             if judgement is not None and (judgement.code not in best or judgement.spread > best[judgement.code].spread):
                 best[judgement.code] = dataclasses.replace(judgement, detail=f"at optimizer step {step}, {site}: "
                                                                             f"{judgement.detail}")
@@ -130,9 +195,15 @@ def _repeated(parts: list[Part]) -> bool:
     return len({(p.rank, p.micro_step) for p in parts}) < len(parts)
 
 
+def _count(value) -> float:
+    # Tokens and samples are whole; summed class weights (a weighted mean's divisor) keep their fraction.
+    value = float(value)
+    return int(value) if value.is_integer() else value
+
+
 def _parts_by_site(by_rank: dict[int, dict]) -> dict[str, list[Part]]:
     out: dict[str, list[Part]] = {}
     for rank, window in by_rank.items():
         for site, rows in (window.get("loss_weights") or {}).items():
-            out.setdefault(site, []).extend(Part(rank, int(m), float(w), int(c)) for m, w, c in rows)
+            out.setdefault(site, []).extend(Part(rank, int(m), float(w), _count(c)) for m, w, c in rows)
     return out

@@ -20,7 +20,7 @@ def report_lines(report: Report, *, interim_steps: int | None = None, width: int
     """The report's lines; ``interim_steps``: rank 0's report after that many steps, while training goes on."""
     prefix = f"[rank 0, after {interim_steps} steps] " if interim_steps is not None else ""
     lines: list[tuple[Kind, str]] = [("headline", f"{prefix}ddplab audit: {report.headline()}")]
-    if not report.problems and report.why_nothing is None and not report.model_parallel_only:
+    if not report.problems and report.audited:
         lines.append(("clean", _clean(interim_steps)))
     for finding in report.problems:
         data = finding.to_json()

@@ -3,7 +3,9 @@
 - ``SCHEDULER_STEPS_PER_PROCESS``: a scheduler steps several times per optimizer step (Accelerate
   steps a prepared scheduler once per process); a warning once the lr reaches 0 while training
   goes on, which is watched for the whole run (one float read per optimizer step), not only the
-  audited window.
+  audited window; an info at the run's end where the lr stopped changing for the second half of
+  the run or more (the schedule ran out early). A constant lr, or a schedule whose lengths were
+  multiplied by the processes (it changes until the end), says nothing.
 - ``LR_SCALED_NOT_SCHEDULE``: the optimizer's lr was scaled by W or √W (under a device mesh, also by
   the data-parallel size D or √D) after its scheduler was built. A warning where the scheduler
   recomputes every lr from its ``base_lrs`` (LambdaLR, OneCycleLR, CyclicLR), so its next step
@@ -54,6 +56,8 @@ class OptimizerWatch:
         self.lrs: list[float] = []
         self.positive_seen = False
         self.zero_at: int | None = None
+        self.last_lr: float | None = None
+        self.last_change: int | None = None  # the optimizer step at which the lr last changed
 
 
 class _Tables:
@@ -180,6 +184,9 @@ def _as_float(value) -> float | None:
 def _note_lr(watch: OptimizerWatch, lrs: list[float]) -> None:
     if len(watch.lrs) < LR_HISTORY:
         watch.lrs.append(lrs[0])
+    if watch.last_lr is not None and lrs[0] != watch.last_lr:
+        watch.last_change = watch.steps
+    watch.last_lr = lrs[0]
     if any(lr > 0 for lr in lrs):
         watch.positive_seen = True
     elif watch.positive_seen and watch.zero_at is None:
@@ -187,24 +194,49 @@ def _note_lr(watch: OptimizerWatch, lrs: list[float]) -> None:
         watch.zero_at = watch.steps
 
 
-def _check_steps_per_process(audit, watch: OptimizerWatch) -> None:
+def _steps_per_process(watch: OptimizerWatch) -> int | None:
+    """Scheduler steps per optimizer step, where two intervals each showed several; None otherwise."""
     counts = [c for s in watch.schedulers if (w := _TABLES.schedulers.get(s)) is not None
               for c in [w.per_step[:SCHEDULER_EVIDENCE]] if len(c) == SCHEDULER_EVIDENCE and min(c) >= 2]
-    if not counts:
-        return
-    per_step = counts[0][0]
+    return counts[0][0] if counts else None
+
+
+def _check_steps_per_process(audit, watch: OptimizerWatch) -> None:
+    per_step = _steps_per_process(watch)
     code = "SCHEDULER_STEPS_PER_PROCESS"
     known = audit.findings.get(code)
-    lrs = ", ".join(f"{lr:.4g}" for lr in watch.lrs)
-    what = f"the lr scheduler stepped {per_step} times per optimizer step{_accelerate_note(per_step)}"
-    if watch.zero_at is not None and (known is None or known.severity != "warning"):
-        audit.findings.pop(code, None)
-        audit.add(code, f"{what}; the lr reached 0 at optimizer step {watch.zero_at} and training went on at lr 0 "
-                        f"(lr at optimizer steps 0-{len(watch.lrs) - 1}: {lrs})", severity="warning")
-    elif known is None and len(watch.lrs) >= min(LR_HISTORY, 4):
-        audit.add(code, f"{what}, so a warmup or decay given in optimizer steps ends {per_step} times early, unless "
-                        f"its lengths were multiplied by {per_step} (lr at optimizer steps 0-{len(watch.lrs) - 1}: "
-                        f"{lrs})", severity="info")
+    if per_step is None or watch.zero_at is None or (known is not None and known.severity == "warning"):
+        return
+    audit.findings.pop(code, None)
+    audit.add(code, f"{_stepped(per_step)}; the lr reached 0 at optimizer step {watch.zero_at} and training went on "
+                    f"at lr 0 ({_history(watch)})", severity="warning")
+
+
+def _stepped(per_step: int) -> str:
+    return f"the lr scheduler stepped {per_step} times per optimizer step{_accelerate_note(per_step)}"
+
+
+def _history(watch: OptimizerWatch) -> str:
+    return f"lr at optimizer steps 0-{len(watch.lrs) - 1}: " + ", ".join(f"{lr:.4g}" for lr in watch.lrs)
+
+
+@state.guarded("judging lr schedules at exit")
+def at_exit(audit) -> None:
+    """At the run's end: a schedule that stopped changing halfway while its scheduler stepped several times per
+    optimizer step ran out early (a constant lr, or a schedule that changes to the end, says nothing)."""
+    if "SCHEDULER_STEPS_PER_PROCESS" in audit.findings:
+        return
+    for watch in list(_TABLES.optimizers.values()):
+        per_step = _steps_per_process(watch)
+        if per_step is None or watch.last_change is None or watch.zero_at is not None:
+            continue
+        flat = watch.steps - 1 - watch.last_change
+        if flat >= max(SCHEDULER_EVIDENCE, watch.steps // 2):
+            audit.add("SCHEDULER_STEPS_PER_PROCESS",
+                      f"{_stepped(per_step)}, and the lr stopped changing at optimizer step {watch.last_change} "
+                      f"of {watch.steps}: a warmup or decay given in optimizer steps ended {per_step} times early "
+                      f"({_history(watch)}; {watch.last_lr:.4g} from then on)", severity="info")
+            return
 
 
 def _accelerate_note(per_step: int) -> str:

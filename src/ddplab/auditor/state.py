@@ -16,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import findings as fnd
 from ddplab.auditor import guard
+from ddplab.runtime.reduction import Reduction
 
 # Training batches (and their indices) are kept for this many times the audited steps: streams shifted in time
 # still meet, and the forward hooks that look for FSDP2 roots live this long.
@@ -31,6 +32,7 @@ class WrapperInfo:
         self.key, self.group = key, group  # group: the data-parallel ranks, which split the data and average
         # Weak: a script that builds many models must not keep their parameters alive through the audit.
         self.param_refs = [(n, weakref.ref(p)) for n, p in params]
+        self.module_ref = weakref.ref(module)
         self.layout = layout  # the device mesh under FSDP2 (:class:`ddplab.auditor.meshes.Layout`); None for DDP
         self.steps = 0  # optimizer steps that updated this wrapper's parameters
         self.reductions = 0  # backward passes through a synchronising forward since the last step
@@ -48,6 +50,13 @@ class WrapperInfo:
         self.carried: tuple[str, int] | None = None  # gradients the step's first backward started from
         self.zero_grad_calls = 0  # the process's zero_grad calls as of this model's last optimizer step
         self.synced_micro_steps = 0  # of those, the ones whose backward reduces (FSDP2's gradient sync on)
+        self.reduction: Reduction | None = None  # what the data-parallel reduction divides the summed gradients by
+        # A comm hook's buckets this step: a linear functional of the local gradients and of the reduced ones.
+        self.comm_sums: list[float] | None = None
+
+    def root(self) -> torch.nn.Module | None:
+        """The model's module (the FSDP2 root, or the module DDP wraps), while it lives."""
+        return self.module_ref()
 
     def params(self) -> list[tuple[str, torch.Tensor]]:
         return [(name, p) for name, ref in self.param_refs if (p := ref()) is not None]
@@ -72,6 +81,8 @@ class AuditState:
         self.loss_weights: list[tuple[float, int]] = []  # (weight per summed term, micro-batch) this step
         self.weight_records: list = []  # what a loss's elements weigh, this step (:mod:`ddplab.auditor.weights`)
         self.output_nodes: list = []  # autograd nodes of this step's training forwards' outputs
+        # (rank, size) of a gather of features that require grad, this step (:mod:`ddplab.auditor.gathers`).
+        self.gathered: tuple[int, int] | None = None
         self.zero_grad_calls = 0  # Optimizer.zero_grad and Module.zero_grad calls, any optimizer or module
         self.frameworks: set[str] = set()  # the training frameworks the program imported (their fixes' words)
         self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
@@ -95,6 +106,8 @@ class AuditState:
         # Groups of ranks that must be fed the same batches (one tensor-parallel group each): group key → the key
         # of this rank's batches in ``batches`` and ``index_batches``, and whether its inputs are split (cp).
         self.tp_groups: dict[str, dict] = {}
+        self.reduction: Reduction | None = None  # the newest audited model's data-parallel reduction
+        self.unaudited: str | None = None  # why the run's training could not be audited (an engine not read)
         self.lr = None
         self.optimizer = None
         self.attached_pid = None
@@ -135,7 +148,8 @@ class AuditState:
         return {"rank": self.rank, "world_size": self.world_size, "global_batch_size": self.global_batch_size,
                 "data_parallel_size": self.data_parallel_size, "strategy": self.strategy, "mesh": self.mesh,
                 "tp_groups": self.tp_groups, "model_parallel_only": self.model_parallel_only, "lr": self.lr,
-                "optimizer": self.optimizer, "steps_audited": self.steps,
+                "optimizer": self.optimizer, "steps_audited": self.steps, "unaudited": self.unaudited,
+                "reduction": self.reduction.to_json() if self.reduction is not None else None,
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
                 "index_batches": self.index_batches,

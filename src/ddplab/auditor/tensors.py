@@ -8,6 +8,7 @@ of any element is the right test: no tolerance to tune, and a 3e-5 change in a b
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import torch
 
@@ -38,6 +39,14 @@ def _weights(device: torch.device, count: int) -> torch.Tensor:
     return weights[:count]
 
 
+def functional(tensor: torch.Tensor) -> float:
+    """A fixed linear functional of a tensor's elements, Σ_i (1 + i mod 7) x_i in float64: equal layouts on two ranks
+    give values that add as the tensors do (a plain sum of a softmax head's gradient would cancel to 0)."""
+    flat = tensor.detach().reshape(-1).double()
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(7).add_(1)
+    return float(flat.dot(weights))
+
+
 def named_digests(named: list[tuple[str, torch.Tensor]]) -> list[list]:
     """``[name, digest, norm]`` per tensor; the norm says how large a difference is once digests differ."""
     out = []
@@ -50,6 +59,16 @@ def named_digests(named: list[tuple[str, torch.Tensor]]) -> list[list]:
 def is_plain(tensor: torch.Tensor) -> bool:
     """A dense tensor whose bits live here: an operation on a DTensor (or another subclass) may run a collective."""
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided and not tensor.is_meta
+
+
+def is_local(tensor: torch.Tensor) -> bool:
+    """A tensor whose values are this rank's: a plain one, or the result of a collective already issued (an
+    AsyncCollectiveTensor, which a tensor-parallel layer returns: reading it waits for that collective, runs none)."""
+    if is_plain(tensor):
+        return True
+    module = sys.modules.get("torch.distributed._functional_collectives")
+    waiting = getattr(module, "AsyncCollectiveTensor", None)
+    return isinstance(waiting, type) and type(tensor) is waiting
 
 
 def fingerprint(value) -> str | None:

@@ -5,9 +5,10 @@ A loss's *weight per element* is the gradient backward brings to each of its ter
 the terms are summed, by a hook on that autograd node (the graph's, never the user's tensor; it returns None, so the
 gradient is unchanged):
 
-- a loss function's ``reduction='mean'`` over class indices (``cross_entropy``, ``nll_loss``): the output's gradient
-  divided by the targets that are not ``ignore_index``;
-- ``reduction='sum'`` over class indices: the output's gradient, for each such target;
+- a loss function's ``reduction='mean'``: the output's gradient divided by the units its mean divides by (the
+  targets that are not ``ignore_index``, the summed class weights, the batch, the elements: as each torch loss
+  function states it, :mod:`ddplab.auditor.loss_functions`);
+- ``reduction='sum'``: the output's gradient, for each such unit;
 - ``reduction='none'``: the gradient of every term, where the nonzero ones are equal (masked terms weigh 0);
 - a sum written by hand (``Tensor.sum``, ``torch.sum``) over a tensor computed from the model's output: the sum's
   gradient, for each nonzero summed element (a masked or one-hot product is zero elsewhere).
@@ -23,19 +24,21 @@ import dataclasses
 import functools
 import os
 import sys
+import sysconfig
 
 import torch
 
-from ddplab.auditor import patches, state, tensors
+from ddplab.auditor import loss_functions, patches, scales, state, tensors
 
 MAX_RECORDS = 64
-# Loss functions whose targets are class indices that ``ignore_index`` can mask: token-level losses.
-CLASS_INDEX_LOSSES = ("cross_entropy", "nll_loss")
 # Weights that differ by less than this (relative) are one weight: float32 rounding of 1/n.
 UNIFORM = 1e-5
 # torch's frames are not the user's line (a loss function called through nn.CrossEntropyLoss).
 _TORCH_ROOT = os.path.dirname(torch.__file__) + os.sep
 _DDPLAB_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# A library's frames (Transformers' loss_utils.py, a model's modeling file) are named beside the user's line.
+_LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 @dataclasses.dataclass
@@ -44,32 +47,43 @@ class Record:
 
     site: str
     micro_step: int
-    count: torch.Tensor | int | None = None
+    count: torch.Tensor | int | float | None = None
     weight: float | None = None
     divide_by_count: bool = False  # a mean: the output's gradient is shared by ``count`` elements
+    summed: bool = False  # a sum over its elements: a loss function's reduction='sum', or a full sum by hand
+    what: str = ""  # the loss function's name, or 'a sum written by hand'
 
 
 def site() -> str:
-    """The user's line that computed the loss: the first frame outside torch, ddplab and the auditor's patches."""
+    """The user's line that computed the loss: the first frame outside torch, ddplab, the auditor's patches, the
+    standard library and installed libraries; with the library's own line beside it where the loss is a library's
+    (``train.py:88 (through loss_utils.py:42)``)."""
     frame = sys._getframe(1)
+    library = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename == patches.TRANSPARENT_FILENAME or filename.startswith((_DDPLAB_ROOT, _TORCH_ROOT))):
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        if filename == patches.TRANSPARENT_FILENAME or filename.startswith((_DDPLAB_ROOT, _TORCH_ROOT)):
+            pass
+        elif _is_library(filename):
+            library = library or f"{os.path.basename(filename)}:{frame.f_lineno}"
+        else:
+            line = f"{os.path.basename(filename)}:{frame.f_lineno}"
+            return line if library is None else f"{line} (through {library})"
         frame = frame.f_back
-    return "?"
+    return library or "?"
 
 
-def watch_loss_function(audit, name: str, args, kwargs, out: torch.Tensor) -> None:
-    """A loss function's output: record its class-index terms' weight (mean or sum over the targets kept)."""
-    reduction = kwargs.get("reduction", "mean")
-    if name not in CLASS_INDEX_LOSSES or reduction not in ("mean", "sum") or kwargs.get("weight") is not None:
-        return  # class weights make the mean a weighted one: not a count this can read
-    target = args[1] if len(args) > 1 else kwargs.get("target")
-    if not (isinstance(target, torch.Tensor) and tensors.is_plain(target)) or target.is_floating_point():
+def _is_library(filename: str) -> bool:
+    return any(part in filename for part in _LIBRARY_DIRS) or filename.startswith(_STDLIB) or filename.startswith("<")
+
+
+def watch_loss_function(audit, name: str, function, args, kwargs, out: torch.Tensor) -> None:
+    """A loss function's output: record its units' weight (a mean or a sum over the units its reduction counts)."""
+    units = loss_functions.units(name, function, args, kwargs)
+    if units is None:
         return
-    count = target.ne(kwargs.get("ignore_index", -100)).sum()
-    _watch(audit, out, Record(site(), _micro_step(audit), count=count, divide_by_count=reduction == "mean"))
+    _watch(audit, out, Record(site(), _micro_step(audit), count=units.count, divide_by_count=units.mean,
+                              summed=not units.mean, what=f"{name}(reduction='sum')"))
 
 
 def watch_terms(audit, out: torch.Tensor) -> None:
@@ -80,7 +94,7 @@ def watch_terms(audit, out: torch.Tensor) -> None:
 def watch_sum(audit, summed: torch.Tensor, out: torch.Tensor) -> None:
     """A full sum written by hand over a tensor computed from the model's output."""
     count = summed.detach().count_nonzero()
-    _watch(audit, out, Record(site(), _micro_step(audit), count=count))
+    _watch(audit, out, Record(site(), _micro_step(audit), count=count, summed=True, what="a sum written by hand"))
 
 
 def _micro_step(audit) -> int:
@@ -92,6 +106,8 @@ def _watch(audit, out: torch.Tensor, record: Record) -> None:
     if len(audit.weight_records) >= MAX_RECORDS or out.grad_fn is None:
         return
     audit.weight_records.append(record)
+    # The record rides on the graph's node (where scales.reached finds it), never on the user's tensor.
+    out.grad_fn.metadata[scales.RECORD] = record
     out.grad_fn.register_prehook(functools.partial(_weighed, record))
 
 
@@ -123,9 +139,11 @@ def flush(audit) -> dict[str, list[list[float]]]:
     for record in records:
         if record.weight is None or record.count is None:
             continue  # no backward reached it (a loss computed for logging)
-        count = int(record.count)
+        count = float(record.count)
         if count <= 0 or record.weight == 0:
             continue
+        # Whole counts stay whole (tokens, samples); summed class weights keep their fraction.
+        count = int(count) if count.is_integer() else count
         weight = record.weight / count if record.divide_by_count else record.weight
         by_site.setdefault(record.site, []).append([record.micro_step, weight, count])
     return by_site

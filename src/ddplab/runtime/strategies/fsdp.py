@@ -98,9 +98,7 @@ class FSDPStrategy(Strategy):
                    for group in param_groups(model))
 
     def divide_factors(self, model) -> set[float]:
-        # None: FSDP2's default, the product of the mesh's sizes (the reduction averages).
-        size = float(self.data_parallel_size(model))
-        return {float(group.gradient_divide_factor or size) for group in param_groups(model)}
+        return gradient_divide_factors(model, self.data_parallel_size(model))
 
     def tap_local_gradients(self, model, params, observe, *, via="auto", comm_hook=None, state=None) -> GradientTap:
         """Post-accumulate-grad hooks on the unsharded parameters: FSDP2 reduce-scatters their ``.grad`` afterwards.
@@ -134,6 +132,13 @@ def _without_sync(model, syncs_before: bool) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(syncs_before)
+
+
+def gradient_divide_factors(model, data_parallel_size: int) -> set[float]:
+    """What FSDP2 divides the sum of the ranks' gradients by, per parameter group of ``model``: the value of
+    ``set_gradient_divide_factor``, else the data-parallel size (the default, an average)."""
+    # force_sum_reduction_for_comms changes the collective's op, not the division (it moves to a post-divide).
+    return {float(group.gradient_divide_factor or data_parallel_size) for group in param_groups(model)}
 
 
 def param_groups(model) -> list:
