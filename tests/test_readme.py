@@ -125,6 +125,12 @@ def test_trim_cuts_and_says_how_many_lines_it_left_out():
     assert refresh_docs.trim(text, head=6, tail=4) == text
 
 
+def test_a_run_in_a_root_of_its_own_writes_there_and_prints_the_folders_the_command_names(tmp_path):
+    command = "mkdir -p /tmp/x-out && echo made /tmp/x-out/a.json && ls /tmp/x-out/.."
+    output = refresh_docs.run(command, root=str(tmp_path))
+    assert output == "made /tmp/x-out/a.json\nx-out" and (tmp_path / "x-out").is_dir()
+
+
 def test_the_refresh_pastes_a_commands_output_under_it_and_keeps_the_rest(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("before\n<!-- output head=1: printf 'a\\nb\\nc\\n' -->\n```text\nold\n```\n<!-- /output -->\n"
@@ -171,14 +177,15 @@ def _unclocked(text: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_readmes_pasted_outputs_are_what_the_current_code_prints():
+def test_the_readmes_pasted_outputs_are_what_the_current_code_prints(tmp_path):
     """Each README command run again: its whole pasted output (in the README, or on the page its trimmed block is cut
     from) is what the current code prints, durations aside. A figure left from older code fails here; run
-    ``python tools/refresh_docs.py`` after a change that moves one."""
+    ``python tools/refresh_docs.py`` after a change that moves one. A command's /tmp folders are this test's own
+    (another run of the suite, or a refresh of the docs, may be writing the folders the README names)."""
     whole = {match["cmd"]: output for text in TEXTS.values() for match, output in pasted_outputs(text)
              if not (match["skip"] or match["head"] or match["tail"])}
     commands = [match["cmd"] for match, _ in pasted_outputs(README)]
     assert len(commands) >= 6
     for command in commands:
-        fresh = refresh_docs.run(command)
+        fresh = refresh_docs.run(command, root=str(tmp_path))
         assert _unclocked(fresh) == _unclocked(whole[command]), f"stale pasted output of: {command}"

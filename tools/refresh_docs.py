@@ -32,14 +32,24 @@ BLOCK = re.compile(MARKER.pattern + r"\n```text\n.*?```\n<!-- /output -->", re.S
 NOISE = re.compile(r"^(W\d{4} .*|\*{10,}|Setting OMP_NUM_THREADS.*|.*OMP_NUM_THREADS.*)$")
 
 
-def run(command: str) -> str:
+def run(command: str, root: str | None = None) -> str:
+    """``command``'s output as a terminal shows it, less torchrun's chatter.
+
+    With ``root``, each folder under /tmp that the command names is the folder of that name under ``root`` instead
+    (a run of its own, which no other run of the same command can touch), and the output names it as the command
+    does.
+    """
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                COLUMNS="120", TERM="dumb", NO_COLOR="1")
+    if root is not None:
+        command = TMP_PATH.sub(lambda match: os.path.join(root, match[0][len("/tmp/"):]), command)
     # One stream, so output lands in the order a terminal would show it.
     done = subprocess.run(command, shell=True, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     lines = done.stdout.splitlines()
     text = "\n".join(line.rstrip() for line in lines if not NOISE.match(line))
+    if root is not None:
+        text = text.replace(os.path.join(root, ""), "/tmp/")
     return text + (f"\n(exit code {done.returncode})" if done.returncode else "")
 
 
