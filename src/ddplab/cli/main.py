@@ -146,7 +146,7 @@ def _version() -> str:
 def console() -> None:
     """The console script: :func:`main`, then the exit status, or death by the signal that ended the command."""
     try:
-        code = main(reraise_signals=True)
+        code = main(reraise_signals=True, exiting=True)
     except EndedBySignal as exc:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -156,8 +156,13 @@ def console() -> None:
     raise SystemExit(code)
 
 
-def main(argv: list[str] | None = None, *, reraise_signals: bool = False) -> int:
-    """Run one command; returns its exit code (128 + N where a signal N ended an audited command)."""
+def main(argv: list[str] | None = None, *, reraise_signals: bool = False, exiting: bool = False) -> int:
+    """Run one command; returns its exit code (128 + N where a signal N ended an audited command).
+
+    ``exiting``: the process ends with the code returned (the console script). Under torchrun a rank other than 0
+    that leaves bad input for rank 0 to say then waits for torchrun to stop it (:func:`_leave_it_to_rank_zero`);
+    a caller that goes on (a test running several commands in one worker) gets the code at once.
+    """
     args = build_parser().parse_args(argv)
     with _warnings_as_lines():
         try:
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None, *, reraise_signals: bool = False) -> int
             return 128 + exc.signum
         except UsageError as exc:
             if _said_by_rank_zero(exc):
-                return 2
+                return _leave_it_to_rank_zero(args) if exiting else 2
             return fail(flag_error(exc) + _on_rank(exc))
         except KeyboardInterrupt:
             print("ddplab: cancelled (Ctrl-C)", file=sys.stderr)
@@ -202,6 +207,24 @@ def _said_by_rank_zero(exc: BaseException) -> bool:
     from ddplab.runtime.launch_config import under_torchrun
 
     return under_torchrun() and os.environ["RANK"] != "0" and not _raised_in_torchrun_rank(exc)
+
+
+def _leave_it_to_rank_zero(args: argparse.Namespace) -> int:
+    """A rank other than 0 with input that rank 0 checks too: wait for torchrun to stop it, then exit code 2.
+
+    torchrun stops every rank as soon as one exits with an error, so a rank that left at once could end rank 0
+    (slower to start on a loaded machine) before it says what is wrong. Once rank 0 has said it and left, torchrun
+    stops this rank. It leaves on its own after the process-group timeout (``--timeout``), as long as a rank waits for
+    its peers: a rank 0 that found nothing wrong waits that long for this one to join the group.
+    """
+    import time
+
+    from ddplab.runtime.launch_config import DEFAULT_TIMEOUT_S
+
+    timeout_s = getattr(args, "pg_timeout_s", None) or DEFAULT_TIMEOUT_S
+    with contextlib.suppress(KeyboardInterrupt):
+        time.sleep(timeout_s)
+    return 2
 
 
 def _on_rank(exc: BaseException) -> str:
