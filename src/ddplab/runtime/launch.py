@@ -13,6 +13,7 @@ die with the parent even when it is SIGKILLed (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -33,16 +34,15 @@ import torch
 import torch.distributed as dist
 
 from ddplab.errors import LaunchError, RankFailure, UsageError
-from ddplab.runtime import compat, failures
+from ddplab.runtime import compat, failures, timescale
 from ddplab.runtime.launch_config import LaunchConfig, under_torchrun
 from ddplab.runtime.signals import Cancelled, CancelOnSignals
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 STOP_GRACE_S = 1.0
-"""How long a stopped rank gets between SIGTERM and SIGKILL."""
-CULPRIT_GRACE_S = 5.0
-"""After a collective times out, how long the other ranks get to time out too before the ones
-that did not are named as having stopped answering (at most the collective timeout)."""
+"""How long a stopped rank gets between SIGTERM and SIGKILL (times :func:`timescale.factor`)."""
+STACK_WAIT_S = 10.0
+"""The most a live rank's stack dump is waited for (times :func:`timescale.factor`); it comes in milliseconds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,14 +203,21 @@ def _supervise(processes: list, config: LaunchConfig, workdir: str, cancel: Canc
             return
         now = time.monotonic()
         if errors and grace_until is None:
-            # A collective failed: give the peers waiting in it the time to time out too.
-            grace_until = now + min(CULPRIT_GRACE_S, config.pg_timeout_s)
-        if grace_until is not None and now >= grace_until:
+            # A collective failed: give the peers waiting in it the time to time out too. One that entered it a
+            # collective timeout or more after this rank had not answered for that long: it stopped answering, by
+            # the timeout's own measure. A shorter grace would blame a peer that was only slow (a loaded machine).
+            grace_until = now + config.pg_timeout_s
+        if grace_until is not None and (now >= grace_until or _only_returned_ranks_left(processes, errors, workdir)):
             raise _stopped_answering(processes, errors, config, workdir)
         if deadline is not None and now >= deadline:
             alive = [r for r, p in enumerate(processes) if p.exitcode is None]
             raise LaunchError(f"{_ranks(alive)} still running after the {config.deadline_s:g} s deadline; stopped them",
                               kind="deadline", rank=alive[0] if alive else None)
+
+
+def _only_returned_ranks_left(processes: list, errors: dict[int, RankFailure], workdir: str) -> bool:
+    """Whether every rank that has not failed has returned: none of them can still join the collective."""
+    return all(os.path.exists(_path(workdir, "result", rank)) for rank in range(len(processes)) if rank not in errors)
 
 
 def _raise_if_died_or_raised(processes: list, errors: dict[int, RankFailure], workdir: str) -> None:
@@ -263,16 +270,20 @@ def _ranks(ranks: list[int]) -> str:
 
 def _stack(process, path: str) -> str:
     """A live rank's Python stack, dumped by faulthandler on SIGUSR1 (empty if it cannot say)."""
+    with open(path) as fh:
+        before = len(fh.read())
     try:
         os.kill(process.pid, signal.SIGUSR1)
     except ProcessLookupError:
         return ""
-    for _ in range(20):
+    # The dump is written from the rank's signal handler: wait for its main thread's frames to reach the file.
+    end = time.monotonic() + timescale.scaled(STACK_WAIT_S)
+    while time.monotonic() < end and process.exitcode is None:
         time.sleep(0.05)
         with open(path) as fh:
-            text = fh.read()
-        if text.strip():
-            return _user_frames(text)
+            frames = _user_frames(fh.read()[before:])
+        if frames:
+            return frames
     return ""
 
 
@@ -291,14 +302,15 @@ def _stop(processes: list) -> None:
     for process in processes:
         if process.exitcode is None:
             process.terminate()
-    end = time.monotonic() + STOP_GRACE_S
+    end = time.monotonic() + timescale.scaled(STOP_GRACE_S)
     for process in processes:
         process.join(max(0.0, end - time.monotonic()))
     for process in processes:
         if process.exitcode is None:
             # A rank whose own code handles SIGTERM may be stuck in C++ and never run the handler.
             process.kill()
-        process.join(5)
+        # SIGKILL cannot be refused: wait for the exit, so no rank outlives the launch.
+        process.join()
 
 
 def _errors(workdir: str, world_size: int) -> dict[int, RankFailure]:
@@ -392,10 +404,27 @@ def _run_in_torchrun_group(fn, config: LaunchConfig, args):
         result = fn(ctx, *args)
         returned = True
         return result
+    except BaseException as exc:
+        if failures.in_collective(exc):
+            _wait_to_be_stopped(config.pg_timeout_s)
+        raise
     finally:
         del ctx
         # A failing rank leaves at once: its peers may never reach a barrier, and torchrun stops them.
         teardown(barrier_timeout_s=config.pg_timeout_s if returned else None)
+
+
+def _wait_to_be_stopped(timeout_s: float) -> None:
+    """A torchrun rank whose collective failed: the peer that broke it says why, then torchrun stops this rank.
+
+    torchrun stops every rank once one exits with an error, so this rank leaving first (with a traceback that only
+    says a peer went away) could stop the peer that failed before it says what failed, on a slow machine most of all.
+    The same rule as a forked rank's: the consequence waits, the cause speaks. A peer that is still busy rather than
+    gone (it never joined the collective) is waited for one more process-group timeout; then this rank's own error
+    stands.
+    """
+    with contextlib.suppress(KeyboardInterrupt):
+        time.sleep(timeout_s)
 
 
 def _device(backend: str, local_rank: int) -> torch.device:
