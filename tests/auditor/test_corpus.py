@@ -108,6 +108,16 @@ CORRECT = {
     "token_lm_fsdp_global": Case("token_lm.py", ("--strategy", "fsdp"), launchers=("torchrun",)),
     "token_lm_fsdp_tp_global": Case("token_lm.py", ("--strategy", "fsdp-tp"), world_size=4, launchers=("torchrun",)),
     "token_lm_tp_only": Case("token_lm.py", ("--strategy", "tp"), launchers=("torchrun",)),
+    # The shapes of the code people copy, each judged against the reduction and loss function it really runs.
+    "titan_summing_reduction": Case("titan_lm.py", launchers=("torchrun",)),
+    "kl_label_smoothing_global": Case("label_smoothing.py"),
+    "ce_label_smoothing_global": Case("label_smoothing.py", ("--loss", "ce-smoothing")),
+    "class_weighted_global": Case("class_weighted.py"),
+    "beta_vae_per_sample_kl": Case("beta_vae.py"),
+    "near_count_times_world": Case("near_count.py"),
+    "simclr_autograd_gather": Case("simclr.py", ("--gather", "autograd")),
+    "simclr_slice_times_world": Case("simclr.py", ("--gather", "slice-times-world")),
+    "tp_dp_mean": Case("tp_dp_sum.py", world_size=4, launchers=("torchrun",)),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -129,6 +139,10 @@ DEFAULT_CORRECT = [
     ("token_lm_packed_token_mean", "spawn"), ("token_lm_zero_grad_before_backward", "fork"),
     ("token_lm_eval_padded_not_combined", "fork"), ("token_lm_fsdp_global", "torchrun"),
     ("token_lm_fsdp_tp_global", "torchrun"), ("token_lm_tp_only", "torchrun"),
+    ("titan_summing_reduction", "torchrun"), ("kl_label_smoothing_global", "fork"),
+    ("ce_label_smoothing_global", "fork"),
+    ("class_weighted_global", "fork"), ("beta_vae_per_sample_kl", "fork"), ("near_count_times_world", "fork"),
+    ("simclr_autograd_gather", "fork"), ("simclr_slice_times_world", "spawn"), ("tp_dp_mean", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -202,6 +216,31 @@ MISTAKES = {
     "token_mean_fsdp_tp": (Case("token_lm.py", ("--strategy", "fsdp-tp", "--loss", "token-mean"), world_size=4,
                                 launchers=("torchrun",)), {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {},
                            "torchrun"),
+    # torchtitan's global count without its set_gradient_divide_factor(1.0): FSDP2 averages a loss already global.
+    "titan_averaging_reduction": (Case("titan_lm.py", ("--divide-factor", "default"), launchers=("torchrun",)),
+                                  {"GLOBAL_COUNT_WITHOUT_WORLD_SIZE": "warning"}, {}, "torchrun"),
+    # The divide factor 1 and the × W a DDP script writes: the summed gradient is W times the global mean's.
+    "titan_times_world_under_sum": (Case("titan_lm.py", ("--loss", "times-world"), launchers=("torchrun",)),
+                                    {"DIVIDE_FACTOR": "warning"}, {}, "torchrun"),
+    # The Annotated Transformer's KLDivLoss(reduction='sum') / batch.ntokens, the micro-batch's own token count.
+    "kl_label_smoothing_per_micro_batch": (Case("label_smoothing.py", ("--loss", "per-batch-tokens")),
+                                           {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "fork"),
+    "kl_label_smoothing_per_device": (Case("label_smoothing.py", ("--loss", "per-batch-tokens", "--accumulation", "1")),
+                                      {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "torchrun"),
+    # nn.CrossEntropyLoss(weight=w): each rank's mean divides by its own targets' summed class weights.
+    "class_weighted_mean": (Case("class_weighted.py", ("--loss", "mean")), {"LOSS_NORMALISED_PER_DEVICE": "warning"},
+                            {}, "fork"),
+    # mse_loss(x, x̂) + 0.1 * (-0.5 * torch.sum(KL terms)): the KL term is a sum scaled by constants.
+    "beta_vae_kl_sum": (Case("beta_vae.py", ("--kl", "sum")), {"SUM_REDUCTION": "warning"}, {}, "fork"),
+    # A global count a token per sequence larger than the loss's own, without × W.
+    "near_count_without_world": (Case("near_count.py", ("--mistake", "no-world-size")),
+                                 {"GLOBAL_COUNT_WITHOUT_WORLD_SIZE": "warning"}, {}, "fork"),
+    # A GatherLayer whose backward returns only this rank's slice, the loss not × W.
+    "simclr_slice_gather": (Case("simclr.py", ("--gather", "slice")), {"GATHERED_LOSS_WITHOUT_WORLD_SIZE": "warning"},
+                            {}, "torchrun"),
+    # The official FSDP + TP example's model(inp).sum() on a dp × tp mesh.
+    "tp_dp_hand_sum": (Case("tp_dp_sum.py", ("--loss", "sum"), world_size=4, launchers=("torchrun",)),
+                       {"SUM_REDUCTION": "warning"}, {}, "torchrun"),
 }
 
 # id → (finding, words its message must hold): what the finding says happened.
@@ -214,11 +253,14 @@ MESSAGES = {
     "gpu_only_no_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2), but this process stepped"),
     "gpu_only_unused_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2); they joined a process "
                                                  "group"),
-    "fsdp_sum": ("SUM_REDUCTION", "divided by 2, the 2 micro-batches accumulated per optimizer step: each of a "
-                                  "micro-batch's 8 samples weighs 1/2 in the gradient where a mean would weigh it "
-                                  "1/16, so the loss still grows with the per-device batch (dividing by the "
-                                  "accumulation steps does not make a sum a mean); FSDP2 (fsdp) averages the gradients "
-                                  "over the data-parallel ranks, so W here is the data-parallel size 2"),
+    "fsdp_sum": ("SUM_REDUCTION", "FSDP2 averages the gradients over the 2 data-parallel ranks, so the gradient is 1/2 "
+                                  "of what one process summing the global batch gets (with SGD the step is 2 times "
+                                  "smaller; Adam-style optimizers mostly normalise the scale away, but not their "
+                                  "epsilon or an L2 penalty in the loss) (a summed loss reached backward divided by 2, "
+                                  "the 2 micro-batches accumulated per optimizer step: each of a micro-batch's 8 "
+                                  "samples weighs 1/2 in the gradient where a mean would weigh it 1/16, so the loss "
+                                  "still grows with the per-device batch (dividing by the accumulation steps does not "
+                                  "make a sum a mean)"),
     "tp_dp_world_sampler": ("TP_RANKS_SEE_DIFFERENT_DATA", "in the tp group of ranks 0, 1, "),
     "tp_dp_world_sampler_sequences": ("TP_RANKS_SEE_DIFFERENT_DATA", "training batches of rank 1 and rank 0 were "
                                                                      "loaded from different dataset indices"),
@@ -234,6 +276,15 @@ MESSAGES = {
     "gradients_never_cleared": ("GRADIENTS_NOT_CLEARED", "the first backward after optimizer step 0 started with the "
                                                          "gradients of 5 of 5 parameters still nonzero"),
     "global_count_without_world_size": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "the gradient is 1/2 of the global mean's"),
+    "titan_averaging_reduction": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "FSDP2 averages the gradients over the 2 "
+                                                                     "data-parallel ranks: the gradient is 1/2"),
+    "titan_times_world_under_sum": ("DIVIDE_FACTOR", "but FSDP2 sums the 2 data-parallel ranks' gradients here "
+                                                     "(set_gradient_divide_factor(1)): the gradient is 2 times"),
+    "beta_vae_kl_sum": ("SUM_REDUCTION", "a sum written by hand at beta_vae.py:"),
+    "near_count_without_world": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "elements, where the loss uses"),
+    "simclr_slice_gather": ("GATHERED_LOSS_WITHOUT_WORLD_SIZE", "gathered from the 2 ranks, and its backward "
+                                                                "returned only rank"),
+    "tp_dp_hand_sum": ("SUM_REDUCTION", "FSDP2 averages the gradients over the 2 data-parallel ranks"),
     "eval_padded_all_reduced": ("EVAL_SAMPLES_DUPLICATED", "41 samples on 2 ranks padded it to 42: 1 sample was "
                                                            "evaluated twice (the padding is on rank 1)"),
 }
@@ -247,6 +298,7 @@ GLOBAL_BATCH = {"token_lm_fsdp_tp_global": 4 * 2 * 2, "gan_freeze": 64, "gan_pla
                 "tp_dp": 4 * 2}
 # The run under a mesh: (data-parallel size, strategy, mesh); DDP runs report their group's size and no mesh.
 SETTING = {"token_lm_fsdp_tp_global": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
+           "tp_dp_mean": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
            "fsdp_trainer": (2, "fsdp", {"dp": 2}), "fsdp_trainer_4": (4, "fsdp", {"dp": 4}),
            "hsdp_reduce_every_micro_batch": (4, "hsdp", {"dp_replicate": 2, "dp_shard": 2}),
            "tp_dp": (2, "fsdp+tp", {"dp": 2, "tp": 2}), "trainer_class": (2, "ddp", None)}
@@ -500,3 +552,27 @@ def test_report_lines_are_told_apart_from_the_programs_own():
               "over two lines\n    fix: use reduction='mean'\n")
     assert _program_lines(stdout) == ["[GPU1] Epoch 0 | Batchsize: 16 | Steps: 8", "final loss 0.5 params 1.0 2.0"]
     assert _program_lines("[rank 0, after 5 steps] ddplab audit: ...\n  no DDP mistakes found\nstep 1\n") == ["step 1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(6 * LAUNCH_TIMEOUT_S + 60)
+def test_what_the_reduction_findings_say_is_the_gradient_measured_against_one_process():
+    """The factor each finding names, measured: one process fed the same global batch (2 ranks' micro-batches of B
+    documents, or samples, are one process's 2B) against the 2 ranks' first gradient."""
+    def alone(script, *flags):
+        run = _run(Case(script, (*flags, "--batch-size", "8" if script == "titan_lm.py" else "16"), world_size=1,
+                        launchers=("torchrun",)).command("torchrun"))
+        assert run.returncode == 0, _why("the program fails on one rank", run, None)
+        return _first_grad_norm(run)
+
+    def ratio(run, reference):
+        return _first_grad_norm(run) / reference
+
+    titan = alone("titan_lm.py")
+    assert ratio(_plain(CORRECT["titan_summing_reduction"], "torchrun"), titan) == pytest.approx(1, rel=1e-4)
+    for name, factor in (("titan_averaging_reduction", 0.5), ("titan_times_world_under_sum", 2)):
+        assert ratio(_audited(MISTAKES[name][0], "torchrun")[0], titan) == pytest.approx(factor, rel=1e-4)
+    simclr = alone("simclr.py", "--gather", "autograd")
+    for name in ("simclr_autograd_gather", "simclr_slice_times_world"):
+        assert ratio(_plain(CORRECT[name], "torchrun"), simclr) == pytest.approx(1, rel=1e-4)
+    assert ratio(_audited(MISTAKES["simclr_slice_gather"][0], "torchrun")[0], simclr) == pytest.approx(0.5, rel=1e-4)

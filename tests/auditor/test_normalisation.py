@@ -102,3 +102,89 @@ def test_the_in_run_and_final_reports_count_the_same_audited_batches():
     final = findings.merge([record(0, stream, 3), record(1, stream, 3)])
     details = [next(f.detail for f in r.findings if f.code == "SAME_DATA_ON_ALL_RANKS") for r in (interim, final)]
     assert details[0] == details[1] and details[0].startswith("up to 3 distinct training batches")
+
+
+# --- judged against the reduction the program runs ---
+
+def test_under_a_summing_reduction_the_global_count_alone_is_right_and_times_w_is_w_times_too_large():
+    # torchtitan: FSDP2 with set_gradient_divide_factor(1.0) sums the ranks' gradients, so 1/N per element is exact.
+    assert judge(_parts(COUNTS, lambda r, m, c: 1 / TOTAL), 2, 0, divisor=1.0) is None
+    doubled = judge(_parts(COUNTS, lambda r, m, c: 2 / TOTAL), 2, 0, divisor=1.0)
+    assert doubled.code == "DIVIDE_FACTOR" and "the gradient is 2 times the global mean's" in doubled.detail
+    # An averaging reduction written as a number is the default.
+    assert judge(_parts(COUNTS, lambda r, m, c: 2 / TOTAL), 2, 0, divisor=2.0) is None
+    # A divisor nobody could read: no judgement of the scale at all; unequal counts are still judged.
+    assert judge(_parts(COUNTS, lambda r, m, c: 1 / TOTAL), 2, 0, divisor=None) is None
+    assert judge(_parts(COUNTS, lambda r, m, c: 1 / sum(COUNTS[r])), 2, 0, divisor=None).code == \
+        "LOSS_NORMALISED_PER_DEVICE"
+
+
+def test_a_count_a_few_percent_off_is_judged_by_its_factor_and_says_how_far_it_is():
+    # The script's count holds a token per sequence the loss does not use: 3% more than the loss's own.
+    near = TOTAL * 1.03
+    wrong = judge(_parts(COUNTS, lambda r, m, c: 1 / near), 2, 0)
+    assert wrong.code == "GLOBAL_COUNT_WITHOUT_WORLD_SIZE"
+    assert f"the count divides by {near:,.0f} elements, where the loss uses {TOTAL} over the step's" in wrong.detail
+    assert "(+3.0%)" in wrong.detail and "0.485 (about 1/2)" in wrong.detail
+    # With × W the same near count is right, and silent; halfway between the factors is no evidence of either.
+    assert judge(_parts(COUNTS, lambda r, m, c: 2 / near), 2, 0) is None
+    assert judge(_parts(COUNTS, lambda r, m, c: 0.7 / TOTAL), 2, 0) is None
+
+
+def test_per_micro_batch_counts_a_token_per_sequence_off_are_still_attributed():
+    # Each micro-batch divided by its own count plus its 4 sequences: w·c within 5%, the weights 3× apart.
+    judgement = judge(_parts(COUNTS, lambda r, m, c: 1 / (2 * (c + 4))), 2, 0)
+    assert judgement.code == "LOSS_NORMALISED_PER_MICRO_BATCH"
+    # Weights that differ about as much as their products do are no count's.
+    assert judge(_parts({0: [100, 90], 1: [95, 85]}, lambda r, m, c: 1 / (2 * c) * (1 + 0.04 * m)), 2, 0) is None
+
+
+def test_the_merged_report_names_the_runs_own_reduction_and_drops_a_sum_the_reduction_sums_too():
+    def records(divisor, source, weight, codes=()):
+        return [{"rank": rank, "world_size": 2, "steps_audited": 1, "strategy": "fsdp", "data_parallel_size": 2,
+                 "reduction": {"strategy": "fsdp", "data_parallel_size": 2, "divisor": divisor, "source": source},
+                 "findings": [vars(findings.Finding.make(code, rank)) for code in codes],
+                 "windows": [{"wrapper": "fsdp0-0.1", "group": [0, 1], "step": 0,
+                              "loss_weights": {"titan.py:9": [[1, weight(count), count]]}}]}
+                for rank, count in ((0, 126), (1, 172))]
+
+    averaged = findings.merge(records(2.0, "", lambda c: 1 / 298))
+    finding = next(f for f in averaged.findings if f.code == "GLOBAL_COUNT_WITHOUT_WORLD_SIZE")
+    assert "FSDP2 averages the gradients over the 2 data-parallel ranks: the gradient is 1/2" in finding.message
+    assert "loss_sum * 2 / global_count" in finding.fix
+    summed = findings.merge(records(1.0, "set_gradient_divide_factor(1)", lambda c: 1 / 298, ["SUM_REDUCTION"]))
+    assert summed.problems == []
+    assert summed.headline().endswith("; FSDP2 sums the 2 data-parallel ranks' gradients here "
+                                      "(set_gradient_divide_factor(1))")
+    doubled = findings.merge(records(1.0, "set_gradient_divide_factor(1)", lambda c: 2 / 298))
+    assert [f.code for f in doubled.problems] == ["DIVIDE_FACTOR"]
+    assert "but FSDP2 sums the 2 data-parallel ranks' gradients here" in doubled.problems[0].message
+    assert doubled.to_json()["reduction"]["divisor"] == 1.0
+
+
+def test_a_comm_hooks_divisor_is_measured_from_every_ranks_sums():
+    def record(rank, local, reduced, codes=()):
+        return {"rank": rank, "world_size": 2, "steps_audited": 1,
+                "reduction": {"strategy": "ddp", "data_parallel_size": 2, "divisor": None,
+                              "source": "the comm hook summing, measured"},
+                "findings": [vars(findings.Finding.make(code, rank)) for code in codes],
+                "windows": [{"wrapper": "ddp0-0.1", "group": [0, 1], "step": 0, "comm_sums": [local, reduced]}]}
+
+    # Σ local = 3 + 5 = 8 = D · reduced: a reduced functional of 8 is a sum (D = 1), of 4 an average.
+    summing = findings.merge([record(0, 3.0, 8.0, ["SUM_REDUCTION"]), record(1, 5.0, 8.0, ["SUM_REDUCTION"])])
+    assert summing.reduction.divisor == 1.0 and summing.problems == []
+    averaging = findings.merge([record(0, 3.0, 4.0, ["SUM_REDUCTION"]), record(1, 5.0, 4.0, ["SUM_REDUCTION"])])
+    assert [f.code for f in averaging.problems] == ["SUM_REDUCTION"]
+    assert "DDP averages the gradients over the 2 data-parallel ranks (the comm hook summing, measured)" in \
+        averaging.problems[0].message
+    # A hook that is no plain divisor (a lossy compression): a summed loss is not judged, and the report says why.
+    lossy = findings.merge([record(0, 3.0, 3.1, ["SUM_REDUCTION"]), record(1, 5.0, 3.1, ["SUM_REDUCTION"])])
+    assert lossy.reduction.divisor is None and [f.code for f in lossy.problems] == ["AUDIT_INCOMPLETE"]
+
+
+def test_the_reductions_words_and_measurement_hold_their_examples():
+    import doctest
+
+    from ddplab.runtime import reduction
+
+    assert doctest.testmod(reduction).failed == 0

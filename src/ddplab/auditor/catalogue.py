@@ -62,7 +62,8 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "ranks trained on the same batches: the W ranks repeat each other's work, and an epoch covers only "
         "1/W of the data it should",
         "give the DataLoader sampler=DistributedSampler(dataset) (and shuffle=False on the loader), or seed each "
-        "rank's random batches differently (e.g. seed + rank)"),
+        "rank's random batches differently (e.g. seed + rank; where the seed also advances by one per step, "
+        "step * world_size + rank, since step + rank repeats another rank's batch one step later)"),
     "TP_RANKS_SEE_DIFFERENT_DATA": (
         ERROR,
         "ranks of one tensor-parallel group were fed different batches: each holds a shard of every parallelised "

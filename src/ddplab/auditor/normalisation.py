@@ -27,8 +27,9 @@ from typing import Literal
 # Two weights within this relative distance are equal: float32's 1/n.
 TOLERANCE = 1e-4
 # A normaliser this close (relatively) to a count is that count: a count that includes a token per sequence the loss
-# does not use (labels shifted twice) differs from the loss's own by 1-5%, far less than any factor of W >= 2.
-NEAR = 0.1
+# does not use (labels shifted twice) differs from the loss's own by 1-10%; the factors it must tell apart differ by
+# W >= 2, so a quarter keeps them apart (1/W · 1.25 < 1).
+NEAR = 0.25
 # What the reduction divides the ranks' summed gradients by: the data-parallel size (an average), a number, or unknown.
 Divisor = float | Literal["average"] | None
 AVERAGE: Divisor = "average"
@@ -94,7 +95,7 @@ def _follows(products: list[float], spread: float) -> bool:
     if _equal(products):
         return True
     product_spread = max(products) / min(products)
-    return product_spread - 1 <= NEAR and product_spread - 1 <= (spread - 1) / 4
+    return product_spread - 1 <= NEAR and product_spread - 1 <= (spread - 1) / 10
 
 
 def _one_normaliser(parts: list[Part], world_size: int, step: int, divisor: float | None,
@@ -124,10 +125,10 @@ def relative_weights(parts: list[Part]) -> tuple[float, float]:
 
 def _unequal_detail(parts: list[Part], by_rank: dict[int, list[Part]], per_micro_batch: bool, total: int) -> str:
     low, high = relative_weights(parts)
-    fair = f"{low:.2f}× to {high:.2f}× what a mean over the step's {total} elements gives each"
+    fair = f"{low:.2f}× to {high:.2f}× what a mean over the step's {_shown(total)} elements gives each"
     if per_micro_batch:
         rank, own = max(by_rank.items(), key=lambda item: _ratio(item[1]))
-        counts = ", ".join(str(p.count) for p in sorted(own, key=lambda p: p.micro_step))
+        counts = ", ".join(_shown(p.count) for p in sorted(own, key=lambda p: p.micro_step))
         light, heavy = min(own, key=lambda p: p.weight), max(own, key=lambda p: p.weight)
         return (f"each micro-batch's loss was divided by its own element count: on rank {rank} the micro-batches "
                 f"held {counts} elements, so an element of micro-batch {heavy.micro_step} weighed "
@@ -135,7 +136,7 @@ def _unequal_detail(parts: list[Part], by_rank: dict[int, list[Part]], per_micro
     counts = {rank: sum(p.count for p in own) for rank, own in by_rank.items()}
     light_rank, heavy_rank = max(counts, key=counts.get), min(counts, key=counts.get)
     ratio = by_rank[heavy_rank][0].weight / by_rank[light_rank][0].weight
-    held = ", ".join(f"rank {rank} {count}" for rank, count in sorted(counts.items()))
+    held = ", ".join(f"rank {rank} {_shown(count)}" for rank, count in sorted(counts.items()))
     return (f"each rank divided by its own element count ({held}): an element on rank {heavy_rank} weighed "
             f"{ratio:.3g}× one on rank {light_rank}; elements weighed {fair}")
 
@@ -148,9 +149,15 @@ def _normaliser(parts: list[Part], total: int, times: float = 1.0) -> str:
     """What the loss was divided by, against the loss's own element count, where the two differ."""
     normaliser = times / parts[0].weight
     if math.isclose(normaliser, total, rel_tol=TOLERANCE):
-        return f"every element weighed {times:g}/{total}, {times:g} over the step's {total} elements"
+        return f"every element weighed {times:g}/{_shown(total)}, {times:g} over the step's {_shown(total)} elements"
     return (f"every element weighed {times:g}/{normaliser:,.0f}: the count divides by {normaliser:,.0f} elements, "
-            f"where the loss uses {total:,} over the step's micro-batches and ranks ({normaliser / total - 1:+.1%})")
+            f"where the loss uses {_shown(total)} over the step's micro-batches and ranks "
+            f"({normaliser / total - 1:+.1%})")
+
+
+def _shown(count: float) -> str:
+    """A count as the report prints it: whole units with thousands separators, summed class weights to 4 digits."""
+    return f"{count:,}" if float(count).is_integer() else f"{count:,.4g}"
 
 
 def _global_detail(parts: list[Part], world_size: int, total: int, divisor: float) -> str:
