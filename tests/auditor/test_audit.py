@@ -559,3 +559,65 @@ def test_cancelling_the_audit_ends_the_whole_command_and_cleans_up(signum, tmp_p
     assert audit.wait(timeout=20) == -signum
     assert not any(_alive(pid) for pid in children)
     assert not list(tmp_path.glob("ddplab-audit-*"))
+
+
+def test_a_run_in_which_nothing_was_audited_is_never_reported_clean():
+    record = {"rank": 0, "world_size": 2, "steps_audited": 0, "findings": [], "frameworks": ["deepspeed"]}
+    report = findings.merge([record, {**record, "rank": 1}])
+    assert not report.audited and report.to_json()["audited"] is False
+    text = rendering.render_text(report)
+    assert "no DDP mistakes found" not in text
+    assert text == ("ddplab audit: world size 2, nothing was audited: no optimizer step of a DDP or FSDP2 model was "
+                    "seen (the run built none, or its training stopped before a step)")
+    # An engine the audit does not read says so, on every launcher: the record carries it.
+    why = "a DeepSpeed engine trained the model, and the audit does not read DeepSpeed's engine"
+    unread = findings.merge([{**record, "unaudited": why}])
+    assert rendering.render_text(unread).endswith(f"nothing was audited: {why}")
+
+
+def test_the_users_line_is_named_with_the_librarys_beside_it(tmp_path, monkeypatch):
+    library = tmp_path / "site-packages" / "fakelib"
+    library.mkdir(parents=True)
+    (library / "__init__.py").write_text("")
+    (library / "loss_utils.py").write_text("from ddplab.auditor import weights\n\n\ndef compute():\n"
+                                           "    return weights.site()\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    from fakelib import loss_utils
+
+    from ddplab.auditor import weights
+
+    line = sys._getframe().f_lineno + 1
+    assert loss_utils.compute() == f"test_audit.py:{line} (through loss_utils.py:5)"
+    assert weights.site() == f"test_audit.py:{sys._getframe().f_lineno}"
+
+
+def test_a_scheduler_stepped_per_process_is_said_only_where_its_schedule_ran_out():
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from ddplab.auditor import install, schedulers, state
+
+    def run(lengths: int, factor) -> dict:
+        install.install(steps=5)
+        try:
+            param = torch.nn.Parameter(torch.ones(2))
+            optimizer = torch.optim.SGD([param], lr=0.1)
+            scheduler = LambdaLR(optimizer, lambda step: factor(step, lengths))
+            for _ in range(12):
+                param.grad = torch.ones(2)
+                optimizer.step()
+                scheduler.step()  # Accelerate steps a prepared scheduler once per process: twice here
+                scheduler.step()
+            schedulers.at_exit()
+            return {code: f.detail for code, f in state.current().findings.items()}
+        finally:
+            install.uninstall()
+
+    def decay_to_tenth(step, lengths):
+        return max(0.1, 1 - step / lengths)
+
+    # Given in optimizer steps (12) but stepped twice per step: at its end from optimizer step 6 on.
+    ran_out = run(12, decay_to_tenth)["SCHEDULER_STEPS_PER_PROCESS"]
+    assert "stepped 2 times per optimizer step, and the lr stopped changing at optimizer step 6 of 12" in ran_out
+    # Lengthened by the processes (24): it changes to the end; a constant lr changes nothing: silent.
+    assert "SCHEDULER_STEPS_PER_PROCESS" not in run(24, decay_to_tenth)
+    assert "SCHEDULER_STEPS_PER_PROCESS" not in run(12, lambda step, lengths: 1.0)

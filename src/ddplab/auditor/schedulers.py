@@ -230,7 +230,7 @@ def at_exit(audit) -> None:
         per_step = _steps_per_process(watch)
         if per_step is None or watch.last_change is None or watch.zero_at is not None:
             continue
-        flat = watch.steps - 1 - watch.last_change
+        flat = watch.steps - watch.last_change  # optimizer steps taken at the final lr
         if flat >= max(SCHEDULER_EVIDENCE, watch.steps // 2):
             audit.add("SCHEDULER_STEPS_PER_PROCESS",
                       f"{_stepped(per_step)}, and the lr stopped changing at optimizer step {watch.last_change} "
