@@ -28,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = re.compile(r"<!-- output(?: skip=(?P<skip>\d+))?(?: head=(?P<head>\d+))?(?: tail=(?P<tail>\d+))?: "
                     r"(?P<cmd>.+?) -->")
 BLOCK = re.compile(MARKER.pattern + r"\n```text\n.*?```\n<!-- /output -->", re.S)
+# What would choose torch's CPU kernels for the command instead of the command itself (ddplab.study.kernels).
+CPU_KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
 # torchrun's own start-up chatter is not ddplab output.
 NOISE = re.compile(r"^(W\d{4} .*|\*{10,}|Setting OMP_NUM_THREADS.*|.*OMP_NUM_THREADS.*)$")
 
@@ -41,6 +43,9 @@ def run(command: str, root: str | None = None) -> str:
     """
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                COLUMNS="120", TERM="dumb", NO_COLOR="1")
+    # The CPU kernels a new user's command picks (a test session chooses its own for the processes it starts).
+    for name in CPU_KERNEL_VARIABLES:
+        env.pop(name, None)
     if root is not None:
         command = TMP_PATH.sub(lambda match: os.path.join(root, match[0][len("/tmp/"):]), command)
     # One stream, so output lands in the order a terminal would show it.

@@ -20,6 +20,7 @@ from ddplab.study.config import (
     StudyConfig,
     StudyOptions,
 )
+from ddplab.study.kernels import pin_cpu_kernels
 from ddplab.study.report.text import front_lines
 from ddplab.study.rules import REGISTRY as RULES
 
@@ -212,6 +213,8 @@ def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> Optimize
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before anything imports torch: the same command and seeds give the same numbers on any machine.
+    pin_cpu_kernels()
     config_from_args(args)  # bad flags are said before the spec is loaded (its optimizer guessed from the flags)
     branches = branch_config_from_args(args)
     from ddplab.study.grid.study import run_study
