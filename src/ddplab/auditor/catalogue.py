@@ -16,16 +16,18 @@ Severity = Literal["error", "warning", "info"]
 ERROR, WARNING, INFO = "error", "warning", "info"
 SEVERITY_ORDER: dict[Severity, int] = {ERROR: 0, WARNING: 1, INFO: 2}
 
-# The fix for a loss normalised by a local count, in a plain loop (frameworks' own words in FRAMEWORK_FIXES).
+# The fix for a loss normalised by a local count, in a plain loop (frameworks' own words in TOKEN_FIXES).
 GLOBAL_COUNT_RECIPE = (
     "divide the summed loss by the valid-element count of the whole optimizer step, all-reduced over the "
     "data-parallel ranks (and context-parallel ones) and summed over the step's micro-batches, times what the "
-    "reduction divides the ranks' summed gradients by ({divisor}): count = sum((labels != -100).sum() for the "
-    "step's micro-batches); "
-    "dist.all_reduce(count, group=dp_group); loss = F.cross_entropy(logits, labels, reduction='sum'){times} / "
-    "count for each micro-batch (torchtitan's global valid-token count)")
+    "reduction divides the ranks' summed gradients by ({divisor}). The accumulation loop takes the step's "
+    "micro-batches first, counts, then backwards each: micro_batches = [next(batches) for _ in "
+    "range(accumulation_steps)]; count = sum((labels != -100).sum() for _, labels in micro_batches); "
+    "dist.all_reduce(count, group=dp_group); for inputs, labels in micro_batches (no_sync on all but the last): "
+    "loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction='sum'){times} / count; "
+    "loss.backward() (torchtitan's global valid-token count; no further division by the accumulation steps)")
 # What the same fix is called in a framework the program used, per finding.
-FRAMEWORK_FIXES: dict[str, str] = {
+TOKEN_FIXES: dict[str, str] = {
     "transformers": "TrainingArguments(average_tokens_across_devices=True) (the default) with a model whose "
                     "forward accepts num_items_in_batch (or a compute_loss_func that divides by it): the Trainer "
                     "then counts the step's label tokens over all micro-batches and devices",
@@ -38,11 +40,18 @@ FRAMEWORK_FIXES: dict[str, str] = {
                   "gradient_accumulation_steps, Accelerator.backward divides by the steps: multiply them back in)",
 }
 TOKEN_FINDINGS = ("LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH")
-# SCHEDULER_STEPS_PER_PROCESS's fix in the words of a framework that steps the scheduler itself.
-SCHEDULER_FIXES: dict[str, str] = {
-    "accelerate": "give the schedule's lengths in scheduler steps (multiply warmup and total steps by "
-                  "num_processes), or prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) "
-                  "and step it once per optimizer step yourself",
+# code → framework → the finding's fix in the words of that framework, where the program used it (the catalogue's own
+# fix is the plain loop's); the first framework of a code's table that the program imported wins.
+FIXES_IN_FRAMEWORK: dict[str, dict[str, str]] = {
+    **{code: TOKEN_FIXES for code in TOKEN_FINDINGS},
+    "SCHEDULER_STEPS_PER_PROCESS": {
+        "accelerate": "give the schedule's lengths in scheduler steps (multiply warmup and total steps by "
+                      "num_processes), or prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) "
+                      "and step it once per optimizer step yourself"},
+    "LR_SCALED_NOT_SCHEDULE": {
+        "lightning": "scale the lr before configure_optimizers builds the scheduler, or use ddplab.integrations."
+                     "lightning.ScaleLearningRate, which scales the lr, group['initial_lr'] and scheduler.base_lrs "
+                     "together"},
 }
 
 # code → (severity, what it does to training, the fix)
@@ -122,8 +131,8 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         WARNING,
         "the optimizer's lr was scaled for the world size after its scheduler was built: the scheduler's base_lrs "
         "(and the groups' initial_lr) keep the old lr",
-        "scale the lr before building the scheduler, or scale group['initial_lr'] and scheduler.base_lrs too "
-        "(ddplab.integrations' ScaleLearningRate does all three)"),
+        "scale the lr before building the scheduler (for group in optimizer.param_groups: group['lr'] *= factor, "
+        "then scheduler = ...), or scale group['initial_lr'] and scheduler.base_lrs by the same factor too"),
     "LR_SCALED_BY_WORLD_SIZE": (
         WARNING,
         "the lr was scaled by the world size, but under a device mesh only the data-parallel ranks add samples to "
@@ -164,6 +173,14 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "{reduction}: the gradient is 1/{size} of what one process computing the same loss gets",
         "multiply the loss by the world size, or gather with torch.distributed.nn.functional.all_gather, whose "
         "backward all-reduces the gradient of every gathered slice"),
+    "ACCUMULATION_DIVIDED_TWICE": (
+        WARNING,
+        "the loss was divided by the gradient accumulation steps, and the engine's backward divided it by them again "
+        "(DeepSpeed's engine.backward does, unless given scale_wrt_gas=False): the gradient is 1/K of the global "
+        "mean's, K the accumulation steps (with SGD the step is K times smaller; Adam-style optimizers mostly "
+        "normalise the scale away, but not their epsilon)",
+        "remove your own division by the accumulation steps (engine.backward already divides), or normalise the step "
+        "yourself and call engine.backward(loss, scale_wrt_gas=False)"),
     "EVAL_SAMPLES_DUPLICATED": (
         WARNING,
         "an evaluation pass over a DistributedSampler that padded the dataset to a multiple of the ranks "

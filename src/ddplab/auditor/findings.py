@@ -17,11 +17,10 @@ from ddplab.auditor import normalisation
 from ddplab.auditor.catalogue import (
     CATALOGUE,
     ERROR,
-    FRAMEWORK_FIXES,
+    FIXES_IN_FRAMEWORK,
     REDUCTION_FINDINGS,
-    SCHEDULER_FIXES,
     SEVERITY_ORDER,
-    TOKEN_FINDINGS,
+    TOKEN_FIXES,
     Severity,
     message,
 )
@@ -147,8 +146,10 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
             # What the message says of the reduction is the run's own (a rank's findings were made before it was).
             finding.message, fix = message(finding.code, reduction)
             finding.fix = fix if finding.fix == message(finding.code)[1] else finding.fix
-        if finding.code == "SCHEDULER_STEPS_PER_PROCESS":
-            finding.fix = next((SCHEDULER_FIXES[name] for name in SCHEDULER_FIXES if name in used), finding.fix)
+        in_framework = FIXES_IN_FRAMEWORK.get(finding.code, {})
+        framework = next((name for name in in_framework if name in used), None)
+        if framework is not None and finding.fix == message(finding.code, reduction)[1]:
+            finding.fix = in_framework[framework]
         # Fixes that name the mesh's data-parallel dimension use the program's own name for it.
         finding.fix = finding.fix.replace("mesh['dp']", f"mesh['{dimension}']")
     return Report(main.get("world_size"), main.get("global_batch_size"), main.get("lr"),
@@ -217,10 +218,23 @@ def describe_setting(world_size: int | None, data_parallel_size: int | None, str
     >>> describe_setting(2, 2, "ddp", None)
     'world size 2'
     """
+    if strategy and strategy.startswith("deepspeed"):
+        return f"world size {world_size}, {strategy_name(strategy)} (data-parallel size {data_parallel_size})"
     if not mesh:
         return f"world size {world_size}"
     shape = " × ".join(f"{name} {size}" for name, size in mesh.items())
     return f"world size {world_size}, {strategy} on mesh {shape} (data-parallel size {data_parallel_size})"
+
+
+def strategy_name(strategy: str) -> str:
+    """How a report names a strategy: DeepSpeed ZeRO-2 for ``deepspeed-zero2``.
+
+    >>> strategy_name("deepspeed-zero3")
+    'DeepSpeed ZeRO-3'
+    """
+    if strategy.startswith("deepspeed-zero"):
+        return f"DeepSpeed ZeRO-{strategy.removeprefix('deepspeed-zero')}"
+    return strategy
 
 
 def format_lr(lr: float | None) -> str:
@@ -255,7 +269,7 @@ def cross_rank_findings(records: list[dict[str, Any]], reduction: Reduction | No
     tokens = _per_device_tokens(windows)
     if tokens is not None:
         out.append(tokens)
-    out += _normalisation_findings(windows, records, reduction)
+    out += _normalisation_findings(windows, reduction)
     # Tensors first; then the indices behind them, which random augmentation cannot hide.
     duplicate = _duplicate_batches(records, "batches") or _duplicate_batches(records, "index_batches")
     if duplicate is not None:
@@ -322,23 +336,19 @@ def _per_device_tokens(windows) -> Finding | None:
                                    f"rank {high_rank} {high}, so a token on rank {low_rank} weighed "
                                    f"{high / max(low, 1):.3g} times one on rank {high_rank}")
             finding.ranks = sorted(counts)
-            finding.fix = FRAMEWORK_FIXES["transformers"]  # the Trainer's own count is what it records
+            finding.fix = TOKEN_FIXES["transformers"]  # the Trainer's own count is what it records
             return finding
     return None
 
 
-def _normalisation_findings(windows, records: list[dict[str, Any]], reduction: Reduction | None) -> list[Finding]:
+def _normalisation_findings(windows, reduction: Reduction | None) -> list[Finding]:
     """Losses divided by per-rank or per-micro-batch counts, or by a global count that disagrees with the reduction."""
-    used = {name for record in records for name in record.get("frameworks", [])}
-    framework = next((name for name in FRAMEWORK_FIXES if name in used), None)
     divisor = normalisation.AVERAGE if reduction is None else reduction.divisor
     out = []
     for judgement in normalisation.judge_windows(windows, divisor):
         ranks = sorted({rank for (_, step), by_rank in windows.items() if step == judgement.step for rank in by_rank})
         finding = Finding.make(judgement.code, ranks[0] if ranks else 0, judgement.detail)
         finding.ranks = ranks or [0]
-        if framework is not None and judgement.code in TOKEN_FINDINGS:
-            finding.fix = FRAMEWORK_FIXES[framework]
         out.append(finding)
     return out
 

@@ -52,21 +52,6 @@ def on_optimizer_step(audit) -> None:
     _patch_imported_frameworks(audit)
 
 
-# Engines that train data-parallel without a DDP wrapper or an FSDP2 root, and what the report says of them.
-UNREAD_ENGINES = {
-    "deepspeed.runtime.engine": ("deepspeed", "a DeepSpeed engine trained the model, and the audit does not read "
-                                              "DeepSpeed's engine: its steps, losses and batches went unjudged"),
-}
-
-
-def note_unread_engine(audit) -> None:
-    """An optimizer stepped with no model ddplab reads: say which engine trained instead, if one did."""
-    for module, (framework, why) in UNREAD_ENGINES.items():
-        if module in sys.modules and audit.unaudited is None:
-            audit.frameworks.add(framework)
-            audit.unaudited = why
-            audit.write()
-
 # --- several processes, each training alone ---
 
 def check_not_distributed(audit, optimizer) -> None:

@@ -241,13 +241,14 @@ def _optimizer_stepped(audit: AuditState, optimizer) -> None:
     info = _owner(audit, optimizer)
     frameworks.on_optimizer_step(audit)
     meshes.on_optimizer_step(audit)
+    if info is not None and info.engine is not None:
+        return  # an engine's own optimizer: the engine's step is the model's (deepspeed_engine)
     if info is None:
         # A probe or auxiliary optimizer beside a DDP model is no part of the audit; with no DDP model at all,
         # ranks that each train alone are, and so is their schedule.
         if audit.wrapper_count == 0:
             meshes.note_model_parallel_only(audit, optimizer)
             frameworks.check_not_distributed(audit, optimizer)
-            frameworks.note_unread_engine(audit)
             schedulers.check(audit, optimizer)
         return
     schedulers.check(audit, optimizer)
@@ -294,17 +295,27 @@ def _audit_step(audit: AuditState, info: WrapperInfo, optimizer) -> None:
     else:
         # FSDP2's parameters and gradients are shards, different on every rank by design: nothing to compare.
         meshes.step_evidence(audit, info)
+    finish_step(audit, info, optimizer)
+
+
+def finish_step(audit: AuditState, info: WrapperInfo, optimizer, global_batch_size: int | None = None,
+                loss_scale: float = 1.0) -> None:
+    """What every audited optimizer step of a data-parallel model records, whatever wraps it: its losses' weights
+    (``loss_scale``: a factor of the engine's own in them), its lr, its batch; and the report once the window is full.
+    ``global_batch_size``: the engine's own, where it states one."""
     losses.check_step(audit, info.forward_batch)
     batches.check_cleared(audit, info)
     info.zero_grad_calls = audit.zero_grad_calls
     # What each loss element weighed in this step's micro-batches, compared across ranks by findings.merge.
-    audit.window(info)["loss_weights"] = weights.flush(audit)
+    audit.window(info)["loss_weights"] = weights.flush(audit, loss_scale)
     audit.lr = schedulers.configured_lr(optimizer, audit.lr)
     audit.optimizer = type(optimizer).__name__
     meshes.note_setting(audit, info)
     # Samples the loader fed: a GAN's discriminator also sees a generated batch, which is no part of the data.
     per_rank_batch = info.loader_batch or info.forward_batch
-    if per_rank_batch:
+    if global_batch_size is not None:
+        audit.global_batch_size = global_batch_size
+    elif per_rank_batch:
         # The data-parallel ranks, not the world: tensor-parallel ranks share their batch.
         audit.global_batch_size = per_rank_batch * len(info.group)
     info.steps += 1

@@ -15,6 +15,7 @@ from ddplab.auditor import (
     collectives,
     comm_hooks,
     data,
+    deepspeed_engine,
     environment,
     evaluation,
     exchange,
@@ -42,7 +43,8 @@ def install(steps: int = 5, out_dir: str | None = None) -> state.AuditState:
         return audit
     audit = state.start(steps, out_dir)
     _PATCHES = Patches()
-    for module in (hooks, comm_hooks, meshes, collectives, data, evaluation, losses, gathers, schedulers, frameworks):
+    for module in (hooks, comm_hooks, meshes, collectives, data, evaluation, losses, gathers, schedulers, frameworks,
+                   deepspeed_engine):
         module.install(_PATCHES)
     if out_dir:
         _PATCHES.replace(sys, "excepthook", environment.watched_excepthook)

@@ -21,6 +21,7 @@ a normalisation, judged across ranks by :mod:`ddplab.auditor.normalisation`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -50,6 +51,7 @@ NORMALISING_NODES = ("MeanBackward", "DivBackward")
 # A normaliser this close (relatively) to a count of the batch it sums divides by that count.
 COUNT_TOLERANCE = 0.1
 _INSIDE_LOSS_FUNCTION = [0]  # loss functions being computed: their own sums (gaussian_nll's) are theirs, not a hand's
+_INSIDE_ENGINE_BACKWARD = [0]  # an engine's backward: its own Tensor.backward starts from its division, not the loss
 
 
 def install(patches: Patches) -> None:
@@ -73,11 +75,26 @@ def _checking_backward(original_backward):
     @functools.wraps(original_backward)
     def backward(self, *args, **kwargs):
         audit = state.current()
-        if audit is not None and audit.armed:
+        if audit is not None and audit.armed and not _INSIDE_ENGINE_BACKWARD[0]:
             _check_loss(self)
         return original_backward(self, *args, **kwargs)
 
     return backward
+
+
+@contextlib.contextmanager
+def engine_backward(loss):
+    """An engine's backward of the program's loss (DeepSpeed's ``engine.backward``): the loss is judged as the
+    program wrote it; the engine's own ``Tensor.backward`` inside, which starts from its division by the accumulation
+    steps and its loss scale, is not judged again (those numbers are the engine's, not constants of the program)."""
+    audit = state.current()
+    if audit is not None and audit.armed and isinstance(loss, torch.Tensor):
+        _check_loss(loss)
+    _INSIDE_ENGINE_BACKWARD[0] += 1
+    try:
+        yield
+    finally:
+        _INSIDE_ENGINE_BACKWARD[0] -= 1
 
 
 def _tag_reduction(name, loss_fn):

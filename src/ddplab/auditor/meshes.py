@@ -248,7 +248,8 @@ def note_model_parallel_only(audit: AuditState, optimizer) -> None:
 def note_setting(audit: AuditState, info: WrapperInfo) -> None:
     """The run's strategy, mesh, data-parallel degree and reduction, as ``info``'s model has them now."""
     audit.data_parallel_size = len(info.group)
-    audit.strategy = info.layout.strategy if info.layout is not None else "ddp"
+    audit.strategy = info.layout.strategy if info.layout is not None else (
+        info.reduction.strategy if info.reduction is not None else "ddp")
     audit.mesh = info.layout.mesh if info.layout is not None else None
     if info.layout is not None:
         # Read again at every audited step: set_gradient_divide_factor may follow the first forward.

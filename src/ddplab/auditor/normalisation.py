@@ -61,17 +61,21 @@ def _equal(values) -> bool:
     return max(values) - min(values) <= TOLERANCE * max(abs(v) for v in values)
 
 
-def judge(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVERAGE) -> Judgement | None:
+def judge(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVERAGE,
+          engine_divides_by: int = 1) -> Judgement | None:
     """The finding one loss line's parts in one step give, if any.
 
     ``world_size``: the data-parallel ranks (W); ``divisor``: what the reduction divides their summed gradients by
-    (D; :data:`AVERAGE` for W; None where it is unknown, so that no judgement of the scale is made).
+    (D; :data:`AVERAGE` for W; None where it is unknown, so that no judgement of the scale is made);
+    ``engine_divides_by``: the accumulation steps an engine's backward divided the loss by itself (DeepSpeed's), in
+    the weights already.
     """
     if len({p.rank for p in parts}) < 2 and len(parts) < 2:
         return None
     total = sum(p.count for p in parts)
     if _equal(p.weight for p in parts):
-        return _one_normaliser(parts, world_size, step, float(world_size) if divisor == AVERAGE else divisor, total)
+        divisor = float(world_size) if divisor == AVERAGE else divisor
+        return _one_normaliser(parts, world_size, step, divisor, total, engine_divides_by)
     by_rank: dict[int, list[Part]] = {}
     for part in parts:
         by_rank.setdefault(part.rank, []).append(part)
@@ -98,12 +102,15 @@ def _follows(products: list[float], spread: float) -> bool:
     return product_spread - 1 <= NEAR and product_spread - 1 <= (spread - 1) / 10
 
 
-def _one_normaliser(parts: list[Part], world_size: int, step: int, divisor: float | None,
-                    total: int) -> Judgement | None:
+def _one_normaliser(parts: list[Part], world_size: int, step: int, divisor: float | None, total: float,
+                    engine_divides_by: int = 1) -> Judgement | None:
     """Every element weighed the same w: the step's loss was divided by one number, M = 1/w elements."""
     if world_size < 2 or divisor is None:
         return None
     scale = parts[0].weight * total / divisor  # the gradient over the global mean's
+    if engine_divides_by > 1 and _near(scale, 1 / engine_divides_by):
+        return Judgement("ACCUMULATION_DIVIDED_TWICE", step,
+                         _twice_detail(parts, total, divisor, engine_divides_by), 1.0)
     if math.isclose(divisor, world_size, rel_tol=TOLERANCE) and _near(scale, 1 / world_size):
         return Judgement("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", step,
                          _global_detail(parts, world_size, total, divisor), 1.0)
@@ -167,6 +174,14 @@ def _global_detail(parts: list[Part], world_size: int, total: int, divisor: floa
             f"ranks' summed gradients by {divisor:g}: the gradient is {factor} of the global mean's")
 
 
+def _twice_detail(parts: list[Part], total: float, divisor: float, steps: int) -> str:
+    scale = parts[0].weight * total / divisor
+    factor = _factor(scale, 1 / steps, f"1/{steps}")
+    return (f"every element weighed 1/{1 / parts[0].weight:,.0f} after the engine's own division by the {steps} "
+            f"accumulation steps, where the step's {_shown(total)} elements over the ranks call for "
+            f"{divisor:g}/{_shown(total)}: the gradient is {factor} of the global mean's")
+
+
 def _divide_factor_detail(parts: list[Part], world_size: int, total: int, divisor: float) -> str:
     scale = parts[0].weight * total / divisor
     expected = world_size / divisor
@@ -186,12 +201,13 @@ def judge_windows(windows: dict[tuple[str, int], dict[int, dict]], divisor: Divi
     best: dict[str, Judgement] = {}
     for (_, step), by_rank in sorted(windows.items(), key=lambda item: item[0][1]):
         world = max((len(w.get("group", [])) for w in by_rank.values()), default=len(by_rank))
+        engine = max((int(w.get("engine_divides_by", 1)) for w in by_rank.values()), default=1)
         for site, parts in _parts_by_site(by_rank).items():
             if {p.rank for p in parts} != set(by_rank) or _repeated(parts):
                 # A loss some ranks never computed (rank-dependent code), or one line computing several losses in
                 # a micro-batch (a loop over tasks, each its own mean): nothing to compare element for element.
                 continue
-            judgement = judge(parts, world, step, divisor)
+            judgement = judge(parts, world, step, divisor, engine)
             if judgement is not None and (judgement.code not in best or judgement.spread > best[judgement.code].spread):
                 best[judgement.code] = dataclasses.replace(judgement, detail=f"at optimizer step {step}, {site}: "
                                                                             f"{judgement.detail}")

@@ -36,6 +36,7 @@ class Patches:
         self._originals: list[tuple[Any, str, Any, bool]] = []  # (owner, name, original, was in owner's own dict)
         self._handles: list[Any] = []
         self._exits: list[Callable[[], None]] = []
+        self._undos: list[Callable[[], None]] = []
 
     def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> Any:
         """Set ``owner.name`` to ``make(original)``; returns the original."""
@@ -49,6 +50,10 @@ class Patches:
         """Keep a hook's removable handle."""
         self._handles.append(handle)
         return handle
+
+    def on_undo(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` when the patches are undone (a finder to take off ``sys.meta_path``)."""
+        self._undos.append(fn)
 
     def at_exit(self, fn: Callable[[], None]) -> None:
         atexit.register(fn)
@@ -71,6 +76,9 @@ class Patches:
             handle.remove()
         for fn in self._exits:
             atexit.unregister(fn)
+        for fn in self._undos:
+            fn()
+        self._undos.clear()
         self._originals.clear()
         self._handles.clear()
         self._exits.clear()

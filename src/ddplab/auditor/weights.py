@@ -132,8 +132,10 @@ def _read_weight(audit, record: Record, grad_outputs) -> None:
         record.weight = float(grad.mean())
 
 
-def flush(audit) -> dict[str, list[list[float]]]:
-    """This step's records as ``{site: [[micro-step, weight per element, elements], ...]}``; cleared for the next."""
+def flush(audit, loss_scale: float = 1.0) -> dict[str, list[list[float]]]:
+    """This step's records as ``{site: [[micro-step, weight per element, elements], ...]}``; cleared for the next.
+
+    ``loss_scale``: what an engine multiplied the loss by before backward (fp16's dynamic loss scale), taken out."""
     records, audit.weight_records = audit.weight_records, []
     by_site: dict[str, list[list[float]]] = {}
     for record in records:
@@ -144,6 +146,6 @@ def flush(audit) -> dict[str, list[list[float]]]:
             continue
         # Whole counts stay whole (tokens, samples); summed class weights keep their fraction.
         count = int(count) if count.is_integer() else count
-        weight = record.weight / count if record.divide_by_count else record.weight
+        weight = (record.weight / count if record.divide_by_count else record.weight) / loss_scale
         by_site.setdefault(record.site, []).append([record.micro_step, weight, count])
     return by_site

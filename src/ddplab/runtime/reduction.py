@@ -47,8 +47,11 @@ class Reduction:
 
     @property
     def name(self) -> str:
-        """The engine's own name: DDP, FSDP2, HSDP (the mesh's other dimensions are not the reduction's)."""
+        """The engine's own name: DDP, FSDP2, HSDP, DeepSpeed ZeRO-2 (the mesh's other dimensions are not the
+        reduction's)."""
         base = self.strategy.split("+")[0]
+        if base.startswith("deepspeed-zero"):
+            return f"DeepSpeed ZeRO-{base.removeprefix('deepspeed-zero')}"
         return _NAMES.get(base, base)
 
     def describe(self) -> str:
