@@ -3,8 +3,9 @@
 For one optimizer step, each rank r of the data-parallel group wrote |g_r|², the squared norm of its local
 gradient over its b samples, and its disjoint share of |G_B|², the squared norm of the averaged gradient over
 B = W·b. The small batch's squared norm is the mean over ranks, E|g_b|² ≈ (1/W)·Σ|g_r|², and the big one's the
-sum of the shares. A step enters only when every rank of the group recorded it, once reduced, with equal
-batches; the others are counted with the reason.
+sum of the shares. Where an engine reduces every micro-batch (DeepSpeed ZeRO-2) no rank's step gradient exists
+whole: |g_r|² is then the mean over its K micro-batches, each a small batch of b/K samples. A step enters only when
+every rank of the group recorded it, once reduced, with equal batches; the others are counted with the reason.
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ def _merge_step(step: int, ranks: dict[int, dict], group: list[int]) -> tuple[St
     g_big_sq = sum(r["share_sq"] for r in records)
     if not (math.isfinite(g_small_sq) and math.isfinite(g_big_sq)):
         return None, "non-finite gradients (an fp16 overflow, a NaN loss)"
-    b_small = samples.pop()
+    b_big = samples.pop() * len(group)
+    # An engine that reduces every micro-batch (DeepSpeed ZeRO-2): each micro-batch is a small batch.
+    per_rank = b_big // len(group)
+    b_small = per_rank // records[0]["forwards"] if records[0].get("per_micro_batch") else per_rank
     size = ranks[min(ranks)]["dataset_size"]
-    b_big = b_small * len(group)
     return StepNorms(step, b_small, b_big, records[0]["forwards"], g_small_sq, g_big_sq,
                      size if size is not None and size >= max(b_big, 2) else None), ""
 

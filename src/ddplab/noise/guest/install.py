@@ -23,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.distributed import DistributedSampler
 
+from ddplab.auditor import imports
 from ddplab.auditor.patches import Patches
-from ddplab.noise.guest import state
+from ddplab.noise.guest import deepspeed_tap, state
 from ddplab.noise.guest.plan import StepPlan
 from ddplab.noise.guest.state import GuestState
 from ddplab.noise.guest.tap import Measurement
@@ -47,8 +48,16 @@ def install_from_env() -> GuestState | None:
     _DISCOVERY = _PATCHES.hook(register_module_forward_pre_hook(_module_pre_forward))
     _PATCHES.hook(register_optimizer_step_post_hook(_after_optimizer_step))
     _PATCHES.replace(DistributedSampler, "__iter__", _watched_sampler)
+    imports.when_imported(_PATCHES, deepspeed_tap.ENGINE_MODULE,
+                          functools.partial(_guarded_patch, functools.partial(deepspeed_tap.patch, _PATCHES,
+                                                                              _model_stepped)))
     atexit.register(_at_exit)
     return guest
+
+
+@state.guarded("watching DeepSpeed's engine")
+def _guarded_patch(guest: GuestState, patch, module) -> None:
+    patch(module)
 
 
 def _watched_sampler(original_iter):
@@ -73,6 +82,9 @@ def _module_pre_forward(guest: GuestState, module, args) -> None:
         # One process: the first training forward after an optimizer step is the model's own (its outermost module).
         if any(id(p) in guest.alone_params for p in module.parameters()):
             _found_alone(guest, module)
+        return
+    if deepspeed_tap.is_engine(module):
+        _found_engine(guest, module)
         return
     if not _maybe_data_parallel(module):
         return
@@ -103,6 +115,21 @@ def _found(guest: GuestState, model, strategy) -> None:
                      "local gradient cannot be read without a communication hook, which would change training")
 
 
+def _found_engine(guest: GuestState, engine) -> None:
+    """A DeepSpeed engine: its own module's parameters, its data-parallel group, its ZeRO stage."""
+    stage = int(engine.zero_optimization_stage())
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    group = dist.get_process_group_ranks(getattr(engine, "seq_data_parallel_group", None) or
+                                         engine.data_parallel_group)
+    guest.engine_stage, guest.data_parallel_size = stage, len(group)
+    _take(guest, engine, None, params, group, f"deepspeed-zero{stage}")
+    if stage not in deepspeed_tap.MEASURED_STAGES:
+        guest.disarm(f"DeepSpeed ZeRO-{stage} reduces each micro-batch's gradient into partitions inside its backward "
+                     "hooks, so no local gradient can be read whole: the noise scale is measured at ZeRO 0-2")
+    elif len(group) < 2:
+        guest.disarm("a DeepSpeed engine on one data-parallel rank: measure on 2 or more ranks")
+
+
 def _found_alone(guest: GuestState, model) -> None:
     """The model of a process that trains alone: measured from its micro-steps."""
     params = [p for p in model.parameters() if p.requires_grad and id(p) in guest.alone_params]
@@ -112,13 +139,15 @@ def _found_alone(guest: GuestState, model) -> None:
     _take(guest, model, None, params, [rank])
 
 
-def _take(guest: GuestState, model, strategy, params: list, group: list[int]) -> None:
-    guest.pid, guest.strategy, guest.rank = os.getpid(), strategy, group[0] if strategy is None else dist.get_rank()
+def _take(guest: GuestState, model, strategy, params: list, group: list[int], name: str | None = None) -> None:
+    engine = guest.engine_stage is not None
+    guest.pid, guest.strategy = os.getpid(), strategy
+    guest.rank = dist.get_rank() if strategy is not None or engine else group[0]
     guest.model_ref = weakref.ref(model)
     guest.param_refs = [weakref.ref(p) for p in params]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    guest.write("model", strategy=strategy.name if strategy is not None else "one process", world_size=world_size,
-                group=group)
+    name = name or (strategy.name if strategy is not None else "one process")
+    guest.write("model", strategy=name, world_size=world_size, group=group)
     if _DISCOVERY is not None:
         _DISCOVERY.remove()
     # A rank forked by multiprocessing ends in os._exit, past atexit: its own finalizers still run.
@@ -138,7 +167,14 @@ def _after_optimizer_step(guest: GuestState, optimizer, args, kwargs) -> None:
     if not guest.found and guest.alone_params is None and _trains_alone():
         # No data-parallel model, and no other rank: the next training forward shows the model behind these.
         guest.alone_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not guest.found or guest.finished or not _steps_model(guest, optimizer):
+    if not guest.found or guest.finished or guest.engine_stage is not None or not _steps_model(guest, optimizer):
+        return  # an engine's optimizer steps per parameter group: the engine's own step is the model's
+    _model_stepped(guest)
+
+
+def _model_stepped(guest: GuestState) -> None:
+    """One optimizer step of the measured model: its record written, the next step's measurement placed."""
+    if guest.finished or guest.disabled is not None:
         return
     step, plan = guest.steps, guest.plan
     guest.steps += 1
@@ -150,7 +186,8 @@ def _after_optimizer_step(guest: GuestState, optimizer, args, kwargs) -> None:
         _uninstall(guest)
     elif plan.measures(guest.steps):
         if guest.measurement is None:
-            guest.measurement = Measurement(guest)
+            measure = deepspeed_tap.EngineMeasurement if guest.engine_stage is not None else Measurement
+            guest.measurement = measure(guest)
     else:
         guest.stop_measuring()
 

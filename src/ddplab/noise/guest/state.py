@@ -32,6 +32,8 @@ class GuestState:
         self.finished = False  # every planned step measured: nothing more is done
         self.micro = False  # one data-parallel rank: each micro-step's gradient is a small batch
         self.alone_params: set[int] | None = None  # ids of the parameters a lone process's optimizer steps
+        self.engine_stage: int | None = None  # the ZeRO stage of a DeepSpeed engine being measured; None otherwise
+        self.data_parallel_size = 1
 
     @property
     def found(self) -> bool:

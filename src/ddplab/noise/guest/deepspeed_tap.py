@@ -1,0 +1,174 @@
+"""DeepSpeed's engine, ZeRO 0-2, measured: each rank's local gradient before the engine reduces it, and the norm of
+the reduced one after.
+
+Where the engine reduces decides what the small batch is (DeepSpeed 0.19, ``runtime/engine.py`` and
+``runtime/zero/stage_1_and_2.py``):
+
+- ZeRO 0 and 1 reduce once per optimizer step, at the accumulation boundary (``allreduce_gradients`` in the
+  boundary micro-step's ``engine.backward``): just before, every ``.grad`` holds this rank's gradient over its
+  micro-batches together (each divided by the accumulation steps by the engine), as DDP's ``no_sync`` does. The
+  small batch is the rank's samples of the step.
+- ZeRO 2 reduces every micro-batch, bucket by bucket (``DeepSpeedZeroOptimizer.average_tensor``), so the rank's step
+  gradient never exists whole: each micro-batch's local gradient is read from the buckets before they are reduced,
+  and the small batch is one micro-batch (the engine's 1/K is undone: the step's mean of |g_micro|² is K times the
+  sum of the buckets' squared norms over its K micro-batches).
+
+The reduced gradient's squared norm is the engine's own: ``engine.get_global_grad_norm()`` after the step at ZeRO
+1-2, which DeepSpeed computes for its clipping anyway (no collective is added); at ZeRO 0 the averaged ``.grad`` is
+whole on every rank before the optimizer steps. Each rank records 1/W of it, so the shares sum to |G|² as DDP's
+do. ZeRO-3 reduces into partitions inside its backward hooks: it is not measured, and the guest says so.
+Nothing is written into the engine's tensors; every patch calls through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+
+import torch
+
+from ddplab.auditor import tensors
+from ddplab.auditor.patches import Patches
+from ddplab.noise.guest import state
+from ddplab.noise.guest.state import GuestState
+from ddplab.noise.scale import squared_norm
+
+ENGINE_MODULE = "deepspeed.runtime.engine"
+ZERO_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
+MEASURED_STAGES = (0, 1, 2)
+
+
+def is_engine(module) -> bool:
+    """Whether ``module`` is a DeepSpeed engine (without importing DeepSpeed)."""
+    engine = getattr(sys.modules.get(ENGINE_MODULE), "DeepSpeedEngine", None)
+    return isinstance(engine, type) and isinstance(module, engine)
+
+
+def patch(patches: Patches, on_step, module) -> None:
+    """Wrap the engine's reduction and step (``on_step(guest)`` after each optimizer step of the measured engine)."""
+    engine = module.DeepSpeedEngine
+    patches.replace(engine, "allreduce_gradients", _watched_allreduce)
+    patches.replace(engine, "_take_model_step", functools.partial(_watched_step, on_step))
+    zero = getattr(sys.modules.get(ZERO_MODULE), "DeepSpeedZeroOptimizer", None)
+    if isinstance(zero, type):
+        patches.replace(zero, "average_tensor", _watched_average_tensor)
+
+
+def _watched_allreduce(original):
+    @functools.wraps(original)
+    def allreduce_gradients(self, *args, **kwargs):
+        _before_reduction(self)
+        return original(self, *args, **kwargs)
+
+    return allreduce_gradients
+
+
+def _watched_average_tensor(original):
+    @functools.wraps(original)
+    def average_tensor(self, tensor, *args, **kwargs):
+        _local_bucket(self, tensor)
+        return original(self, tensor, *args, **kwargs)
+
+    return average_tensor
+
+
+def _watched_step(on_step, original):
+    @functools.wraps(original)
+    def _take_model_step(self, *args, **kwargs):
+        _before_step(self)
+        result = original(self, *args, **kwargs)
+        _after_step(self, on_step)
+        return result
+
+    return _take_model_step
+
+
+class EngineMeasurement:
+    """The sums of one measured optimizer step of an engine."""
+
+    def __init__(self, guest: GuestState):
+        engine = guest.model()
+        self.stage, self.size = guest.engine_stage, guest.data_parallel_size
+        # On the engine itself, for the measured steps only: it sees keyword inputs, which a global hook does not.
+        self.handles = [engine.register_forward_pre_hook(_count, with_kwargs=True)]
+        self.reset()
+
+    def reset(self) -> None:
+        self.local_sq, self.share_sq = 0.0, None
+        self.samples = self.forwards = self.reductions = 0
+        self.guest_s, self.started = 0.0, time.perf_counter()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def finish(self, guest: GuestState, step: int) -> dict:
+        samples = self.samples
+        if guest.plan.per_device_batch_size is not None:
+            samples = guest.plan.per_device_batch_size * self.forwards
+        per_micro_batch = self.stage == 2
+        # ZeRO 2: the buckets held each micro-batch's gradient over K; the mean of |g_micro|² is K·Σ|bucket|².
+        local_sq = self.local_sq * self.forwards if per_micro_batch else self.local_sq
+        line = {"step": step, "micro": False, "per_micro_batch": per_micro_batch, "samples": samples,
+                "forwards": self.forwards, "reductions": 1 if per_micro_batch else self.reductions,
+                "local_sq": local_sq, "share_sq": self.share_sq, "dataset_size": guest.dataset_size,
+                "guest_s": self.guest_s, "step_s": time.perf_counter() - self.started}
+        self.reset()
+        return line
+
+
+def _measuring(guest: GuestState, engine) -> EngineMeasurement | None:
+    measurement = guest.measurement
+    return measurement if isinstance(measurement, EngineMeasurement) and guest.model() is engine else None
+
+
+@state.guarded("reading DeepSpeed's local gradient")
+def _before_reduction(guest: GuestState, engine) -> None:
+    measurement = _measuring(guest, engine)
+    if measurement is None or measurement.stage >= 2 or not engine.is_gradient_accumulation_boundary():
+        return
+    begun = time.perf_counter()
+    # ZeRO 0-1: the rank's whole step gradient, accumulated over its micro-batches, before the one reduction.
+    measurement.local_sq += sum(squared_norm(p.grad.detach()).item() for p in guest.params() if p.grad is not None)
+    measurement.reductions += 1
+    measurement.guest_s += time.perf_counter() - begun
+
+
+@state.guarded("reading a DeepSpeed ZeRO-2 bucket")
+def _local_bucket(guest: GuestState, optimizer, tensor) -> None:
+    engine = guest.model()
+    measurement = _measuring(guest, engine)
+    if measurement is None or measurement.stage != 2 or getattr(engine, "optimizer", None) is not optimizer:
+        return
+    begun = time.perf_counter()
+    measurement.local_sq += squared_norm(tensor.detach()).item()
+    measurement.guest_s += time.perf_counter() - begun
+
+
+@state.guarded("reading DeepSpeed's reduced gradient")
+def _before_step(guest: GuestState, engine) -> None:
+    measurement = _measuring(guest, engine)
+    if measurement is not None and measurement.stage == 0:
+        # ZeRO 0: every rank holds the whole averaged gradient; each records 1/W of its squared norm.
+        total = sum(squared_norm(p.grad.detach()).item() for p in guest.params() if p.grad is not None)
+        measurement.share_sq = total / measurement.size
+
+
+@state.guarded("after a DeepSpeed step")
+def _after_step(guest: GuestState, engine, on_step) -> None:
+    if guest.model() is not engine:
+        return
+    measurement = _measuring(guest, engine)
+    if measurement is not None and measurement.stage in (1, 2):
+        norm = engine.get_global_grad_norm()
+        measurement.share_sq = None if norm is None else float(norm) ** 2 / measurement.size
+    on_step(guest)
+
+
+@state.guarded("counting a DeepSpeed forward's samples")
+def _count(guest: GuestState, module, args, kwargs) -> None:
+    measurement = guest.measurement
+    if isinstance(measurement, EngineMeasurement) and torch.is_grad_enabled():
+        measurement.forwards += 1
+        measurement.samples += tensors.first_dim((args, kwargs)) or 0
