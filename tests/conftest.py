@@ -4,10 +4,55 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
-from ddplab.runtime.launch import TORCHRUN_VARS
+_import_began = time.perf_counter()
+import torch  # noqa: E402  (timed: how slow this machine is now)
+
+TORCH_IMPORT_S = time.perf_counter() - _import_began
+"""How long ``import torch`` took in this process (about 0 where a plugin imported it first)."""
+QUICK_TORCH_IMPORT_S = 2.0
+"""``import torch`` on a quick, idle machine: the machine a bound of this suite is written for."""
+
+from ddplab.runtime import timescale  # noqa: E402
+
+# A process a test starts computes with the CPU kernels this one does (``ddplab study`` fixes its own unless these
+# say otherwise: ddplab.study.kernels), so a test may compare its numbers with this process's to the last bit.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", torch.backends.cpu.get_cpu_capability().lower())
+os.environ.setdefault("MKL_CBWR", "AUTO")
+from ddplab.runtime.launch import TORCHRUN_VARS  # noqa: E402
+
+
+def _time_scale() -> float:
+    """How many times longer than a quick machine this one may take: DDPLAB_TIME_SCALE where CI sets it, else from
+    how long ``import torch`` took here (never below 1). Every bound the suite waits with is its usual value times
+    this; the waits themselves end on events (a file, a line, a process's exit), so a bound only decides how long a
+    test that hangs takes to fail."""
+    if timescale.ENV in os.environ:
+        return timescale.factor()
+    return max(1.0, round(TORCH_IMPORT_S / QUICK_TORCH_IMPORT_S, 1))
+
+
+# Set once for the session, before any test runs: ddplab's own bounds, in this process and in every process a test
+# starts, read the same factor.
+os.environ[timescale.ENV] = str(_time_scale())
+
+
+def pytest_report_header(config):
+    return f"DDPLAB_TIME_SCALE={os.environ[timescale.ENV]} (import torch took {TORCH_IMPORT_S:.1f} s)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's pytest-timeout bound (its marker's, else the ini's) times the session's time scale."""
+    scale = timescale.factor()
+    default = getattr(config, "_env_timeout", None)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = marker.args[0] if marker is not None and marker.args else default
+        if seconds:
+            item.add_marker(pytest.mark.timeout(seconds * scale), append=False)
 
 
 @pytest.fixture(autouse=True)
