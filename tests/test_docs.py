@@ -16,6 +16,8 @@ import output_blocks
 import site_header
 import sphinx_roles
 
+from ddplab.runtime.timescale import scaled
+
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
@@ -23,7 +25,7 @@ def site(tmp_path_factory):
     # The theme's notice about its own future is no warning about this site.
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110, check=False)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(110), check=False)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     assert "WARNING" not in log, log

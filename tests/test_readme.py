@@ -14,6 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import refresh_docs
 
+from ddplab.runtime.timescale import scaled
+
 README_PATH = os.path.join(ROOT, "README.md")
 PAGES = refresh_docs.pages()
 
@@ -37,8 +39,8 @@ def test_the_pages_are_the_readme_and_every_page_of_the_manual():
 def test_every_python_block_marked_runnable_runs_and_prints_what_its_comment_says(page):
     blocks = re.findall(r"<!-- python -->\n```python\n(.*?)```", TEXTS[page], re.S)
     for code in blocks:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
-                              cwd=ROOT)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120),
+                              check=False, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         promised = [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(")]
         assert done.stdout.split("\n")[:len(promised)] == promised

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from ddplab.runtime.timescale import scaled
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -15,7 +17,8 @@ def torchrun_example():
 
     def run(name: str) -> str:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               os.path.join(ROOT, "examples", name)], capture_output=True, text=True, timeout=170)
+                               os.path.join(ROOT, "examples", name)], capture_output=True, text=True,
+                              timeout=scaled(170))
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 

@@ -7,6 +7,7 @@ import pytest
 
 from ddplab.check import CheckConfig, check
 from ddplab.cli.main import main
+from ddplab.runtime.timescale import scaled
 
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
 
@@ -183,7 +184,7 @@ def _torchrun_command(*argv):
     src = os.path.dirname(os.path.dirname(ddplab.__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ddplab",
-                           *argv], capture_output=True, text=True, env=env, timeout=120)
+                           *argv], capture_output=True, text=True, env=env, timeout=scaled(120))
 
 
 @pytest.mark.timeout(240)
@@ -324,7 +325,7 @@ HANGS_ON_RANK_ONE = SPEC_HEAD + LINEAR + """import time
 import torch.distributed as dist
 def step(model, batch, loss_fn):
     if dist.is_initialized() and dist.get_rank() == 1:
-        time.sleep(60)  # stuck, say, reading its shard from a slow disk
+        time.sleep(600)  # stuck, say, reading its shard from a slow disk
     inputs, target = batch
     return loss_fn(model(inputs), target)
 """
@@ -385,7 +386,7 @@ for argv in (["check", "missing.py"], ["check", {str(tmp_path)!r}], ["check", {s
 """
     src = os.path.dirname(os.path.dirname(ddplab.__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=scaled(60))
     assert done.stdout.split("\n")[:4] == ["2 False"] * 4, done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 4 and all(line.startswith("ddplab: error: spec file ") for line in lines)
@@ -420,7 +421,7 @@ def _run_with_stderr_on_a_terminal(argv) -> tuple[int, str, str]:
             break
     out = command.stdout.read().decode()
     os.close(terminal)
-    return command.wait(timeout=60), out, b"".join(drawn).decode(errors="replace")
+    return command.wait(timeout=scaled(60)), out, b"".join(drawn).decode(errors="replace")
 
 
 @pytest.mark.timeout(120)

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddplab import AdaScale, BatchRamp, GradientNoiseScale
 from ddplab.cli.main import main
 from ddplab.runtime.launch import LaunchConfig, launch
+from ddplab.runtime.timescale import scaled
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +31,7 @@ SPECS = os.path.join(ROOT, "tests", "specs")
 CUDA_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "cuda_ddp.py")
 # The CPU twin of a command that would take the GPU wherever torch sees one.
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
-ONE_RANK = LaunchConfig(world_size=1, pg_timeout_s=60, deadline_s=240)
+ONE_RANK = LaunchConfig(world_size=1, pg_timeout_s=scaled(60), deadline_s=scaled(240))
 
 
 def study(*args: str, batches: str = "32,128") -> list[str]:
@@ -42,7 +43,7 @@ def study(*args: str, batches: str = "32,128") -> list[str]:
 
 def ddplab(*args: str, env: dict | None = None) -> dict:
     """``python -m ddplab ARGS`` in a fresh process; its JSON, after checking it exited 0."""
-    done = subprocess.run([sys.executable, "-m", "ddplab", *args], capture_output=True, text=True, timeout=280,
+    done = subprocess.run([sys.executable, "-m", "ddplab", *args], capture_output=True, text=True, timeout=scaled(280),
                           env={**os.environ, **(env or {})}, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)
@@ -85,7 +86,7 @@ def test_a_vectorized_step_on_cuda_is_timed_against_the_devices_matmul_floor(tmp
     out = tmp_path / "speed.json"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "study_speed_cuda.py"), "--workload",
                            "digits", "--batch-sizes", "32", "128", "--steps", "20", "--out", str(out)],
-                          capture_output=True, text=True, timeout=500, cwd=ROOT)
+                          capture_output=True, text=True, timeout=scaled(500), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["device"].startswith("cuda") and result["matmul_flop_per_s"] > 0

@@ -17,6 +17,7 @@ import torch
 from ddplab.cli.main import main
 from ddplab.noise import estimators as est
 from ddplab.plan import scaling
+from ddplab.runtime.timescale import scaled
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 # --standalone: a free port for the rendezvous, so launches never meet on torchrun's default 29500.
@@ -157,7 +158,7 @@ def test_lightning_noise_scale_callback_matches_the_exact_norms_and_the_closed_f
     pytest.importorskip("lightning")
     steps = 400
     monkeypatch.setenv("DDPLAB_TEST_STEPS", str(steps))
-    done = subprocess.run([sys.executable, "lightning_noise.py"], capture_output=True, text=True, timeout=280,
+    done = subprocess.run([sys.executable, "lightning_noise.py"], capture_output=True, text=True, timeout=scaled(280),
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(in_scripts.read_text())
@@ -176,7 +177,7 @@ def test_lightning_noise_scale_callback_matches_the_exact_norms_and_the_closed_f
 @pytest.mark.timeout(300)
 def test_lightning_batch_ramp_grows_the_accumulation_at_epoch_starts_with_the_lr_it_planned(in_scripts):
     pytest.importorskip("lightning")
-    done = subprocess.run([sys.executable, "lightning_ramp.py"], capture_output=True, text=True, timeout=280,
+    done = subprocess.run([sys.executable, "lightning_ramp.py"], capture_output=True, text=True, timeout=scaled(280),
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(in_scripts.read_text())
@@ -206,8 +207,8 @@ def test_lightning_batch_ramp_grows_the_accumulation_at_epoch_starts_with_the_lr
 @pytest.mark.timeout(300)
 def test_lightning_batch_schedule_follows_the_thresholds_at_epoch_starts_with_the_schedules_lrs(in_scripts):
     pytest.importorskip("lightning")
-    done = subprocess.run([sys.executable, "lightning_schedule.py"], capture_output=True, text=True, timeout=280,
-                          check=False)
+    done = subprocess.run([sys.executable, "lightning_schedule.py"], capture_output=True, text=True,
+                          timeout=scaled(280), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(in_scripts.read_text())
     # 2048 samples an epoch at 16, 32, 32, 64: the thresholds 1000 and 5000 are passed mid-epoch (at 2048 and
@@ -363,7 +364,7 @@ def test_noise_scale_of_accelerate_and_the_trainer_matches_the_exact_norms(frame
     steps = 200
     monkeypatch.setenv("DDPLAB_TEST_STEPS", str(steps))
     done = subprocess.run([*TORCHRUN, "noise_train.py", "--framework", framework], capture_output=True, text=True,
-                          timeout=280, check=False)
+                          timeout=scaled(280), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     spec = _linear_regression()
     # Accumulation 2 on each rank: the small batch is 2 × 16 samples, the big one 2 ranks × 32.

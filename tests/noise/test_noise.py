@@ -1,5 +1,6 @@
 """Gradient noise scale: training unchanged, estimates right against closed forms, the CLI."""
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -534,43 +535,37 @@ def test_a_subgroup_model_trains_identically_and_overflowing_steps_are_skipped()
 
 # --- a run stopped early keeps what it measured: Ctrl-C, SIGTERM and --deadline alike ---
 
-_MARKED_SPEC = """
-import os
-exec(open({spec!r}).read())
-CALLS = [0]
-
-
-def step(model, batch, loss_fn):
-    # A rank that has trained this many micro-steps says so: the test signals the command only then.
-    CALLS[0] += 1
-    if CALLS[0] == 30:
-        open(os.environ["MARKER"] + f".{{os.getpid()}}", "w").close()
-    inputs, target = batch
-    return loss_fn(model(inputs), target)
-"""
-
-
 def _noise_command(tmp_path, *flags) -> tuple:
     import subprocess
 
     import ddplab
 
-    spec, marker = tmp_path / "marked_spec.py", tmp_path / "marker"
-    spec.write_text(_MARKED_SPEC.format(spec=LINEAR_SPEC))
+    launches = tmp_path / "tmp"
+    launches.mkdir()
     src = os.path.dirname(os.path.dirname(ddplab.__file__))
-    env = {**os.environ, "MARKER": str(marker), "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    # The launch directory (where rank 0 checkpoints) under this test's own TMPDIR, for the test to read.
+    env = {**os.environ, "TMPDIR": str(launches),
+           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     # Its own session: the signal goes to the whole group, as Ctrl-C at a terminal does.
-    command = subprocess.Popen([sys.executable, "-m", "ddplab", "noise", str(spec), "--batch-size", "16",
+    command = subprocess.Popen([sys.executable, "-m", "ddplab", "noise", LINEAR_SPEC, "--batch-size", "16",
                                 "--steps", "1000000", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env, start_new_session=True)
-    return command, marker
+    return command, launches
 
 
-def _wait_for_marker(command, marker, seconds: float = 90.0) -> None:
+def _wait_for_checkpoint(command, launches, steps: int) -> None:
+    """Until rank 0 has checkpointed ``steps`` completed steps (its partial result in the launch directory)."""
+    import pickle
     import time
 
-    end = time.monotonic() + seconds
-    while not list(marker.parent.glob(marker.name + ".*")):
+    from ddplab.runtime.timescale import scaled
+
+    end = time.monotonic() + scaled(90)
+    while True:
+        for path in launches.glob("ddplab-launch-*/partial-0.pkl"):
+            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError):
+                if pickle.loads(path.read_bytes())["completed_steps"] >= steps:
+                    return
         assert command.poll() is None and time.monotonic() < end, command.communicate()
         time.sleep(0.05)
 
@@ -589,15 +584,15 @@ def _assert_partial(report: dict) -> int:
 @pytest.mark.parametrize("signum, returncode", [("SIGINT", 130), ("SIGTERM", -15)])
 def test_a_signal_while_the_ranks_train_prints_and_writes_what_was_measured(tmp_path, signum, returncode):
     import signal
-    import time
+
+    from ddplab.runtime.timescale import scaled
 
     json_file = tmp_path / "gns.json"
-    command, marker = _noise_command(tmp_path, "--json", "--json-file", str(json_file))
-    _wait_for_marker(command, marker)
-    # Past the first checkpoint (the first measured step) and the next one, a second later.
-    time.sleep(1.5)
+    command, launches = _noise_command(tmp_path, "--json", "--json-file", str(json_file))
+    # Past the first checkpoint (the first measured step) and a later one, with 30 steps or more.
+    _wait_for_checkpoint(command, launches, 30)
     os.killpg(command.pid, getattr(signal, signum))
-    out, err = command.communicate(timeout=60)
+    out, err = command.communicate(timeout=scaled(60))
     # Ctrl-C exits 130 as every command does; SIGTERM ends the command by SIGTERM, as without ddplab.
     assert command.returncode == returncode, err
     report = json.loads(out)
@@ -611,16 +606,20 @@ def test_a_signal_while_the_ranks_train_prints_and_writes_what_was_measured(tmp_
 
 @pytest.mark.timeout(180)
 def test_the_deadline_is_said_as_asked_and_the_report_is_written(tmp_path):
+    from ddplab.runtime.timescale import scaled
+
     json_file = tmp_path / "gns.json"
-    command, _ = _noise_command(tmp_path, "--deadline", "6", "--json-file", str(json_file))
-    out, err = command.communicate(timeout=120)
+    # Long enough for 30 steps or more here (6 s on a quick machine); the command says the number it was given.
+    deadline = f"{scaled(6):g}"
+    command, _ = _noise_command(tmp_path, "--deadline", deadline, "--json-file", str(json_file))
+    out, err = command.communicate(timeout=scaled(120))
     assert command.returncode == 1, err
     report = json.loads(json_file.read_text())
     _assert_partial(report)
     # The command was given 6 s; the ranks had what was left of it after loading the spec, a smaller number.
-    assert report["stopped_early"] == "the ranks were still running after the 6 s deadline; stopped"
+    assert report["stopped_early"] == f"the ranks were still running after the {deadline} s deadline; stopped"
     assert report["cancelled_by"] is None and "B_simple (critical batch)" in out
-    assert err.endswith("the ranks were still running after the 6 s deadline; stopped\n")
+    assert err.endswith(f"the ranks were still running after the {deadline} s deadline; stopped\n")
 
 
 def test_json_file_is_checked_before_the_run(tmp_path, capsys):

@@ -23,6 +23,7 @@ from ddplab.cli.main import main
 from ddplab.noise.command.merge import merge
 from ddplab.noise.command.report import build
 from ddplab.noise.guest.plan import StepPlan
+from ddplab.runtime.timescale import scaled
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 REGRESSION = os.path.join(SCRIPTS, "regression.py")
@@ -97,7 +98,7 @@ def test_training_output_and_exit_code_are_unchanged(strategy, tmp_path):
     args = [REGRESSION, "--launcher", "fork", "--strategy", strategy, "--accumulation", "2", "--steps", "25",
             "--lr", "0.01"]
     plain = subprocess.run([sys.executable, *args, "--losses", str(tmp_path / "plain.txt"), "--exit-code", "3"],
-                           timeout=120)
+                           timeout=scaled(120))
     assert plain.returncode == 3
     code, out = _noise(tmp_path, ["--start-step", "1", "--steps", "20"],
                        [sys.executable, *args, "--losses", str(tmp_path / "measured.txt"), "--exit-code", "3"])
@@ -157,9 +158,11 @@ def test_what_cannot_be_measured_is_one_line_and_the_exit_code_stands(tmp_path, 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_deadline_stops_the_command_and_keeps_what_was_measured(tmp_path):
-    code, out = _noise(tmp_path, ["--start-step", "2", "--steps", "12", "--deadline", "25"],
+    # Long enough for the 12 measured steps here (25 s on a quick machine), short of the command's 10,000,000.
+    deadline = f"{scaled(25):g}"
+    code, out = _noise(tmp_path, ["--start-step", "2", "--steps", "12", "--deadline", deadline],
                        [sys.executable, REGRESSION, "--launcher", "fork", "--steps", "10000000"])
-    assert code == 1 and out["measured_steps"] == 12 and "--deadline 25" in out["stopped_early"]
+    assert code == 1 and out["measured_steps"] == 12 and f"--deadline {deadline}" in out["stopped_early"]
 
 
 @pytest.mark.slow
@@ -171,11 +174,12 @@ def test_ctrl_c_stops_the_whole_command_and_keeps_what_was_measured(tmp_path):
                               "--steps", "10000000", "--losses", str(losses)], stdout=subprocess.DEVNULL)
     try:
         # Rank 0 has logged step 20: the measured steps 2-13 are behind every rank (each waited for the others).
+        end = time.monotonic() + scaled(180)
         while not (losses.exists() and "step 20 " in losses.read_text()):
-            assert noise.poll() is None
+            assert noise.poll() is None and time.monotonic() < end
             time.sleep(0.2)
         noise.send_signal(signal.SIGINT)
-        assert noise.wait(timeout=120) == -signal.SIGINT
+        assert noise.wait(timeout=scaled(120)) == -signal.SIGINT
     finally:
         noise.kill()
     out = json.loads(report.read_text())

@@ -14,6 +14,7 @@ from ddplab.cli.main import flags, main
 from ddplab.errors import UsageError
 from ddplab.plan import mesh
 from ddplab.plan.planner import Data, Reference, Target, plan
+from ddplab.runtime.timescale import scaled
 
 # torchtitan's shape: 2 nodes × 8 GPUs with tensor parallelism 2, from one GPU's AdamW run at batch 8.
 TITAN = ["--ref-batch-size", "8", "--ref-lr", "3e-4", "--optimizer", "adamw", "--rule", "sqrt", "--devices", "8",
@@ -295,4 +296,4 @@ def test_plan_with_a_mesh_never_imports_torch():
             "'--nodes', '2', '--tp', '2', '--strategy', 'hsdp', '--replicate', '2', '--accumulation', '2', "
             "'--seq-len', '4096'])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=scaled(60))

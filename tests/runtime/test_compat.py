@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddplab.runtime import compat
 from ddplab.runtime.launch import LaunchConfig, launch
+from ddplab.runtime.timescale import scaled
 
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specs")
 
@@ -55,7 +56,7 @@ def _audited_accumulation_without_backward_callbacks(ctx, sync_every_micro_step)
                 (torch.nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True)) / 2).backward()
         optimizer.step()
     collectives = compat.collectives_issued()
-    return {f.code for f in handle.report(timeout=30).problems}, handle.steps, collectives
+    return {f.code for f in handle.report(timeout=scaled(30)).problems}, handle.steps, collectives
 
 
 @pytest.mark.parametrize("sync_every_micro_step, expected", [(False, set()), (True, {"ACCUMULATION_SYNCS_EVERY_STEP"})])

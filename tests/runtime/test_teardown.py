@@ -17,6 +17,7 @@ import torch.distributed as dist
 import ddplab
 from ddplab.errors import LaunchError
 from ddplab.runtime.launch import LaunchConfig, launch
+from ddplab.runtime.timescale import scaled
 
 ABORT = "terminate called"
 
@@ -39,8 +40,8 @@ def _one_ddp_step():
 
 def _launch_many(start_method, runs, capfd):
     for run in range(runs):
-        launch(_last_act_all_reduce, LaunchConfig(world_size=2, start_method=start_method, pg_timeout_s=30,
-                                                  deadline_s=60))
+        launch(_last_act_all_reduce, LaunchConfig(world_size=2, start_method=start_method, pg_timeout_s=scaled(30),
+                                                  deadline_s=scaled(60)))
         # The ranks write to this process's file descriptor 2.
         assert ABORT not in capfd.readouterr().err, f"run {run} aborted at exit"
 
@@ -63,6 +64,7 @@ import time
 import torch
 import torch.distributed as dist
 from ddplab.runtime.launch import LaunchConfig, launch
+from ddplab.runtime.timescale import scaled
 
 def last_act_all_reduce(ctx):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
@@ -86,7 +88,7 @@ def test_ranks_that_join_torchrun_leave_cleanly_right_after_their_last_collectiv
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     for run in range(2):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               str(script)], env=env, capture_output=True, text=True, timeout=120)
+                               str(script)], env=env, capture_output=True, text=True, timeout=scaled(120))
         assert done.returncode == 0 and ABORT not in done.stderr, f"run {run}:\n{done.stderr[-2000:]}"
 
 
@@ -114,7 +116,8 @@ def _rank_one_returns_late(ctx, out, delay_s):
 @pytest.mark.timeout(60)
 def test_no_rank_destroys_the_group_before_every_rank_returned(tmp_path, monkeypatch):
     monkeypatch.setattr(dist, "destroy_process_group", _timed_destroy(str(tmp_path)))
-    assert launch(_rank_one_returns_late, LaunchConfig(world_size=2, pg_timeout_s=30), str(tmp_path), 1.0) == [0, 1]
+    config = LaunchConfig(world_size=2, pg_timeout_s=scaled(30))
+    assert launch(_rank_one_returns_late, config, str(tmp_path), 1.0) == [0, 1]
     returned = float((tmp_path / "returned-1").read_text())
     # Rank 0 returned a second earlier, and waited for rank 1 at the barrier.
     assert float((tmp_path / "destroyed-0").read_text()) >= returned
@@ -123,18 +126,22 @@ def test_no_rank_destroys_the_group_before_every_rank_returned(tmp_path, monkeyp
 
 @pytest.mark.timeout(60)
 def test_the_barrier_gives_up_after_the_collective_timeout(tmp_path, monkeypatch):
-    # Rank 0 returns 3 s after rank 1, past the 1.5 s timeout: rank 1 leaves without it, and nothing hangs.
+    # Rank 0 returns only once rank 1 has left, past the 1.5 s timeout: rank 1 leaves without it, and nothing hangs.
     monkeypatch.setattr(dist, "destroy_process_group", _timed_destroy(str(tmp_path)))
     started = time.monotonic()
-    assert launch(_rank_zero_returns_late, LaunchConfig(world_size=2, pg_timeout_s=1.5), str(tmp_path), 3.0) == [0, 1]
+    assert launch(_rank_zero_returns_late, LaunchConfig(world_size=2, pg_timeout_s=1.5), str(tmp_path)) == [0, 1]
     assert float((tmp_path / "destroyed-1").read_text()) < float((tmp_path / "returned-0").read_text())
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < scaled(15)
 
 
-def _rank_zero_returns_late(ctx, out, delay_s):
+def _rank_zero_returns_late(ctx, out):
     dist.all_reduce(torch.ones(1))
     if ctx.rank == 0:
-        time.sleep(delay_s)
+        # Until rank 1 has given up at the barrier and destroyed the group (at most a generous while: a barrier
+        # that never gives up fails the test, not hangs it).
+        end = time.monotonic() + scaled(60)
+        while not os.path.exists(os.path.join(out, "destroyed-1")) and time.monotonic() < end:
+            time.sleep(0.05)
         with open(os.path.join(out, "returned-0"), "w") as fh:
             fh.write(repr(time.time()))
     return ctx.rank
@@ -148,10 +155,11 @@ def _raise_on_rank_one_after_a_collective(ctx):
 
 @pytest.mark.timeout(60)
 def test_a_rank_whose_peer_failed_is_not_held_at_the_barrier():
-    started = time.monotonic()
+    started, timeout_s = time.monotonic(), scaled(30)
     with pytest.raises(LaunchError, match="boom at the end") as info:
-        launch(_raise_on_rank_one_after_a_collective, LaunchConfig(world_size=2, pg_timeout_s=30))
-    assert info.value.rank == 1 and time.monotonic() - started < 15
+        launch(_raise_on_rank_one_after_a_collective, LaunchConfig(world_size=2, pg_timeout_s=timeout_s))
+    # Held at the barrier, it would have left only after the collective timeout.
+    assert info.value.rank == 1 and time.monotonic() - started < timeout_s
 
 
 def _rank_one_returns_at_once(ctx):

@@ -13,6 +13,7 @@ import torch
 
 from ddplab.cli.main import main
 from ddplab.runtime.launch import LaunchConfig, launch
+from ddplab.runtime.timescale import scaled
 from ddplab.sandbox import data
 from ddplab.sandbox import train as sandbox
 from ddplab.sandbox.config import SandboxConfig
@@ -71,7 +72,7 @@ def _rank_checks(ctx, per_rank_batch: int):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_multi_rank_runs_through_the_real_launcher(world_size):
     per_rank_batch = 32 // world_size
-    results = launch(_rank_checks, LaunchConfig(world_size=world_size, deadline_s=120), per_rank_batch)
+    results = launch(_rank_checks, LaunchConfig(world_size=world_size, deadline_s=scaled(120)), per_rank_batch)
     vectorized, looped, bypass, correct = results[0]
     # DDP keeps every rank's weights identical.
     assert all(r[0].weights == vectorized.weights for r in results)
@@ -147,6 +148,22 @@ def _descendants(pid):
     return children.get(pid, [])
 
 
+def _ranks_ignore_sigint(pid: int, count: int) -> bool:
+    """Whether ``pid`` has ``count`` children, each ignoring SIGINT (its SigIgn mask in /proc holds bit 2)."""
+    children = _descendants(pid)
+    if len(children) < count:
+        return False
+    for child in children:
+        try:
+            with open(f"/proc/{child}/status") as fh:
+                ignored = next(int(line.split()[1], 16) for line in fh if line.startswith("SigIgn:"))
+        except (OSError, StopIteration):
+            return False
+        if not ignored & (1 << (signal.SIGINT - 1)):
+            return False
+    return True
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ctrl_c_is_one_line_and_exit_130_every_time():
@@ -154,10 +171,11 @@ def test_ctrl_c_is_one_line_and_exit_130_every_time():
     for argv in (["multi", "--noisy", "--n-experiments", "200000", "--n-epochs", "1000"],) * 3 + (["table"],):
         command = subprocess.Popen([sys.executable, "-m", "ddplab", "sandbox", *argv], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while len(_descendants(command.pid)) < 8 and time.monotonic() < deadline:
+        # Ctrl-C once all 8 ranks run, each ignoring SIGINT as a rank does (its launcher owns cancellation).
+        deadline = time.monotonic() + scaled(60)
+        while not _ranks_ignore_sigint(command.pid, 8):
+            assert command.poll() is None and time.monotonic() < deadline, "the 8 ranks never started"
             time.sleep(0.05)
-        time.sleep(0.5)
         os.killpg(command.pid, signal.SIGINT)
-        _, err = command.communicate(timeout=30)
+        _, err = command.communicate(timeout=scaled(30))
         assert command.returncode == 130 and err == "ddplab: cancelled (Ctrl-C)\n", err

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ddplab.cli.main import main
+from ddplab.runtime.timescale import scaled
 from ddplab.study import workloads
 from ddplab.study.branched import checkpoint as branched_checkpoint
 from ddplab.study.branched import measurement as branched_measurement
@@ -120,7 +121,7 @@ def test_under_torchrun_the_branches_train_on_the_jobs_ranks_and_rank_0_alone_wr
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "ddplab", *_cli("--engine", "ddp", "--out", str(tmp_path / "torchrun"))],
-                          capture_output=True, text=True, env=env, timeout=240)
+                          capture_output=True, text=True, env=env, timeout=scaled(240))
     seconds = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)  # one JSON object: rank 0's alone

@@ -18,6 +18,7 @@ import torch
 from ddplab.cli.main import main
 from ddplab.noise import estimators as noise_estimators
 from ddplab.runtime.launch import LaunchConfig
+from ddplab.runtime.timescale import scaled
 from ddplab.study import fit, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import choice as engines_choice
@@ -217,7 +218,7 @@ def test_the_study_runs_under_torchrun_on_two_local_agents(tmp_path):
                  "--seeds", "2", "--max-steps", "200", "--dtype", "float64", "--out", str(out), "--no-plots",
                  "--json", "--sweep-margin", "2", "--ref-global-batch-size", "8"], port)
     agents = [command(node) for node in (0, 1)]
-    outputs = [agent.communicate(timeout=280) for agent in agents]
+    outputs = [agent.communicate(timeout=scaled(280)) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     printed = [stdout for stdout, _ in outputs if stdout.strip()]
     assert len(printed) == 1  # rank 0 alone
