@@ -249,13 +249,16 @@ class Audit(Callback):
     """Audit the DDP model for ``steps`` optimizer steps; rank 0 prints the merged report when training ends.
 
     The same auditor as ``ddplab audit -- python train.py``, started from the script instead of the
-    command line (no collectives: each rank waits at most ``timeout`` seconds for its peers' records).
+    command line (no collectives: each rank waits at most ``timeout`` seconds for its peers' records;
+    by default 30 s times ``DDPLAB_TIME_SCALE``, :mod:`ddplab.runtime.timescale`).
     """
 
-    def __init__(self, *, steps: int = 5, timeout: float = 30.0):
+    def __init__(self, *, steps: int = 5, timeout: float | None = None):
+        from ddplab.runtime import timescale
+
         if steps < 1:
             raise UsageError(f"{{steps}} must be at least 1, got {steps}")
-        self.steps, self.timeout = steps, timeout
+        self.steps, self.timeout = steps, timescale.scaled(30.0) if timeout is None else timeout
         self.state = None
         self.report = None
 
