@@ -175,30 +175,46 @@ def test_check_and_noise_join_torchrun_and_rank_zero_alone_reports():
     assert code == 0 and (report["world_size"], report["global_batch_size"], len(report["per_step"])) == (2, 16, 6)
 
 
-def _torchrun_command(*argv):
+LATE_START = """import os, time
+if os.environ.get("RANK") == {rank!r}:
+    time.sleep({seconds})
+"""
+
+
+def _torchrun_command(*argv, late: tuple[str, int, float] | None = None):
+    """``python -m torch.distributed.run --nproc-per-node 2 -m ddplab ARGV``; ``late``: (a folder, a rank, seconds)
+    that rank starts late by (as on a loaded machine, where one rank can be seconds behind the other)."""
     import subprocess
     import sys
 
     import ddplab
 
     src = os.path.dirname(os.path.dirname(ddplab.__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    path = [src, os.environ.get("PYTHONPATH", "")]
+    if late is not None:
+        folder, rank, seconds = late
+        with open(os.path.join(folder, "sitecustomize.py"), "w") as fh:
+            fh.write(LATE_START.format(rank=str(rank), seconds=seconds))
+        path.insert(0, folder)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ddplab",
                            *argv], capture_output=True, text=True, env=env, timeout=scaled(120))
 
 
 @pytest.mark.timeout(240)
-def test_under_torchrun_bad_input_is_said_once_and_a_rank_of_its_own_says_its_error():
+def test_under_torchrun_bad_input_is_said_once_and_a_rank_of_its_own_says_its_error(tmp_path):
     from ddplab.runtime.spec import shown_path
 
     correct, fragile = os.path.join(SPECS, "correct.py"), os.path.join(SPECS, "fails_on_rank_one.py")
-    done = _torchrun_command("check", correct, "--batch-size", "600")
+    # Rank 0, the one to say it, starts 3 s after rank 1 has found the same mistake: rank 1 waits for torchrun to
+    # stop it once rank 0 has spoken (leaving first, it had torchrun stop rank 0 before it said anything).
+    done = _torchrun_command("check", correct, "--batch-size", "600", late=(str(tmp_path), 0, 3))
     said = [line for line in done.stderr.splitlines() if line.startswith("ddplab:")]
     assert done.returncode != 0 and said == [
         f"ddplab: error: spec file {shown_path(correct)}: dataset() holds 1000 samples, so each of 2 ranks gets 500, "
         "fewer than one batch of --batch-size 600: use --batch-size 500 or less, fewer ranks, or a larger dataset"]
     # Raised in rank 1's own training: rank 0 cannot know it, so rank 1 says it, naming itself.
-    done = _torchrun_command("check", fragile, "--batch-size", "8", "--timeout", "20")
+    done = _torchrun_command("check", fragile, "--batch-size", "8", "--timeout", f"{scaled(20):g}")
     said = [line for line in done.stderr.splitlines() if line.startswith("ddplab:")]
     assert said == [f"ddplab: error: spec file {shown_path(fragile)}: the forward pass raised RuntimeError: "
                     "rank one cannot read its shard (on rank 1)"], done.stderr

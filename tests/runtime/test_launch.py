@@ -376,3 +376,13 @@ def test_the_callers_sigterm_handler_runs_once_the_ranks_are_stopped(tmp_path, m
         signal.signal(signal.SIGTERM, previous)
     # Delivered once, after every rank ended and the launch directory was gone.
     assert seen == [(signal.SIGTERM, [], [])]
+
+
+def test_the_time_scale_is_one_factor_of_at_least_one(monkeypatch):
+    from ddplab.runtime import timescale
+
+    for value, factor in (("3.5", 3.5), ("0.2", 1.0), ("nan", 1.0), ("slow", 1.0)):
+        monkeypatch.setenv(timescale.ENV, value)
+        assert timescale.factor() == factor and timescale.scaled(2.0) == 2.0 * factor
+    monkeypatch.delenv(timescale.ENV)
+    assert timescale.scaled(10.0) == 10.0

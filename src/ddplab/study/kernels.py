@@ -19,10 +19,10 @@ PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 
 
 def pin_cpu_kernels() -> bool:
-    """Fix the CPU kernels torch will use in this process and the ranks it starts; False when torch was imported
-    before this could (its kernels are then whatever it picked)."""
-    if "torch" in sys.modules:
-        return all(os.environ.get(name) == value for name, value in PINNED.items())
-    for name, value in PINNED.items():
-        os.environ.setdefault(name, value)
-    return True
+    """Fix the CPU kernels torch will use in this process and the processes it starts, unless torch is already
+    imported (its kernels are then whatever it picked); whether the fixed kernels are the ones in effect (False
+    too where the user chose others)."""
+    if "torch" not in sys.modules:
+        for name, value in PINNED.items():
+            os.environ.setdefault(name, value)
+    return all(os.environ.get(name) == value for name, value in PINNED.items())
