@@ -25,7 +25,8 @@ CASES = {
         ["--ref-devices", "8"]),
     "zero2_auto.json": ("deepspeed", [
         "--ref-batch-size", "16", "--ref-accumulation", "2", "--ref-lr", "6e-4", "--optimizer", "adamw", "--betas",
-        "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.1", "--ref-steps", "20000", "--ref-warmup-steps", "500"],
+        "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.1", "--ref-steps", "20000", "--ref-warmup-steps", "500",
+        "--strategy", "deepspeed-zero2"],
         ["--devices", "32"], ["--ref-devices", "8"]),
     "pretrain_gpt.sh": ("megatron", [
         "--ref-batch-size", "4", "--ref-accumulation", "8", "--ref-lr", "1.5e-4", "--optimizer", "adamw", "--betas",

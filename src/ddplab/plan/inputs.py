@@ -205,8 +205,9 @@ class Target(_Meshed):
     context_parallel_size: int = 1
     """Context-parallel degree (cp): ranks that split each sequence of the same samples; they add none."""
     strategy: mesh.Strategy = "ddp"
-    """How the data-parallel ranks hold the model: ddp (a whole replica each), fsdp (FSDP2 shards it) or hsdp
-    (FSDP2 shards within groups and replicates across them); changes no number, only how to accumulate."""
+    """How the data-parallel ranks hold the model: ddp (a whole replica each), fsdp (FSDP2 shards it), hsdp
+    (FSDP2 shards within groups and replicates across them) or deepspeed-zero0 to deepspeed-zero3 (DeepSpeed's engine
+    at that ZeRO stage); changes no number, only how to accumulate."""
     data_parallel_replicate_size: int | None = None
     """HSDP's replicate degree R (the shard degree is the data-parallel degree ÷ R); shown, changes no number."""
     per_device_batch_size: int | None = None

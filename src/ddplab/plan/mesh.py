@@ -24,7 +24,7 @@ from typing import Literal, get_args
 from ddplab.errors import UsageError
 from ddplab.text import count
 
-Strategy = Literal["ddp", "fsdp", "hsdp"]
+Strategy = Literal["ddp", "fsdp", "hsdp", "deepspeed-zero0", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 
 
@@ -187,7 +187,7 @@ class StrategyNotes:
     """How to accumulate without reducing on the micro-steps, after "; " in the accumulation reason (None: as DDP,
     with ``no_sync()``, said nowhere)."""
     shards: bool
-    """Whether it shards parameters, gradients and optimizer state over data-parallel ranks."""
+    """Whether it shards the parameters over data-parallel ranks (and with them gradients and optimizer state)."""
     takes_replicate: bool
     """Whether it has a replicate degree (``data_parallel_replicate_size``)."""
 
@@ -211,6 +211,23 @@ def _without_no_sync(strategy: str, skipped: str) -> str:
             "micro-step reduces them) and True on the last")
 
 
+ZERO_SHARDS = ("nothing: it replicates the model and optimizer state over them and all-reduces gradients among "
+               "them", "optimizer state over them and all-reduces gradients among them",
+               "optimizer state and gradients over them and reduce-scatters gradients among them",
+               "parameters, gradients and optimizer state over them and reduce-scatters gradients among them")
+"""What each ZeRO stage shards over the data-parallel ranks."""
+
+
+def _zero(stage: int) -> StrategyNotes:
+    """DeepSpeed's engine at ZeRO stage ``stage``: its own accumulation, and what the stage shards."""
+    return StrategyNotes(
+        name=f"deepspeed-zero{stage}", label=f"DeepSpeed ZeRO-{stage}", shards=stage == 3, takes_replicate=False,
+        over_data_parallel=f"DeepSpeed ZeRO-{stage} shards {ZERO_SHARDS[stage]}",
+        accumulation="DeepSpeed's engine accumulates itself: call engine.backward(loss) and engine.step() on every "
+                     "micro-batch; it divides the loss by gradient_accumulation_steps and steps at each boundary, so "
+                     "no no_sync() and no division of your own")
+
+
 NOTES: dict[Strategy, StrategyNotes] = {notes.name: notes for notes in (
     StrategyNotes(name="ddp", label="DDP", shards=False, takes_replicate=False, accumulation=None,
                   over_data_parallel="DDP replicates the model over them and all-reduces gradients among them"),
@@ -224,5 +241,6 @@ NOTES: dict[Strategy, StrategyNotes] = {notes.name: notes for notes in (
                   accumulation=_without_no_sync("hsdp", "reduce-scatter and the all-reduce")
                   + "; or set_requires_all_reduce(False) defers only the all-reduce across the replicas: each "
                     "micro-step still reduce-scatters within its shard group, so gradients stay sharded"),
+    *(_zero(stage) for stage in range(4)),
 )}
 """Every strategy's notes, by name: the plan asks these and never compares a strategy's name."""
