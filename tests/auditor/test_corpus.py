@@ -32,10 +32,11 @@ import torch.nn.parallel
 import torch.utils.data  # noqa: F401
 
 import ddplab
+from ddplab.runtime.timescale import scaled
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ddplab.__file__)))
-LAUNCH_TIMEOUT_S = 120
+LAUNCH_TIMEOUT_S = scaled(120)
 FULL = os.environ.get("DDPLAB_FULL_CORPUS") == "1"
 LAUNCHERS = ("torchrun", "spawn", "fork")
 TOTAL_STEPS = 24  # epochs_and_exit.py: 3 epochs of 8 steps

@@ -29,6 +29,7 @@ from ddplab.auditor import (
 )
 from ddplab.auditor import findings as fnd
 from ddplab.auditor.patches import Patches
+from ddplab.runtime import timescale
 
 ENV_DIR, ENV_STEPS = "DDPLAB_AUDIT_DIR", "DDPLAB_AUDIT_STEPS"
 
@@ -104,10 +105,11 @@ class Audit:
     def record(self) -> dict:
         return self.state.record()
 
-    def report(self, timeout: float = 30.0) -> fnd.Report:
-        """Every rank's record merged, waiting up to ``timeout`` s for the peers'; then the audit ends (uninstall)."""
+    def report(self, timeout: float | None = None) -> fnd.Report:
+        """Every rank's record merged, waiting up to ``timeout`` s for the peers' (30 s times DDPLAB_TIME_SCALE by
+        default); then the audit ends (uninstall)."""
         try:
-            return exchange.gather(self.state, timeout)
+            return exchange.gather(self.state, timescale.scaled(30.0) if timeout is None else timeout)
         finally:
             self.close()
 

@@ -21,6 +21,7 @@ import time
 import ddplab
 from ddplab.auditor import findings  # pure: this process may be audited, where importing torch installs the auditor
 from ddplab.errors import UsageError, literal
+from ddplab.runtime import timescale
 from ddplab.runtime.signals import signal_group, sweep_group
 
 # Seconds a cancelled command gets to exit before the rest of its process group is killed.
@@ -149,7 +150,7 @@ def run_guest(command: list[str], out_dir: str, guest_env: dict[str, str], stdou
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received:
-        sweep_group(child.pid, GRACE_S)
+        sweep_group(child.pid, timescale.scaled(GRACE_S))
     return returncode
 
 
@@ -163,7 +164,7 @@ def _wait(child: subprocess.Popen, received: list[int], stop_at: float | None = 
         if stop_at is not None and not received and time.monotonic() > stop_at:
             forward(signal.SIGTERM, None)
         if received and deadline is None:
-            deadline = time.monotonic() + GRACE_S
+            deadline = time.monotonic() + timescale.scaled(GRACE_S)
         if deadline is not None and time.monotonic() > deadline:
             signal_group(child.pid, signal.SIGKILL)
 
