@@ -68,8 +68,11 @@ def plan_config(path: str, *, config_format: str | None = None, reference: Mappi
         # The file's own keys for what it set; flags for what the command line gave.
         raise UsageError(f"{literal(run.path)}: {_with_keys(exc.template, _file_keys(run, given))}") from None
     changes = _changes(run, fmt.changes(run, result, tgt))
-    new_text = fmt.edit(text, {key: new for key, (_, new) in changes.items()})
-    if not fmt.detect(path, new_text):
+    try:
+        new_text = fmt.edit(text, {key: new for key, (_, new) in changes.items()})
+    except RecursionError:
+        new_text = ""  # nested deeper than the editor reaches: refused below, as any layout it cannot write into
+    if not new_text or not fmt.detect(path, new_text):
         # An edit this format's layout defeats (a flow mapping, say) must not reach a file.
         raise UsageError(f"{literal(path)}: the planned values could not be written into its layout "
                          f"({', '.join(map(literal, changes))}); set them by hand from the table")
@@ -84,15 +87,23 @@ def write_config(result: ConfigPlan, path: str) -> None:
         fh.write(result.text)
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read: framework configs are kilobytes, and a parse's time grows with the file."""
+
+
 def _read(path: str) -> str:
     try:
-        with open(path) as fh:
-            return fh.read()
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"{{config}} {literal(path)} cannot be read ({literal(exc.strerror or str(exc))}): give a "
                          "config file") from None
     except UnicodeDecodeError:
         raise UsageError(f"{{config}} {literal(path)} is not text: give a config file") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{{config}} {literal(path)} is over {MAX_CONFIG_BYTES >> 20} MiB, which no framework's "
+                         "config is: give the config file itself")
+    return text
 
 
 def _same_file(path: str, other: str) -> bool:

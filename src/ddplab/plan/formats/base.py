@@ -8,8 +8,10 @@ everything else (comments, order, keys ddplab does not know) stays byte for byte
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from collections.abc import Mapping
+import reprlib
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import yaml
@@ -72,10 +74,20 @@ def bad(path: str, key: str, what: str) -> UsageError:
     return UsageError(f"{literal(path)}: {literal(key)} {what}" if key else f"{literal(path)} {what}")
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 40, 40, 4, 4
+
+
+def shown(value: Any) -> str:
+    """A value as an error shows it: short, whatever the file put there (a YAML alias's million-fold list included)."""
+    return literal(_SHOWN.repr(value))
+
+
 def whole(path: str, key: str, value: Any) -> int:
     """``value`` as a whole number, or an error that names the file's key."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise bad(path, key, f"must be a whole number, got {literal(repr(value))}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            value != int(value):
+        raise bad(path, key, f"must be a whole number, got {shown(value)}")
     return int(value)
 
 
@@ -85,16 +97,16 @@ def real(path: str, key: str, value: Any) -> float:
         try:
             value = float(value)
         except ValueError:
-            raise bad(path, key, f"must be a number, got {literal(repr(value))}") from None
+            raise bad(path, key, f"must be a number, got {shown(value)}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(path, key, f"must be a number, got {literal(repr(value))}")
+        raise bad(path, key, f"must be a number, got {shown(value)}")
     return float(value)
 
 
 def pair(path: str, key: str, value: Any) -> tuple[float, float]:
     """Adam's betas as two numbers."""
     if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise bad(path, key, f"must be two numbers, got {literal(repr(value))}")
+        raise bad(path, key, f"must be two numbers, got {shown(value)}")
     return real(path, key, value[0]), real(path, key, value[1])
 
 
@@ -153,14 +165,45 @@ def same(old: Any, new: Any) -> bool:
     return old == new
 
 
+# libyaml's scanner where PyYAML has it (the same safe constructor, several times faster on a long file).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def parse_yaml(path: str, text: str, *, quiet: bool = False) -> Any:
     """The YAML file's tree (None when ``quiet`` and it is not YAML)."""
+    def load(text: str) -> Any:
+        try:
+            return yaml.load(text, Loader=_YAML_LOADER)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"is not YAML ({where}{what})") from None
+
+    return parse(path, text, load, quiet=quiet, give="a config file")
+
+
+def load_json(text: str) -> Any:
+    """A JSON text's tree; ValueError saying where it is not JSON."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"is not JSON ({exc})") from None
+
+
+def parse(path: str, text: str, load: Callable[[str], Any], *, quiet: bool, give: str) -> Any:
+    """``load(text)``, or an error naming the file and what the parser said (a ValueError's message, which says
+    where), or None when ``quiet``; a file nested too deeply for any parser is refused in one line too."""
+    try:
+        return load(text)
+    except RecursionError:
         if quiet:
             return None
-        raise bad(path, "", f"is not YAML ({literal(str(exc).splitlines()[0])}): give a config file") from None
+        raise bad(path, "", f"nests its values too deeply to read (thousands of levels): give {give}") from None
+    except ValueError as exc:
+        if quiet:
+            return None
+        raise bad(path, "", f"{literal(str(exc))}: give {give}") from None
 
 
 def accumulation(path: str, key: str, global_batch: int, per_device_batch_size: int, data_parallel_size: int,

@@ -7,11 +7,9 @@ derive it from the keys the plan writes; a reference left all ``"auto"`` needs t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from ddplab.errors import literal
 from ddplab.plan.formats import base, editing
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
@@ -95,12 +93,7 @@ FORMAT = DeepSpeed()
 
 
 def _parse(path: str, text: str, *, quiet: bool = False) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        if quiet:
-            return None
-        raise base.bad(path, "", f"is not JSON ({literal(str(exc))}): give a DeepSpeed config") from None
+    return base.parse(path, text, base.load_json, quiet=quiet, give="a DeepSpeed config")
 
 
 def _number(value: Any) -> bool:
@@ -233,7 +226,7 @@ def _optimizer(path: str, values: dict[str, Any], given: Mapping[str, Any]) -> d
     kind = values["optimizer.type"]
     family = base.optimizer_family(kind) if isinstance(kind, str) else given.get("optimizer")
     if family is None:
-        what = "is missing" if kind is base.MISSING else f"is {literal(repr(kind))}"
+        what = "is missing" if kind is base.MISSING else f"is {base.shown(kind)}"
         raise base.bad(path, "optimizer.type", f"{what}: give Adam, AdamW or SGD there, or pass "
                                                "{reference.optimizer}")
     out: dict[str, Any] = {"optimizer": family}

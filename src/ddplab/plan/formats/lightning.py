@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ddplab.errors import literal
 from ddplab.plan.formats import base, editing
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
@@ -95,9 +94,9 @@ def _family(path: str, tree: dict, given: Mapping[str, Any]) -> str | None:
     name = optimizer.get("class_path") if isinstance(optimizer, dict) else optimizer
     if name is None:
         return given.get("optimizer")
-    family = base.optimizer_family(str(name))
+    family = base.optimizer_family(name) if isinstance(name, str) else None
     if family is None:
-        raise base.bad(path, "optimizer.class_path", f"is {literal(repr(name))}: give SGD, Adam or AdamW")
+        raise base.bad(path, "optimizer.class_path", f"is {base.shown(name)}: give SGD, Adam or AdamW")
     return family
 
 
@@ -120,7 +119,7 @@ def _hardware(path: str, values: dict[str, Any], given: Mapping[str, Any]) -> di
     elif isinstance(devices, str) and devices.isdigit():
         devices = int(devices)
     if not isinstance(devices, int) or devices < 1:
-        raise base.bad(path, ROLES["devices"], f"is {literal(repr(devices))}, which does not say how many devices ran: "
+        raise base.bad(path, ROLES["devices"], f"is {base.shown(devices)}, which does not say how many devices ran: "
                                                "pass {reference.devices} and {reference.nodes}")
     return {"devices": devices, "nodes": 1 if nodes is base.MISSING else base.whole(path, ROLES["nodes"], nodes)}
 

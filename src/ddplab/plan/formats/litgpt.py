@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ddplab.errors import literal
 from ddplab.plan.formats import base, editing
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
@@ -80,7 +79,7 @@ def _hardware(path: str, pick: dict[str, Any], given: Mapping[str, Any]) -> dict
         return {}
     devices = pick["devices"]
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        shown = "missing" if devices is base.MISSING else f"{literal(repr(devices))}"
+        shown = "missing" if devices is base.MISSING else base.shown(devices)
         raise base.bad(path, "devices", f"is {shown}, which does not say how many devices ran: pass "
                                         "{reference.devices} and {reference.nodes}")
     return {"devices": devices, "nodes": base.whole(path, "num_nodes", pick["nodes"])}
@@ -88,10 +87,10 @@ def _hardware(path: str, pick: dict[str, Any], given: Mapping[str, Any]) -> dict
 
 def _optimizer(path: str, tree: dict, roles: dict[str, str], pick: dict[str, Any]) -> dict[str, Any]:
     optimizer = tree.get("optimizer", "AdamW")
-    name = optimizer.get("class_path", "") if isinstance(optimizer, dict) else str(optimizer)
-    family = base.optimizer_family(name)
+    name = optimizer.get("class_path", "") if isinstance(optimizer, dict) else optimizer
+    family = base.optimizer_family(name) if isinstance(name, str) else None
     if family is None:
-        raise base.bad(path, "optimizer", f"is {literal(repr(name))}: give SGD, Adam or AdamW")
+        raise base.bad(path, "optimizer", f"is {base.shown(name)}: give SGD, Adam or AdamW")
     if pick["lr"] is base.MISSING:
         raise base.bad(path, roles["lr"], "is missing: give the reference lr there")
     out: dict[str, Any] = {"optimizer": family, "lr": base.real(path, roles["lr"], pick["lr"])}

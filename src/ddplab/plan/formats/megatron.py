@@ -2,7 +2,9 @@
 file: ``--micro-batch-size``, ``--global-batch-size`` (default micro × data-parallel degree; more accumulates),
 ``--rampup-batch-size START INCREMENT SAMPLES``, ``--lr``, ``--lr-warmup-iters``, ``--train-iters``, the
 ``--*-model-parallel-size`` and ``--context-parallel-size`` degrees, and the launcher's ``--nproc_per_node`` and
-``--nnodes``. A value given as a shell variable (``--lr $LR``) is read from, and written to, its assignment.
+``--nnodes``. The script is read as bash runs it (:mod:`~ddplab.plan.formats.shell`): ``NAME=${NAME:-default}``
+takes its default, an array's flags count where ``"${args[@]}"`` expands it. A value given as a shell variable
+(``--lr $LR``) is read from, and written to, its assignment (its default, where the environment may set it).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ddplab.errors import literal
-from ddplab.plan.formats import base, editing
+from ddplab.errors import UsageError, literal
+from ddplab.plan.formats import base, editing, shell
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
 
@@ -38,9 +40,8 @@ class Megatron:
         return bool(re.search(r"(?<![\w-])--(micro-batch-size|global-batch-size|tensor-model-parallel-size)\b", text))
 
     def read(self, path: str, text: str, given: Mapping[str, Any]) -> base.FileRun:
-        variables = _assignments(text)
-        words = _expanded(editing.shell_words(text), variables)
-        raw = {flag: _value(words, variables, flag) for flag in _all_flags()}
+        words = _words(path, text)
+        raw = {flag: _value(words, flag) for flag in _all_flags()}
         values = {flag: _typed(path, flag, value) for flag, value in raw.items()}
         micro = values["--micro-batch-size"]
         if micro is base.MISSING:
@@ -86,40 +87,23 @@ def _all_flags() -> list[str]:
     return [*FLAGS.values(), *SAMPLE_COUNTED]
 
 
-def _assignments(text: str) -> dict[str, str]:
-    """``NAME=value`` lines of the script (``export`` and ``${NAME:-default}`` included)."""
-    out = {}
-    for match in re.finditer(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=(\"[^\"]*\"|'[^']*'|[^\s#;]+)", text, re.M):
-        out[match[1]] = match[2].strip("\"'")
-    return out
+def _words(path: str, text: str) -> list[str]:
+    """The words of the script's commands, as bash expands them (the flags and their values)."""
+    try:
+        return shell.words(text)
+    except shell.ShellError as exc:
+        raise UsageError(f"{literal(path)}, line {exc.line}: {exc.what}, so bash could not read the script either: "
+                         "close it") from None
 
 
-def _expanded(words: list[str], variables: Mapping[str, str]) -> list[str]:
-    """Words with a variable that holds several words (``$DISTRIBUTED_ARGS``) replaced by them."""
-    out = []
-    for word in words:
-        value = _resolve(word, variables) if word.startswith("$") else word
-        out += value.split() if value != word and " " in value else [word]
-    return out
-
-
-def _resolve(token: str, variables: Mapping[str, str]) -> str:
-    match = re.fullmatch(r"\$\{?(\w+)(?::-([^}]*))?\}?", token)
-    if not match:
-        return token
-    value = variables.get(match[1], match[2])
-    return token if value is None else _resolve(value, variables)
-
-
-def _value(words: list[str], variables: Mapping[str, str], flag: str) -> Any:
+def _value(words: list[str], flag: str) -> Any:
     spellings = SPELLINGS.get(flag, (flag,))
     count = 3 if flag == "--rampup-batch-size" else 1
     for index, word in enumerate(words):
         name, equals, inline = word.partition("=")
         if name in spellings:
             tokens = [inline] if equals else words[index + 1:index + 1 + count]
-            resolved = [_resolve(token, variables) for token in tokens]
-            return resolved if count > 1 else resolved[0] if resolved else base.MISSING
+            return tokens if count > 1 else tokens[0] if tokens else base.MISSING
     return base.MISSING
 
 
@@ -209,15 +193,28 @@ def _set(text: str, flag: str, value: Any) -> str:
     spellings = SPELLINGS.get(flag, (flag,))
     flag = next((s for s in spellings if editing.flag_value(text, s) is not None), flag)
     span = editing.flag_value(text, flag, count)
-    if span is not None and text[span[0]] == "$":
-        name = re.match(r"\$\{?(\w+)", text[span[0]:])[1]
-        assignment = re.search(rf"^(\s*(?:export\s+)?{name}=)([\"']?)([^\s#;\"']+)\2", text, re.M)
-        if assignment:
-            start, end = assignment.span(3)
+    reference = re.match(r"[\"']?\$\{?(\w+)", text[span[0]:]) if span is not None else None
+    if reference is not None and not isinstance(value, list):
+        assigned = _assignment_value(text, reference[1])
+        if assigned is not None:
+            start, end = assigned
             return text[:start] + editing.number(value) + text[end:]
     if span is not None:
         return editing.args_set(text, flag, value, after=flag)
     return _add(text, flag, value)
+
+
+def _assignment_value(text: str, name: str) -> tuple[int, int] | None:
+    """The span of the value ``NAME=value`` gives, the default where it is ``${NAME:-default}`` (the variable set
+    from the environment stays so)."""
+    assignment = re.search(rf"^[ \t]*(?:export[ \t]+)?{name}=([\"']?)([^\s#;\"']+)\1", text, re.M)
+    if assignment is None:
+        return None
+    default = re.fullmatch(rf"\$\{{{name}:?[-=]([\"']?)([^}}\"']*)\1\}}", assignment[2])
+    if default is not None:
+        start = assignment.start(2) + default.start(2)
+        return start, start + len(default[2])
+    return assignment.span(2)
 
 
 def _add(text: str, flag: str, value: Any) -> str:

@@ -17,7 +17,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from ddplab.errors import literal
 from ddplab.plan.formats import base, editing
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
@@ -86,12 +85,13 @@ FORMAT = Torchtitan()
 
 
 def _parse(path: str, text: str, *, quiet: bool = False) -> Any:
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        if quiet:
-            return None
-        raise base.bad(path, "", f"is not TOML ({exc}): give a torchtitan job TOML") from None
+    def load(text: str) -> Any:
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"is not TOML ({exc})") from None
+
+    return base.parse(path, text, load, quiet=quiet, give="a torchtitan job TOML")
 
 
 def _keys(tree: dict) -> dict[str, str]:
@@ -134,7 +134,7 @@ def _optimizer(path: str, tree: dict, keys: dict[str, str], values: dict[str, An
     name = values[keys["optimizer"]]
     family = base.optimizer_family(name) if isinstance(name, str) else "adamw"
     if family is None:
-        raise base.bad(path, keys["optimizer"], f"names {literal(repr(name))}, which the plan cannot scale: use "
+        raise base.bad(path, keys["optimizer"], f"names {base.shown(name)}, which the plan cannot scale: use "
                                                 "Adam or AdamW")
     out: dict[str, Any] = {"optimizer": family}
     lr = values[keys["lr"]]

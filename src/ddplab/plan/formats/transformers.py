@@ -7,11 +7,9 @@ below 1 is a ratio since v5) or ``warmup_ratio``, ``max_steps``, ``num_train_epo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from ddplab.errors import literal
 from ddplab.plan.formats import base, editing
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
@@ -43,9 +41,9 @@ class Transformers:
             raise base.bad(path, "", "is TrainingArguments, which do not say how many processes ran: pass "
                                      "{reference.devices} and {reference.nodes}")
         optim = tree.get("optim", DEFAULTS["optim"])
-        family = base.optimizer_family(str(optim))
+        family = base.optimizer_family(optim) if isinstance(optim, str) else None
         if family is None:
-            raise base.bad(path, "optim", f"is {literal(repr(optim))}: the plan scales SGD, Adam and AdamW")
+            raise base.bad(path, "optim", f"is {base.shown(optim)}: the plan scales SGD, Adam and AdamW")
         reference = {"per_device_batch_size": base.whole(path, ROLES["per_device_batch_size"],
                                                          pick["per_device_batch_size"]),
                      "accumulation_steps": base.whole(path, ROLES["accumulation_steps"], pick["accumulation_steps"]),
@@ -84,12 +82,7 @@ FORMAT = Transformers()
 
 def _parse(path: str, text: str, *, quiet: bool = False) -> Any:
     if text.lstrip().startswith("{"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            if quiet:
-                return None
-            raise base.bad(path, "", f"is not JSON ({literal(str(exc))}): give TrainingArguments") from None
+        return base.parse(path, text, base.load_json, quiet=quiet, give="TrainingArguments")
     return base.parse_yaml(path, text, quiet=quiet)
 
 
