@@ -194,6 +194,7 @@ def test_megatron_ramp_carries_over_scaled_and_variables_are_edited_where_they_a
     assert result.config_changes["--rampup-batch-size"] == ([32, 32, 1000000], [64, 64, 1000000])
     assert "LR=0.000212132" in result.text and "--lr $LR" in result.text
     assert "NNODES=4" in result.text and any("batch schedule" in note for note in result.config_notes)
+    assert result.config_keys["betas"] == "--adam-beta1/--adam-beta2"
 
 
 def test_a_warmup_ratio_is_kept_and_said():
@@ -334,3 +335,65 @@ def test_a_megatron_args_file_with_equals_signs_and_no_launcher_takes_the_hardwa
     assert (result.plan.reference_global_batch_size, result.plan.global_batch_size) == (64, 128)
     assert "--lr=0.000282843\n" in result.text and "--train-iters=2500\n" in result.text
     assert "--micro-batch-size=2\n--global-batch-size=128\n" in result.text
+
+
+# A LightningModule that builds its own optimizer from its init args (configure_optimizers), no optimizer block.
+OWN_OPTIMIZER = """trainer:
+  devices: 4
+  max_steps: 10000
+model:
+  class_path: models.GPT
+  init_args:
+    n_layer: 12
+    lr: 6.0e-4
+    {beta1}: 0.9
+    {beta2}: 0.95
+    {eps}: 1.0e-8
+    {decay}: 0.1
+data:
+  init_args:
+    batch_size: 16
+"""
+
+
+@pytest.mark.parametrize("beta1, beta2, eps, decay", [("beta_1", "beta_2", "eps", "weight_decay"),
+                                                      ("beta1", "beta2", "epsilon", "wd"),
+                                                      ("b1", "b2", "eps", "weight_decay")])
+def test_a_models_own_optimizer_settings_are_read_and_written_in_its_init_args(beta1, beta2, eps, decay, tmp_path):
+    path = tmp_path / "fit.yaml"
+    path.write_text(OWN_OPTIMIZER.format(beta1=beta1, beta2=beta2, eps=eps, decay=decay))
+    result = plan_config(str(path), reference={"optimizer": "adamw"}, target={"devices": 8}, data={})
+    from_flags = plan_config(str(path), reference={"optimizer": "adamw", "betas": (0.9, 0.95), "eps": 1e-8,
+                                                   "weight_decay": 0.1}, target={"devices": 8}, data={})
+    assert result.plan == from_flags.plan and result.plan.betas[1] == pytest.approx(0.95 ** 2)
+    written = yaml.safe_load(result.text)["model"]["init_args"]
+    assert written[beta2] == pytest.approx(result.plan.betas[1], rel=1e-5) and written[beta1] == 0.9
+    assert written[eps] == pytest.approx(result.plan.eps, rel=1e-5)
+    assert written[decay] == pytest.approx(result.plan.weight_decay, rel=1e-5)
+    # Nothing the model does not take is added; which key was taken as what is said.
+    assert set(written) == {"n_layer", "lr", beta1, beta2, eps, decay} and "optimizer:" not in result.text
+    assert result.config_keys["betas"] == f"model.init_args.{beta1}/model.init_args.{beta2}"
+    assert any(f"model.init_args.{beta1} as Adam's β₁, model.init_args.{beta2} as β₂, model.init_args.{eps} as ε, "
+               f"model.init_args.{decay} as the weight decay" in note for note in result.config_notes)
+
+
+def test_a_models_own_adam_settings_need_the_optimizer_named(tmp_path, capsys):
+    path = tmp_path / "fit.yaml"
+    path.write_text(OWN_OPTIMIZER.format(beta1="beta1", beta2="beta2", eps="eps", decay="weight_decay"))
+    assert main(["plan", "--config", str(path), "--devices", "8"]) == 2
+    assert ("model.init_args.beta1 is Adam's, and the file names no optimizer (the model builds its own): pass "
+            "--optimizer adam or adamw") in capsys.readouterr().err
+    # Its betas as one list, and its optimizer named among its init args.
+    path.write_text(OWN_OPTIMIZER.replace("    {beta1}: 0.9\n    {beta2}: 0.95\n", "    betas: [0.9, 0.98]\n"
+                                          "    optimizer: adamw\n").format(eps="eps", decay="wd"))
+    result = plan_config(str(path), reference={}, target={"devices": 4}, data={})
+    assert (result.plan.betas, result.plan.eps, result.plan.weight_decay) == ((0.9, 0.98), 1e-8, 0.1)
+    assert any("model.init_args.optimizer as the optimizer" in note for note in result.config_notes)
+
+
+def test_lightnings_deepspeed_strategy_is_the_plans(tmp_path):
+    path = tmp_path / "fit.yaml"
+    path.write_text(_text("lightning_cli.yaml").replace("strategy: ddp", "strategy: deepspeed_stage_3_offload"))
+    assert plan_config(str(path), reference={}, target={"devices": 8}, data={}).plan.strategy == "deepspeed-zero3"
+    path.write_text(_text("lightning_cli.yaml").replace("strategy: ddp", "strategy: deepspeed"))
+    assert plan_config(str(path), reference={}, target={"devices": 8}, data={}).plan.strategy == "deepspeed-zero2"

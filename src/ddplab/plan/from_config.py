@@ -134,7 +134,7 @@ def _plan_keys(run: FileRun) -> dict[str, str]:
     """The plan's fields as the file names them: ``lr`` is ``optimizer.params.lr`` (its first key where several)."""
     out: dict[str, str] = {}
     for role, key in run.roles.items():
-        field = re.sub(r"\d+$", "", role.rpartition(".")[2])
+        field = re.sub(r"^lr\d+$", "lr", role.rpartition(".")[2])  # lr0, lr1: a file's several keys for its lr
         if field in ("beta1", "beta2"):
             out["betas"] = f"{out['betas']}/{key}" if "betas" in out else key
         elif field in PLAN_FIELDS:

@@ -1,10 +1,13 @@
 """Lightning's CLI YAML (the config file of ``python main.py fit``): ``trainer.devices``/``num_nodes``/
 ``accumulate_grad_batches``/``max_steps``, the datamodule's and model's ``init_args`` (its ``batch_size``, its lr),
-and an ``optimizer`` given by ``class_path`` and ``init_args``.
+and an ``optimizer`` given by ``class_path`` and ``init_args``. Where the file has no ``optimizer`` block the
+LightningModule builds its own from its init args: their usual spellings of Adam's settings are read and written there
+(``beta1``/``beta_1``/``b1``, ``betas``, ``eps``/``epsilon``, ``weight_decay``/``wd``), and a note says which.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +23,12 @@ ROLES = {"devices": "trainer.devices", "nodes": "trainer.num_nodes", "accumulati
          "eps": "optimizer.init_args.eps", "weight_decay": "optimizer.init_args.weight_decay"}
 # torch's defaults for the optimizer's keys a file leaves out (AdamW's decay; Adam's is 0).
 TORCH = {"betas": [0.9, 0.999], "eps": 1e-8}
+# How a LightningModule's init args spell the optimizer's settings it builds its optimizer from, and what each is.
+MODEL_SPELLINGS = {"beta1": ("beta1", "beta_1", "b1", "adam_beta1"), "beta2": ("beta2", "beta_2", "b2", "adam_beta2"),
+                   "betas": ("betas",), "eps": ("eps", "epsilon", "adam_epsilon", "adam_eps"),
+                   "weight_decay": ("weight_decay", "wd"), "optimizer": ("optimizer", "optimizer_name", "optim")}
+MEANING = {"beta1": "Adam's β₁", "beta2": "β₂", "betas": "Adam's betas", "eps": "ε", "weight_decay": "the weight decay",
+           "optimizer": "the optimizer"}
 
 
 class Lightning:
@@ -34,7 +43,12 @@ class Lightning:
         tree = base.parse_yaml(path, text)
         batch_key = next((k for k in BATCH_KEYS if base.lookup(tree, k) is not base.MISSING), BATCH_KEYS[0])
         lr_keys = [k for k in LR_KEYS if base.lookup(tree, k) is not base.MISSING]
+        own = _model_optimizer_keys(tree)
         roles = {**ROLES, "per_device_batch_size": batch_key, **{f"lr{i}": k for i, k in enumerate(lr_keys)}}
+        if own is not None:
+            # The model builds its optimizer: its settings are its init args, not an optimizer block's.
+            roles = {role: key for role, key in roles.items() if role not in ("betas", "eps", "weight_decay")}
+            roles |= {role: key for role, key in own.items() if role != "optimizer"}
         values = {key: base.lookup(tree, key) for key in (*roles.values(), "optimizer.class_path")}
         reference: dict[str, Any] = {}
         if values[batch_key] is not base.MISSING:
@@ -46,25 +60,27 @@ class Lightning:
             reference["lr"] = base.real(path, lr_keys[0], values[lr_keys[0]])
         elif "lr" not in given:
             raise base.bad(path, LR_KEYS[0], "is missing: give the reference lr with {reference.lr}")
-        family = _family(path, tree, given)
-        reference.update(_optimizer(path, values, family), **_hardware(path, values, given))
+        family = _family(path, tree, given) if own is None else _model_family(path, tree, own, given)
+        settings = _optimizer(path, values, family) if own is None else _model_optimizer(path, values, own, family)
+        reference.update(settings, **_hardware(path, values, given))
         accumulation = values[ROLES["accumulation_steps"]]
         if accumulation is not base.MISSING:
             reference["accumulation_steps"] = base.whole(path, ROLES["accumulation_steps"], accumulation)
         data = _data(path, tree, values)
         strategy = base.lookup(tree, "trainer.strategy")
-        target = {"strategy": "fsdp"} if isinstance(strategy, str) and strategy.startswith("fsdp") else {}
+        target = _strategy(strategy)
         keys = {"reference.per_device_batch_size": batch_key, "target.per_device_batch_size": batch_key,
                 "reference.devices": ROLES["devices"], "reference.nodes": ROLES["nodes"],
                 "reference.accumulation_steps": ROLES["accumulation_steps"],
-                "target.accumulation_steps": ROLES["accumulation_steps"], "reference.betas": ROLES["betas"],
-                "reference.eps": ROLES["eps"], "reference.weight_decay": ROLES["weight_decay"],
+                "target.accumulation_steps": ROLES["accumulation_steps"],
+                **_setting_keys(roles),
                 "reference.optimizer": "optimizer.class_path", "data.epochs": "trainer.max_epochs",
                 "data.reference_steps": ROLES["total_steps"]}
         if lr_keys:
             keys["reference.lr"] = lr_keys[0]
+        notes = _notes(tree) + (_model_note(own, family) if own else ())
         return base.FileRun(path=path, reference=reference, target=target, data=data, keys=keys, roles=roles,
-                            values=values, defaults=_defaults(family), notes=_notes(tree))
+                            values=values, defaults=_defaults(family), notes=notes)
 
     def changes(self, run: base.FileRun, plan: Plan, target: Target) -> dict[str, Any]:
         planned = base.planned(plan, target)
@@ -73,8 +89,9 @@ class Lightning:
             value = planned["lr"] if role.startswith("lr") else planned.get(role)
             if value is None or (role == "total_steps" and run.values[key] in (base.MISSING, -1)):
                 continue
-            if role in ("betas", "eps", "weight_decay") and run.values["optimizer.class_path"] is base.MISSING:
-                continue  # the optimizer is the model's own (configure_optimizers): nothing here to write into
+            if role in ("betas", "beta1", "beta2", "eps", "weight_decay") and run.values[key] is base.MISSING and \
+                    run.values["optimizer.class_path"] is base.MISSING:
+                continue  # the model's own optimizer takes only the init args it declares: none is added
             if role == "devices" and not isinstance(run.values[key], int):
                 continue  # "auto" or a list of device ids: the user's choice of devices stays
             out[key] = value
@@ -145,3 +162,79 @@ def _notes(tree: dict) -> tuple[str, ...]:
         return ("lr_scheduler is kept as it is: the plan's warmup, where it recommends one, is for the scheduler to "
                 "carry out",)
     return ()
+
+
+def _strategy(strategy: Any) -> dict[str, str]:
+    """The plan's strategy for the Trainer's: FSDP, or DeepSpeed at its ZeRO stage (Lightning's "deepspeed" is 2)."""
+    if not isinstance(strategy, str):
+        return {}
+    if strategy.startswith("fsdp"):
+        return {"strategy": "fsdp"}
+    stage = re.fullmatch(r"deepspeed(?:_stage_([0-3])\w*)?", strategy)
+    return {"strategy": f"deepspeed-zero{stage[1] or 2}"} if stage else {}
+
+
+def _model_optimizer_keys(tree: dict) -> dict[str, str] | None:
+    """``{role: key}`` of the optimizer settings among the model's init args, where the file has no optimizer block
+    (None where it has one: the settings are there)."""
+    if tree.get("optimizer") is not None:
+        return None
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return {}
+    prefix = "model.init_args" if isinstance(model.get("init_args"), dict) else "model"
+    args = model.get("init_args") if prefix == "model.init_args" else model
+    found = {}
+    for role, spellings in MODEL_SPELLINGS.items():
+        key = next((name for name in spellings if name in args), None)
+        if key is not None:
+            found[role] = f"{prefix}.{key}"
+    return found
+
+
+def _model_family(path: str, tree: dict, own: dict[str, str], given: Mapping[str, Any]) -> str | None:
+    """The optimizer the model builds: the flag's, else its init args' name for it; Adam's settings need one."""
+    if "optimizer" in given:
+        return given["optimizer"]
+    name = base.lookup(tree, own["optimizer"]) if "optimizer" in own else None
+    if isinstance(name, dict):
+        name = name.get("class_path")  # an optimizer init arg given as a class, as jsonargparse takes it
+    family = base.optimizer_family(name) if isinstance(name, str) else None
+    adam = [own[role] for role in ("beta1", "beta2", "betas", "eps") if role in own]
+    if family is None and adam:
+        raise base.bad(path, adam[0], "is Adam's, and the file names no optimizer (the model builds its own): pass "
+                                      "{reference.optimizer} adam or adamw")
+    return family
+
+
+def _model_optimizer(path: str, values: dict[str, Any], own: dict[str, str], family: str | None) -> dict[str, Any]:
+    """Adam's settings from the model's init args (torch's default for a β the model does not take)."""
+    out: dict[str, Any] = {} if family is None else {"optimizer": family}
+    if family not in ("adam", "adamw"):
+        return out
+    if "betas" in own:
+        out["betas"] = base.pair(path, own["betas"], values[own["betas"]])
+    elif "beta1" in own or "beta2" in own:
+        out["betas"] = tuple(base.real(path, own[role], values[own[role]]) if role in own else TORCH["betas"][index]
+                             for index, role in enumerate(("beta1", "beta2")))
+    for field in ("eps", "weight_decay"):
+        if field in own:
+            out[field] = base.real(path, own[field], values[own[field]])
+    return out
+
+
+def _setting_keys(roles: Mapping[str, str]) -> dict[str, str]:
+    """The reference's Adam fields as the file names them, for the reasons."""
+    betas = roles.get("betas") or "/".join(roles[role] for role in ("beta1", "beta2") if role in roles)
+    keys = {"reference.betas": betas} if betas else {}
+    return keys | {f"reference.{field}": roles[field] for field in ("eps", "weight_decay") if field in roles}
+
+
+def _model_note(own: dict[str, str], family: str | None) -> tuple[str, ...]:
+    """Which of the model's init args were taken as which optimizer setting."""
+    taken = [f"{key} as {MEANING[role]}" for role, key in own.items()
+             if role == "optimizer" or family in ("adam", "adamw")]
+    if not taken:
+        return ()
+    return (f"the file has no optimizer block, so the model builds its own optimizer from its init args: "
+            f"{', '.join(taken)}; the plan writes only the keys the model already takes",)
