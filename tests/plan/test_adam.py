@@ -2,6 +2,7 @@
 
 import doctest
 import json
+import os
 
 import pytest
 
@@ -170,3 +171,36 @@ def test_the_new_flags_explain_themselves():
     helps = {option: action.help for action in plan_parser._actions for option in action.option_strings}
     assert "0.01 for adamw" in helps["--weight-decay"] and "surge" in helps["--noise-scale"]
     assert "surge" in helps["--rule"]
+
+
+def test_keep_optimizer_settings_changes_only_the_batch_and_the_lr(capsys):
+    reference = _adamw(betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    scaled = plan(reference, Target(devices=8, nodes=2))
+    kept = plan(reference, Target(devices=8, nodes=2, keep_optimizer_settings=True))
+    assert (kept.global_batch_size, kept.lr) == (scaled.global_batch_size, scaled.lr)
+    assert (kept.betas, kept.eps, kept.weight_decay) == ((0.9, 0.95), 1e-6, 0.1)
+    assert (scaled.betas, scaled.eps, scaled.weight_decay) != (kept.betas, kept.eps, kept.weight_decay)
+    assert kept.reasons["eps"] == "kept as given (target.keep_optimizer_settings): the rules' 2.5e-07 is not written"
+    # The decay kept at a larger lr shortens AdamW's averaging timescale in steps, and the reasons say what it is.
+    assert "the weights average over 1/(η·λ)" in kept.reasons["weight_decay"]
+    assert main(["plan", *K16, "--keep-optimizer-settings", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["betas"], out["eps"], out["weight_decay"]) == ([0.9, 0.999], 1e-8, 0.01)
+    assert "(--keep-optimizer-settings)" in out["reasons"]["betas"]
+
+
+def test_keep_optimizer_settings_writes_no_adam_key_into_a_config(capsys):
+    config = ["--config", os.path.join(os.path.dirname(__file__), "configs", "zero2_auto.json"), "--ref-devices", "8",
+              "--devices", "32"]
+    assert main(["plan", *config, "--keep-optimizer-settings", "--json"]) == 0
+    changed = set(json.loads(capsys.readouterr().out)["config_changes"])
+    assert changed == {"train_batch_size", "optimizer.params.lr", "scheduler.params.warmup_max_lr",
+                       "scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps"}
+
+
+def test_keep_optimizer_settings_for_sgd_is_refused(capsys):
+    assert main(["plan", "--ref-batch-size", "32", "--ref-lr", "0.1", "--devices", "8",
+                 "--keep-optimizer-settings"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-optimizer-settings keeps Adam's betas, eps and AdamW's weight decay, and the plan's optimizer is " \
+           "SGD" in err and err.count("\n") == 1

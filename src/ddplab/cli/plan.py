@@ -54,7 +54,8 @@ def add_parser(subparsers) -> None:
     add_fields(parser.add_argument_group("target (the new hardware)"), Target,
                ("devices", "nodes", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
                 "strategy", "data_parallel_replicate_size", "per_device_batch_size", "global_batch_size",
-                "accumulation_steps", "max_batch_size_per_device", "keep", "rule"), prefix="target")
+                "accumulation_steps", "max_batch_size_per_device", "keep", "rule", "keep_optimizer_settings"),
+               prefix="target")
     data = parser.add_argument_group("data and schedule (for step counts)")
     add_fields(data, Data, ("dataset_size", "seq_len", "epochs", "drop_last", "sampler_drop_last", "warmup_epochs",
                             "warmup_steps", "reference_steps", "reference_warmup_steps", "warmup_threshold",

@@ -224,6 +224,9 @@ class Target(_Meshed):
     rule: RuleChoice = "auto"
     """LR rule: auto (linear for SGD, square root for Adam/AdamW), none, linear, sqrt, or surge (Adam/AdamW: the lr
     peaks at the noise scale, Li et al. 2024)."""
+    keep_optimizer_settings: bool = False
+    """Change only the batch and the lr: Adam's betas and eps and AdamW's weight decay stay as the reference has
+    them, where the rules would scale them with the batch (β₂' = β₂^k, ε' = ε/√k, the constant-timescale decay)."""
 
     def __post_init__(self):
         for field, value in (("target.devices", self.devices), ("target.nodes", self.nodes),

@@ -19,8 +19,14 @@ def choose_rule(rule: RuleChoice, optimizer: Optimizer) -> PlanRule:
 
 
 def plan_lr(reference: Reference, rule: PlanRule, k: float, warnings: list[str],
-        measured: MeasuredLr | None) -> dict[str, Any]:
+            measured: MeasuredLr | None, *, keep_settings: bool = False) -> dict[str, Any]:
+    """The lr, its multiplier and Adam's settings at k× the reference's global batch, each with its reason;
+    ``keep_settings`` leaves Adam's betas, eps and weight decay as the reference has them."""
     _check_rule(reference, rule)
+    if keep_settings and reference.optimizer == "sgd":
+        raise UsageError("{target.keep_optimizer_settings} keeps Adam's betas, eps and AdamW's weight decay, and the "
+                         "plan's optimizer is SGD, which has none the plan changes: drop it, or pass "
+                         "{reference.optimizer} adam or adamw")
     if measured is not None:
         return _measured_lr(reference, k, warnings, measured)
     multiplier = _rule_multiplier(reference, rule, k, warnings)
@@ -40,8 +46,11 @@ def plan_lr(reference: Reference, rule: PlanRule, k: float, warnings: list[str],
                      f"noise scale and falls past it; lr × η*(B')/η*(B) = lr × {multiplier:.4g}",
         }[rule]
     reasons["lr_multiplier"] = _multiplier_reason(rule, k, reference)
+    adam = _adam(reference, rule, k, multiplier, reasons, warnings)
+    if keep_settings:
+        adam = _kept_settings(reference, adam, reasons)
     out = {"lr": _representable("lr", reference.lr * multiplier, "reference.lr", reference.lr, multiplier),
-           "lr_multiplier": multiplier, **_adam(reference, rule, k, multiplier, reasons, warnings)}
+           "lr_multiplier": multiplier, **adam}
     if reference.optimizer == "sgd" and rule == "sqrt" and k > 1:
         warnings.append("the square-root rule keeps SGD's update variance but covers less ground per epoch: "
                         "plan on more epochs than the reference")
@@ -128,6 +137,17 @@ def _adam(reference: Reference, rule: PlanRule, k: float, multiplier: float, rea
         warnings.append("the linear rule is derived for SGD; Adam usually scales better with {target.rule} sqrt "
                         "(Malladi et al. 2022)")
     return {"betas": betas, "eps": eps, "weight_decay": _weight_decay(reference, rule, k, multiplier, reasons)}
+
+
+def _kept_settings(reference: Reference, planned: dict[str, Any], reasons: dict[str, str]) -> dict[str, Any]:
+    """The reference's betas, eps and weight decay in place of the rules' values, each saying what it left out."""
+    kept = {"betas": reference.betas, "eps": reference.eps, "weight_decay": reference.weight_decay}
+    for field, value in kept.items():
+        if planned[field] != value:
+            shown = ", ".join(f"{v:.4g}" for v in planned[field]) if field == "betas" else f"{planned[field]:.4g}"
+            reasons[field] = (f"kept as given ({{target.keep_optimizer_settings}}): the rules' {shown} is not "
+                              f"written")
+    return kept
 
 
 def _betas_reason(reference: Reference, k: float, betas: tuple[float, float]) -> str:

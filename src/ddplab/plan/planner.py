@@ -71,7 +71,7 @@ def _plan(reference: Reference, target: Target, data: Data, lr_source: LrSource 
     # Keep trajectory holds the reference's global batch and its lr: a measured lr would change the run it keeps.
     measured = lr_source(global_batch) if lr_source is not None and mode != "trajectory" else None
     rule = "measured" if measured else choose_rule(target.rule, reference.optimizer)
-    lr_fields = plan_lr(reference, rule, k, warnings, measured)
+    lr_fields = plan_lr(reference, rule, k, warnings, measured, keep_settings=target.keep_optimizer_settings)
     if lr_source is not None and measured is None:
         lr_fields["reasons"]["lr"] += "; keep trajectory holds the reference's lr, so the measured lr is not used"
     reasons.update(batch_reasons(reference, target, mode, batch, accumulation, global_batch, k))
