@@ -74,34 +74,39 @@ def add_parser(subparsers) -> None:
     mark(config.add_argument("--force", action="store_true",
                              help="let --write-config overwrite the file --config read"), "force")
     mark(data.add_argument("--from-study", metavar="STUDY.json",
-                           help="a ddplab study's study.json: its measured B_crit, and its best lr at the planned "
-                                "global batch in place of --rule (not with --critical-batch-size); with --rule "
-                                "surge, only its B_simple, as --noise-scale"), "from_study")
+                           help="a ddplab study's study.json: its reference (global batch, lr, optimizer) where "
+                                "flags leave it, its measured B_crit, and its best lr at the planned global batch in "
+                                "place of --rule (not with --critical-batch-size); with --rule surge, only its "
+                                "B_simple, as --noise-scale"), "from_study")
     mark(data.add_argument("--from-noise", metavar="REPORT.json",
-                           help="a ddplab noise JSON report: its B_simple as --critical-batch-size (with --rule "
-                                "surge, as --noise-scale)"), "from_noise")
+                           help="a ddplab noise JSON report: the run it measured as the reference (world size, "
+                                "per-device batch, accumulation, lr) where flags leave it, and its B_simple as "
+                                "--critical-batch-size (with --rule surge, as --noise-scale); a flag that "
+                                "contradicts it is warned"), "from_noise")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddplab.noise.command.report import with_noise_report
     from ddplab.plan import planner
+    from ddplab.plan.from_noise import plan_from_noise
     from ddplab.plan.from_study import plan_from_study
 
     if args.config:
         return _run_config(args)
     if args.write_config:
         raise UsageError("{write_config} writes the file {config} read: give {config}")
-    reference, target, data = config_from_args(args)
-    if args.from_noise:
-        if args.from_study:
-            raise UsageError("{from_study} and {from_noise} both give the critical batch size: drop one")
-        reference, data = with_noise_report(reference, data, args.from_noise, surge=target.rule == "surge")
-    if args.from_study:
-        result = plan_from_study(reference, target, data, args.from_study, names=args.flag_names)
+    if args.from_noise and args.from_study:
+        raise UsageError("{from_study} and {from_noise} both give the critical batch size: drop one")
+    given = fields_given(args, Reference, prefix="reference")
+    target, data = Target(**fields_given(args, Target, prefix="target")), Data(**fields_given(args, Data,
+                                                                                               prefix="data"))
+    if args.from_noise or args.from_study:
+        # The report's run completes the reference the flags give, and is checked against them.
+        plan_from = plan_from_noise if args.from_noise else plan_from_study
+        result = plan_from(given, target, data, args.from_noise or args.from_study, names=args.flag_names)
     else:
-        result = planner.plan(reference, target, data, names=args.flag_names)
+        result = planner.plan(Reference(**given), target, data, names=args.flag_names)
     if args.json:
         render.print_json(result)
     else:
@@ -110,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    if args.from_study:
-        raise UsageError("{from_study} and {config} are not combined yet: plan from one of them")
+    for given in ("from_study", "from_noise"):
+        if getattr(args, given):
+            raise UsageError(f"{{{given}}} and {{config}} both give the reference run, and are not combined yet: "
+                             "plan from one of them")
     result = plan_config(args.config, config_format=args.config_format,
                          reference=fields_given(args, Reference, prefix="reference"),
                          target=fields_given(args, Target, prefix="target"),
@@ -125,12 +132,6 @@ def _run_config(args: argparse.Namespace) -> int:
     _print_plan(result.plan, title=f"{result.config} ({result.config_format})", keys=result.config_keys)
     _print_changes(result, args.write_config)
     return 0
-
-
-def config_from_args(args: argparse.Namespace):
-    """(Reference, Target, Data) from the flags; each validates itself, naming its fields."""
-    return (Reference(**fields_given(args, Reference, prefix="reference")),
-            Target(**fields_given(args, Target, prefix="target")), Data(**fields_given(args, Data, prefix="data")))
 
 
 ROWS = (

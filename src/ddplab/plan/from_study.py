@@ -10,25 +10,36 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ddplab.errors import UsageError, literal, render
 from ddplab.plan import planner
+from ddplab.plan.reported import Reported, positive_whole
 
 
-def plan_from_study(reference: planner.Reference, target: planner.Target, data: planner.Data | None,
-                    study: str | dict, *, names: Mapping[str, str] | None = None) -> planner.Plan:
+def plan_from_study(reference: planner.Reference | Mapping[str, Any], target: planner.Target,
+                    data: planner.Data | None, study: str | dict, *,
+                    names: Mapping[str, str] | None = None) -> planner.Plan:
     """:func:`ddplab.plan.plan` with the study's B_crit and its best lr at the planned global batch.
 
-    ``study`` is a study.json path or its loaded dict; ``names`` as for :func:`~ddplab.plan.plan`.
+    ``study`` is a study.json path or its loaded dict; ``names`` as for :func:`~ddplab.plan.plan`;
+    ``reference`` a Reference, or the fields given for it (flags), which the study's reference completes (its global
+    batch, lr and optimizer) and is checked against, a warning per contradiction.
     UsageError when the study has no tuned curve, was measured with another optimizer family, or
     ``data`` already gives a critical batch size. With ``target.rule`` surge only the study's B_simple is read,
     as the rule's noise scale.
     """
     data = data or planner.Data()
+    loaded = read_study(study)
+    contradictions: tuple[str, ...] = ()
+    if not isinstance(reference, planner.Reference):
+        reference, contradictions = reported_study(study if isinstance(study, str) else "the study",
+                                                   loaded).merge(reference)
     if target.rule == "surge":
         # The surge rule takes only B_noise from the study: its lr comes from the rule, not the tuned curve.
-        return planner.plan(_with_noise_scale(reference, study), target, data, names=names)
-    loaded = load_study(study)
+        result = planner.plan(_with_noise_scale(reference, loaded), target, data, names=names)
+        return _warned(result, names, before=contradictions)
+    loaded = load_study(loaded)
     if data.critical_batch_size is not None:
         raise UsageError("{data.critical_batch_size} and {from_study} both give the critical batch size: drop "
                          "{data.critical_batch_size}, the study's measured B_crit is used")
@@ -40,8 +51,43 @@ def plan_from_study(reference: planner.Reference, target: planner.Target, data: 
     source = StudyLr(loaded)
     result = planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit), lr_source=source,
                           names=names)
-    mismatch = tuple(render(warning, names) for warning in _reference_lr_mismatch(reference, source))
-    return dataclasses.replace(result, warnings=result.warnings + mismatch) if mismatch else result
+    return _warned(result, names, before=contradictions, after=_reference_lr_mismatch(reference, source))
+
+
+def _warned(result: planner.Plan, names: Mapping[str, str] | None, *, before: tuple[str, ...] = (),
+            after: tuple[str, ...] = ()) -> planner.Plan:
+    """The plan with more warnings (templates, in ``names``' words): the reference's contradictions before its own."""
+    if not before and not after:
+        return result
+    first, last = (tuple(render(warning, names) for warning in warnings) for warnings in (before, after))
+    return dataclasses.replace(result, warnings=first + result.warnings + last)
+
+
+def reported_study(source: str, study: Mapping[str, Any]) -> Reported:
+    """The study's reference as Reference fields: its global batch and lr, and its optimizer where it is one the
+    plan scales (Adam's settings with it)."""
+    fields: dict[str, Any] = {}
+    reference = study.get("reference") if isinstance(study.get("reference"), dict) else {}
+    batch = positive_whole(source, reference, "global_batch_size")
+    if batch is not None:
+        fields["global_batch_size"] = batch
+    if isinstance(reference.get("lr"), (int, float)) and reference["lr"] > 0:
+        fields["lr"] = float(reference["lr"])
+    optimizer = study.get("optimizer") if isinstance(study.get("optimizer"), dict) else {}
+    if optimizer.get("family") in ("sgd", "adam", "adamw"):
+        fields["optimizer"] = optimizer["family"]
+    if optimizer.get("family") in ("adam", "adamw"):
+        if isinstance(optimizer.get("betas"), list) and len(optimizer["betas"]) == 2:
+            fields["betas"] = tuple(optimizer["betas"])
+        fields |= {name: optimizer[name] for name in ("eps", "weight_decay")
+                   if isinstance(optimizer.get(name), (int, float))}
+    return Reported(source=source, fields=fields)
+
+
+def own_workload(study: Mapping[str, Any]) -> bool:
+    """Whether the study trained the user's own training (a spec file, which the study names by its file name), not
+    one of ddplab's built-in workloads."""
+    return str(study.get("workload", "")).endswith(".py")
 
 
 def _reference_lr_mismatch(reference: planner.Reference, source: StudyLr) -> tuple[str, ...]:
@@ -50,10 +96,13 @@ def _reference_lr_mismatch(reference: planner.Reference, source: StudyLr) -> tup
     ratio = reference.lr / measured
     if 0.5 <= ratio <= 2:
         return ()
-    return (f"the study's best lr at the reference's global batch {reference.global_batch_size} is {measured:.4g}, "
-            f"{max(ratio, 1 / ratio):.3g}× away from {{reference.lr}} {reference.lr:g}: the study's workload may "
-            "not behave like yours, so its lrs may not transfer; study your own training (a spec file) to be "
-            "sure",)
+    away = (f"the study's best lr at the reference's global batch {reference.global_batch_size} is {measured:.4g}, "
+            f"{max(ratio, 1 / ratio):.3g}× away from {{reference.lr}} {reference.lr:g}")
+    if own_workload(source.study):
+        return (f"{away}: the study trained your own spec ({literal(source.study['workload'])}), so the reference "
+                "lr is not its best there; the planned lr follows the study's best lrs, not the reference's",)
+    return (f"{away}: the study's workload may not behave like yours, so its lrs may not transfer; study your own "
+            "training (a spec file) to be sure",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +147,10 @@ def _check_optimizer(reference: planner.Reference, study: dict) -> None:
                          "2022; linear for SGD): study that optimizer, or plan by its rule without {from_study}")
 
 
-def _with_noise_scale(reference: planner.Reference, study: str | dict) -> planner.Reference:
+def _with_noise_scale(reference: planner.Reference, loaded: dict) -> planner.Reference:
     """``reference`` with the B_simple the study measured (its JSON's ``b_simple.value``) as its noise scale."""
     if reference.noise_scale is not None:
         raise UsageError("{reference.noise_scale} and {from_study} both give the noise scale: drop one")
-    loaded = read_study(study)
     value = (loaded.get("b_simple") or {}).get("value") if isinstance(loaded, dict) else None
     if not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise UsageError("{from_study} holds no positive B_simple (b_simple.value) for {target.rule} surge: pass "
@@ -119,6 +167,8 @@ def read_study(study: str | dict) -> dict:
         except (OSError, json.JSONDecodeError) as exc:
             raise UsageError(f"{{from_study}} {literal(repr(study))} is not a readable study JSON "
                              f"({exc.__class__.__name__})") from None
+    if not isinstance(study, dict):
+        raise UsageError("{from_study} is not a study JSON (no object): give a ddplab study's study.json")
     return study
 
 

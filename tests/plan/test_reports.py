@@ -1,0 +1,119 @@
+"""plan --from-noise and --from-study: the reference is the run the report measured, flags win over it and each one
+that contradicts it is a warning; a study of the user's own spec is not called another workload (no torch)."""
+
+import json
+
+import pytest
+
+from ddplab.cli.main import flags, main
+from ddplab.plan.from_noise import plan_from_noise
+from ddplab.plan.from_study import plan_from_study
+from ddplab.plan.planner import Target
+
+# What ddplab noise writes of the run it measured (the command form: no lr; the spec form: its optimizer's lrs).
+COMMAND_REPORT = {"b_simple": 500.0, "b_simple_ci95": [400.0, 650.0], "strategy": "ddp", "world_size": 2,
+                  "data_parallel_size": 2, "per_device_batch_size": 8, "accumulation_steps": 2,
+                  "global_batch_size": 32}
+SPEC_REPORT = {**COMMAND_REPORT, "lr": [0.05]}
+
+
+def _write(tmp_path, name: str, tree: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(tree))
+    return str(path)
+
+
+def _plan(argv: list[str], capsys) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_noise_reports_run_is_the_reference(tmp_path, capsys):
+    report = _write(tmp_path, "noise.json", SPEC_REPORT)
+    from_report = _plan(["--from-noise", report, "--devices", "8"], capsys)
+    from_flags = _plan(["--ref-batch-size", "8", "--ref-accumulation", "2", "--ref-devices", "2", "--ref-lr", "0.05",
+                        "--critical-batch-size", "500", "--devices", "8"], capsys)
+    assert from_report == from_flags
+    assert (from_report["reference_global_batch_size"], from_report["global_batch_size"]) == (32, 128)
+    # The command form saw no lr: the flag gives it, and nothing contradicts.
+    command = _write(tmp_path, "command.json", COMMAND_REPORT)
+    assert _plan(["--from-noise", command, "--ref-lr", "0.05", "--devices", "8"], capsys) == from_flags
+    assert main(["plan", "--from-noise", command, "--devices", "8"]) == 2
+    assert "the reference needs its learning rate: give --ref-lr" in capsys.readouterr().err
+
+
+def test_a_flag_that_contradicts_the_noise_report_wins_and_is_warned(tmp_path, capsys):
+    report = _write(tmp_path, "noise.json", SPEC_REPORT)
+    out = _plan(["--from-noise", report, "--ref-batch-size", "16", "--ref-lr", "0.1", "--ref-devices", "4",
+                 "--devices", "8"], capsys)
+    assert out["reference_global_batch_size"] == 16 * 4 * 2
+    assert out["warnings"][:3] == [f"--ref-batch-size 16 contradicts {report} (8): the plan takes --ref-batch-size",
+                                   f"--ref-lr 0.1 contradicts {report} (0.05): the plan takes --ref-lr",
+                                   f"--ref-devices × --ref-nodes = 4 ranks contradicts {report}, which ran on 2: "
+                                   "the plan takes the flags"]
+    # Flags that agree with it say nothing; a world split over nodes as the report's is the same world.
+    agreed = _plan(["--from-noise", report, "--ref-batch-size", "8", "--ref-nodes", "2", "--devices", "8"], capsys)
+    assert not any("contradicts" in warning for warning in agreed["warnings"])
+    assert agreed["reference_global_batch_size"] == 32
+    # A reference given by its global batch alone, against the report's.
+    by_global = _plan(["--from-noise", report, "--ref-global-batch-size", "64", "--devices", "8", "--batch-size",
+                       "8"], capsys)
+    assert by_global["warnings"][0] == (f"--ref-global-batch-size 64 contradicts {report} (32): the plan takes "
+                                        "--ref-global-batch-size")
+
+
+def test_what_a_noise_report_cannot_say_is_one_line(tmp_path, capsys):
+    cases = [({**SPEC_REPORT, "lr": [0.05, 0.005]}, [],
+              "saw 2 learning rates (0.05, 0.005), one per parameter group: give the reference's with --ref-lr"),
+             ({**SPEC_REPORT, "world_size": 8}, [], "ran 8 ranks, 2 of them data-parallel: give the reference's "
+                                                    "--ref-tp, --ref-pp and --ref-cp"),
+             ({**SPEC_REPORT, "per_device_batch_size": "eight"}, [],
+              "holds per_device_batch_size 'eight', not a positive whole number"),
+             ([1, 2], [], "is not a ddplab noise JSON report (no object)")]
+    for tree, extra, said in cases:
+        report = _write(tmp_path, "noise.json", tree)
+        assert main(["plan", "--from-noise", report, "--devices", "8", *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    assert main(["plan", "--config", "x.toml", "--from-noise", report, "--devices", "8"]) == 2
+    assert "--from-noise and --config both give the reference run" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_run_in_a_noise_report_takes_its_degrees_from_flags(tmp_path):
+    report = {**SPEC_REPORT, "world_size": 8, "data_parallel_size": 4}
+    p = plan_from_noise({"tensor_parallel_size": 2}, Target(devices=8, tensor_parallel_size=2), None, report)
+    assert (p.reference_global_batch_size, p.global_batch_size, p.lr) == (64, 64, 0.05)
+
+
+STUDY = {"workload": "w", "fit": {"tuned": {"b_crit": 100.0}}, "train_size": 4000,
+         "reference": {"global_batch_size": 32, "lr": 0.003, "rules_lr": {"lr": 0.006, "source": "best_at_reference"}},
+         "optimizer": {"family": "adamw", "name": "AdamW", "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.05},
+         "tuned_lr": [{"global_batch_size": 32, "lr": 0.012}, {"global_batch_size": 128, "lr": 0.024},
+                      {"global_batch_size": 512, "lr": 0.048}]}
+
+
+def test_the_studys_reference_is_the_reference_and_contradictions_are_warned(tmp_path, capsys):
+    study = _write(tmp_path, "study.json", STUDY)
+    out = _plan(["--from-study", study, "--devices", "4", "--batch-size", "32"], capsys)
+    given = _plan(["--from-study", study, "--ref-global-batch-size", "32", "--ref-lr", "0.003", "--optimizer",
+                   "adamw", "--betas", "0.9,0.98", "--weight-decay", "0.05", "--devices", "4", "--batch-size", "32"],
+                  capsys)
+    assert out == given and (out["reference_global_batch_size"], out["global_batch_size"]) == (32, 128)
+    assert out["lr"] == pytest.approx(0.024) and out["rule"] == "measured"
+    # A per-device batch that makes another global batch than the study's reference is said first.
+    other = _plan(["--from-study", study, "--ref-batch-size", "64", "--devices", "4"], capsys)
+    assert other["warnings"][0] == (f"the flags make the reference's global batch 64 and {study} measured 32: the "
+                                    "plan takes the flags'")
+
+
+def test_a_study_of_your_own_spec_is_not_called_another_workload(tmp_path):
+    target = Target(devices=4, per_device_batch_size=32)
+    builtin = plan_from_study({}, target, None, STUDY, names=flags())
+    own = plan_from_study({}, target, None, {**STUDY, "workload": "train_spec.py"}, names=flags())
+    # The reference lr 0.003 is 4× the study's best at its global batch 32 (0.012).
+    assert any("the study's workload may not behave like yours" in warning for warning in builtin.warnings)
+    mismatch = [warning for warning in own.warnings if "4× away from --ref-lr 0.003" in warning]
+    assert mismatch == ["the study's best lr at the reference's global batch 32 is 0.012, 4× away from --ref-lr "
+                        "0.003: the study trained your own spec (train_spec.py), so the reference lr is not its "
+                        "best there; the planned lr follows the study's best lrs, not the reference's"]
+    assert not any("may not behave like yours" in warning for warning in own.warnings)
