@@ -175,3 +175,21 @@ def test_megatron_defaults_from_the_environment_and_bash_arrays_are_read_and_wri
     again = plan_config(str(written), reference={}, target={"devices": 8, "nodes": 4}, data={})
     assert (again.plan.reference_global_batch_size, again.config_changes) == (512, {})
     assert again.plan.lr == pytest.approx(plan.lr, rel=1e-5)
+
+
+def test_a_value_is_written_where_the_command_reads_it_or_not_at_all(tmp_path, capsys):
+    # A flag in a comment before the command's is not where the value is written.
+    path, out = tmp_path / "train.sh", tmp_path / "planned.sh"
+    path.write_text("# tried --lr 1e-3 first\ntorchrun --nproc_per_node 4 pretrain_gpt.py --micro-batch-size 4 "
+                    "--lr 1e-4\n")
+    result = plan_config(str(path), reference={}, target={"devices": 16}, data={})
+    assert "# tried --lr 1e-3 first\n" in result.text and "--lr 0.0002 " in result.text
+    # An array the command never expands, before the one it does: the value would land in the wrong one, so the
+    # plan is refused in one line and nothing is written.
+    path.write_text("old_args=(--micro-batch-size 64 --lr 1e-3)\nargs=(--micro-batch-size 4 --lr 1e-4)\n"
+                    "torchrun --nproc_per_node 4 pretrain_gpt.py \"${args[@]}\"\n")
+    assert plan_config(str(path), reference={}, target={"devices": 4}, data={}).plan.lr == 1e-4
+    assert main(["plan", "--config", str(path), "--devices", "16", "--write-config", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the planned values could not be written into its layout" in err, err
+    assert not out.exists()

@@ -17,7 +17,7 @@ from typing import Any
 
 from ddplab.errors import UsageError, literal
 from ddplab.plan import formats, planner
-from ddplab.plan.formats.base import MISSING, FileRun, same
+from ddplab.plan.formats.base import MISSING, FileRun, NotWritten, same
 from ddplab.plan.inputs import Data, Reference, Target
 from ddplab.plan.result import Plan
 
@@ -70,8 +70,8 @@ def plan_config(path: str, *, config_format: str | None = None, reference: Mappi
     changes = _changes(run, fmt.changes(run, result, tgt))
     try:
         new_text = fmt.edit(text, {key: new for key, (_, new) in changes.items()})
-    except RecursionError:
-        new_text = ""  # nested deeper than the editor reaches: refused below, as any layout it cannot write into
+    except (RecursionError, NotWritten):
+        new_text = ""  # nested deeper than the editor reaches, or a value it cannot place: refused below
     if not new_text or not fmt.detect(path, new_text):
         # An edit this format's layout defeats (a flow mapping, say) must not reach a file.
         raise UsageError(f"{literal(path)}: the planned values could not be written into its layout "

@@ -69,6 +69,10 @@ class ConfigFormat(Protocol):
         """``text`` with each key's value replaced in place (added where the file lacks it)."""
 
 
+class NotWritten(Exception):
+    """A planned value the format cannot place where the file sets it (the plan then refuses to write the file)."""
+
+
 def bad(path: str, key: str, what: str) -> UsageError:
     """An error naming the file and its key, then what to give."""
     return UsageError(f"{literal(path)}: {literal(key)} {what}" if key else f"{literal(path)} {what}")

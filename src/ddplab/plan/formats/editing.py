@@ -266,8 +266,10 @@ _TOKEN = re.compile(r"\"[^\"]*\"|'[^']*'|[^\s\\)\"']+")
 
 
 def flag_value(text: str, flag: str, count: int = 1) -> tuple[int, int] | None:
-    """The span of ``flag``'s ``count`` value tokens in the text (a line continuation between them allowed)."""
-    match = re.search(rf"(?<![\w-]){re.escape(flag)}(?:=|[ \t]+)", text)
+    """The span of ``flag``'s ``count`` value tokens in the text (a line continuation between them allowed); a flag
+    in a comment is not one."""
+    pattern = re.compile(rf"(?<![\w-]){re.escape(flag)}(?:=|[ \t]+)")
+    match = next((m for m in pattern.finditer(text) if not _commented(text, m.start())), None)
     if match is None:
         return None
     first = _TOKEN.match(text, match.end())
@@ -281,6 +283,11 @@ def flag_value(text: str, flag: str, count: int = 1) -> tuple[int, int] | None:
             break
         end = token.end()
     return first.start(), end
+
+
+def _commented(text: str, at: int) -> bool:
+    """Whether ``at`` follows a ``#`` that starts a comment on its line."""
+    return re.search(r"(?:^|\s)#", text[text.rfind("\n", 0, at) + 1:at]) is not None
 
 
 def shell_words(text: str) -> list[str]:

@@ -9,6 +9,7 @@ takes its default, an array's flags count where ``"${args[@]}"`` expands it. A v
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -77,6 +78,12 @@ class Megatron:
     def edit(self, text: str, changes: Mapping[str, Any]) -> str:
         for flag, value in changes.items():
             text = _set(text, flag, value)
+        # The words bash would run must hold the planned values: an edit that landed elsewhere (a flag in an array
+        # the command never expands, before the one it does) is refused, not written.
+        words = shell.words(text)
+        for flag, value in changes.items():
+            if not _reads_as(_value(words, flag), value):
+                raise base.NotWritten(flag)
         return text
 
 
@@ -85,6 +92,16 @@ FORMAT = Megatron()
 
 def _all_flags() -> list[str]:
     return [*FLAGS.values(), *SAMPLE_COUNTED]
+
+
+def _reads_as(read: Any, value: Any) -> bool:
+    """Whether the words' value is the written one (numbers to the 6 digits the editor writes)."""
+    if isinstance(value, list):
+        return isinstance(read, list) and len(read) == len(value) and all(map(_reads_as, read, value))
+    try:
+        return math.isclose(float(read), value, rel_tol=1e-5)
+    except (TypeError, ValueError):
+        return read == value
 
 
 def _words(path: str, text: str) -> list[str]:
