@@ -111,6 +111,10 @@ def _one_normaliser(parts: list[Part], world_size: int, step: int, divisor: floa
     if engine_divides_by > 1 and _near(scale, 1 / engine_divides_by):
         return Judgement("ACCUMULATION_DIVIDED_TWICE", step,
                          _twice_detail(parts, total, divisor, engine_divides_by), 1.0)
+    if len({p.count for p in parts}) < 2:
+        # Equal counts everywhere: a mean over each part's own elements times a constant (0.5 · a KL term) weighs
+        # exactly what a global count does; only counts that differ show which one divided.
+        return None
     if math.isclose(divisor, world_size, rel_tol=TOLERANCE) and _near(scale, 1 / world_size):
         return Judgement("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", step,
                          _global_detail(parts, world_size, total, divisor), 1.0)
