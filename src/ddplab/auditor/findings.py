@@ -142,14 +142,7 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
     used = {name for record in records for name in record.get("frameworks", [])}
     dimension = _data_parallel_dimension(main)
     for finding in findings:
-        if finding.code in REDUCTION_FINDINGS:
-            # What the message says of the reduction is the run's own (a rank's findings were made before it was).
-            finding.message, fix = message(finding.code, reduction)
-            finding.fix = fix if finding.fix == message(finding.code)[1] else finding.fix
-        in_framework = FIXES_IN_FRAMEWORK.get(finding.code, {})
-        framework = next((name for name in in_framework if name in used), None)
-        if framework is not None and finding.fix == message(finding.code, reduction)[1]:
-            finding.fix = in_framework[framework]
+        _reword(finding, reduction, used)
         # Fixes that name the mesh's data-parallel dimension use the program's own name for it.
         finding.fix = finding.fix.replace("mesh['dp']", f"mesh['{dimension}']")
     return Report(main.get("world_size"), main.get("global_batch_size"), main.get("lr"),
@@ -157,6 +150,17 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
                   data_parallel_size=main.get("data_parallel_size"), strategy=main.get("strategy"),
                   mesh=main.get("mesh"), model_parallel_only=main.get("model_parallel_only"), reduction=reduction,
                   unaudited=next((r["unaudited"] for r in records if r.get("unaudited")), None))
+
+
+def _reword(finding: Finding, reduction: Reduction | None, frameworks: set[str]) -> None:
+    """The catalogue's words for the run: its own reduction (a rank's findings were made before it was known), and
+    the fix in the words of a framework the program used; a fix set for this finding alone is kept."""
+    text, fix = message(finding.code, reduction)
+    if finding.code in REDUCTION_FINDINGS:
+        finding.message = text
+    if finding.fix in (message(finding.code)[1], fix):
+        in_framework = FIXES_IN_FRAMEWORK.get(finding.code, {})
+        finding.fix = next((in_framework[name] for name in in_framework if name in frameworks), fix)
 
 
 def run_reduction(records: list[dict[str, Any]]) -> Reduction | None:

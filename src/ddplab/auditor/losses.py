@@ -276,7 +276,8 @@ def _constant_scaled_sums(audit, terms: list[scales.Reached]) -> None:
         return
     for term in terms:
         record = term.record
-        if not (record.summed and term.python_floats and term.scale) or _divided_by_a_count(record, term.scale):
+        if not (record.summed and term.python_floats and term.scale) or \
+                _divided_by_a_count(record, term.scale, audit.micro_batch):
             continue
         means = sorted({other.record.site for other in terms if other.record.divide_by_count})
         beside = f", beside the mean at {means[0]}, whose weight shrinks as the batch grows" if means else ""
@@ -287,12 +288,10 @@ def _constant_scaled_sums(audit, terms: list[scales.Reached]) -> None:
         return
 
 
-def _divided_by_a_count(record: weights.Record, scale: float) -> bool:
-    """Whether 1/|scale| is (near) a count of the batch the sum is over: its micro-batch's samples (or a multiple:
-    samples × positions), or its summed elements."""
+def _divided_by_a_count(record: weights.Record, scale: float, samples: int | None) -> bool:
+    """Whether 1/|scale| is (near) a count of the batch the sum is over: its micro-batch's ``samples`` (or a
+    multiple: samples × positions), or its summed elements."""
     normaliser = 1 / abs(scale)
-    audit = state.current()
-    samples = audit.micro_batch if audit is not None else None
     counts = [int(record.count)] if record.count is not None else []
     if samples:
         counts.append(samples)

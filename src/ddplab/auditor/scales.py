@@ -96,7 +96,9 @@ def _scaled(node, inputs: list, divides: bool, loss_dtype: torch.dtype) -> list[
     value, is_float = _value(number, loss_dtype)
     if value is None:
         return [(child, None, False)]
-    return [(child, 1 / value if divides else value, is_float)] if value != 0 or not divides else []
+    if divides and value == 0:
+        return []
+    return [(child, 1 / value if divides else value, is_float)]
 
 
 def _value(number: torch.Tensor, loss_dtype: torch.dtype) -> tuple[float | None, bool]:

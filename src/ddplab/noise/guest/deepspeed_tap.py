@@ -130,9 +130,14 @@ def _before_reduction(guest: GuestState, engine) -> None:
         return
     begun = time.perf_counter()
     # ZeRO 0-1: the rank's whole step gradient, accumulated over its micro-batches, before the one reduction.
-    measurement.local_sq += sum(squared_norm(p.grad.detach()).item() for p in guest.params() if p.grad is not None)
+    measurement.local_sq += _grads_sq(guest)
     measurement.reductions += 1
     measurement.guest_s += time.perf_counter() - begun
+
+
+def _grads_sq(guest: GuestState) -> float:
+    """The squared norm of the model's ``.grad`` as they stand (whole on this rank at ZeRO 0-1)."""
+    return sum(squared_norm(p.grad.detach()).item() for p in guest.params() if p.grad is not None)
 
 
 @state.guarded("reading a DeepSpeed ZeRO-2 bucket")
@@ -151,8 +156,7 @@ def _before_step(guest: GuestState, engine) -> None:
     measurement = _measuring(guest, engine)
     if measurement is not None and measurement.stage == 0:
         # ZeRO 0: every rank holds the whole averaged gradient; each records 1/W of its squared norm.
-        total = sum(squared_norm(p.grad.detach()).item() for p in guest.params() if p.grad is not None)
-        measurement.share_sq = total / measurement.size
+        measurement.share_sq = _grads_sq(guest) / measurement.size
 
 
 @state.guarded("after a DeepSpeed step")
