@@ -74,7 +74,8 @@ def site() -> str:
 
 
 def _is_library(filename: str) -> bool:
-    return any(part in filename for part in _LIBRARY_DIRS) or filename.startswith(_STDLIB) or filename.startswith("<")
+    # Frozen modules (runpy) are the interpreter's; code run from a string (python -c, exec) is the program's own.
+    return any(part in filename for part in _LIBRARY_DIRS) or filename.startswith((_STDLIB, "<frozen"))
 
 
 def watch_loss_function(audit, name: str, function, args, kwargs, out: torch.Tensor) -> None:
