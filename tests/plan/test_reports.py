@@ -105,6 +105,11 @@ def test_the_studys_reference_is_the_reference_and_contradictions_are_warned(tmp
     assert other["warnings"][0] == (f"the flags make the reference's global batch 64 and {study} measured 32: the "
                                     "plan takes the flags'")
 
+    # Another optimizer named by the flags takes none of the study's AdamW settings: the refusal names the optimizer.
+    assert main(["plan", "--from-study", study, "--optimizer", "sgd", "--devices", "4", "--batch-size", "32"]) == 2
+    assert "the study measured the best lr of AdamW, and --optimizer sgd scales by other rules" in \
+        capsys.readouterr().err
+
 
 def test_a_study_of_your_own_spec_is_not_called_another_workload(tmp_path):
     target = Target(devices=4, per_device_batch_size=32)

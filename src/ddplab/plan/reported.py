@@ -25,6 +25,7 @@ from ddplab.plan.inputs import Reference
 
 BATCH = ("per_device_batch_size", "accumulation_steps", "global_batch_size")
 DEGREES = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
+OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,9 +45,10 @@ class Reported:
         """The reference the flags in ``given`` and the report make (the flags win), and a warning template for
         each flag that contradicts the report."""
         fields = dict(given)
-        warnings = [self._contradiction(name, given[name], value) for name, value in self.fields.items()
+        reported = self._reported_for(given)
+        warnings = [self._contradiction(name, given[name], value) for name, value in reported.items()
                     if name in given and not _same(given[name], value)]
-        fields |= {name: value for name, value in self.fields.items() if name not in BATCH and name not in given}
+        fields |= {name: value for name, value in reported.items() if name not in BATCH and name not in given}
         warnings += self._world(given, fields)
         self._batch(given, fields)
         reference = Reference(**fields)
@@ -55,6 +57,13 @@ class Reported:
             warnings.append(f"the flags make the reference's global batch {reference.global_batch_size} and "
                             f"{literal(self.source)} measured {measured}: the plan takes the flags'")
         return reference, tuple(warnings)
+
+    def _reported_for(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The report's fields, less its optimizer's settings where the flags name another optimizer."""
+        optimizer = self.fields.get("optimizer")
+        if optimizer is None or given.get("optimizer", optimizer) == optimizer:
+            return self.fields
+        return {name: value for name, value in self.fields.items() if name not in OPTIMIZER_SETTINGS}
 
     def _contradiction(self, name: str, flag: Any, value: Any) -> str:
         return (f"{{reference.{name}}} {_show(flag)} contradicts {literal(self.source)} ({_show(value)}): the plan "

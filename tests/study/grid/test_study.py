@@ -758,12 +758,15 @@ def test_a_spec_with_adamw_dropout_and_layernorm_runs_end_to_end(tmp_path, capsy
     assert any(p.endswith("compare_lr.png") for p in json.loads(capsys.readouterr().out)["plots"])
     assert main([*argv, "--compare", str(tmp_path / "missing.json")]) == 2
     assert "--compare" in capsys.readouterr().err
-    # plan --from-study takes an AdamW study for AdamW (and Adam), and refuses it for SGD.
+    # plan --from-study takes an AdamW study for AdamW (and Adam, and when no --optimizer is given: the study's), and
+    # refuses it for SGD.
     plan = ["plan", "--ref-batch-size", "16", "--ref-lr", "3e-3", "--devices", "4", "--batch-size", "16",
             "--from-study", str(tmp_path / "out" / "study.json")]
-    assert main([*plan, "--optimizer", "adamw", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rule"] == "measured"
-    assert main(plan) == 2
+    for optimizer in (["--optimizer", "adamw"], []):
+        assert main([*plan, *optimizer, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["rule"] == "measured" and out["betas"] == [0.9, 0.95]
+    assert main([*plan, "--optimizer", "sgd"]) == 2
     assert "the study measured the best lr of AdamW" in capsys.readouterr().err
 
 
