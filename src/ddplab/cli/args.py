@@ -75,3 +75,22 @@ def _parse(kind: type, text: str, expected: str):
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def split_at_command(parser: argparse.ArgumentParser) -> None:
+    """Everything after the first ``--`` is the training command (``namespace.command``), never the parser's flags
+    or positionals."""
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        if "--" not in args:
+            return parse(args, namespace)
+        cut = args.index("--")
+        namespace, extras = parse(args[:cut], namespace)
+        namespace.command = args[cut + 1:]
+        return namespace, extras
+
+    parser.parse_known_args = parse_known_args

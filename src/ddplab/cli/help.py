@@ -17,7 +17,7 @@ COMMON: dict[str, tuple[str, ...]] = {
     "plan": ("--ref-batch-size", "--ref-lr", "--optimizer", "--devices", "--nodes", "--batch-size",
              "--global-batch-size", "--keep", "--dataset-size", "--epochs", "--json"),
     "study": ("SPEC.py", "--workload", "--target-accuracy", "--target-loss", "--global-batch-sizes", "--rules",
-              "--ref-lr", "--seeds", "--out", "--json"),
+              "--ref-lr", "--seeds", "--out", "--executor", "--json"),
     "check": ("SPEC.py", "--world-size", "--batch-size", "--steps", "--strategy", "--strict", "--json"),
     "noise": ("SPEC.py", "--world-size", "--batch-size", "--steps", "--json", "--plot"),
     "audit": ("--steps", "--json", "--strict", "COMMAND"),

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import EndedBySignal, HelpFormatter, mark
+from ddplab.cli.args import EndedBySignal, HelpFormatter, mark, split_at_command
 from ddplab.cli.options import add_field, add_fields, add_launch_flags, fields_given, launch_config
 from ddplab.errors import UsageError, literal
 from ddplab.noise.command.config import CommandConfig
@@ -73,23 +73,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of B_simple over steps (needs matplotlib)")
     add_launch_flags(parser)
     parser.set_defaults(run=run, command=None)
-    _split_at_command(parser)
-
-
-def _split_at_command(parser: argparse.ArgumentParser) -> None:
-    """Everything after the first ``--`` is the training command, never ddplab's flags or SPEC.py."""
-    parse = parser.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        args = list(sys.argv[1:] if args is None else args)
-        if "--" not in args:
-            return parse(args, namespace)
-        cut = args.index("--")
-        namespace, extras = parse(args[:cut], namespace)
-        namespace.command = args[cut + 1:]
-        return namespace, extras
-
-    parser.parse_known_args = parse_known_args
+    split_at_command(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> NoiseConfig | CommandConfig:

@@ -26,7 +26,7 @@ from ddplab.cli.args import betas, integer, integers, mark, number, parse_bool
 RENAMES: dict[str, str] = {
     # A dotted path names one config's field; a bare name that field in every config.
     "per_device_batch_size": "--batch-size", "accumulation_steps": "--accumulation",
-    "pg_timeout_s": "--timeout", "deadline_s": "--deadline", "spec_path": "SPEC.py",
+    "pg_timeout_s": "--timeout", "deadline_s": "--deadline", "run_deadline_s": "--run-deadline", "spec_path": "SPEC.py",
     "reference.per_device_batch_size": "--ref-batch-size",
     "reference.lr": "--ref-lr", "reference.devices": "--ref-devices", "reference.nodes": "--ref-nodes",
     "reference.accumulation_steps": "--ref-accumulation", "reference.wrapper": "--ref-wrapper",

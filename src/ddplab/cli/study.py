@@ -8,11 +8,12 @@ import os
 import sys
 
 from ddplab.cli import render
-from ddplab.cli.args import HelpFormatter, mark, number
+from ddplab.cli.args import HelpFormatter, mark, number, split_at_command
 from ddplab.cli.options import add_fields, fields_given, help_text
 from ddplab.errors import SpecError, UsageError, literal
 from ddplab.study import rules
 from ddplab.study.branched.config import BranchConfig
+from ddplab.study.command.config import CommandOptions
 from ddplab.study.config import (
     DEFAULT_ACCURACY,
     WORKLOADS,
@@ -60,8 +61,16 @@ again continues, --fresh starts over. A changed setting or spec file is refused 
 mixed. study.json is written before the plots, so a failing plot never loses a study. The exit
 code is 1 when no run reached the target (the JSON then says how close each batch size came).
 
+Your own training command instead of a spec: after --, with placeholders ddplab fills per run
+({{world_size}}, {{per_device_batch_size}}, {{accumulation_steps}}, {{global_batch_size}}, {{lr}}, {{seed}},
+{{run_dir}}, {{master_port}}, and Adam's {{beta1}} {{beta2}} {{eps}} {{weight_decay}} for the rules that set
+them). A guest in its processes reads the training loss that reaches backward (or --metric NAME
+from its stdout), averaged over the ranks every --eval-every steps, and stops the run on every
+rank at once when it is decided. --executor local (--parallel N at once), ray or slurm.
+
 examples:
   ddplab study
+  ddplab study --target-loss 2 -- python train.py --lr {{lr}} --batch-size {{per_device_batch_size}}
   ddplab study --global-batch-sizes 16,64,256 --seeds 3 --json
   ddplab study --rules tuned,adascale,ramp
   ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
@@ -104,8 +113,18 @@ def add_parser(subparsers) -> None:
                ("branch_at", "branch_from", "branch_samples", "branch_doublings", "branch_lr_rule", "branch_tolerance",
                 "branch_lag", "branch_every_batch"), branch_at={"type": _fractions, "metavar": "F,F,..."},
                branch_from={"type": str, "nargs": "+", "metavar": "CKPT"})
+    add_fields(parser.add_argument_group("your own command (after --, with placeholders such as {lr})"),
+               CommandOptions, COMMAND_FIELDS, metric={"metavar": "NAME"})
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, command=None)
+    split_at_command(parser)
+
+
+COMMAND_FIELDS = ("metric", "executor", "parallel", "run_deadline_s", "ray_address", "gpus_per_run",
+                  "slurm_partition", "slurm_time", "slurm_cluster")
+# Flags of the spec form that a command study has no use for: the command trains as it is written.
+SPEC_ONLY = ("engine", "verify_ddp", "threads", "device", "strategy", "replicate", "reduce_dtype", "dtype",
+             "branch_at", "branch_from")
 
 
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -213,6 +232,9 @@ def _optimizer(fields: dict, spec_optimizer: OptimizerConfig | None) -> Optimize
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command is not None:
+        return _run_command(args)
+    _refuse(args, COMMAND_FIELDS, "belongs to the study of your own command (ddplab study [options] -- COMMAND)")
     # Before anything imports torch: the same command and seeds give the same numbers on any machine.
     pin_cpu_kernels()
     config_from_args(args)  # bad flags are said before the spec is loaded (its optimizer guessed from the flags)
@@ -227,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
     report = run_study(workload, config, options, progress=render.ProgressBar("ddplab study"))
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the study
+    return _show(args, config, report)
+
+
+def _show(args: argparse.Namespace, config: StudyConfig, report) -> int:
     if args.json:
         render.print_json(report)
     else:
@@ -236,6 +262,34 @@ def run(args: argparse.Namespace) -> int:
               f"{config.max_steps}: lower the target or raise --max-steps (runs are cached)", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """``ddplab study [options] -- COMMAND``: the grid trained by starting the user's own command per run."""
+    from ddplab.study.command.study import run_command_study
+
+    if args.spec or args.workload:
+        raise UsageError("give a spec, {workload} or a command after --, not two of them")
+    _refuse(args, SPEC_ONLY, "belongs to a spec's study: a command trains as it is written")
+    accuracy, loss = getattr(args, "target.accuracy"), getattr(args, "target.loss")
+    if accuracy is None and loss is None:
+        raise UsageError("a command study needs a target: {target.loss} L (the training loss, by default) or "
+                         "{metric} NAME with {target.accuracy} A or {target.loss} L")
+    if accuracy is not None and args.metric is None:
+        raise UsageError("{target.accuracy} needs {metric} NAME: by default the study reads the training loss")
+    config, options = config_from_args(args)
+    command = CommandOptions(command=tuple(args.command), **fields_given(args, CommandOptions, only=COMMAND_FIELDS))
+    found = run_command_study(command, config, options,
+                              progress=render.ProgressBar("ddplab study", status=True))
+    for line in found.failed:
+        print(f"ddplab study: warning: {line}", file=sys.stderr)
+    return _show(args, config, found.report)
+
+
+def _refuse(args: argparse.Namespace, fields: tuple[str, ...], why: str) -> None:
+    for field in fields:
+        if getattr(args, field, None) is not None:
+            raise UsageError(f"{{{field}}} {why}")
 
 
 def _run_branches(args, workload, config: StudyConfig, branches: BranchConfig, options: StudyOptions) -> int:

@@ -123,6 +123,8 @@ class RunResult:
     """"" for the study's optimizer; a rule's name for a tuned-sweep run with that rule's Adam settings."""
     optimizer: dict | None = None
     """The Adam settings it stepped with (betas, eps, weight_decay); None for SGD or a run cached before."""
+    failed: str | None = None
+    """Why the run could not be trained (its command failed twice): it counts as not reached."""
 
     @property
     def key(self) -> RunKey:

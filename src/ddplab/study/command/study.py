@@ -1,0 +1,114 @@
+"""``ddplab study -- COMMAND`` as one library call: check the command can run the study, train the grid through the
+executor, analyse, and write study.json, plots and report.html as a spec's study does.
+
+The driver imports no torch: the runs train in the command's own processes. Runs are kept per run under
+``OUT/command-runs/`` (each folder: the run's output.log and, once read, result.json) and per batch size in the
+grid's cache, both keyed by the command, the content of the files it names and every training setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from ddplab.progress import Progress, silent
+from ddplab.serialize import write_json_atomic
+from ddplab.study.command import executors, points
+from ddplab.study.command.config import CommandOptions
+from ddplab.study.command.engine import CommandEngine, workload_of
+from ddplab.study.command.template import CommandTemplate
+from ddplab.study.config import StudyConfig, StudyOptions
+from ddplab.study.grid import analysis, training
+from ddplab.study.grid.cache import Cache
+from ddplab.study.report.output import check_out, require_matplotlib
+from ddplab.study.report.records import StudyReport
+
+
+@dataclasses.dataclass(kw_only=True)
+class CommandStudy:
+    """What a command study found, and the runs that could not be trained."""
+
+    report: StudyReport
+    failed: list[str]
+    """A line per run whose command failed twice, with the end of its output."""
+
+
+def run_command_study(command: CommandOptions, config: StudyConfig, options: StudyOptions, *,
+                      progress: Progress = silent) -> CommandStudy:
+    """Train (or read back) every run of the grid by starting the command, fit, and write the study's files."""
+    started = time.monotonic()
+    template = CommandTemplate(tuple(command.command))
+    points.check(template, config, options.world_size, options.max_batch_size_per_device)
+    if options.plots:
+        require_matplotlib()
+    other = None
+    if options.compare:
+        from ddplab.study.grid.study import load_compared
+
+        other = load_compared(options.compare)
+    check_out(options.out)
+    workload = workload_of(template, command)
+    fingerprint = config.fingerprint(workload.fingerprint)
+    cache = Cache(options.out, fingerprint, fresh=options.fresh, settings=config.settings(workload.fingerprint))
+    folder = os.path.join(options.out, "command-runs", fingerprint)
+    bar = _Runs(progress, config)
+    engine = CommandEngine(template, command, executors.build(command, options.world_size, options.out),
+                           world_size=options.world_size, max_per_device=options.max_batch_size_per_device,
+                           folder=folder, listen=bar.listen)
+    try:
+        results = training.run_grid(workload, config, cache, engine, bar.advance)
+    finally:
+        bar.close()
+    found = analysis.analyze(config, results)
+    report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
+                         out=options.out, engine=f"command ({command.executor})",
+                         engine_reason=f"each run one launch of: {template.text()}", device="the command's own",
+                         own_optimizer=_own_optimizer(config, template))
+    _save(report, started)
+    if options.plots and found.fit:
+        from ddplab.study.report import figures, html
+
+        report.plots = figures.plots(report.to_json(), results, options.out, compare=other)
+        report.report = html.write_html(report.to_json(), os.path.join(options.out, "report.html"))
+        _save(report, started)
+    return CommandStudy(report=report, failed=engine.failed)
+
+
+def _own_optimizer(config: StudyConfig, template: CommandTemplate) -> dict:
+    """The optimizer as the report names it: the command's own, judged by the rules of ``--optimizer``'s family."""
+    filled = [name for name in ("lr", "beta1", "beta2", "eps", "weight_decay") if name in template.names]
+    return {"family": config.optimizer.family, "name": "the command's own optimizer",
+            "rules_of": config.optimizer.name, "set_per_run": " ".join(filled)}
+
+
+def _save(report: StudyReport, started: float) -> None:
+    report.seconds = time.monotonic() - started
+    write_json_atomic(os.path.join(report.out, "study.json"), report.to_json())
+
+
+class _Runs:
+    """Progress over the grid's step budget, its status the runs queued, running and done of the batch training."""
+
+    def __init__(self, progress: Progress, config: StudyConfig):
+        self.progress, self.total = progress, config.max_steps * _runs(config)
+        self.completed, self.status = 0, ""
+
+    def advance(self, steps: int) -> None:
+        # A sweep's extensions and the rules' own groups add runs past the plan: the bar waits at its end.
+        self.completed = min(self.completed + steps, self.total - 1)
+        self.progress(self.completed, self.total, self.status)
+
+    def listen(self, queued: int, running: int, done: int) -> None:
+        self.status = f"runs: {queued} queued, {running} running, {done} done"
+        self.progress(self.completed, self.total, self.status)
+
+    def close(self) -> None:
+        self.progress(self.total, self.total, self.status)
+
+
+def _runs(config: StudyConfig) -> int:
+    # The grid's runs as planned; a sweep's extensions and the rules' own groups add to it as they come.
+    from ddplab.study import rules
+
+    return max(1, sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes))

@@ -1,0 +1,118 @@
+"""ddplab study -- COMMAND on a small LM script written as people write them (scripts/lm_train.py: torchrun,
+DistributedSampler, a padding collate, AdamW with warmup, accumulation, a global token count), through the real
+command line: runs stopped at the target on every rank, a driver killed half-way and started again, runs that fail
+once retried, every executor giving the same figures, and what cannot be read said in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddplab.runtime import timescale
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "lm_train.py")
+BIN = os.path.dirname(sys.executable)
+# The grid: global batches 16 and 32 from the reference 16, constant and linear: 3 runs of a few dozen steps.
+GRID = ["--target-loss", "1.7", "--global-batch-sizes", "16,32", "--seeds", "1", "--rules", "constant,linear",
+        "--ref-global-batch-size", "16", "--ref-lr", "1e-2", "--eval-every", "5", "--max-steps", "300", "--no-plots",
+        "--json"]
+ONE_PROCESS = ["--world-size", "1", "--max-batch-size-per-device", "8", "--", sys.executable, SCRIPT,
+               "--batch-size", "{per_device_batch_size}", "--grad-accum", "{accumulation_steps}", "--lr", "{lr}",
+               "--seed", "{seed}"]
+
+
+def _study(out, *args, check: int | None = 0, env=None) -> tuple[dict | None, str]:
+    done = subprocess.run([os.path.join(BIN, "ddplab"), "study", *GRID, "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timescale.scaled(600), env=env)
+    if check is not None:
+        assert done.returncode == check, done.stderr[-3000:]
+    return (json.loads(done.stdout) if done.stdout.strip() else None), done.stderr
+
+
+def _figures(report: dict) -> list:
+    return sorted((r["rule"], r["global_batch_size"], r["lr"], r["steps_to_target"]) for r in report["runs"])
+
+
+def _run_dirs(out) -> list[str]:
+    runs = os.path.join(out, "command-runs")
+    return sorted(os.path.join(runs, fp, run) for fp in os.listdir(runs) for run in os.listdir(os.path.join(runs, fp)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_driver_killed_half_way_finishes_without_repeating_a_run_and_each_failed_run_is_tried_again(tmp_path):
+    """torchrun on 2 ranks; each run's command fails once at step 3 (its first try) and passes on the second."""
+    out = tmp_path / "out"
+    command = ["--world-size", "2", "--", os.path.join(BIN, "torchrun"), "--nproc_per_node", "{world_size}",
+               "--master_port", "{master_port}", SCRIPT, "--batch-size", "{per_device_batch_size}", "--grad-accum",
+               "{accumulation_steps}", "--lr", "{lr}", "--seed", "{seed}", "--crash-once", "{run_dir}/crashed"]
+    driver = subprocess.Popen([os.path.join(BIN, "ddplab"), "study", *GRID, "--out", str(out), *command],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timescale.scaled(300)
+    while not (os.path.isdir(out / "command-runs") and
+               any(os.path.exists(os.path.join(d, "result.json")) for d in _run_dirs(out))):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGINT)
+    _, err = driver.communicate(timeout=timescale.scaled(60))
+    assert driver.returncode == 130 and "ddplab: cancelled (Ctrl-C)" in err
+    # Nothing of the runs outlives the driver.
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not left
+    finished = {d: os.stat(os.path.join(d, "output.log")).st_mtime_ns for d in _run_dirs(out)
+                if os.path.exists(os.path.join(d, "result.json"))}
+    assert len(finished) == 1
+    report, _ = _study(out, *command)
+    for run_dir, stamp in finished.items():
+        assert os.stat(os.path.join(run_dir, "output.log")).st_mtime_ns == stamp  # not started again
+    runs = _run_dirs(out)
+    assert len(runs) == 3 and all(os.path.exists(os.path.join(d, "crashed")) for d in runs)
+    assert all(r["steps_to_target"] is not None for r in report["runs"]), report["runs"]
+    assert report["fit"]["linear"]["b_crit"] is not None
+    # The program's own output is kept per run, every try's.
+    assert "planted failure, once" in open(os.path.join(runs[0], "output.log")).read()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_executor_gives_the_same_study(tmp_path):
+    """One process per run with accumulation (16 = 2 × 8, 32 = 4 × 8): local two at a time, a Ray task each on a
+    local Ray cluster, a submitit job each through its local executor."""
+    pytest.importorskip("ray")
+    pytest.importorskip("submitit")
+    local, _ = _study(tmp_path / "local", "--parallel", "2", *ONE_PROCESS)
+    env = dict(os.environ, RAY_ADDRESS="local", RAY_AUTH_MODE="disabled")
+    ray, _ = _study(tmp_path / "ray", "--executor", "ray", *ONE_PROCESS, env=env)
+    slurm, _ = _study(tmp_path / "slurm", "--executor", "slurm", "--slurm-cluster", "local", *ONE_PROCESS)
+    assert _figures(local) == _figures(ray) == _figures(slurm)
+    assert local["fit"] == ray["fit"] == slurm["fit"] and local["fit"]["linear"]["b_crit"] is not None
+    assert all(r["steps_to_target"] is not None for r in local["runs"])
+    assert local["engine"] == "command (local)" and slurm["engine"] == "command (slurm)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_printed_metric_is_the_target_and_what_cannot_be_read_is_one_line(tmp_path):
+    grid = ["--global-batch-sizes", "16", "--rules", "constant"]
+    metric = ["--metric", "val_loss", "--target-loss", "1.6", *grid, *ONE_PROCESS, "--eval-every", "10"]
+    report, _ = _study(tmp_path / "metric", *metric)
+    (run,) = report["runs"]
+    # The program prints val_loss every 10 steps: the step it printed it after is the step to target.
+    assert run["steps_to_target"] % 10 == 0
+    _, err = _study(tmp_path / "never", "--metric", "accuracy", *grid, *ONE_PROCESS, "--max-steps", "20", check=2)
+    assert "the command printed no accuracy in 20 steps" in err and err.count("\n") == 1
+    _, err = _study(tmp_path / "ranks", *grid, "--world-size", "2", "--max-batch-size-per-device", "8",
+                    *ONE_PROCESS[4:], check=2)
+    assert "the command ran 1 rank and --world-size is 2, so its batches were not the grid's" in err
+    _, err = _study(tmp_path / "nothing", *grid, "--", sys.executable, "-c", "import torch; print({lr}, "
+                    "{per_device_batch_size})", check=2)
+    assert "the command ended (exit code 0) before its optimizer stepped 5 times after a backward" in err
+    # A run that fails twice is reported with the end of its output, and counts as not reached.
+    _, err = _study(tmp_path / "failing", *grid, *ONE_PROCESS, "--crash-at", "2", check=1)
+    assert "failed twice (exit code 1); its output ends:" in err and "planted failure at step 2" in err

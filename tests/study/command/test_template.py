@@ -1,0 +1,85 @@
+"""ddplab study -- COMMAND before anything runs: the placeholders a command holds, the values each run fills in, and
+every study the command cannot express refused in one line (no launch: these run in this process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddplab.cli.main import main
+from ddplab.errors import UsageError
+from ddplab.study.command import points
+from ddplab.study.command.template import CommandTemplate
+from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+
+TARGET = Target(kind="loss", value=1.0)
+FULL = ("torchrun", "--nproc_per_node", "{world_size}", "--master_port={master_port}", "train.py", "--lr", "{lr}",
+        "--bs", "{per_device_batch_size}", "--accum", "{accumulation_steps}", "--seed", "{seed}",
+        "--out", "{run_dir}/ckpt")
+
+
+def test_a_run_fills_every_placeholder_and_the_grid_splits_as_plan_splits():
+    template = CommandTemplate(FULL)
+    config = StudyConfig(target=TARGET, global_batch_sizes=(16, 128), rules=("linear",), seeds=2)
+    values = points.values(config, 2, 32, 128, 0.05, 1, config.optimizer, "/runs/r")
+    # 128 on 2 ranks under 32 per device: 2 micro-steps of 32.
+    assert template.fill(values) == ["torchrun", "--nproc_per_node", "2", "--master_port={master_port}", "train.py",
+                                     "--lr", "0.05", "--bs", "32", "--accum", "2", "--seed", "1", "--out",
+                                     "/runs/r/ckpt"]
+    points.check(template, config, 2, 32)
+    adam = OptimizerConfig(family="adamw", betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    filled = CommandTemplate(("x", "{beta1},{beta2}", "{eps:.0e}", "{weight_decay}", "{{literal}}")).fill(
+        points.values(config, 1, None, 16, 0.1, 0, adam, "d"))
+    assert filled == ["x", "0.8,0.95", "1e-06", "0.1", "{literal}"]
+
+
+@pytest.mark.parametrize("command, study, says", [
+    (("python", "t.py", "--lr", "{lr}", "--bs", "{batch}"), {}, "the command holds {batch}, which ddplab does not "
+                                                                "fill: the placeholders are {world_size}"),
+    (("python", "t.py", "--lr", "{lr:"), {}, "is no template"),
+    (("python", "t.py", "--bs", "{per_device_batch_size}"), {}, "the command has no {lr}"),
+    (("python", "t.py", "--lr", "{lr}"), {}, "the command has no {per_device_batch_size} or {global_batch_size}"),
+    (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"), {"seeds": 2},
+     "--seeds 2 needs {seed} in the command"),
+    (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"),
+     {"global_batch_sizes": (16, 256), "max_batch_size_per_device": 64},
+     "global batch 256 on 2 ranks takes 2 accumulation steps of 64 under --max-batch-size-per-device, and the command "
+     "has no {accumulation_steps}"),
+    (("python", "t.py", "--lr", "{lr}", "--gbs", "{global_batch_size}"), {"global_batch_sizes": (15, 32)},
+     "a world size of 2 cannot split a global batch of 15 evenly"),
+    (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"), {"rules": "tuned,adascale"},
+     "the adascale rule changes the lr as a run trains, which a command's flags cannot: drop it from --rules"),
+    (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"), {"rules": "ramp,tuned"},
+     "the ramp rule changes the global batch as a run trains"),
+    (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"), {"rules": "tuned,adam-sqrt",
+                                                                            "optimizer": "adamw"},
+     "the adam-sqrt rule sets {beta1}, {beta2}, {eps} at global batch 64, which the command has no placeholder for"),
+    (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"), {"rules": "tuned,surge",
+                                                                            "optimizer": "adamw"},
+     "the surge rule needs B_noise, which a command study does not measure"),
+])
+def test_what_a_command_cannot_run_is_one_line_before_anything_starts(tmp_path, capsys, command, study, says):
+    argv = ["study", "--target-loss", "1.0", "--seeds", str(study.get("seeds", 1)), "--out", str(tmp_path),
+            "--global-batch-sizes", ",".join(map(str, study.get("global_batch_sizes", (16, 64)))),
+            "--ref-global-batch-size", "16", "--world-size", "2"]
+    for flag in ("rules", "optimizer", "max_batch_size_per_device"):
+        if flag in study:
+            argv += [f"--{flag.replace('_', '-')}", str(study[flag])]
+    assert main([*argv, "--", *command]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and not (tmp_path / "runs").exists()
+
+
+def test_the_command_forms_flags_are_kept_apart(capsys):
+    command = ["--", "python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"]
+    assert main(["study", "--metric", "val_loss", "--target-loss", "1"]) == 2
+    assert "--metric belongs to the study of your own command" in capsys.readouterr().err
+    assert main(["study", "--target-loss", "1", "--engine", "vmap", *command]) == 2
+    assert "--engine belongs to a spec's study" in capsys.readouterr().err
+    assert main(["study", *command]) == 2
+    assert "a command study needs a target: --target-loss L" in capsys.readouterr().err
+    assert main(["study", "--target-accuracy", "0.9", *command]) == 2
+    assert "--target-accuracy needs --metric NAME" in capsys.readouterr().err
+    assert main(["study", "--target-loss", "1", "--executor", "ray", "--parallel", "2", *command]) == 2
+    assert "--parallel is the local executor's" in capsys.readouterr().err
+    with pytest.raises(UsageError):
+        CommandTemplate(())
