@@ -1,4 +1,4 @@
-"""ddplab study -- COMMAND on a small LM script written as people write them (scripts/lm_train.py: torchrun,
+"""ddplab study -- COMMAND on a small LM script written as people write them (examples/padded_lm/train.py: torchrun,
 DistributedSampler, a padding collate, AdamW with warmup, accumulation, a global token count), through the real
 command line: runs stopped at the target on every rank, a driver killed half-way and started again, runs that fail
 once retried, every executor giving the same figures, and what cannot be read said in one line."""
@@ -16,7 +16,9 @@ import pytest
 
 from ddplab.runtime import timescale
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "lm_train.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.normpath(os.path.join(HERE, "..", "..", "..", "examples", "padded_lm", "train.py"))
+FLAKY = os.path.join(HERE, "scripts", "flaky_train.py")
 BIN = os.path.dirname(sys.executable)
 # The grid: global batches 16 and 32 from the reference 16, constant and linear: 3 runs of a few dozen steps.
 GRID = ["--target-loss", "1.7", "--global-batch-sizes", "16,32", "--seeds", "1", "--rules", "constant,linear",
@@ -50,7 +52,7 @@ def test_a_driver_killed_half_way_finishes_without_repeating_a_run_and_each_fail
     """torchrun on 2 ranks; each run's command fails once at step 3 (its first try) and passes on the second."""
     out = tmp_path / "out"
     command = ["--world-size", "2", "--", os.path.join(BIN, "torchrun"), "--nproc_per_node", "{world_size}",
-               "--master_port", "{master_port}", SCRIPT, "--batch-size", "{per_device_batch_size}", "--grad-accum",
+               "--master_port", "{master_port}", FLAKY, "--batch-size", "{per_device_batch_size}", "--grad-accum",
                "{accumulation_steps}", "--lr", "{lr}", "--seed", "{seed}", "--crash-once", "{run_dir}/crashed"]
     driver = subprocess.Popen([os.path.join(BIN, "ddplab"), "study", *GRID, "--out", str(out), *command],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -114,5 +116,6 @@ def test_a_printed_metric_is_the_target_and_what_cannot_be_read_is_one_line(tmp_
                     "{per_device_batch_size})", check=2)
     assert "the command ended (exit code 0) before its optimizer stepped 5 times after a backward" in err
     # A run that fails twice is reported with the end of its output, and counts as not reached.
-    _, err = _study(tmp_path / "failing", *grid, *ONE_PROCESS, "--crash-at", "2", check=1)
+    flaky = [*ONE_PROCESS[:6], FLAKY, *ONE_PROCESS[7:]]
+    _, err = _study(tmp_path / "failing", *grid, *flaky, "--crash-at", "2", check=1)
     assert "failed twice (exit code 1); its output ends:" in err and "planted failure at step 2" in err

@@ -1,7 +1,10 @@
 """A small language model trained as people write it: torchrun, DistributedSampler, a padding collate, AdamW with
 linear warmup, gradient accumulation, and the loss normalised by the global count of valid tokens.
 
-    torchrun --nproc_per_node 2 lm_train.py --batch-size 8 --grad-accum 2 --lr 3e-3 --seed 0
+    torchrun --nproc_per_node 2 train.py --batch-size 8 --grad-accum 2 --lr 3e-3 --seed 0
+    ddplab study --target-loss 1.7 --global-batch-sizes 16,32,64 --world-size 2 -- torchrun --nproc_per_node \
+        {world_size} train.py --batch-size {per_device_batch_size} --grad-accum {accumulation_steps} --lr {lr} \
+        --seed {seed}
 
 Sequences come from a fixed Markov chain over a small vocabulary, each of its own length, padded per batch with
 labels -100. Prints ``step N loss L`` every --log-every steps and ``val_loss=V`` every --eval-every steps (rank 0).
@@ -32,8 +35,6 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=0)
-    parser.add_argument("--crash-at", type=int, default=0, help="fail at this step (tests only)")
-    parser.add_argument("--crash-once", default="", help="fail at step 3 unless this file exists, creating it")
     return parser.parse_args()
 
 
@@ -129,12 +130,6 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            if step == self.args.crash_at:
-                raise RuntimeError(f"planted failure at step {step}")
-            if step == 3 and self.args.crash_once and not os.path.exists(self.args.crash_once):
-                if self.rank == 0:
-                    open(self.args.crash_once, "w").close()
-                raise RuntimeError("planted failure, once")
             if self.rank == 0 and step % self.args.log_every == 0:
                 print(f"step {step} loss {total:.4f}", flush=True)
             if self.rank == 0 and self.args.eval_every and step % self.args.eval_every == 0:
