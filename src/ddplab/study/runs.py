@@ -195,6 +195,18 @@ def loser_bound(best: float, seeds: int) -> float:
     return best * (2 if seeds % 2 == 0 else 1)
 
 
+def prune_bound(config: StudyConfig, finished: list[RunResult], setting: tuple[float, str]) -> float:
+    """Steps past which a run of ``setting`` (lr, variant) can no longer be its batch's best, given the runs
+    ``finished`` before it starts (inf where no other setting's median is settled)."""
+    by_lr: dict[tuple[float, str], list[RunResult]] = {}
+    for result in finished:
+        by_lr.setdefault((result.lr, result.variant), []).append(result)
+    # Only an lr whose seeds have all finished is settled.
+    complete = [r for runs in by_lr.values() if len(runs) == config.seeds for r in runs]
+    best_lr, best = settled_best(complete)
+    return math.inf if best_lr is None or best_lr == setting else loser_bound(best, config.seeds)
+
+
 def steps(run: RunResult) -> float:
     """Steps to the target, inf for a run that never arrived."""
     return float(run.steps_to_target) if run.steps_to_target is not None else math.inf

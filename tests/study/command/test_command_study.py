@@ -107,6 +107,13 @@ def test_a_printed_metric_is_the_target_and_what_cannot_be_read_is_one_line(tmp_
     (run,) = report["runs"]
     # The program prints val_loss every 10 steps: the step it printed it after is the step to target.
     assert run["steps_to_target"] % 10 == 0
+    # Lightning's self.log("val_loss") as its trainer averages it over the validation batches (every 10 steps).
+    lightning = ["--world-size", "1", "--", sys.executable, os.path.join(HERE, "scripts", "lightning_train.py"),
+                 "--lr", "{lr}", "--batch-size", "{per_device_batch_size}", "--seed", "{seed}"]
+    report, _ = _study(tmp_path / "lightning", "--metric", "val_loss", "--target-loss", "0.9", "--global-batch-sizes",
+                       "32", "--rules", "constant", "--ref-global-batch-size", "32", "--ref-lr", "3e-3", *lightning)
+    (run,) = report["runs"]
+    assert run["steps_to_target"] is not None and run["steps_to_target"] % 10 == 0
     _, err = _study(tmp_path / "never", "--metric", "accuracy", *grid, *ONE_PROCESS, "--max-steps", "20", check=2)
     assert "the command printed no accuracy in 20 steps" in err and err.count("\n") == 1
     _, err = _study(tmp_path / "ranks", *grid, "--world-size", "2", "--max-batch-size-per-device", "8",
@@ -119,3 +126,25 @@ def test_a_printed_metric_is_the_target_and_what_cannot_be_read_is_one_line(tmp_
     flaky = [*ONE_PROCESS[:6], FLAKY, *ONE_PROCESS[7:]]
     _, err = _study(tmp_path / "failing", *grid, *flaky, "--crash-at", "2", check=1)
     assert "failed twice (exit code 1); its output ends:" in err and "planted failure at step 2" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_tuned_sweeps_losers_stop_once_they_cannot_be_the_best(tmp_path):
+    """constant's lr trains first; each other lr of the sweep stops past the steps constant's run took."""
+    report, _ = _study(tmp_path / "sweep", "--rules", "constant,tuned", "--sweep-margin", "2", *ONE_PROCESS)
+    runs = {}
+    for run_dir in _run_dirs(tmp_path / "sweep"):
+        with open(os.path.join(run_dir, "result.json")) as fh:
+            result = json.load(fh)["result"]
+        runs[result["global_batch_size"], result["lr"]] = result
+    pruned = [r for r in report["runs"] if r["pruned"]]
+    assert pruned and all(r["rule"] == "tuned" and r["steps_to_target"] is None for r in pruned)
+    for row in pruned:
+        batch = row["global_batch_size"]
+        constant = next(r for r in report["runs"] if r["rule"] == "constant" and r["global_batch_size"] == batch)
+        # Stopped at the first evaluation past the bound: the steps constant's run took to the target.
+        last = runs[batch, row["lr"]]["history"][-1][0]
+        assert constant["steps_to_target"] < last <= constant["steps_to_target"] + 5
+        best = next(p for p in report["tuned_lr"] if p["global_batch_size"] == batch)
+        assert best["median_steps"] <= constant["steps_to_target"]

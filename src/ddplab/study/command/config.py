@@ -18,8 +18,8 @@ class CommandOptions:
     command: tuple[str, ...]
     """The launch command with placeholders, after --."""
     metric: str | None = None
-    """Judge the target on a metric the program prints (NAME=value, NAME: value or 'NAME': value on stdout) instead
-    of the training loss that reaches backward."""
+    """Judge the target on a metric the program reports (NAME=value, NAME: value or 'NAME': value on stdout, or
+    Lightning's self.log) instead of the training loss that reaches backward."""
     executor: Executor = "local"
     """Where runs start: local (this machine, ``parallel`` at once), ray (a Ray task each, on the cluster ray.init
     reaches) or slurm (a Slurm job each, through submitit)."""

@@ -24,7 +24,7 @@ from ddplab.study.command.executors import Executor
 from ddplab.study.command.job import JobOutcome, RunJob
 from ddplab.study.command.template import CommandTemplate
 from ddplab.study.config import StudyConfig
-from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle
+from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, prune_bound, settle
 
 RESULT = "result.json"
 TRIES = 2
@@ -67,15 +67,29 @@ class CommandEngine:
         """A line per run that failed twice: its batch, lr, seed and the end of its output."""
 
     def train(self, workload, config: StudyConfig, group: RunGroup, progress=None) -> list[RunResult]:
-        """Every run of ``group``: from its folder where an earlier driver finished it, else started (twice at most)."""
+        """Every run of ``group``: from its folder where an earlier driver finished it, else started (twice at most).
+
+        As on the other engines, a run of an (lr, variant) in ``group.sweep_only`` stops once it can no longer be its
+        batch's best: those runs start after the others, each bounded by the best median settled by then."""
         results = group.results()
-        todo: dict[RunJob, RunResult] = {}
-        for result, optimizer in zip(results, group.run_optimizers()):
-            job = self._job(config, group, result, optimizer)
-            if not _cached(job, result):
-                todo[job] = result
-            elif progress:
-                progress(config.max_steps)
+        pairs = list(zip(results, group.run_optimizers()))
+        waves = [[p for p in pairs if (p[0].lr, p[0].variant) not in group.sweep_only],
+                 [p for p in pairs if (p[0].lr, p[0].variant) in group.sweep_only]]
+        finished: list[RunResult] = []
+        for wave in waves:
+            todo: dict[RunJob, RunResult] = {}
+            for result, optimizer in wave:
+                bound = prune_bound(config, finished, (result.lr, result.variant)) if wave is waves[1] else math.inf
+                job = self._job(config, group, result, optimizer, bound)
+                if not _cached(job, result):
+                    todo[job] = result
+                elif progress:
+                    progress(config.max_steps)
+            self._run(config, todo, progress)
+            finished += [result for result, _ in wave]
+        return results
+
+    def _run(self, config: StudyConfig, todo: dict[RunJob, RunResult], progress) -> None:
         for attempt in range(TRIES):
             again: dict[RunJob, RunResult] = {}
             with contextlib.closing(self.executor.run(list(todo), self.listen)) as outcomes:
@@ -85,7 +99,6 @@ class CommandEngine:
                     elif progress:
                         progress(config.max_steps)
             todo = again
-        return results
 
     def _read(self, config: StudyConfig, job: RunJob, outcome: JobOutcome, result: RunResult, *, last: bool) -> bool:
         """Fill ``result`` from the run's outcome; False where it failed and may be tried again."""
@@ -94,12 +107,14 @@ class CommandEngine:
         if (outcome.returncode == 0 and not outcome.timed_out) or decided:
             self._check_trained(job, outcome, evals)
             replay(config, evals, result, metric=self.options.metric is not None)
+            result.pruned = any(e.get("kind") == "end" and e.get("pruned") for e in outcome.events)
             notes = [e["text"] for e in outcome.events if e.get("kind") == "note"]
             if notes:
                 self.failed.append(f"{job.label}: the study's guest turned itself off ({notes[0]}); the run counts "
                                    "as far as it was read")
-            write_json_atomic(os.path.join(job.run_dir, RESULT), {"args": list(job.args), "result": result.to_json()},
-                              standard=False)
+            write_json_atomic(os.path.join(job.run_dir, RESULT), {"args": list(job.args), "seconds": outcome.seconds,
+                                                                  "guest_seconds": evals[-1].get("guest_s"),
+                                                                  "result": result.to_json()}, standard=False)
             return True
         if not last:
             return False
@@ -132,7 +147,7 @@ class CommandEngine:
                              f"{name}: VALUE or '{name}': VALUE on stdout): check {{metric}} against what it prints, "
                              f"in {literal(log)}")
 
-    def _job(self, config: StudyConfig, group: RunGroup, result: RunResult, optimizer) -> RunJob:
+    def _job(self, config: StudyConfig, group: RunGroup, result: RunResult, optimizer, bound: float) -> RunJob:
         tag = result.variant or group.rule or ("extension" if group.extension else "grid")
         settings = hashlib.sha256(json.dumps(optimizer.to_json(), sort_keys=True).encode()).hexdigest()[:6]
         run_dir = os.path.abspath(os.path.join(self.folder, f"b{result.global_batch_size}-lr{result.lr:.6g}-"
@@ -141,7 +156,8 @@ class CommandEngine:
         filled = points.values(config, self.world_size, self.max_per_device, result.global_batch_size, result.lr,
                                result.seed, optimizer, run_dir)
         guest = {"target": config.target.to_json(), "eval_every": config.eval_every, "max_steps": config.max_steps,
-                 "patience": config.patience, "metric": self.options.metric, "timeout_s": ALL_REDUCE_TIMEOUT_S}
+                 "patience": config.patience, "metric": self.options.metric, "timeout_s": ALL_REDUCE_TIMEOUT_S,
+                 "prune_after": None if math.isinf(bound) else bound}
         return RunJob(args=tuple(self.template.fill(filled)), run_dir=run_dir, settings=json.dumps(guest),
                       deadline_s=self.options.run_deadline_s,
                       label=f"global batch {result.global_batch_size}, lr {result.lr:g}, seed {result.seed}")

@@ -7,7 +7,9 @@ settings as JSON). What it reads:
 - the loss: every scalar that reaches ``Tensor.backward``, summed between two optimizer steps (the step's loss where
   each micro-batch's loss is divided by the accumulation steps, as Accelerate, Lightning, the Trainer and DeepSpeed
   do), kept on its device until an evaluation;
-- a metric (``metric``): the last ``NAME=value``, ``NAME: value`` or ``'NAME': value`` the process wrote to stdout.
+- a metric (``metric``): the last ``NAME=value``, ``NAME: value`` or ``'NAME': value`` the process wrote to stdout
+  (the Trainer's logged dicts among them), or Lightning's value of ``self.log(NAME, ...)`` as its trainer reduced
+  it into ``callback_metrics``.
 
 Every ``eval_every`` optimizer steps of the first optimizer that stepped after a backward, the ranks' sums are
 all-reduced once (every rank reaches that step: data-parallel ranks step together), with a timeout; the mean is one
@@ -26,13 +28,15 @@ import math
 import os
 import re
 import sys
+import time
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ddplab.auditor import guard
+from ddplab.auditor import guard, imports
 from ddplab.auditor.patches import Patches
 from ddplab.noise.guest import record
 from ddplab.study.config import Target
@@ -40,6 +44,7 @@ from ddplab.study.runs import DIVERGED_LOSS, RunResult, settle
 
 ENV_SETTINGS = "DDPLAB_STUDY_RUN"
 ENV_DIR = "DDPLAB_AUDIT_DIR"
+LIGHTNING_MODULES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
 NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
 
 
@@ -51,6 +56,8 @@ class StudyGuest:
         self.target = Target(**settings["target"])
         self.eval_every, self.max_steps = int(settings["eval_every"]), int(settings["max_steps"])
         self.timeout_s = float(settings.get("timeout_s", 300.0))
+        # A tuned-sweep lr stops past this step: it can no longer be its batch's best.
+        self.prune_after = settings.get("prune_after") or math.inf
         self.judge = types.SimpleNamespace(target=self.target, patience=int(settings.get("patience", 0)))
         self.metric = settings.get("metric")
         self.pattern = re.compile(rf"(?<![\w.]){re.escape(self.metric)}['\"]?\s*[:=]?\s*{NUMBER}") \
@@ -61,7 +68,10 @@ class StudyGuest:
         self.window_loss, self.window_steps = 0.0, 0  # the evaluation's sum over its steps (a tensor once summed)
         self.seen: float | None = None  # the last metric value printed since the previous evaluation
         self.seen_at = 0  # the optimizer steps taken when it was printed
+        self.lightning = None  # a weak reference to the LightningModule that self.log-s the metric
+        self.last_logged: float | None = None
         self.steps = 0
+        self.seconds = 0.0  # the guest's own time in this process: its hooks, the evaluations' all-reduce
         self.result = RunResult(global_batch_size=0, lr=0.0, seed=0)
         self.rank = 0
 
@@ -95,7 +105,42 @@ def install_from_env() -> StudyGuest | None:
     _PATCHES.hook(register_optimizer_step_post_hook(_after_optimizer_step))
     if _GUEST.pattern is not None:
         sys.stdout = _Tee(sys.stdout, _GUEST)
+        for module in LIGHTNING_MODULES:
+            imports.when_imported(_PATCHES, module, _watch_lightning_log)
     return _GUEST
+
+
+@guarded("watching Lightning's self.log")
+def _watch_lightning_log(guest: StudyGuest, module) -> None:
+    _PATCHES.replace(module.LightningModule, "log", _watched_log)
+
+
+def _watched_log(original):
+    @functools.wraps(original)
+    def log(self, name, value, *args, **kwargs):
+        _logged(self, name)
+        return original(self, name, value, *args, **kwargs)
+
+    return log
+
+
+@guarded("reading a metric from self.log")
+def _logged(guest: StudyGuest, module, name) -> None:
+    # What self.log is given per batch is not yet the metric: Lightning reduces it into callback_metrics.
+    if name == guest.metric and guest.lightning is None:
+        guest.lightning = weakref.ref(module)
+
+
+def _lightning_metric(guest: StudyGuest) -> None:
+    """The metric as Lightning last reduced it (its trainer's callback_metrics), where it changed."""
+    module = guest.lightning()
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    value = trainer.callback_metrics.get(guest.metric) if trainer is not None else None
+    if value is None:
+        return
+    value = float(value.detach() if isinstance(value, torch.Tensor) else value)
+    if value != guest.last_logged:
+        guest.last_logged, guest.seen, guest.seen_at = value, value, guest.steps
 
 
 def _watched_backward(original):
@@ -109,14 +154,25 @@ def _watched_backward(original):
 
 @guarded("reading the loss")
 def _saw_loss(guest: StudyGuest, loss) -> None:
-    if loss.numel() != 1 or not loss.requires_grad:
-        return
-    value = loss.detach().reshape(()).float()
-    guest.pending = value if guest.pending is None else guest.pending + value
+    begin = time.perf_counter()
+    if loss.numel() == 1 and loss.requires_grad:
+        value = loss.detach().reshape(()).float()
+        guest.pending = value if guest.pending is None else guest.pending + value
+    guest.seconds += time.perf_counter() - begin
 
 
 @guarded("after an optimizer step")
 def _after_optimizer_step(guest: StudyGuest, optimizer, args, kwargs) -> None:
+    begin = time.perf_counter()
+    try:
+        _count_step(guest, optimizer)
+    finally:
+        guest.seconds += time.perf_counter() - begin
+
+
+def _count_step(guest: StudyGuest, optimizer) -> None:
+    if guest.lightning is not None:
+        _lightning_metric(guest)
     if guest.pending is None:
         return  # no loss reached backward since the last step: another optimizer's step, or not training
     if guest.optimizer_id is None:
@@ -147,9 +203,10 @@ def _evaluate(guest: StudyGuest) -> None:
     if guest.rank == 0:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         record.append(guest.out_dir, {"kind": "eval", "rank": 0, "step": step, "loss": _finite(loss),
-                                      "metric": _finite(metric), "world_size": world})
-    if done or guest.steps >= guest.max_steps:
-        _stop(guest)
+                                      "metric": _finite(metric), "world_size": world, "guest_s": guest.seconds})
+    pruned = not done and guest.steps > guest.prune_after
+    if done or pruned or guest.steps >= guest.max_steps:
+        _stop(guest, pruned)
 
 
 def _reduced(guest: StudyGuest) -> tuple[float, float | None, float]:
@@ -180,9 +237,9 @@ def _all_reduced(guest: StudyGuest, values: torch.Tensor) -> torch.Tensor:
     return values.cpu()
 
 
-def _stop(guest: StudyGuest) -> None:
+def _stop(guest: StudyGuest, pruned: bool) -> None:
     if guest.rank == 0:
-        record.append(guest.out_dir, {"kind": "end", "rank": 0, "step": guest.steps})
+        record.append(guest.out_dir, {"kind": "end", "rank": 0, "step": guest.steps, "pruned": pruned})
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -51,6 +51,8 @@ class JobOutcome:
     events: list[dict]
     log_tail: list[str]
     timed_out: bool = False
+    seconds: float = 0.0
+    """From the command's start to its exit."""
     guest_loaded: bool = False
     """The guest armed itself in some process of the command (it imported torch)."""
     failures: list[str] = dataclasses.field(default_factory=list)
@@ -59,14 +61,18 @@ class JobOutcome:
         return dataclasses.asdict(self)
 
 
-def run_job(job: RunJob, started: Callable[[subprocess.Popen], None] | None = None) -> JobOutcome:
+def run_job(job: RunJob, started: Callable[[subprocess.Popen], None] | None = None, *,
+            threads: int | None = None) -> JobOutcome:
     """Run ``job``'s command to its end (or its deadline) with the guest armed; ``started(child)`` is told the
-    process once it runs (the local executor cancels through it)."""
+    process once it runs (the local executor cancels through it); ``threads`` is OMP_NUM_THREADS where the
+    environment sets none."""
     guest_dir = os.path.join(job.run_dir, "guest")
     shutil.rmtree(guest_dir, ignore_errors=True)
     os.makedirs(guest_dir)
     env = dict(os.environ, DDPLAB_AUDIT_DIR=guest_dir, DDPLAB_GUEST=GUEST, DDPLAB_STUDY_RUN=job.settings)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (runner.python_path(guest_dir), os.environ.get("PYTHONPATH")) if p)
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     port = free_port()
     # torchrun reads its flags from PET_* as well: runs side by side each get their own rendezvous port.
     env.setdefault("PET_MASTER_PORT", str(port))
@@ -75,12 +81,15 @@ def run_job(job: RunJob, started: Callable[[subprocess.Popen], None] | None = No
     with open(os.path.join(job.run_dir, LOG), "ab") as log:
         child = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, cwd=os.getcwd())
+        began = time.monotonic()
         if started is not None:
             started(child)
         status, timed_out = _wait(child, job.deadline_s)
+        seconds = time.monotonic() - began
     started_count, loaded, failures = runner.markers(guest_dir)
     return JobOutcome(returncode=128 - status if status < 0 else status, events=record.read_all(guest_dir),
-                      log_tail=tail(os.path.join(job.run_dir, LOG)), timed_out=timed_out, guest_loaded=loaded > 0,
+                      log_tail=tail(os.path.join(job.run_dir, LOG)), timed_out=timed_out, seconds=seconds,
+                      guest_loaded=loaded > 0,
                       failures=failures)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 
 from ddplab.progress import Progress, silent
@@ -52,6 +53,8 @@ def run_command_study(command: CommandOptions, config: StudyConfig, options: Stu
     fingerprint = config.fingerprint(workload.fingerprint)
     cache = Cache(options.out, fingerprint, fresh=options.fresh, settings=config.settings(workload.fingerprint))
     folder = os.path.join(options.out, "command-runs", fingerprint)
+    if options.fresh:
+        shutil.rmtree(os.path.join(options.out, "command-runs"), ignore_errors=True)
     bar = _Runs(progress, config)
     engine = CommandEngine(template, command, executors.build(command, options.world_size, options.out),
                            world_size=options.world_size, max_per_device=options.max_batch_size_per_device,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ class LocalExecutor:
 
     def __init__(self, options: CommandOptions, ranks: int, out: str):
         self.parallel = options.parallel
+        # Runs side by side share the cores: each process gets its share of threads, as torchrun gives its ranks.
+        self.threads = max(1, (os.cpu_count() or 1) // (options.parallel * ranks)) if options.parallel > 1 else None
         self._children: dict[int, subprocess.Popen] = {}
         self._lock = threading.Lock()
 
@@ -47,7 +50,7 @@ class LocalExecutor:
                 self._children[child.pid] = child
 
         try:
-            return run_job(job, started)
+            return run_job(job, started, threads=self.threads)
         finally:
             with self._lock:
                 self._children = {pid: c for pid, c in self._children.items() if c.poll() is None}

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from ddplab.errors import UsageError, literal
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.command.executors.registry import Listener, failed, register
-from ddplab.study.command.job import JobOutcome, RunJob, run_job
+from ddplab.study.command.job import GRACE_S, JobOutcome, RunJob, run_job
 
 
 @register("ray")
@@ -47,6 +47,9 @@ class RayExecutor:
                 listen(0, len(pending), done)
                 yield job, outcome
         finally:
-            # A cancelled task gets KeyboardInterrupt, and run_job stops its command's processes.
+            # A cancelled task gets KeyboardInterrupt, and run_job stops its command's processes: the driver waits
+            # for that, so no run outlives it.
             for ref in pending:
                 ray.cancel(ref)
+            if pending:
+                ray.wait(list(pending), num_returns=len(pending), timeout=GRACE_S + 5)
