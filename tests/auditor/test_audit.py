@@ -621,3 +621,23 @@ def test_a_scheduler_stepped_per_process_is_said_only_where_its_schedule_ran_out
     # Lengthened by the processes (24): it changes to the end; a constant lr changes nothing: silent.
     assert "SCHEDULER_STEPS_PER_PROCESS" not in run(24, decay_to_tenth)
     assert "SCHEDULER_STEPS_PER_PROCESS" not in run(12, lambda step, lengths: 1.0)
+
+
+def test_a_launcher_beside_ddplabs_own_interpreter_runs_without_an_activated_environment(tmp_path, capsys,
+                                                                                         monkeypatch):
+    # .venv/bin/ddplab audit -- torchrun ... from a shell that never activated .venv: torchrun is in .venv/bin only.
+    folder, marker = tmp_path / "venv-bin", tmp_path / "ran"
+    folder.mkdir()
+    launcher = folder / "ddplab-test-launcher"
+    launcher.write_text(f"#!{sys.executable}\nopen({str(marker)!r}, 'w').close()\n")
+    launcher.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(folder / "python"))
+    assert main(["audit", "--json-file", str(tmp_path / "audit.json"), "--", "ddplab-test-launcher"]) == 0
+    assert marker.exists() and "command not found" not in capsys.readouterr().err
+    marker.unlink()
+    # noise runs a command through the same runner.
+    main(["noise", "--", "ddplab-test-launcher"])
+    assert marker.exists() and "command not found" not in capsys.readouterr().err
+    # Nowhere at all: one line that says where it looked.
+    assert main(["audit", "--", "no-such-launcher-xyz"]) == 2
+    assert f"looked on PATH and in {folder}" in capsys.readouterr().err

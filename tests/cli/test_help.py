@@ -119,3 +119,22 @@ def test_a_flags_short_help_is_its_first_clause_with_its_default_once(capsys, mo
     plan = _help(["plan", "--help"], capsys, monkeypatch, columns=200)
     assert "nodes (default 1)\n" in plan and "what to hold fixed (default: decided from the batch)\n" in plan
     assert not any(line.count("default") > 1 for line in plan.splitlines())
+
+
+def test_the_short_helps_say_what_runs_and_nothing_cut_in_half(capsys, monkeypatch):
+    # noise's --steps: a command measures 40 steps unless given (200 is a spec's), as --help-all says.
+    noise = _help(["noise", "-h"], capsys, monkeypatch, columns=200)
+    steps = next(line for line in noise.splitlines() if line.lstrip().startswith("--steps"))
+    assert "(40 unless given)" in steps and "200" not in steps
+    # audit's description introduces a list the short help leaves out: it says where the list is.
+    audit = _help(["audit", "-h"], capsys, monkeypatch, columns=100)
+    intro = audit.split("\n\n")[1]
+    assert not intro.endswith(":") and intro.endswith("(--help-all lists them).")
+    # study's --rules names every rule whole at any width (a list without spaces was one word, cut anywhere).
+    from ddplab.study.rules import REGISTRY
+
+    for columns in (80, 100, 120, 160):
+        study = _help(["study", "-h"], capsys, monkeypatch, columns=columns)
+        block = study.split("--rules RULES")[1].split("\n  --")[0]
+        words = set(block.replace(",", " ").split())
+        assert set(REGISTRY) <= words, (columns, block)

@@ -15,6 +15,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -93,8 +94,30 @@ def check_runnable(program: str) -> None:
         if not os.access(program, os.X_OK):
             raise UsageError(f"{literal(program)} is not executable: chmod +x it, or run it as "
                              f"'python {literal(program)}'")
-    elif shutil.which(program) is None:
-        raise UsageError(f"command not found: {literal(program)}")
+    elif locate(program) is None:
+        raise UsageError(f"command not found: {literal(program)} (looked on PATH and in {literal(_interpreter_bin())})")
+
+
+def locate(program: str) -> str | None:
+    """Where a program named without a folder runs from: PATH, else beside ddplab's own interpreter.
+
+    ``.venv/bin/ddplab audit -- torchrun ...`` from a shell that never activated the virtualenv has torchrun in
+    .venv/bin, beside the interpreter, and not on PATH.
+    """
+    return shutil.which(program) or shutil.which(program, path=_interpreter_bin())
+
+
+def _interpreter_bin() -> str:
+    return os.path.dirname(sys.executable)
+
+
+def located(command: list[str]) -> list[str]:
+    """The command with its program's full path where only ddplab's interpreter's folder has it (Popen reads
+    PATH alone)."""
+    program = command[0]
+    if os.sep in program or shutil.which(program):
+        return command
+    return [locate(program) or program, *command[1:]]
 
 
 def check_writable(path: str, field: str) -> None:
@@ -133,7 +156,7 @@ def run_guest(command: list[str], out_dir: str, guest_env: dict[str, str], stdou
     env = dict(os.environ, DDPLAB_AUDIT_DIR=out_dir, **guest_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(out_dir), os.environ.get("PYTHONPATH")) if p)
     # Its own group, so a signal reaches torchrun and every worker, not torchrun alone.
-    child = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
+    child = subprocess.Popen(located(command), env=env, start_new_session=True, stdout=stdout)
     received: list[int] = []
 
     def forward(signum, frame):

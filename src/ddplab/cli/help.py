@@ -103,7 +103,9 @@ def _briefly(action: argparse.Action) -> argparse.Action:
     brief = text if cut is None else text[:BRIEF_MIN + cut.start()]
     if brief.count("(") > brief.count(")"):  # cut inside a remark: drop the remark
         brief = brief[:brief.rfind("(")].rstrip()
-    default = re.search(r"[(;] ?(default:? [^;()]*)[;)]", text)
+    # A value the first clause gives itself beats a later default (noise's --steps: a command's 40, a spec's 200).
+    default = re.match(r" \(([^;()]* unless given)\)", text[len(brief):]) or \
+        re.search(r"[(;] ?(default:? [^;()]*)[;)]", text)
     action = copy.copy(action)
     action.help = brief + (f" ({default[1]})" if default and default[1] not in brief else "")
     return action
@@ -124,6 +126,8 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 def _intro(description: str) -> str:
     """The description's first paragraph, or its first sentence where the paragraph is long."""
     paragraph = description.strip().split("\n\n")[0]
+    if paragraph.endswith(":"):  # it introduces a list the short help leaves out
+        paragraph = paragraph[:-1] + " (--help-all lists them)."
     if paragraph.count("\n") < INTRO_LINES:
         return paragraph
     return re.split(r"(?<=\.)\s+(?=[A-Z-])", paragraph, maxsplit=1)[0]

@@ -164,7 +164,8 @@ def branch_config_from_args(args: argparse.Namespace) -> BranchConfig | None:
 def _rules_help() -> str:
     # The rules are a registry, not a Literal: its names are the choices.
     text = help_text(StudyConfig, "rules", doc=rules.help_line())
-    return text.replace("comma-separated", f"comma-separated among {','.join(RULES)}", 1)
+    # Spaced, so the help wraps between names: a list without spaces is one word that wrapping cuts anywhere.
+    return text.replace("comma-separated", f"comma-separated among {', '.join(RULES)}", 1)
 
 
 def _rule_list(text: str) -> tuple[str, ...]:
