@@ -35,7 +35,8 @@ def test_a_summed_loss_plus_a_weight_penalty_is_still_a_summed_loss(world_size):
     # The penalty is averaged by DDP, not summed: the gradients are W apart only up to it.
     result = _check("sum_reduction_l2", world_size, steps=2)
     assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "SUM_REDUCTION", 0)
-    assert f"is 1/{world_size} of the single-process gradient but for a small part" in result.explanation
+    assert f"is 1/{world_size} of the single-process gradient (1/W with W = {world_size} ranks) but for a small part" \
+        in result.explanation
     assert "weight penalty" in result.explanation and "rescale the penalty" in result.fix
 
 
@@ -55,6 +56,20 @@ def test_token_means_over_padded_documents_are_named_per_device_and_per_micro_ba
     # The same documents over a constant normaliser: K micro-batches on W ranks train exactly like one process.
     constant = _check("token_constant", 2, batch=4, steps=3, accumulation_steps=2)
     assert constant.verdict == "EQUIVALENT" and "2 ranks × 2 micro-batches of 4" in constant.explanation
+
+
+def test_a_divisor_fixed_in_advance_is_named_by_its_factor_w_times_k_with_a_fix_a_spec_can_take():
+    # "per-device batch × max length" written as a number: loss() computes the reference too, on W·K times the samples.
+    result = _check("token_fixed_divisor", 2, batch=4, steps=2, accumulation_steps=2)
+    assert (result.verdict, result.cause, result.first_divergent_step) == ("DIVERGES", "SUM_REDUCTION", 0)
+    assert "exactly 1/4 of the single-process gradient (1/(W·K) with W = 2 ranks and K = 2 micro-batches)" \
+        in result.explanation
+    assert "divided by a number fixed in advance" in result.explanation
+    # Multiplying loss() by the world size would scale the reference alike: the fix divides by what loss() is given.
+    assert "multiply the loss by the world size" not in result.fix
+    assert "len(target) × a constant" in result.fix and "a factor of the world size changes nothing" in result.fix
+    # Which is what token_constant.py does (len(labels) × 31): equivalent, as the token-level losses page says.
+    assert _check("token_constant", 2, batch=4, steps=2, accumulation_steps=2).verdict == "EQUIVALENT"
 
 
 def test_accumulation_keeps_a_mean_equivalent_and_skipping_its_division_breaks_it():

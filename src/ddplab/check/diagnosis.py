@@ -109,28 +109,40 @@ def _summed(fit: tuple[float, float], world: int) -> bool:
     return abs(ratio - world) <= SUM_TOLERANCE * world and residual <= SUM_TOLERANCE
 
 
+SAMPLE_NORMALISERS = ("reduction='mean', or the sum divided by len(target) × a constant (for a token loss, the "
+                      "maximum length)")
+"""What a spec's loss() can divide by so that W ranks and one process on the global batch agree."""
+
+
 def _sum_reduction(cfg: CheckConfig, step: int, fit: tuple[float, float]) -> Diagnosis:
     ratio, residual = fit
     world, label = cfg.world_size, strategy_label(cfg)
     factor = world * cfg.accumulation_steps
-    cause = f"the loss is summed over the batch, and {label} averages the {world} per-rank sums"
+    cause = (f"the loss is summed over the batch (or divided by a number fixed in advance), and {label} averages the "
+             f"{world} per-rank sums")
+    measured = f"1/W with W = {world} ranks"
     if cfg.accumulation_steps > 1:
         cause += f" of {cfg.accumulation_steps} micro-batches, each divided by {cfg.accumulation_steps}"
+        measured = f"1/(W·K) with W = {world} ranks and K = {cfg.accumulation_steps} micro-batches"
+    # loss() also computes the reference: only a normaliser that follows the samples it is given can match.
+    unchanged = (f"a fixed divisor or a factor of the world size changes nothing, since the single-process reference "
+                 f"runs the same loss() on the global batch of {cfg.global_batch_size}")
     # A reduction in a lower dtype leaves its rounding in the gradients: exact up to that.
     rounding = reduction_rounding_bound(cfg.reduce_dtype, world) if cfg.reduce_dtype else 0.0
     if abs(ratio - factor) <= max(1e-6, rounding) * factor and residual <= max(1e-8, rounding):
         exactly = f", up to {cfg.reduce_dtype}'s rounding," if cfg.reduce_dtype else " exactly"
         return Diagnosis(
             "DIVERGES", "SUM_REDUCTION",
-            f"from step {step} the ranks' gradient is{exactly} 1/{factor} of the single-process gradient: {cause}",
-            f"use reduction='mean', or multiply the loss by the world size ({world}) under {label}")
+            f"from step {step} the ranks' gradient is{exactly} 1/{factor} of the single-process gradient "
+            f"({measured}): {cause}",
+            f"make loss() normalise by the samples it is given: {SAMPLE_NORMALISERS}; {unchanged}")
     return Diagnosis(
         "DIVERGES", "SUM_REDUCTION",
-        f"from step {step} the ranks' gradient is 1/{factor} of the single-process gradient but for a small part "
-        f"({residual:.2g} of its norm) that does not grow with the batch, such as a weight penalty added to the "
-        f"loss: {cause}",
-        f"use reduction='mean' (and rescale the penalty to match), or multiply the summed part of the loss by the "
-        f"world size ({world}) under {label}")
+        f"from step {step} the ranks' gradient is 1/{factor} of the single-process gradient ({measured}) but for a "
+        f"small part ({residual:.2g} of its norm) that does not grow with the batch, such as a weight penalty added "
+        f"to the loss: {cause}",
+        f"make the summed part of loss() normalise by the samples it is given ({SAMPLE_NORMALISERS}) and rescale the "
+        f"penalty to match; {unchanged}")
 
 
 def _divide_factor(cfg: CheckConfig, step: int, factor: float) -> Diagnosis:
@@ -174,14 +186,16 @@ def _per_rank_cause(spec, cfg: CheckConfig, per_micro_batch: bool = False) -> Di
             f"{cfg.accumulation_steps} micro-batches' means are then averaged: not the mean over the step's elements. "
             "Confirmed by a reference that averages per-micro-batch losses and then matches",
             "divide the summed loss by the step's count, summed over its micro-batches and all-reduced over the "
-            "data-parallel ranks, times the data-parallel size (or by a constant); see the token-level losses page")
+            "data-parallel ranks, times the data-parallel size (or by len(target) × a constant such as the maximum "
+            "length); see the token-level losses page")
     return Diagnosis(
         "DIVERGES", "LOSS_NORMALISED_PER_DEVICE",
         f"the loss of each {part} is normalised by a count of its own (tokens, positives), and "
         f"{strategy_label(cfg)} averages the {cfg.world_size} ranks' means: not the mean over the global batch's "
         "elements. Confirmed by a reference that averages per-rank losses and then matches",
         "divide the summed loss by the count all-reduced over the data-parallel ranks (and summed over the step's "
-        "micro-batches), times the data-parallel size; or by a constant; see the token-level losses page")
+        "micro-batches), times the data-parallel size; or by len(target) × a constant such as the maximum length; see "
+        "the token-level losses page")
 
 
 def _unit(per_micro_batch: bool) -> str:
