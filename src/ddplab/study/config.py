@@ -25,7 +25,8 @@ Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 WORKLOADS = ("digits", "mnist1d", "charlm", "regression")
 """The built-in workloads (``--workload``)."""
-UNCACHED_FIELDS = ("global_batch_sizes", "rules", "max_runs", "noise_scale", "schedule", "rules_lr")
+UNCACHED_FIELDS = ("global_batch_sizes", "rules", "max_runs", "noise_scale", "schedule", "rules_lr",
+                   "reference_trained_for")
 """The StudyConfig fields a cached run does not depend on: the surge rule's lrs follow noise_scale and every rule's
 follow rules_lr, and runs are found by lr; the schedule rule's runs are cached by the schedule's digest."""
 DEFAULT_ACCURACY = 0.95
@@ -145,6 +146,9 @@ class StudyConfig:
     schedule: str | None = None
     """the schedule rule's batch schedule: a branched.json or schedule.json path, or a Megatron-style string such as
     '0:32 416:64' (samples seen:global batch)."""
+    reference_trained_for: tuple[str, ...] = ()
+    """Set by the study, not an option: the rules that measure at the reference batch, for which it was added to
+    ``global_batch_sizes``."""
 
     def __post_init__(self):
         if self.rules is None:
@@ -185,8 +189,20 @@ class StudyConfig:
 def _check_rules(config: StudyConfig) -> None:
     if not config.rules or any(name not in rules.REGISTRY for name in config.rules):
         raise UsageError(f"{{rules}} must be among {', '.join(rules.REGISTRY)}")
+    _add_reference_batch(config)
     for rule in rules.of(config):
         rule.check(config)
+
+
+def _add_reference_batch(config: StudyConfig) -> None:
+    """The reference batch joins the grid where a rule measures there (surge's B_noise) and the grid left it out."""
+    needing = tuple(rule.name for rule in rules.of(config) if rule.measures_at_reference(config))
+    added = config.reference_global_batch_size not in config.global_batch_sizes
+    if needing and added:
+        batches = tuple(sorted((*config.global_batch_sizes, config.reference_global_batch_size)))
+        object.__setattr__(config, "global_batch_sizes", batches)
+    # Kept through dataclasses.replace, whose grid already holds the batch this config added.
+    object.__setattr__(config, "reference_trained_for", needing if added or config.reference_trained_for else ())
 
 
 def target_for(*, spec: str | None, accuracy: float | None = None, loss: float | None = None) -> Target:

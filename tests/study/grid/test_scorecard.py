@@ -154,6 +154,23 @@ def test_a_small_real_study_reports_the_scorecard_and_trains_each_rule_with_its_
     assert {r["variant"] for r in runs if r["rule"] == "tuned" and r["global_batch_size"] == 16} == {""}
 
 
+def test_the_reference_batch_surge_measures_at_trains_though_the_grid_left_it_out(tmp_path):
+    """surge without --noise-scale measures B_noise at the reference batch 16, which the grid (64 alone) lacks: the
+    study trains 16 too, scales the rules from its tuned best, and says so in study.json's warnings."""
+    workload = workloads.regression(dim=8, n_train=512, n_val=128)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.05), global_batch_sizes=(64,), seeds=2,
+                         rules=("tuned", "surge"), reference_global_batch_size=16, reference_lr=0.02,
+                         optimizer=ADAMW, max_steps=300, sweep_margin=2.0, dtype="float64")
+    run_study(workload, config, StudyOptions(out=str(tmp_path), plots=False, engine="vmap"))
+    values = json.loads((tmp_path / "study.json").read_text())
+    assert values["global_batch_sizes"] == [16, 64] and values["reference"]["rules_lr"]["source"] == "best_at_reference"
+    assert values["surge"]["source"] == "b_simple_at_reference" and values["surge"]["noise_scale"] > 0
+    assert values["warnings"][0] == ("global batch 16, the reference, was not in --global-batch-sizes and was trained "
+                                     "too: the surge rule needs it for B_noise, the B_simple along the best tuned "
+                                     "runs (--noise-scale gives it instead)")
+
+
 def test_an_adaptive_rule_is_scored_by_its_mean_lr_and_never_said_to_beat_the_sweep():
     """AdaScale's lr is the reference lr × its mean recorded gain; its steps may beat a fixed lr's, which is no
     sign that the sweep missed a fixed setting."""

@@ -214,8 +214,7 @@ def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_say
     # From B_noise/4 to the peak: η*(64)/η*(16) = 1/0.8.
     assert rule.group(config, 64, {}).runs == ((0.025, 0), (0.025, 1))
     assert rule.lr(config, 16, 64.0) == 0.02
-    for bad, match in (({"noise_scale": None, "global_batch_sizes": (32, 64)}, "surge rule needs B_noise"),
-                       ({"noise_scale": None, "rules": ("surge", "constant")}, "surge rule needs B_noise"),
+    for bad, match in (({"noise_scale": None, "rules": ("surge", "constant")}, "surge rule needs B_noise"),
                        ({"optimizer": OptimizerConfig()}, "surge rule describes Adam")):
         with pytest.raises(UsageError, match=match):
             _config(**{"rules": ("tuned", "surge"), "optimizer": adamw, "noise_scale": 64.0, **bad})
@@ -234,6 +233,21 @@ def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_say
     batches = {16: rules.view(config, 16, reference)}
     assert rule.report(config, batches, []) == {"surge": None}
     assert "surge rule did not run" in rule.warnings(config, batches)[0]
+
+
+def test_the_reference_batch_a_rule_measures_at_is_trained_not_refused():
+    # The newcomer's grid: AdamW, reference 32, batches 16,64,256; surge measures B_noise at 32.
+    asked = dict(rules=("tuned", "sqrt", "adam-sqrt", "surge", "adamw-tau"), global_batch_sizes=(16, 64, 256),
+                 reference_global_batch_size=32, optimizer=OptimizerConfig(family="adamw"))
+    config = _config(**asked)
+    assert config.global_batch_sizes == (16, 32, 64, 256) and config.reference_trained_for == ("surge",)
+    # Kept through replace (the study anchors its rules' lr so), and out of the cached runs' fingerprint.
+    anchored = dataclasses.replace(config, rules_lr=0.01)
+    assert anchored.reference_trained_for == ("surge",) and anchored.global_batch_sizes == (16, 32, 64, 256)
+    assert "reference_trained_for" not in config.settings("w")
+    # With B_noise given, or the reference already in the grid, nothing is added.
+    assert _config(**asked, noise_scale=64.0).global_batch_sizes == (16, 64, 256)
+    assert _config(**{**asked, "global_batch_sizes": (16, 32, 64)}).reference_trained_for == ()
 
 
 def test_the_registry_holds_every_rule_once_and_each_says_what_it_is():

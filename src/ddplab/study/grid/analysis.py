@@ -71,7 +71,7 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
             if seeds is not None:
                 steps_by_rule[rule.name][b] = [steps(run) for run in seeds]
     fits, warnings = _fits(steps_by_rule)
-    warnings += _edge_warnings(tuned)
+    warnings = _reference_added(config) + warnings + _edge_warnings(tuned)
     for rule in asked:
         warnings += rule.warnings(config, batches)
     best_runs = [run for p in tuned for run in batches[p["global_batch_size"]].seeds_at(p["lr"], p["variant"])]
@@ -90,6 +90,16 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
                          sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple),
                          rules_lr=scaled_from)
+
+
+def _reference_added(config: StudyConfig) -> list[str]:
+    """The reference batch the grid left out and the study trained, and the rules that made it."""
+    if not config.reference_trained_for:
+        return []
+    why = "; ".join(f"the {name} rule needs it for {rules.get(name).measures_at_reference(config)}"
+                    for name in config.reference_trained_for)
+    return [f"global batch {config.reference_global_batch_size}, the reference, was not in --global-batch-sizes and "
+            f"was trained too: {why}"]
 
 
 def _rules_lr_warnings(config: StudyConfig, scaled_from: dict) -> list[str]:

@@ -84,6 +84,11 @@ class Rule:
     def check(self, config: StudyConfig) -> None:
         """Raise UsageError when the study's settings cannot run this rule."""
 
+    def measures_at_reference(self, config: StudyConfig) -> str | None:
+        """What it measures at the reference batch, which the study then trains even where ``global_batch_sizes``
+        leaves it out; None where it needs nothing there."""
+        return None
+
     # The grid.
     def grid_lrs(self, config: StudyConfig, global_batch: int) -> list[float]:
         """The lrs this rule trains at ``global_batch`` in the grid the fixed-lr rules share."""

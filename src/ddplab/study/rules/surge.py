@@ -3,9 +3,10 @@
 η*(B) = η_max / (½(√(B_noise/B) + √(B/B_noise))): it grows as √B below B_noise, peaks there and falls as 1/√B
 above it. The rule trains lr = the reference lr × η*(B)/η*(B_ref) (:func:`ddplab.plan.scaling.surge_lr_multiplier`)
 with the study's optimizer. B_noise is ``noise_scale`` where given, else the study's own B_simple, measured along
-the best tuned runs at the reference batch (the grid's runs there train before any rule's own group). Without
-either the study refuses to start; where the measurement fails (the best runs there never reached the target, or
-B_simple is not a positive number) the rule is skipped with a warning that says so.
+the best tuned runs at the reference batch (the grid's runs there train before any rule's own group; the study
+trains that batch even where ``global_batch_sizes`` leaves it out, and says so). Without a sweep or ``noise_scale``
+the study refuses to start; where the measurement fails (the best runs there never reached the target, or B_simple
+is not a positive number) the rule is skipped with a warning that says so.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ class Surge(OwnGroupRule):
         if not config.optimizer.adam:
             raise UsageError(f"the surge rule describes Adam's best lr, and the study trains {config.optimizer.name}: "
                              "it needs {optimizer.family} adam or adamw")
-        if config.noise_scale is None and not self.measures(config):
-            raise UsageError("the surge rule needs B_noise: give {noise_scale}, or keep tuned in {rules} and the "
-                             f"reference batch {config.reference_global_batch_size} in {{global_batch_sizes}}, where "
-                             "the study measures B_simple")
+        if config.noise_scale is None and sweeping(config) is None:
+            raise UsageError("the surge rule needs B_noise: give {noise_scale}, or keep tuned in {rules}, whose best "
+                             f"runs at the reference batch {config.reference_global_batch_size} measure B_simple")
 
-    def measures(self, config: StudyConfig) -> bool:
-        """The study measures B_simple at the reference batch: the sweep's best runs there."""
-        return sweeping(config) is not None and config.reference_global_batch_size in config.global_batch_sizes
+    def measures_at_reference(self, config: StudyConfig) -> str | None:
+        if config.noise_scale is not None:
+            return None
+        return "B_noise, the B_simple along the best tuned runs (--noise-scale gives it instead)"
 
     def noise_scale(self, config: StudyConfig, trained: dict[int, list[RunResult]]) -> float | None:
         """B_noise: ``noise_scale`` where given, else B_simple along the best tuned runs at the reference batch;
