@@ -888,6 +888,33 @@ def test_a_group_too_big_for_memory_splits_and_a_run_too_big_is_refused(monkeypa
         engine.train_group(workload, config, grid_group(config, 16, runs))
 
 
+def test_a_target_reached_too_early_ends_with_a_warning_only_on_its_evidence(tmp_path):
+    # Regression at 0.8 of its starting loss: every run is there at the first evaluation.
+    workload = workloads.regression(dim=8, n_train=512, n_val=128)
+    start = float(workload.val[1].pow(2).mean())
+    config = StudyConfig(target=Target(kind="loss", value=start * 0.8), global_batch_sizes=(16, 64), seeds=3,
+                         rules=("constant", "tuned"), reference_global_batch_size=16, reference_lr=0.02,
+                         optimizer=OptimizerConfig(family="adamw"), max_steps=300, sweep_margin=2.0, dtype="float64")
+    found = analysis.analyze(config, grid_training.run_grid(workload, config, None, engine.VmapEngine()))
+    assert found.warnings[-1].startswith("the target is reached too early to measure the steps to it: median runs "
+                                         "reached it at the first evaluation (step 5) at global batch 16, 64")
+    assert found.warnings[-1].endswith("Raise the target (a lower --target-loss), or evaluate more often "
+                                       "(--eval-every below 5)")
+    # Zero-width intervals and 2-point curves past the first evaluation (B_crit 6.2227 [6.2227, 6.2227]).
+    steps = {"tuned": {16: [40.0, 40.0, 40.0], 64: [15.0, 15.0, 15.0]},
+             "sqrt": {16: [40.0, 40.0, 40.0], 64: [20.0, 20.0, 20.0]}}
+    fits, _ = analysis._fits(steps)
+    assert all(fitted["b_crit_ci95"][0] == fitted["b_crit_ci95"][1] for fitted in fits.values())
+    [early] = analysis._early_target_warnings(config, fits, steps)
+    assert "every B_crit 95% interval has zero width" in early and "each curve has 2 points" in early
+    assert "first evaluation" not in early
+    # No evidence, no warning: seeds that differ somewhere, or one seed, which has nothing to resample.
+    spread = {**steps, "sqrt": {16: [35.0, 40.0, 45.0], 64: [20.0, 20.0, 25.0]}}
+    assert analysis._early_target_warnings(config, analysis._fits(spread)[0], spread) == []
+    one = {rule: {b: seeds[:1] for b, seeds in by_batch.items()} for rule, by_batch in steps.items()}
+    assert analysis._early_target_warnings(config, analysis._fits(one)[0], one) == []
+
+
 def test_a_flat_fit_is_undefined_and_a_b_simple_that_zero_or_infinity_fits_gives_no_ratio():
     from ddplab.study.runs import RunResult
 

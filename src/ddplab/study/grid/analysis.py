@@ -85,6 +85,7 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
         sections["adaptive"] = against_the_front(sections["adaptive"], tuned, fits.get(sweep.name) if sweep else None)
     card = scorecard(config, batches)
     warnings += _beats_tuned_warnings(card)
+    warnings += _early_target_warnings(config, fits, steps_by_rule)
     b_simple = _b_simple(best_runs, fits.get(sweep.name) if sweep else None)
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
@@ -240,6 +241,31 @@ def _fit_warnings(rule: str, fitted: dict) -> list[str]:
                    "resampling the seeds rarely moves it past its neighbours on the batch grid, so the interval "
                    "understates the uncertainty; a finer grid of batch sizes around it would tell")
     return out
+
+
+def _early_target_warnings(config: StudyConfig, fits: dict, steps_by_rule: dict) -> list[str]:
+    """A target reached too early for the evaluations to tell its steps apart, said only on its evidence: medians
+    at the first evaluation, or every B_crit interval of zero width although there were seeds to resample."""
+    evidence = []
+    first = sorted({b for by_batch in steps_by_rule.values() for b, seeds in by_batch.items()
+                    if fit.median(seeds) <= config.eval_every})
+    if first:
+        evidence.append(f"median runs reached it at the first evaluation (step {config.eval_every}) at global batch "
+                        f"{', '.join(map(str, first))}")
+    intervals = [fitted["b_crit_ci95"] for fitted in fits.values()
+                 if "undefined" not in fitted and all(map(math.isfinite, fitted["b_crit_ci95"]))]
+    seeds = min((len(s) for by_batch in steps_by_rule.values() for s in by_batch.values()), default=0)
+    if seeds >= 2 and intervals and all(math.isclose(low, high, rel_tol=1e-6) for low, high in intervals):
+        evidence.append("every B_crit 95% interval has zero width (the seeds' steps, counted at evaluations, agree at "
+                        "every batch)")
+    if not evidence:
+        return []
+    if fits and all(len(fitted["batches_fitted"]) == 2 for fitted in fits.values()):
+        evidence.append("each curve has 2 points, which S_min(1 + B_crit/B) always passes through")
+    harder = "a lower --target-loss" if config.target.kind == "loss" else "a higher --target-accuracy"
+    often = f", or evaluate more often (--eval-every below {config.eval_every})" if config.eval_every > 1 else ""
+    return [f"the target is reached too early to measure the steps to it: {'; '.join(evidence)}. Raise the target "
+            f"({harder}){often}"]
 
 
 def _collapsed_warnings(best_runs: list[RunResult]) -> list[str]:
