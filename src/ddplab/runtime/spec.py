@@ -1,8 +1,10 @@
 """Load a training spec: a Python file of plain functions describing what to train.
 
 Required: ``model()`` → nn.Module, ``dataset()`` → Dataset of (input, target) pairs,
-``loss(output, target)`` → scalar. Optional: ``optimizer(params)`` (default SGD lr 0.1) and
-``step(model, batch, loss_fn)`` → loss, when the forward is more than ``loss(model(x), y)``.
+``loss(output, target)`` → scalar. Optional: ``optimizer(params)`` (default SGD lr 0.1),
+``step(model, batch, loss_fn)`` → loss, when the forward is more than ``loss(model(x), y)``, and
+``collate(items)`` → batch, for items that do not stack (sequences of different lengths, padded), which
+``ddplab check`` and ``ddplab study`` build every batch with (:func:`ddplab.runtime.ranks.collate`).
 Used by ``ddplab check``, ``ddplab noise`` and ``ddplab study``.
 
 The spec is someone else's code: every call into it is guarded, so whatever it raises (or a

@@ -1,4 +1,5 @@
-"""What a study trains: a model, its data as tensors, a loss, and how a run is evaluated.
+"""What a study trains: a model, its data (as tensors, or a spec's items its collate() batches), a loss, and how a
+run is evaluated.
 
 A workload is rebuilt from its ``source`` wherever it is needed (a spawned rank of
 ``--verify-ddp`` included), so nothing in it has to pickle.
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ddplab.errors import SpecError, UsageError, literal
+from ddplab.runtime import ranks
 from ddplab.runtime import spec as spec_files
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.optim import describe, from_torch, torch_optimizer
@@ -27,14 +29,20 @@ Source = tuple[str, tuple[tuple[str, Any], ...]]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
-    """A model, its data as tensors, a loss and how to evaluate."""
+    """A model, its data, a loss and how to evaluate."""
 
     name: str
     model: Callable[[], torch.nn.Module]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    train: tuple[torch.Tensor, torch.Tensor]
+    train: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The training inputs and targets as tensors; None where ``collate`` batches ``dataset``'s items."""
+    dataset: Any = None
+    """The spec's training dataset, read item by item, when its ``collate`` builds the batches."""
+    collate: Callable[[list], Any] | None = None
+    """The spec's collate(items) → batch (items of different lengths, padded); None: ``train`` holds tensors."""
     val: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Validation inputs and targets, evaluated vectorized (accuracy or loss)."""
+    """Validation inputs and targets (with ``collate``: the validation items collated into one batch), evaluated
+    vectorized (accuracy or loss)."""
     evaluate: Callable[[torch.nn.Module, Any], float] | None = None
     """The spec's evaluate(model, dataset): called per run at each evaluation (slower)."""
     eval_dataset: Any = None
@@ -62,7 +70,18 @@ class Workload:
 
     @property
     def train_size(self) -> int:
-        return int(self.train[0].shape[0])
+        return len(self.dataset) if self.train is None else int(self.train[0].shape[0])
+
+    def batches(self, device: torch.device | str, dtype: torch.dtype) -> Callable[[torch.Tensor], Any]:
+        """How a run reads its training batches on ``device``: the samples' indices → the batch ``step_fn`` takes
+        (floating tensors in ``dtype``)."""
+        if self.collate is not None:
+            # check's own batching of a spec's items: the same collate() on the same items.
+            return lambda index: ranks.collate(self.dataset, index.tolist(), torch.device(device), dtype,
+                                               self.collate)
+        # Moved once: each step only indexes.
+        inputs, targets = ranks.move(self.train, torch.device(device), dtype)
+        return lambda index: (inputs[index], targets[index])
 
     @property
     def step_fn(self) -> Callable[[torch.nn.Module, Any, Callable], torch.Tensor]:
@@ -248,19 +267,45 @@ def from_spec(path: str) -> Workload:
         raise spec.error("defines neither evaluate(model, dataset) nor val_dataset(): the study needs one to know "
                          "when a run reaches the target")
     optimizer, lr, why, own = _spec_optimizer(spec, module)
-    # What only the DDP engine can train: the spec's own step(), an optimizer the stacked engine lacks.
-    why = "; ".join(filter(None, ["it defines step()" if spec.custom_step else "", why]))
-    train = _as_tensors(spec, spec.dataset(), "dataset()")
+    # What only the DDP engine can train: the spec's own step(), its collate(), an optimizer the stacked engine lacks.
+    why = "; ".join(filter(None, ["it defines step()" if spec.custom_step else "", _COLLATED if spec.collate else "",
+                                  why]))
+    data = _training_data(spec)
     with spec.guard("val_dataset()"):
         eval_dataset = val_dataset() if callable(val_dataset) else spec.dataset()
-    common = dict(name=os.path.basename(path), model=spec.model, loss=spec.loss, train=train,
+    common = dict(name=os.path.basename(path), model=spec.model, loss=spec.loss, **data,
                   source=("spec", (("path", spec.path),)), fingerprint=_file_fingerprint(spec.path),
                   optimizer=optimizer, lr=lr, not_vectorized=why, step=spec.step if spec.custom_step else None,
                   make_optimizer=spec.optimizer if optimizer is None and lr is not None else None, own_optimizer=own,
                   load=_guarded_load(spec, module))
     if callable(evaluate):
         return Workload(evaluate=_guarded_evaluate(spec, evaluate), eval_dataset=eval_dataset, **common)
-    return Workload(val=_as_tensors(spec, eval_dataset, "val_dataset()"), **common)
+    return Workload(val=_validation(spec, eval_dataset), **common)
+
+
+_COLLATED = ("its collate() batches items of different lengths, which cannot stack into one tensor that every run "
+             "indexes")
+
+
+def _training_data(spec) -> dict[str, Any]:
+    """The Workload fields of the spec's training data: its tensors, or its items and the collate() that batches
+    them (tried on two items here, so a failing collate() is one line before any rank starts)."""
+    dataset = spec.dataset()
+    if spec.collate is None:
+        return {"train": _as_tensors(spec, dataset, "dataset()")}
+    ranks.collate(dataset, list(range(min(2, len(dataset)))), torch.device("cpu"), collate_fn=spec.collate)
+    return {"dataset": dataset, "collate": spec.collate}
+
+
+def _validation(spec, dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation split as one batch: its tensors stacked, or its items collated by the spec's collate()."""
+    if spec.collate is None:
+        return _as_tensors(spec, dataset, "val_dataset()")
+    batch = ranks.collate(dataset, list(range(len(dataset))), torch.device("cpu"), collate_fn=spec.collate)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise spec.error("collate() of val_dataset() must give an (input, target) pair for the study to score, or "
+                         "define evaluate(model, dataset)")
+    return tuple(batch)
 
 
 def _spec_optimizer(spec, module) -> tuple[Any, float | None, str, dict | None]:

@@ -20,7 +20,7 @@ from ddplab.noise import estimators as noise_estimators
 from ddplab.runtime.launch import LaunchConfig
 from ddplab.runtime.timescale import scaled
 from ddplab.study import fit, workloads
-from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
 from ddplab.study.engines import choice as engines_choice
 from ddplab.study.engines import ddp
 from ddplab.study.engines import vmap as engine
@@ -166,6 +166,37 @@ def test_a_spec_with_batchnorm_and_its_own_step_runs_on_the_ddp_engine(tmp_path,
         assert main([*argv, *extra, "--no-plots", "--fresh"]) == 2, extra
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.timeout(180)
+def test_a_spec_with_collate_trains_on_the_ddp_engine_and_the_vectorized_engine_says_why_not(tmp_path, capsys):
+    """Token sequences of different lengths, padded per batch by the spec's collate() (as check takes them): the DDP
+    engine's runs reach the target on batches collate() built; vmap declines, naming collate(), so auto picks ddp."""
+    spec = os.path.join(SPECS, "study_padded_lm.py")
+    argv = ["study", spec, "--target-loss", "0.85", "--global-batch-sizes", "8,16,32", "--seeds", "1", "--rules",
+            "linear,sqrt", "--max-steps", "200", "--eval-every", "5", "--max-batch-size-per-device", "8", "--out",
+            str(tmp_path / "out"), "--no-plots"]
+    assert main([*argv, "--engine", "ddp", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["engine"] == "ddp" and report["train_size"] == 512
+    reached = {(r["global_batch_size"], r["rule"]): r["steps_to_target"] for r in report["runs"]}
+    assert len(reached) == 6 and all(reached.values()), reached
+    # Twice the batch at twice the lr (linear) takes fewer steps: the batches really grew.
+    assert reached[(32, "linear")] < reached[(8, "linear")]
+    workload = workloads.from_spec(spec)
+    assert workload.train is None and workload.collate is not None and workload.val[1].eq(-100).any()
+    # One step's batch is the spec's own collate() of its items, as check builds it.
+    inputs, labels = workload.batches("cpu", torch.float32)(torch.tensor([0, 5]))
+    items = [workload.dataset[0], workload.dataset[5]]
+    assert labels.shape == (2, max(len(d) for d in items) - 1) and int(labels.ne(-100).sum()) == sum(
+        len(d) - 1 for d in items)
+    config = StudyConfig(target=Target(kind="loss", value=0.85))
+    engine, why = engines_choice.choose_engine(workload, config, StudyOptions())
+    assert engine == "ddp" and "collate()" in why
+    assert main([*argv, "--engine", "vmap", "--fresh"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine vmap cannot train study_padded_lm.py: its collate() batches items of different lengths" in err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.timeout(180)

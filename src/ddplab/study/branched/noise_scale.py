@@ -30,11 +30,11 @@ def b_simple_at_checkpoint(workload: Workload, config: StudyConfig, checkpoint: 
     model.load_state_dict({k: cast(v, dtype) for k, v in checkpoint.model.items()})
     half = min(global_batch, workload.train_size) // 2
     stream = Stream(workload.train_size, 2 * half, [0], start=checkpoint.samples_seen)
-    inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
+    read = workload.batches(device, dtype)
     g2s, traces = [], []
     for step in range(batches):
         index = stream.indices(step)[0].to(device)
-        grads = [_flat_grad(workload, model, inputs[index[rank::2]], targets[index[rank::2]]) for rank in (0, 1)]
+        grads = [_flat_grad(workload, model, read(index[rank::2])) for rank in (0, 1)]
         small = float((grads[0].pow(2).sum() + grads[1].pow(2).sum()) / 2)
         big = float(((grads[0] + grads[1]) / 2).pow(2).sum())
         g2, trace = estimators.unbiased_estimates(small, big, half, 2 * half, dataset_size=workload.train_size)
@@ -44,7 +44,7 @@ def b_simple_at_checkpoint(workload: Workload, config: StudyConfig, checkpoint: 
     return value if math.isfinite(value) else None
 
 
-def _flat_grad(workload: Workload, model: torch.nn.Module, inputs, targets) -> torch.Tensor:
+def _flat_grad(workload: Workload, model: torch.nn.Module, batch) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(workload.step_fn(model, (inputs, targets), workload.loss), params, allow_unused=True)
+    grads = torch.autograd.grad(workload.step_fn(model, batch, workload.loss), params, allow_unused=True)
     return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in zip(grads, params)])

@@ -13,7 +13,7 @@ import torch
 from ddplab.errors import UsageError
 from ddplab.study.branched.checkpoint import Checkpoint
 from ddplab.study.config import StudyConfig
-from ddplab.study.engines.vmap import cast, evaluate_model
+from ddplab.study.engines.vmap import evaluate_model
 from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Stream
 from ddplab.study.workloads import Workload, run_optimizer
@@ -53,7 +53,7 @@ def _reference_run(workload: Workload, config: StudyConfig, device: torch.device
     optimizer = run_optimizer(workload, config, model.parameters(), config.reference_lr)
     batch = config.reference_global_batch_size
     stream = Stream(workload.train_size, batch, [0])
-    inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
+    read = workload.batches(device, dtype)
     last = max(snapshots, default=None)
     for step in range(config.max_steps + 1):
         if step in snapshots:
@@ -66,7 +66,7 @@ def _reference_run(workload: Workload, config: StudyConfig, device: torch.device
             break
         index = stream.indices(step)[0].to(device)
         optimizer.zero_grad(set_to_none=True)
-        workload.step_fn(model, (inputs[index], targets[index]), workload.loss).backward()
+        workload.step_fn(model, read(index), workload.loss).backward()
         optimizer.step()
         advance(1)
         if (step + 1) % config.eval_every == 0:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ddplab.study import rules
 from ddplab.study.engines.base import Progress
-from ddplab.study.engines.vmap import cast, evaluate_model, seeded_state
+from ddplab.study.engines.vmap import evaluate_model, seeded_state
 from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Batches
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle
@@ -65,14 +65,14 @@ def train_changing(workload: Workload, config: StudyConfig, rule: ChangingRule, 
     micro = rule.micro_batch_size(config)
     result = RunResult(global_batch_size=global_batch, lr=lr, seed=seed, rule=rule.name)
     batches = Batches(workload.train_size, micro, [seed])
-    inputs, targets = cast(workload.train[0], dtype), cast(workload.train[1], dtype)
+    read = workload.batches("cpu", dtype)
     drawn = samples = 0
     for step in range(config.max_steps):
         window, loss_sum = batch.accumulation_steps, 0.0
         for _ in range(window):
             index = batches.indices(drawn)[0]
             drawn, samples = drawn + 1, samples + micro
-            loss = workload.step_fn(model, (inputs[index], targets[index]), workload.loss)
+            loss = workload.step_fn(model, read(index), workload.loss)
             (loss / window).backward()
             loss_sum += float(loss.detach())
         loss = loss_sum / window

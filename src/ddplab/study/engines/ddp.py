@@ -3,7 +3,7 @@
 The ranks wrap the model with the engine's parallelism strategy: DDP by default, FSDP2 or HSDP when
 asked (:mod:`ddplab.runtime.strategies`); the rest of the loop is the same for all three.
 
-For what the vectorized engine cannot train: a spec's own ``step()``, an optimizer outside SGD,
+For what the vectorized engine cannot train: a spec's own ``step()`` or ``collate()``, an optimizer outside SGD,
 Adam and AdamW, a model that does not vmap, BatchNorm whose statistics must be per rank, or a
 study under torchrun across nodes. The launch layer (:mod:`ddplab.runtime.launch`) starts
 ``world_size`` ranks once per global batch (or joins torchrun's group), and they train that
@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,7 @@ from ddplab.runtime.ranks import rank_errors
 from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.base import Progress
-from ddplab.study.engines.vmap import cast, evaluate_model, synchronize
+from ddplab.study.engines.vmap import evaluate_model, synchronize
 from ddplab.study.optim import torch_dtype, torch_optimizer
 from ddplab.study.orders import Batches, RankShards
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
@@ -84,9 +86,7 @@ def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, 
                 strategy: strategies.Strategy) -> list[RunResult]:
     # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
-    dtype = torch_dtype(config)
-    inputs = cast(workload.train[0], dtype).to(ctx.device)
-    targets = cast(workload.train[1], dtype).to(ctx.device)
+    read = workload.batches(ctx.device, torch_dtype(config))
     results = dict(zip(group.keys(), group.results()))
     optimizers = dict(zip(group.keys(), group.run_optimizers()))
     done: list[RunResult] = []
@@ -95,8 +95,8 @@ def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, 
         setting = (result.lr, result.variant)
         bound = _prune_bound(config, done, setting) if setting in group.sweep_only else math.inf
         # Each run steps with its own optimizer (the tuned sweep's Adam variants share a group).
-        _train_one(ctx, workload, dataclasses.replace(config, optimizer=optimizers[key]), plan, inputs, targets,
-                   result, bound, strategy, adascale=group.lr_scaling == "gain")
+        _train_one(ctx, workload, dataclasses.replace(config, optimizer=optimizers[key]), plan, read, result,
+                   bound, strategy, adascale=group.lr_scaling == "gain")
         done.append(result)
     return [results[key] for key in group.keys()]
 
@@ -114,7 +114,7 @@ def _prune_bound(config: StudyConfig, finished, setting: tuple[float, str]) -> f
 
 
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
-               inputs: torch.Tensor, targets: torch.Tensor, result: RunResult, bound: float = math.inf,
+               read: Callable[[torch.Tensor], Any], result: RunResult, bound: float = math.inf,
                strategy: strategies.Strategy | None = None, *, adascale: bool = False) -> None:
     torch.manual_seed(result.seed)
     model = workload.model().to(torch_dtype(config)).to(ctx.device)
@@ -134,7 +134,7 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
         for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
             last = micro == plan.accumulation_steps - 1
             with contextlib.nullcontext() if last else strategy.no_sync(ddp):
-                value = workload.step_fn(ddp, (inputs[part], targets[part]), workload.loss)
+                value = workload.step_fn(ddp, read(part), workload.loss)
                 (value if plan.accumulation_steps == 1 else value / plan.accumulation_steps).backward()
             parts.append(value.detach())
         losses.append(parts[0] if len(parts) == 1 else torch.stack(parts).to(torch.float64).mean())
@@ -263,14 +263,14 @@ def seconds_per_step(workload: workloads.Workload, config: StudyConfig, group: R
     model = workload.model().to(dtype).to(device)
     optimizer = torch_optimizer(group.run_optimizers()[0], model.parameters(), lr)
     order = Batches(workload.train_size, group.global_batch_size, [seed])
-    inputs, targets = cast(workload.train[0], dtype).to(device), cast(workload.train[1], dtype).to(device)
+    read = workload.batches(device, dtype)
     for step in range(steps + 1):
         if step == 1:
             synchronize(device)
             start = time.perf_counter()
         index = order.indices(step)[0].to(device)
         optimizer.zero_grad(set_to_none=True)
-        workload.loss(model(inputs[index]), targets[index]).backward()
+        workload.step_fn(model, read(index), workload.loss).backward()
         optimizer.step()
     synchronize(device)
     return (time.perf_counter() - start) / steps * len(group.runs)

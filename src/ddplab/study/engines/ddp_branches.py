@@ -18,6 +18,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ def _on_rank(ctx: RankContext, source: workloads.Source, config: StudyConfig, ch
     # Rebuilt in the rank: a spawned rank cannot receive closures or a loaded spec through pickle.
     workload = workloads.load(source)
     dtype = torch_dtype(config)
-    train = cast(workload.train[0], dtype).to(ctx.device), cast(workload.train[1], dtype).to(ctx.device)
+    train = workload.batches(ctx.device, dtype)
     val_inputs, val_targets = held_out(workload)
     val = cast(val_inputs, dtype).to(ctx.device), cast(val_targets, dtype).to(ctx.device)
     out: Trained = {}
@@ -86,7 +87,7 @@ class _Branch:
 
     def __init__(self, ctx: RankContext, workload: workloads.Workload, config: StudyConfig, checkpoint: Checkpoint,
                  global_batch: int, plan: DdpPlan, strategy: strategies.Strategy,
-                 train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor]):
+                 train: Callable[[torch.Tensor], Any], val: tuple[torch.Tensor, torch.Tensor]):
         self.ctx, self.workload, self.config, self.checkpoint = ctx, workload, config, checkpoint
         self.global_batch, self.plan, self.strategy, self.data, self.val = global_batch, plan, strategy, train, val
         self.dtype = torch_dtype(config)
@@ -115,12 +116,11 @@ class _Branch:
         return out
 
     def step(self, wrapped: torch.nn.Module, index: torch.Tensor) -> None:
-        inputs, targets = self.data
         accumulation = self.plan.accumulation_steps
         for micro, part in enumerate(index.chunk(accumulation)):
             last = micro == accumulation - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(wrapped):
-                loss = self.workload.step_fn(wrapped, (inputs[part], targets[part]), self.workload.loss)
+                loss = self.workload.step_fn(wrapped, self.data(part), self.workload.loss)
                 (loss if accumulation == 1 else loss / accumulation).backward()
 
     def held_out(self, wrapped: torch.nn.Module) -> float:
