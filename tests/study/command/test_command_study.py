@@ -15,6 +15,7 @@ import time
 import pytest
 
 from ddplab.runtime import timescale
+from ddplab.study.command.job import AGAIN
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.normpath(os.path.join(HERE, "..", "..", "..", "examples", "padded_lm", "train.py"))
@@ -77,8 +78,11 @@ def test_a_driver_killed_half_way_finishes_without_repeating_a_run_and_each_fail
     assert len(runs) == 3 and all(os.path.exists(os.path.join(d, "crashed")) for d in runs)
     assert all(r["steps_to_target"] is not None for r in report["runs"]), report["runs"]
     assert report["fit"]["linear"]["b_crit"] is not None
-    # The program's own output is kept per run, every try's.
-    assert "planted failure, once" in open(os.path.join(runs[0], "output.log")).read()
+    # The program's own output is kept per run, every try's; the second try stopped at the target on both ranks
+    # without a traceback or torchrun's report of a failed rank.
+    for run_dir in runs:
+        first, again, second = open(os.path.join(run_dir, "output.log")).read().partition(AGAIN)
+        assert "planted failure, once" in first and again and "Traceback" not in second and "Error" not in second
 
 
 @pytest.mark.slow
@@ -88,14 +92,19 @@ def test_every_executor_gives_the_same_study(tmp_path):
     local Ray cluster, a submitit job each through its local executor."""
     pytest.importorskip("ray")
     pytest.importorskip("submitit")
-    local, _ = _study(tmp_path / "local", "--parallel", "2", *ONE_PROCESS)
+    linear = ["--rules", "linear", *ONE_PROCESS]
+    local, _ = _study(tmp_path / "local", "--parallel", "2", *linear)
     env = dict(os.environ, RAY_ADDRESS="local", RAY_AUTH_MODE="disabled")
-    ray, _ = _study(tmp_path / "ray", "--executor", "ray", *ONE_PROCESS, env=env)
-    slurm, _ = _study(tmp_path / "slurm", "--executor", "slurm", "--slurm-cluster", "local", *ONE_PROCESS)
+    ray, _ = _study(tmp_path / "ray", "--executor", "ray", *linear, env=env)
+    slurm, _ = _study(tmp_path / "slurm", "--executor", "slurm", "--slurm-cluster", "local", *linear)
     assert _figures(local) == _figures(ray) == _figures(slurm)
     assert local["fit"] == ray["fit"] == slurm["fit"] and local["fit"]["linear"]["b_crit"] is not None
     assert all(r["steps_to_target"] is not None for r in local["runs"])
     assert local["engine"] == "command (local)" and slurm["engine"] == "command (slurm)"
+    # Each run stopped at its target cleanly: its program's output and nothing of a failure.
+    for run_dir in _run_dirs(tmp_path / "local"):
+        log = open(os.path.join(run_dir, "output.log")).read()
+        assert "Traceback" not in log and "Error" not in log
 
 
 @pytest.mark.slow

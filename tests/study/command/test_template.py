@@ -36,6 +36,7 @@ def test_a_run_fills_every_placeholder_and_the_grid_splits_as_plan_splits():
     (("python", "t.py", "--lr", "{lr}", "--bs", "{batch}"), {}, "the command holds {batch}, which ddplab does not "
                                                                 "fill: the placeholders are {world_size}"),
     (("python", "t.py", "--lr", "{lr:"), {}, "is no template"),
+    (("nosuchprogram", "--lr", "{lr}"), {}, "command not found: nosuchprogram (looked on PATH and in"),
     (("python", "t.py", "--bs", "{per_device_batch_size}"), {}, "the command has no {lr}"),
     (("python", "t.py", "--lr", "{lr}"), {}, "the command has no {per_device_batch_size} or {global_batch_size}"),
     (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"), {"seeds": 2},

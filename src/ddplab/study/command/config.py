@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
+from ddplab.auditor.runner import check_runnable
 from ddplab.errors import UsageError
 from ddplab.validation import at_least, one_of, positive
 
@@ -49,5 +50,7 @@ class CommandOptions:
         if self.parallel > 1 and self.executor != "local":
             raise UsageError(f"{{parallel}} is the local executor's: the {self.executor} executor starts every run "
                              "of a batch size at once and its scheduler fits them to the resources")
+        if self.command:
+            check_runnable(self.command[0])
         if self.metric is not None and not self.metric.strip():
             raise UsageError("{metric} needs a name, such as val_loss")

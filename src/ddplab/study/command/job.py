@@ -26,6 +26,7 @@ GRACE_S = 10.0
 GUEST = "ddplab.study.command.guest"
 LOG = "output.log"
 LOG_TAIL = 12
+AGAIN = "\n=== ddplab study: the run started again ===\n"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,9 +77,12 @@ def run_job(job: RunJob, started: Callable[[subprocess.Popen], None] | None = No
     port = free_port()
     # torchrun reads its flags from PET_* as well: runs side by side each get their own rendezvous port.
     env.setdefault("PET_MASTER_PORT", str(port))
-    args = [arg.replace("{master_port}", str(port)) for arg in job.args]
-    # Appended: a run tried again keeps what its first try printed.
+    args = runner.located([arg.replace("{master_port}", str(port)) for arg in job.args])
+    # Appended: a run tried again keeps what its first try printed, above a line that says where the next begins.
     with open(os.path.join(job.run_dir, LOG), "ab") as log:
+        if log.tell():
+            log.write(AGAIN.encode())
+            log.flush()
         child = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, cwd=os.getcwd())
         began = time.monotonic()

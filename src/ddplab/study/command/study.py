@@ -81,8 +81,8 @@ def run_command_study(command: CommandOptions, config: StudyConfig, options: Stu
 def _own_optimizer(config: StudyConfig, template: CommandTemplate) -> dict:
     """The optimizer as the report names it: the command's own, judged by the rules of ``--optimizer``'s family."""
     filled = [name for name in ("lr", "beta1", "beta2", "eps", "weight_decay") if name in template.names]
-    return {"family": config.optimizer.family, "name": "the command's own optimizer",
-            "rules_of": config.optimizer.name, "set_per_run": " ".join(filled)}
+    name = f"the command's own, scaled by {config.optimizer.name}'s rules (ddplab sets its {', '.join(filled)})"
+    return {"family": config.optimizer.family, "name": name}
 
 
 def _save(report: StudyReport, started: float) -> None:

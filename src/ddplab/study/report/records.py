@@ -65,4 +65,4 @@ class StudyReport:
 def optimizer_text(optimizer: dict) -> str:
     """The optimizer of a study's JSON as one line: its class and hyperparameters."""
     settings = ", ".join(f"{k} {v}" for k, v in optimizer.items() if k not in ("family", "name"))
-    return f"{optimizer['name']} ({settings})"
+    return f"{optimizer['name']} ({settings})" if settings else optimizer["name"]
