@@ -157,3 +157,32 @@ def test_the_tuned_sweeps_losers_stop_once_they_cannot_be_the_best(tmp_path):
         assert constant["steps_to_target"] < last <= constant["steps_to_target"] + 5
         best = next(p for p in report["tuned_lr"] if p["global_batch_size"] == batch)
         assert best["median_steps"] <= constant["steps_to_target"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_command_and_a_spec_of_the_same_model_agree_within_the_seeds_spread(tmp_path):
+    """train.py under torchrun (its val_loss printed every 5 steps, no warmup) against examples/padded_lm/spec.py
+    (the same model, data, collate and optimizer on ddplab's DDP engine): their seeds differ in data order and
+    initialisation, and each micro-batch's token mean stands in for the global count, so the medians agree within
+    the seeds' spread, not to the step."""
+    grid = ["--metric", "val_loss", "--target-loss", "1.4", "--global-batch-sizes", "16,32,64", "--rules", "linear",
+            "--seeds", "3", "--max-steps", "400"]
+    command, _ = _study(tmp_path / "command", *grid, "--world-size", "2", "--", os.path.join(BIN, "torchrun"),
+                        "--nproc_per_node", "{world_size}", "--master_port", "{master_port}", SCRIPT, "--batch-size",
+                        "{per_device_batch_size}", "--grad-accum", "{accumulation_steps}", "--lr", "{lr}", "--seed",
+                        "{seed}", "--eval-every", "5", "--warmup", "1")
+    spec_argv = [os.path.join(BIN, "ddplab"), "study", os.path.join(os.path.dirname(SCRIPT), "spec.py"), *GRID,
+                 *grid[2:], "--out", str(tmp_path / "spec")]
+    spec = json.loads(subprocess.run(spec_argv, capture_output=True, text=True, check=True,
+                                     timeout=timescale.scaled(600)).stdout)
+    assert spec["engine"] == "ddp" and command["engine"] == "command (local)"
+    ours, theirs = command["fit"]["linear"], spec["fit"]["linear"]
+    for batch in ("16", "32", "64"):
+        low, high = theirs["seed_range"][batch]
+        assert low <= ours["median_steps"][batch] <= high or \
+            max(low, ours["seed_range"][batch][0]) <= min(high, ours["seed_range"][batch][1]), (batch, ours, theirs)
+    # Each B_crit falls in the other's interval, or the intervals overlap.
+    assert max(ours["b_crit_ci95"][0], theirs["b_crit_ci95"][0]) <= min(ours["b_crit_ci95"][1],
+                                                                      theirs["b_crit_ci95"][1])
+    assert command["scorecard"] is not None
