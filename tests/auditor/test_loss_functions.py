@@ -76,3 +76,19 @@ def test_what_cannot_be_counted_is_left_alone():
     assert loss_functions.units("mse_loss", F.mse_loss, (X, Y), {"size_average": False}) is None
     assert loss_functions.reduction(F.mse_loss, (X, Y, None, None, "sum"), {}) == "sum"  # reduction by position
     assert loss_functions.reduction(F.mse_loss, (X, Y), {}) == "mean"
+
+
+def test_class_targets_are_those_a_class_index_loss_keeps_whatever_its_weights():
+    """What noise counts as a language model's tokens: the targets that are not ignore_index, class weights or not;
+    nothing for class probabilities, 'none', the legacy arguments or another loss."""
+    for name, kwargs in (("cross_entropy", {}), ("cross_entropy", {"weight": torch.rand(5), "reduction": "sum"}),
+                         ("nll_loss", {"ignore_index": -100})):
+        targets = loss_functions.class_targets(name, getattr(F, name), (LOGITS, CLASSES), kwargs)
+        assert targets.shape == (6, 3) and int(targets.kept) == 16
+    probabilities = torch.softmax(torch.randn(6, 5, 3), 1)
+    assert loss_functions.class_targets("cross_entropy", F.cross_entropy, (LOGITS, probabilities), {}) is None
+    assert loss_functions.class_targets("cross_entropy", F.cross_entropy, (LOGITS, CLASSES),
+                                        {"reduction": "none"}) is None
+    assert loss_functions.class_targets("cross_entropy", F.cross_entropy, (LOGITS, CLASSES),
+                                        {"size_average": False}) is None
+    assert loss_functions.class_targets("mse_loss", F.mse_loss, (X, Y), {}) is None

@@ -137,6 +137,69 @@ def test_a_small_lm_gives_a_finite_b_simple_and_a_curve_a_schedule_follows(tmp_p
     assert schedule.global_batch_size == entries[0].global_batch_size
 
 
+def _exact_tokens_per_sample(module, *, start: int, steps: int, accumulation: int, batch: int, ranks: int = 2) -> float:
+    """The mean valid targets per sample of the measured steps, from the script's documents in the order its
+    DistributedSampler (epoch by epoch, full batches) gives each rank's micro-batches."""
+    from torch.utils.data import DistributedSampler
+
+    documents, first, last = module.dataset(), start * accumulation, (start + steps) * accumulation
+    tokens = 0
+    for rank in range(ranks):
+        stream, epoch = [], 0
+        while len(stream) < last:
+            sampler = DistributedSampler(documents, num_replicas=ranks, rank=rank, shuffle=True, seed=module.SEED)
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            stream += [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
+            epoch += 1
+        # Each document of n tokens has n - 1 labels; the padding's are ignore_index.
+        tokens += sum(len(documents[i]) - 1 for micro in stream[first:last] for i in micro)
+    return tokens / (steps * accumulation * batch * ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_padded_lm_gives_b_simple_in_tokens_from_the_tokens_its_loss_kept(tmp_path, capsys):
+    """Documents of 4-24 tokens padded with -100 per batch, nn.CrossEntropyLoss(ignore_index=-100), accumulation under
+    no_sync: B_simple in tokens is B_simple × the exact mean of valid tokens per sample of the measured steps."""
+    script = os.path.join(SCRIPTS, "padded_lm.py")
+    exact = _exact_tokens_per_sample(_module(script), start=3, steps=30, accumulation=2, batch=8)
+    code, out = _noise(tmp_path, ["--start-step", "3", "--steps", "30"],
+                       [*TORCHRUN, script, "--steps", "40", "--accumulation", "2"])
+    assert code == 0 and out["measured_steps"] == 30 and out["global_batch_size"] == 32
+    assert out["b_simple"] is not None and out["b_simple_status"] == "resolved"
+    # Far below the padded length (up to 23 per sample): the padding is no token.
+    assert out["tokens_per_sample"] == pytest.approx(exact, rel=1e-12) and 4 < exact < 20
+    assert out["b_simple_tokens"] == pytest.approx(out["b_simple"] * exact, rel=1e-9)
+    assert out["b_simple_tokens_ci95"] == pytest.approx([bound * exact for bound in out["b_simple_ci95"]], rel=1e-9)
+    assert out["global_batch_tokens"] == pytest.approx(32 * exact, rel=1e-9)
+    assert out["tokens_note"].startswith("tokens are the targets cross_entropy kept (not ignore_index)")
+    printed = capsys.readouterr().out
+    assert "B_simple in tokens" in printed and f"measured steps, {exact:.4g} per sample" in " ".join(printed.split())
+
+
+def test_tokens_are_counted_only_from_a_token_loss_called_once_per_forward():
+    """A classifier's cross_entropy (one target per sample) gives no tokens and no note; a sequence loss called once
+    per forward gives the ranks' kept targets; called twice per forward, none, and the note says why."""
+    model = [{"kind": "model", "rank": r, "strategy": "ddp", "world_size": 2, "group": [0, 1]} for r in (0, 1)]
+
+    def stepped(**changes):
+        return [_step(rank, 5, **{"token_losses": 1, "token_loss": "cross_entropy", **changes}) for rank in (0, 1)]
+
+    classifier = build(("train",), merge([*model, *stepped(targets=4, tokens=4)]), start_step=5, every=None,
+                       window=10, returncode=0).to_json()
+    assert classifier["b_simple_tokens"] is None and classifier["tokens_note"] is None
+    lm = build(("train",), merge([*model, *stepped(targets=40, tokens=30)]), start_step=5, every=None, window=10,
+               returncode=0)
+    assert lm.tokens_per_sample == 60 / 8 and lm.to_json()["tokens_note"].endswith("7.5 per sample")
+    twice = build(("train",), merge([*model, *stepped(targets=80, tokens=60, token_losses=2)]), start_step=5,
+                  every=None, window=10, returncode=0).to_json()
+    assert twice["b_simple_tokens"] is None and "not once in each training forward" in twice["tokens_note"]
+    plain = build(("train",), merge([*model, _step(0, 5), _step(1, 5)]), start_step=5, every=None, window=10,
+                  returncode=0).to_json()
+    assert plain["tokens_per_sample"] is None and plain["tokens_note"] is None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_what_cannot_be_measured_is_one_line_and_the_exit_code_stands(tmp_path, capsys):

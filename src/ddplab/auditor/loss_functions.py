@@ -15,7 +15,8 @@ torch states every loss's normalisation in its arguments, and the audit judges t
   its target length is part of the loss, not of the batch's normalisation).
 
 Each loss function registers one counter with :func:`counts`; a mean's weight per unit is the output's gradient over
-the count, a sum's is the gradient itself (:mod:`ddplab.auditor.weights`).
+the count, a sum's is the gradient itself (:mod:`ddplab.auditor.weights`). :func:`class_targets` gives the
+class-index targets a call keeps whatever its weights: the tokens ``ddplab noise`` counts for a language model.
 """
 
 from __future__ import annotations
@@ -59,13 +60,33 @@ def units(name: str, function: Callable, args: tuple, kwargs: dict) -> Units | N
     arguments = _bind(function, args, kwargs)
     if counter is None or arguments is None:
         return None
-    if arguments.get("size_average") is not None or arguments.get("reduce") is not None:
-        return None
-    reduction = arguments.get("reduction", "mean")
+    reduction = _reduction(arguments)
     if reduction not in ("mean", "sum", "batchmean"):
         return None
     count = counter(arguments, reduction)
     return None if count is None else Units(count, reduction != "sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassTargets:
+    """The class-index targets of one cross_entropy or nll_loss call."""
+
+    shape: torch.Size
+    """The targets' shape: (batch,) or (batch, positions), or flattened positions."""
+    kept: torch.Tensor
+    """How many are not ``ignore_index``: a 0-dim tensor on their device (never synchronised here)."""
+
+
+def class_targets(name: str, function: Callable, args: tuple, kwargs: dict) -> ClassTargets | None:
+    """The class-index targets of one cross_entropy or nll_loss call whose reduction is 'mean' or 'sum'; None for
+    other losses, class probabilities, 'none' and the legacy size_average/reduce arguments."""
+    arguments = _bind(function, args, kwargs) if name in ("cross_entropy", "nll_loss") else None
+    if arguments is None or _reduction(arguments) not in ("mean", "sum"):
+        return None
+    target = _tensor(arguments.get("target"))
+    if target is None or target.is_floating_point():
+        return None
+    return ClassTargets(target.shape, _kept(arguments, target).sum())
 
 
 def reduction(function: Callable, args: tuple, kwargs: dict) -> str | None:
@@ -74,9 +95,13 @@ def reduction(function: Callable, args: tuple, kwargs: dict) -> str | None:
     arguments = _bind(function, args, kwargs)
     if arguments is None:
         return kwargs.get("reduction")
+    return _reduction(arguments)
+
+
+def _reduction(arguments: dict[str, Any]) -> str | None:
     if arguments.get("size_average") is not None or arguments.get("reduce") is not None:
         return None
-    return arguments.get("reduction")
+    return arguments.get("reduction", "mean")
 
 
 @functools.cache
@@ -126,11 +151,16 @@ def _class_targets(a: dict[str, Any], reduction: str):
     if target.is_floating_point():
         # Class probabilities: one term per position, summed over the class dimension (1, or 0 for one sample).
         return logits.numel() // logits.shape[1] if logits.dim() >= 2 else 1
-    kept = target.ne(a.get("ignore_index", -100))
+    kept = _kept(a, target)
     if weight is None:
         return kept.sum()
     # A mean divides by the kept targets' summed class weights: the unit is one unit of class weight.
     return (weight.detach()[torch.where(kept, target, 0)] * kept).sum()
+
+
+def _kept(a: dict[str, Any], target: torch.Tensor) -> torch.Tensor:
+    """Which class-index targets a loss keeps: those that are not its ``ignore_index``."""
+    return target.ne(a.get("ignore_index", -100))
 
 
 @counts("l1_loss", "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",

@@ -295,6 +295,8 @@ def _report(args: argparse.Namespace, report, show, plot) -> None:
 def _print_command(report) -> None:
     values = report.to_json()
     rows = _scale_rows(values)
+    if values["tokens_per_sample"] is not None:
+        rows.insert(1, _tokens_row(values))
     for point in values["by_samples"] if len(values["by_samples"]) > 1 else []:
         rows.append([f"  at {point['samples_seen']:,.0f} samples", _point_value(point),
                      f"steps {point['steps'][0]}-{point['steps'][1]}"])
@@ -303,11 +305,29 @@ def _print_command(report) -> None:
         rows.append(["left out", str(left), f"measured steps {reason}"])
     out = render.console()
     out.print(render.table(_command_title(values), ["", "value", "meaning"], rows))
-    for note in filter(None, [values["note"], *values["guest_notes"], values["failed_after_measuring"]]):
+    for note in filter(None, [values["note"], *values["guest_notes"], values["failed_after_measuring"],
+                              values["tokens_note"]]):
         out.print(f"note: {note}", markup=False)
     if values["stopped_early"]:
         out.print(f"stopped early: {values['stopped_early']}; the figures are those of the steps measured before",
                   markup=False)
+
+
+def _tokens_row(values: dict) -> list[str]:
+    """B_simple in tokens: B_simple and its interval × the mean tokens per sample measured."""
+    value = "—" if values["b_simple_tokens"] is None else _tokens(values["b_simple_tokens"])
+    meaning = f"B_simple × {values['tokens_per_sample']:.4g} tokens per sample (global batch: " \
+              f"{_tokens(values['global_batch_tokens'])} tokens)"
+    interval = values["b_simple_tokens_ci95"]
+    if interval is not None:
+        high = "∞" if interval[1] is None else _tokens(interval[1])
+        meaning = f"95% interval [{_tokens(interval[0])}, {high}]; {meaning}"
+    return ["B_simple in tokens", value, meaning]
+
+
+def _tokens(value: float) -> str:
+    # Token counts run to millions: whole numbers with separators there, 4 figures below a thousand.
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.4g}"
 
 
 def _point_value(point: dict) -> str:

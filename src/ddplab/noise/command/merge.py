@@ -6,6 +6,9 @@ B = W·b. The small batch's squared norm is the mean over ranks, E|g_b|² ≈ (1
 sum of the shares. Where an engine reduces every micro-batch (DeepSpeed ZeRO-2) no rank's step gradient exists
 whole: |g_r|² is then the mean over its K micro-batches, each a small batch of b/K samples. A step enters only when
 every rank of the group recorded it, once reduced, with equal batches; the others are counted with the reason.
+
+A step's tokens are the targets its class-index loss kept, summed over the ranks, where every rank called that loss
+once per training forward over more targets than samples (one per position of a sequence): a language model's.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ class StepNorms:
     g_small_sq: float
     g_big_sq: float
     dataset_size: int | None
+    tokens: int | None = None
+    """The global batch's tokens (the targets its token loss kept); None where no token loss was seen."""
+    token_loss: str | None = None
+    """The class-index loss the ranks called over more targets than samples (cross_entropy, nll_loss), counted or
+    not."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +109,7 @@ def _merge_step(step: int, ranks: dict[int, dict], group: list[int]) -> tuple[St
     b_small = per_rank // records[0]["forwards"] if records[0].get("per_micro_batch") else per_rank
     size = ranks[min(ranks)]["dataset_size"]
     return StepNorms(step, b_small, b_big, records[0]["forwards"], g_small_sq, g_big_sq,
-                     size if size is not None and size >= max(b_big, 2) else None), ""
+                     size if size is not None and size >= max(b_big, 2) else None, *_tokens(records)), ""
 
 
 def _merge_micro_step(step: int, record: dict) -> tuple[StepNorms | None, str]:
@@ -121,7 +129,16 @@ def _merge_micro_step(step: int, record: dict) -> tuple[StepNorms | None, str]:
         return None, "non-finite gradients (an fp16 overflow, a NaN loss)"
     size = record["dataset_size"]
     return StepNorms(step, samples // forwards, samples, forwards, g_small_sq, g_big_sq,
-                     size if size is not None and size >= max(samples, 2) else None), ""
+                     size if size is not None and size >= max(samples, 2) else None, *_tokens([record])), ""
+
+
+def _tokens(records: list[dict]) -> tuple[int | None, str | None]:
+    """(the step's tokens over its ranks, the class-index loss seen over more targets than samples): tokens only
+    where every rank called that loss once per training forward."""
+    name = next((r["token_loss"] for r in records if r.get("token_loss") and r["targets"] > r["samples"]), None)
+    per_token = all(r.get("tokens") is not None and r["token_losses"] == r["forwards"] and r["targets"] > r["samples"]
+                    for r in records)
+    return (sum(r["tokens"] for r in records) if per_token else None), name
 
 
 def _costs(by_step: dict[int, dict[int, dict]], group: list[int]) -> dict:

@@ -1,4 +1,5 @@
-"""What ``ddplab noise -- COMMAND`` measured: B_simple with its interval, the curve over samples seen, the cost.
+"""What ``ddplab noise -- COMMAND`` measured: B_simple with its interval, the curve over samples seen, the cost;
+for a language model B_simple in tokens too (plans for LMs count tokens per step).
 
 Pure Python: built in the parent from the merged records (:mod:`ddplab.noise.command.merge`), read by the
 command line and by scripts through ``to_json``; its ``schedule`` is a batch schedule that
@@ -59,6 +60,34 @@ class CommandNoiseReport:
         step_s = self.merged.step_s
         return self.merged.guest_s / step_s if step_s else None
 
+    @property
+    def tokens_per_sample(self) -> float | None:
+        """The mean tokens per sample of the measured steps (the targets their token loss kept); None unless every
+        step's every rank called a token loss once per training forward."""
+        steps = self.merged.steps
+        if not all(step.tokens is not None for step in steps):
+            return None
+        return sum(step.tokens for step in steps) / sum(step.b_big for step in steps)
+
+    def tokens_json(self) -> dict[str, Any]:
+        """B_simple in tokens (B_simple × the mean tokens per sample) with its interval, and how they were counted."""
+        per_sample, steps = self.tokens_per_sample, self.merged.steps
+        name = next((step.token_loss for step in steps if step.token_loss), None)
+        if per_sample is None:
+            why = None if name is None else (f"{name} ran over more targets than samples, but not once in each "
+                                              "training forward of every measured step on every rank: B_simple is "
+                                              "not given in tokens")
+            return {"tokens_per_sample": None, "b_simple_tokens": None, "b_simple_tokens_ci95": None,
+                    "global_batch_tokens": None, "tokens_note": why}
+        interval = self.summary.b_simple_ci95
+        tokens, samples = sum(step.tokens for step in steps), sum(step.b_big for step in steps)
+        return {"tokens_per_sample": per_sample, "b_simple_tokens": self.summary.b_simple * per_sample,
+                "b_simple_tokens_ci95": None if interval is None else [bound * per_sample for bound in interval],
+                "global_batch_tokens": self.global_batch_size * per_sample,
+                "tokens_note": (f"tokens are the targets {name} kept (not ignore_index) in each training forward: "
+                                f"{tokens} over the {samples} samples of {len(steps)} measured steps, "
+                                f"{per_sample:.4g} per sample")}
+
     def schedule(self) -> list[dict[str, int]]:
         """A batch schedule from the curve: each window's B_simple, rounded down to whole micro-steps, never falling."""
         micro = self.per_device_batch_size * len(self.merged.group)
@@ -90,6 +119,7 @@ class CommandNoiseReport:
             "overhead": self.overhead, "per_step": self.history, "by_samples": self.by_samples,
             "schedule": self.schedule(), "returncode": self.returncode, "stopped_early": self.stopped_early,
             "cancelled_by": self.cancelled_by, "failed_after_measuring": self.failed_after_measuring,
+            **self.tokens_json(),
         })
 
 

@@ -2,5 +2,6 @@
 
 plan (which optimizer steps to measure, from the environment; pure) · record (each rank's own file of measured
 steps; pure) · state (the process's state and its guard) · tap (one measured step: hooks that only read) ·
-install (the patches, armed after ``import torch``).
+tokens (a language model's tokens, counted from its loss's targets) · install (the patches, armed after
+``import torch``).
 """

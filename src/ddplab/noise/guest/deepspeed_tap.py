@@ -32,6 +32,7 @@ from ddplab.auditor import tensors
 from ddplab.auditor.patches import Patches
 from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
+from ddplab.noise.guest.tokens import TokenCount
 from ddplab.noise.scale import squared_norm
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
@@ -97,6 +98,7 @@ class EngineMeasurement:
     def reset(self) -> None:
         self.local_sq, self.share_sq = 0.0, None
         self.samples = self.forwards = self.reductions = 0
+        self.tokens = TokenCount()
         self.guest_s, self.started = 0.0, time.perf_counter()
 
     def close(self) -> None:
@@ -113,6 +115,7 @@ class EngineMeasurement:
         line = {"step": step, "micro": False, "per_micro_batch": per_micro_batch, "samples": samples,
                 "forwards": self.forwards, "reductions": 1 if per_micro_batch else self.reductions,
                 "local_sq": local_sq, "share_sq": self.share_sq, "dataset_size": guest.dataset_size,
+                **self.tokens.fields(),
                 "guest_s": self.guest_s, "step_s": time.perf_counter() - self.started}
         self.reset()
         return line

@@ -1,11 +1,12 @@
 """Arming the noise scale's guest in one process of the user's command (from the injected sitecustomize).
 
-Three watchers, all read-only: a global forward pre-hook that finds the data-parallel model at its first training
+Four watchers, all read-only: a global forward pre-hook that finds the data-parallel model at its first training
 forward (a DDP wrapper, or an FSDP2 root on a 1-D or HSDP mesh; in a process that trains alone, the first model
 forward after an optimizer step, whose micro-steps are then the batches) and is then removed; a global
 optimizer-step hook that counts the model's optimizer steps, places the measuring hooks before each planned step
-and writes the step's record after it; and ``DistributedSampler.__iter__``, which says the dataset's size for the
-finite-data correction. Once the last planned step is measured every patch and hook is taken out again.
+and writes the step's record after it; ``DistributedSampler.__iter__``, which says the dataset's size for the
+finite-data correction; and the class-index losses, whose kept targets are a language model's tokens
+(:mod:`ddplab.noise.guest.tokens`). Once the last planned step is measured every patch and hook is taken out again.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddplab.auditor import imports
 from ddplab.auditor.patches import Patches
-from ddplab.noise.guest import deepspeed_tap, state
+from ddplab.noise.guest import deepspeed_tap, state, tokens
 from ddplab.noise.guest.plan import StepPlan
 from ddplab.noise.guest.state import GuestState
 from ddplab.noise.guest.tap import Measurement
@@ -48,6 +49,7 @@ def install_from_env() -> GuestState | None:
     _DISCOVERY = _PATCHES.hook(register_module_forward_pre_hook(_module_pre_forward))
     _PATCHES.hook(register_optimizer_step_post_hook(_after_optimizer_step))
     _PATCHES.replace(DistributedSampler, "__iter__", _watched_sampler)
+    tokens.patch(_PATCHES)
     imports.when_imported(_PATCHES, deepspeed_tap.ENGINE_MODULE,
                           functools.partial(_guarded_patch, functools.partial(deepspeed_tap.patch, _PATCHES,
                                                                               _model_stepped)))

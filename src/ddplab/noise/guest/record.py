@@ -5,8 +5,8 @@ Ctrl-C, a deadline or a failing rank keeps every step finished before; ``ddplab 
 the command has ended (:mod:`ddplab.noise.command.merge`). Torch-free.
 
 Kinds of line: ``model`` (the data-parallel model found: strategy, rank, its group), ``step`` (one measured
-optimizer step: samples, the two squared norms, the guest's own time), ``note`` (why the guest disarmed), ``end``
-(optimizer steps counted when the process exited).
+optimizer step: samples, the two squared norms, the class-index loss's targets and tokens, the guest's own time),
+``note`` (why the guest disarmed), ``end`` (optimizer steps counted when the process exited).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 from ddplab.auditor import tensors
 from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
+from ddplab.noise.guest.tokens import TokenCount
 from ddplab.noise.scale import squared_norm
 from ddplab.runtime import compat
 from ddplab.runtime.strategies.fsdp import param_groups
@@ -50,6 +51,7 @@ class Measurement:
         self.local_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         self.share_sq: torch.Tensor | None = None
         self.samples = self.forwards = self.reductions = 0
+        self.tokens = TokenCount()
         self.in_backward = False
         self.previous: dict[int, torch.Tensor] = {}  # one rank: each parameter's .grad after the last micro-step
         self.guest_s, self.started = 0.0, time.perf_counter()
@@ -68,7 +70,7 @@ class Measurement:
         line = {"step": step, "micro": self.micro, "samples": samples, "forwards": self.forwards,
                 "reductions": self.reductions,
                 "local_sq": self.local_sq.item(), "share_sq": None if self.share_sq is None else self.share_sq.item(),
-                "dataset_size": guest.dataset_size}
+                "dataset_size": guest.dataset_size, **self.tokens.fields()}
         line["guest_s"] = self.guest_s + time.perf_counter() - begun
         line["step_s"] = time.perf_counter() - self.started
         self.reset()
