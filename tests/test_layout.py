@@ -21,7 +21,8 @@ PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "r
                "rules_lr"}
 # The auditor's voice inside the user's program, where there is no command line to print for it.
 MAY_PRINT = {"auditor/exchange.py", "auditor/bootstrap/sitecustomize.py", "integrations/lightning.py"}
-FIELD = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}")
+# A field in braces; doubled braces are a literal brace (a placeholder of the user's command), no field.
+FIELD = re.compile(r"(?<!\{)\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}(?!\})")
 
 
 def _modules(root: str = SRC, package: str = "ddplab"):

@@ -56,7 +56,8 @@ def test_a_run_fills_every_placeholder_and_the_grid_splits_as_plan_splits():
      "the adam-sqrt rule sets {beta1}, {beta2}, {eps} at global batch 64, which the command has no placeholder for"),
     (("python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"), {"rules": "tuned,surge",
                                                                             "optimizer": "adamw"},
-     "the surge rule needs B_noise, which a command study does not measure"),
+     "the surge rule needs B_noise, the B_simple along the best tuned runs (--noise-scale gives it instead), which a "
+     "command study does not measure"),
 ])
 def test_what_a_command_cannot_run_is_one_line_before_anything_starts(tmp_path, capsys, command, study, says):
     argv = ["study", "--target-loss", "1.0", "--seeds", str(study.get("seeds", 1)), "--out", str(tmp_path),

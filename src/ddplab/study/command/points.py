@@ -8,7 +8,7 @@ express, a split the command cannot state: each is one line before anything runs
 
 from __future__ import annotations
 
-from ddplab.errors import UsageError
+from ddplab.errors import UsageError, literal
 from ddplab.plan import scaling
 from ddplab.study import rules
 from ddplab.study.command.template import ADAM_SETTINGS, CommandTemplate
@@ -60,9 +60,11 @@ def _check_rule(rule: rules.Rule, config: StudyConfig, names: set[str]) -> None:
         changes = "lr" if rule.lr_scaling != "fixed" else "global batch"
         raise UsageError(f"the {rule.name} rule changes the {changes} as a run trains, which a command's flags "
                          "cannot: drop it from {rules}")
-    if rule.name == "surge" and config.noise_scale is None:
-        raise UsageError("the surge rule needs B_noise, which a command study does not measure: measure it with "
-                         "ddplab noise -- COMMAND and pass its B_simple as {noise_scale}")
+    needs = rule.measures_at_reference(config)
+    if needs:
+        # What a rule reads from the runs' gradients (B_simple), a command's guest does not measure.
+        raise UsageError(f"the {rule.name} rule needs {literal(needs)}, which a command study does not measure: "
+                         "measure B_simple with ddplab noise -- COMMAND and give it as {noise_scale}")
     for global_batch in config.global_batch_sizes:
         settings = [rule.optimizer(config, global_batch), rule.variant(config, global_batch)]
         for optimizer in filter(None, settings):
