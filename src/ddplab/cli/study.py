@@ -415,8 +415,8 @@ def _print_scorecard(out, values: dict) -> None:
     """Per rule: how far its lr is from the best tuned lr, and its steps over the best's, with the seeds' range; then
     what each rule says of its lrs."""
     card = values.get("scorecard") or {}
-    if not card:
-        return
+    if not any(row["batches"] for row in card.values()):
+        return  # no tuned sweep to judge against: a table of dashes says nothing
     rows = [[rule, _short(row["median_abs_log2_lr_gap"]), _short(row["median_steps_ratio"]),
              "—" if row["steps_ratio_seed_range"] is None else
              f"{_short(row['steps_ratio_seed_range'][0])} to {_short(row['steps_ratio_seed_range'][1])}",
