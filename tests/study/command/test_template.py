@@ -3,6 +3,8 @@ every study the command cannot express refused in one line (no launch: these run
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from ddplab.cli.main import main
@@ -85,3 +87,19 @@ def test_the_command_forms_flags_are_kept_apart(capsys):
     assert "--parallel is the local executor's" in capsys.readouterr().err
     with pytest.raises(UsageError):
         CommandTemplate(())
+
+
+def test_an_executor_that_is_missing_or_cannot_be_reached_is_one_line(tmp_path, capsys, monkeypatch):
+    command = ["--", "python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"]
+    argv = ["study", "--target-loss", "1", "--seeds", "1", "--out", str(tmp_path), "--no-plots"]
+    # No Slurm on this machine (no sbatch): said before anything runs, with the way to try it here.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main([*argv, "--executor", "slurm", *command[:1], sys.executable, *command[2:]]) == 2
+    assert "--executor slurm found no Slurm here (no sbatch on PATH)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    # An extra not installed names itself.
+    for module, extra in (("ray", "ray"), ("submitit", "slurm")):
+        monkeypatch.setitem(sys.modules, module, None)
+        executor = "slurm" if module == "submitit" else "ray"
+        assert main([*argv, "--executor", executor, *command[:1], sys.executable, *command[2:]]) == 2
+        assert f"pip install 'ddplab[{extra}]'" in capsys.readouterr().err

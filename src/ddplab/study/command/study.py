@@ -49,6 +49,8 @@ def run_command_study(command: CommandOptions, config: StudyConfig, options: Stu
 
         other = load_compared(options.compare)
     check_out(options.out)
+    # Connected before the cache is touched: an executor that cannot run leaves no runs behind.
+    executor = executors.build(command, options.world_size, options.out)
     workload = workload_of(template, command)
     fingerprint = config.fingerprint(workload.fingerprint)
     cache = Cache(options.out, fingerprint, fresh=options.fresh, settings=config.settings(workload.fingerprint))
@@ -56,7 +58,7 @@ def run_command_study(command: CommandOptions, config: StudyConfig, options: Stu
     if options.fresh:
         shutil.rmtree(os.path.join(options.out, "command-runs"), ignore_errors=True)
     bar = _Runs(progress, config)
-    engine = CommandEngine(template, command, executors.build(command, options.world_size, options.out),
+    engine = CommandEngine(template, command, executor,
                            world_size=options.world_size, max_per_device=options.max_batch_size_per_device,
                            folder=folder, listen=bar.listen)
     try:
