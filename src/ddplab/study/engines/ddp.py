@@ -37,7 +37,7 @@ from ddplab.study.engines.base import Progress
 from ddplab.study.engines.vmap import evaluate_model, synchronize
 from ddplab.study.optim import torch_dtype, torch_optimizer
 from ddplab.study.orders import Batches, RankShards
-from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, loser_bound, settle, settled_best
+from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, prune_bound, settle
 from ddplab.study.workloads import run_optimizer
 
 
@@ -93,24 +93,12 @@ def _train_runs(ctx: RankContext, source, config: StudyConfig, group: RunGroup, 
     for key in sorted(group.keys(), key=lambda key: (key[0], key[2]) in group.sweep_only):
         result = results[key]
         setting = (result.lr, result.variant)
-        bound = _prune_bound(config, done, setting) if setting in group.sweep_only else math.inf
+        bound = prune_bound(config, done, setting) if setting in group.sweep_only else math.inf
         # Each run steps with its own optimizer (the tuned sweep's Adam variants share a group).
         _train_one(ctx, workload, dataclasses.replace(config, optimizer=optimizers[key]), plan, read, result,
                    bound, strategy, adascale=group.lr_scaling == "gain")
         done.append(result)
     return [results[key] for key in group.keys()]
-
-
-def _prune_bound(config: StudyConfig, finished, setting: tuple[float, str]) -> float:
-    """Steps past which a run of ``setting`` (lr, variant) can no longer be its batch's best (every rank computes
-    the same)."""
-    by_lr: dict[tuple[float, str], list[RunResult]] = {}
-    for result in finished:
-        by_lr.setdefault((result.lr, result.variant), []).append(result)
-    # Seeds train one after another here: only an lr whose seeds have all finished is settled.
-    complete = [r for runs in by_lr.values() if len(runs) == config.seeds for r in runs]
-    best_lr, best = settled_best(complete)
-    return math.inf if best_lr is None or best_lr == setting else loser_bound(best, config.seeds)
 
 
 def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConfig, plan: DdpPlan,
