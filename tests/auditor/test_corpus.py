@@ -1,10 +1,10 @@
 """ddplab audit on a corpus of realistic DDP programs (tests/corpus), started by torchrun, mp.spawn and fork.
 
 A correct program must run under the audit exactly as it runs alone (same exit code, same stdout lines) and get
-no warning or error; each planted mistake must get exactly its own finding. The default matrix runs every
-two-rank correct program under torchrun and a few under spawn and fork, and each mistake once (about 3.5 minutes
-on two idle cores, and 1.5 more for the FSDP2 and tp × dp programs, which run under torchrun only, at 2 and 4
-ranks); DDPLAB_FULL_CORPUS=1 runs every program and mistake under every launcher, FSDP2 at 4 ranks and HSDP too.
+no warning or error; each planted mistake must get exactly its own finding. The default matrix runs every correct
+program and every mistake once, each under one launcher (torchrun for FSDP2, meshes and the programs that read its
+environment, a few under spawn, the rest under fork); DDPLAB_FULL_CORPUS=1 runs every program and mistake under
+every launcher, FSDP2 at 4 ranks and HSDP too.
 """
 
 from __future__ import annotations
@@ -122,21 +122,22 @@ CORRECT = {
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
-# programs that stress them most; fork, which starts ranks from one process that imported torch once (a third of
-# the start-up), gets the rest: its ranks leave through os._exit, so nothing at exit may be relied on. Variants that
-# only repeat a mechanism covered here (gan --g-step plain, nanogpt --eval rank0-raw) and every other launcher of
-# each program run in the full matrix.
+# programs that stress them most (FSDP2, meshes, a program that reads torchrun's environment, exits by os._exit, or
+# keeps a training class); fork, which starts ranks from one process that imported torch once (a third of the
+# start-up, so about half a torchrun launch's time), gets the rest: its ranks leave through os._exit, so nothing at
+# exit may be relied on. Variants that only repeat a mechanism covered here (gan --g-step plain, nanogpt --eval
+# rank0-raw) and every other launcher of each program run in the full matrix.
 DEFAULT_CORRECT = [
-    ("trainer_class", "torchrun"), ("validate_rank0", "torchrun"), ("zero", "torchrun"),
-    ("epochs_os_exit_window_2", "torchrun"), ("imagenet_hand_sync", "torchrun"),
+    ("trainer_class", "torchrun"), ("validate_rank0", "fork"), ("zero", "fork"),
+    ("epochs_os_exit_window_2", "torchrun"), ("imagenet_hand_sync", "fork"),
     ("validate_all_ranks", "spawn"), ("nanogpt_eval_all", "spawn"), ("imagenet_ddp_on_cpu", "spawn"),
     ("nanogpt_eval_rank0", "fork"), ("gan_freeze", "fork"), ("probe_rank0", "fork"), ("ema_teacher", "fork"),
     ("skipped_step_unused", "fork"), ("skipped_step_static", "fork"), ("epochs_os_exit_window_50", "fork"),
-    ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"), ("uneven_join", "torchrun"),
+    ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"), ("uneven_join", "fork"),
     ("accumulate_mean", "fork"), ("accumulate_mean_accum_1", "fork"), ("accumulate_sum_per_sample", "fork"),
-    ("step_budget_two_passes", "fork"), ("augmented_vision", "torchrun"), ("augmented_vision_per_rank_files", "fork"),
+    ("step_budget_two_passes", "fork"), ("augmented_vision", "fork"), ("augmented_vision_per_rank_files", "fork"),
     ("gpu_only_ddp_on_cpu", "torchrun"), ("fsdp_trainer", "torchrun"), ("tp_dp", "torchrun"),
-    ("token_lm_global", "torchrun"), ("token_lm_hand_global", "fork"), ("token_lm_scaled_terms", "fork"),
+    ("token_lm_global", "fork"), ("token_lm_hand_global", "fork"), ("token_lm_scaled_terms", "fork"),
     ("token_lm_packed_token_mean", "spawn"), ("token_lm_zero_grad_before_backward", "fork"),
     ("token_lm_eval_padded_not_combined", "fork"), ("token_lm_fsdp_global", "torchrun"),
     ("token_lm_fsdp_tp_global", "torchrun"), ("token_lm_tp_only", "torchrun"),
@@ -195,7 +196,7 @@ MISTAKES = {
                                       {"TP_RANKS_SEE_DIFFERENT_DATA": "error"}, {}, "torchrun"),
     # Token means over documents of different lengths, each divided by a count of its own.
     "token_mean_per_micro_batch": (Case("token_lm.py", ("--loss", "token-mean")),
-                                   {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "torchrun"),
+                                   {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "fork"),
     "token_mean_per_device": (Case("token_lm.py", ("--loss", "token-mean", "--accumulation", "1")),
                               {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "fork"),
     "rank_token_count": (Case("token_lm.py", ("--loss", "rank-mean")), {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {},
@@ -227,7 +228,7 @@ MISTAKES = {
     "kl_label_smoothing_per_micro_batch": (Case("label_smoothing.py", ("--loss", "per-batch-tokens")),
                                            {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "fork"),
     "kl_label_smoothing_per_device": (Case("label_smoothing.py", ("--loss", "per-batch-tokens", "--accumulation", "1")),
-                                      {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "torchrun"),
+                                      {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "fork"),
     # nn.CrossEntropyLoss(weight=w): each rank's mean divides by its own targets' summed class weights.
     "class_weighted_mean": (Case("class_weighted.py", ("--loss", "mean")), {"LOSS_NORMALISED_PER_DEVICE": "warning"},
                             {}, "fork"),
