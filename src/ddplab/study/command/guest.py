@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ddplab.auditor import guard, imports
 from ddplab.auditor.patches import Patches
 from ddplab.noise.guest import record
+from ddplab.runtime import timescale
 from ddplab.study.config import Target
 from ddplab.study.runs import DIVERGED_LOSS, RunResult, settle
 
@@ -55,7 +56,8 @@ class StudyGuest:
         self.out_dir = out_dir
         self.target = Target(**settings["target"])
         self.eval_every, self.max_steps = int(settings["eval_every"]), int(settings["max_steps"])
-        self.timeout_s = float(settings.get("timeout_s", 300.0))
+        # Scaled here, not in the settings, so a run's cached settings are the same on a slow machine.
+        self.timeout_s = timescale.scaled(float(settings.get("timeout_s", 300.0)))
         # A tuned-sweep lr stops past this step: it can no longer be its batch's best.
         self.prune_after = settings.get("prune_after") or math.inf
         self.judge = types.SimpleNamespace(target=self.target, patience=int(settings.get("patience", 0)))

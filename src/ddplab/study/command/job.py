@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from ddplab.auditor import runner
 from ddplab.noise.guest import record
+from ddplab.runtime import timescale
 from ddplab.runtime.signals import signal_group, sweep_group
 
 GRACE_S = 10.0
@@ -134,7 +135,7 @@ def _stop_on_signals(child: subprocess.Popen) -> dict:
 def stop(child: subprocess.Popen) -> None:
     """SIGTERM to the command's whole group, SIGKILL to what is left after the grace period."""
     signal_group(child.pid, signal.SIGTERM)
-    sweep_group(child.pid, GRACE_S)
+    sweep_group(child.pid, timescale.scaled(GRACE_S))
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ddplab.errors import UsageError, literal
+from ddplab.runtime import timescale
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.command.executors.registry import Listener, failed, register
 from ddplab.study.command.job import GRACE_S, JobOutcome, RunJob, run_job
@@ -52,4 +53,4 @@ class RayExecutor:
             for ref in pending:
                 ray.cancel(ref)
             if pending:
-                ray.wait(list(pending), num_returns=len(pending), timeout=GRACE_S + 5)
+                ray.wait(list(pending), num_returns=len(pending), timeout=timescale.scaled(GRACE_S + 5))
