@@ -23,7 +23,6 @@ from ddplab.noise.guest import record
 from ddplab.runtime import timescale
 from ddplab.runtime.signals import signal_group, sweep_group
 
-GRACE_S = 10.0
 GUEST = "ddplab.study.command.guest"
 LOG = "output.log"
 LOG_TAIL = 12
@@ -135,7 +134,7 @@ def _stop_on_signals(child: subprocess.Popen) -> dict:
 def stop(child: subprocess.Popen) -> None:
     """SIGTERM to the command's whole group, SIGKILL to what is left after the grace period."""
     signal_group(child.pid, signal.SIGTERM)
-    sweep_group(child.pid, timescale.scaled(GRACE_S))
+    sweep_group(child.pid, timescale.scaled(runner.GRACE_S))
 
 
 def free_port() -> int:

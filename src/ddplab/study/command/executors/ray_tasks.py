@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ddplab.auditor.runner import GRACE_S
 from ddplab.errors import UsageError, literal
 from ddplab.runtime import timescale
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.command.executors.registry import Listener, failed, register
-from ddplab.study.command.job import GRACE_S, JobOutcome, RunJob, run_job
+from ddplab.study.command.job import JobOutcome, RunJob, run_job
 
 
 @register("ray")
