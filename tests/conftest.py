@@ -35,6 +35,11 @@ def _time_scale() -> float:
     return max(1.0, round(TORCH_IMPORT_S / QUICK_TORCH_IMPORT_S, 1))
 
 
+# A suite started in the background (`cmd &` in a script, nohup, some CI runners) inherits SIGINT ignored, and so
+# would every command a test interrupts with it: each process of the suite takes Ctrl-C as a foreground run does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Set once for the session, before any test runs: ddplab's own bounds, in this process and in every process a test
 # starts, read the same factor.
 os.environ[timescale.ENV] = str(_time_scale())

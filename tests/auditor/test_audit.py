@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddplab.auditor import findings, rendering
 from ddplab.cli.main import main
 from ddplab.runtime.launch import LaunchConfig, launch
+from ddplab.runtime.timescale import scaled
 
 GALLERY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gallery")
 # --standalone: a free port for the rendezvous, so launches never meet on torchrun's default 29500.
@@ -150,7 +151,7 @@ def test_the_program_runs_as_it_would_unaudited(tmp_path, capfd):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    plain = subprocess.run([sys.executable, str(script), port], capture_output=True, text=True, timeout=60)
+    plain = subprocess.run([sys.executable, str(script), port], capture_output=True, text=True, timeout=scaled(60))
     assert plain.returncode == 0, plain.stderr
     assert "raised as an error" in plain.stdout and "threads 1" in plain.stdout and "guest.py" in plain.stdout
     assert main(["audit", "--", sys.executable, str(script), port]) == 0
@@ -200,7 +201,7 @@ def _audit_from_code(ctx):
             optimizer.step()
         except RuntimeError:
             pass  # the program goes on; so must the audit
-    report = handle.report(timeout=30)
+    report = handle.report()  # the peers' records waited for 30 s times the suite's time scale
     hooks = (optimizer_hooks._global_optimizer_pre_hooks, optimizer_hooks._global_optimizer_post_hooks,
              module_hooks._global_forward_pre_hooks)
     left = {"restored": _patched_now(patched), "state": state.current(), "hooks": sum(map(len, hooks))}
@@ -336,7 +337,7 @@ def _guest_behaviour(ctx):
                 ddp.module.train()
         buffer = io.BytesIO()
         torch.save(ddp.module, buffer)  # no weakref or hook of the auditor's in the module to pickle
-    report = handle.report(timeout=30)
+    report = handle.report()  # the peers' records waited for 30 s times the suite's time scale
     hooks = len(ddp.module._forward_pre_hooks) + len(ddp.module._forward_hooks) + len(ddp._forward_pre_hooks)
     return handle.steps, {f.code: f.severity for f in report.problems}, hooks
 
@@ -550,13 +551,13 @@ def test_cancelling_the_audit_ends_the_whole_command_and_cleans_up(signum, tmp_p
     audit = subprocess.Popen([sys.executable, "-m", "ddplab", "audit", "--", sys.executable, "-c", CHILDREN, str(pids)],
                              env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
                              if signum == signal.SIGTERM else None)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     children = [int(p) for p in pids.read_text().split()]
     audit.send_signal(signum)
     # The command died by the signal, and so does ddplab: a shell sees what it would see without it.
-    assert audit.wait(timeout=20) == -signum
+    assert audit.wait(timeout=scaled(20)) == -signum
     assert not any(_alive(pid) for pid in children)
     assert not list(tmp_path.glob("ddplab-audit-*"))
 

@@ -371,7 +371,7 @@ def test_strict_fails_a_divergence_and_a_hung_rank_is_named_with_its_stack(tmp_p
     # Rank 0 waits in DDP's all-reduce and times out; rank 1 is the one to name, with where it is stuck.
     spec = tmp_path / "hangs.py"
     spec.write_text(HANGS_ON_RANK_ONE)
-    assert main(["check", str(spec), "--batch-size", "4", "--steps", "2", "--timeout", "3"]) == 1
+    assert main(["check", str(spec), "--batch-size", "4", "--steps", "2", "--timeout", f"{scaled(3):g}"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("ddplab: rank 1 stopped answering: rank 0 waited in a collective"), err
     assert "hangs.py" in err and "in step" in err and "spec file" not in err
