@@ -18,6 +18,11 @@ QUICK_TORCH_IMPORT_S = 2.0
 
 from ddplab.runtime import timescale  # noqa: E402
 
+# pytest-xdist runs one worker per core, and a test's own computing (a study group, torch.optim alone) in small ops:
+# a second intra-op thread per worker only oversubscribes the cores, and under load its spinning waits made one such
+# test 10x slower. The processes a test starts choose their own threads, as they would for a user.
+torch.set_num_threads(1)
+
 # A process a test starts computes with the CPU kernels this one does (``ddplab study`` fixes its own unless these
 # say otherwise: ddplab.study.kernels), so a test may compare its numbers with this process's to the last bit.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", torch.backends.cpu.get_cpu_capability().lower())
