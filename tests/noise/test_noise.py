@@ -27,6 +27,7 @@ from ddplab.runtime.launch import LaunchConfig, launch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINEAR_SPEC = os.path.join(ROOT, "examples", "linear_regression_spec.py")
 MLP_SPEC = os.path.join(ROOT, "tests", "specs", "mlp_fixed.py")
+STALLING_SPEC = os.path.join(ROOT, "tests", "specs", "stalls_after_one_step.py")
 
 
 def test_estimators_recover_exact_inputs():
@@ -535,7 +536,7 @@ def test_a_subgroup_model_trains_identically_and_overflowing_steps_are_skipped()
 
 # --- a run stopped early keeps what it measured: Ctrl-C, SIGTERM and --deadline alike ---
 
-def _noise_command(tmp_path, *flags) -> tuple:
+def _noise_command(tmp_path, *flags, spec: str = LINEAR_SPEC) -> tuple:
     import subprocess
 
     import ddplab
@@ -547,7 +548,7 @@ def _noise_command(tmp_path, *flags) -> tuple:
     env = {**os.environ, "TMPDIR": str(launches),
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     # Its own session: the signal goes to the whole group, as Ctrl-C at a terminal does.
-    command = subprocess.Popen([sys.executable, "-m", "ddplab", "noise", LINEAR_SPEC, "--batch-size", "16",
+    command = subprocess.Popen([sys.executable, "-m", "ddplab", "noise", spec, "--batch-size", "16",
                                 "--steps", "1000000", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env, start_new_session=True)
     return command, launches
@@ -570,9 +571,9 @@ def _wait_for_checkpoint(command, launches, steps: int) -> None:
         time.sleep(0.05)
 
 
-def _assert_partial(report: dict) -> int:
+def _assert_partial(report: dict, least: int = 30) -> int:
     done = report["completed_steps"]
-    assert 30 <= done < 1_000_000
+    assert least <= done < 1_000_000
     # Every step measured (--every 1), and the figures are those of exactly these steps.
     assert [r["step"] for r in report["per_step"]] == list(range(done)) and report["measured_steps"] == done
     summary = est.summarize([r["g2"] for r in report["per_step"]], [r["trace_sigma"] for r in report["per_step"]])
@@ -609,14 +610,15 @@ def test_the_deadline_is_said_as_asked_and_the_report_is_written(tmp_path):
     from ddplab.runtime.timescale import scaled
 
     json_file = tmp_path / "gns.json"
-    # Long enough for 30 steps or more here (6 s on a quick machine); the command says the number it was given.
-    deadline = f"{scaled(6):g}"
-    command, _ = _noise_command(tmp_path, "--deadline", deadline, "--json-file", str(json_file))
+    # The ranks take one step and then sleep, so the deadline finds that step measured on a machine of any speed,
+    # and the ranks asleep: 20 s is ten times their start on a quick one. The command says the number it was given.
+    deadline = f"{scaled(20):g}"
+    command, _ = _noise_command(tmp_path, "--deadline", deadline, "--json-file", str(json_file), spec=STALLING_SPEC)
     out, err = command.communicate(timeout=scaled(120))
     assert command.returncode == 1, err
     report = json.loads(json_file.read_text())
-    _assert_partial(report)
-    # The command was given 6 s; the ranks had what was left of it after loading the spec, a smaller number.
+    assert _assert_partial(report, least=1) == 1
+    # The ranks had what was left of the deadline after loading the spec, a smaller number: the command says its own.
     assert report["stopped_early"] == f"the ranks were still running after the {deadline} s deadline; stopped"
     assert report["cancelled_by"] is None and "B_simple (critical batch)" in out
     assert err.endswith(f"the ranks were still running after the {deadline} s deadline; stopped\n")

@@ -15,6 +15,7 @@ import gc
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,8 @@ def train(rank: int, world_size: int, args) -> None:
             optimizer.step()
             optimizer.zero_grad()
             step += 1
+            while step == args.stall_after:
+                time.sleep(60)  # asleep, not computing, until a deadline or a signal ends the job
             if step == args.steps:
                 break
         epoch += 1
@@ -126,6 +129,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.0)
     parser.add_argument("--losses", help="rank 0 writes each micro-step's loss and the final weights here")
     parser.add_argument("--bucket-view", action="store_true", help="DDP's gradient_as_bucket_view=True")
+    parser.add_argument("--stall-after", type=int, help="after this many optimizer steps each rank sleeps")
     parser.add_argument("--exit-code", type=int, default=0, help="exit with this code after training")
     args = parser.parse_args()
     if args.launcher == "none":
