@@ -611,7 +611,7 @@ def test_the_deadline_is_said_as_asked_and_the_report_is_written(tmp_path):
 
     json_file = tmp_path / "gns.json"
     # The ranks take one step and then sleep, so the deadline finds that step measured on a machine of any speed,
-    # and the ranks asleep: 20 s is ten times their start on a quick one. The command says the number it was given.
+    # and the ranks asleep: a long deadline costs wall time, not CPU. The command says the number it was given.
     deadline = f"{scaled(20):g}"
     command, _ = _noise_command(tmp_path, "--deadline", deadline, "--json-file", str(json_file), spec=STALLING_SPEC)
     out, err = command.communicate(timeout=scaled(120))
