@@ -20,6 +20,7 @@ from ddplab.study.command.job import AGAIN
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.normpath(os.path.join(HERE, "..", "..", "..", "examples", "padded_lm", "train.py"))
 FLAKY = os.path.join(HERE, "scripts", "flaky_train.py")
+SLOW_RAY_AGENT = os.path.join(HERE, "scripts", "slow_ray_agent")
 BIN = os.path.dirname(sys.executable)
 # The grid: global batches 16 and 32 from the reference 16, constant and linear: 3 runs of a few dozen steps.
 GRID = ["--target-loss", "1.7", "--global-batch-sizes", "16,32", "--seeds", "1", "--rules", "constant,linear",
@@ -89,13 +90,19 @@ def test_a_driver_killed_half_way_finishes_without_repeating_a_run_and_each_fail
 @pytest.mark.timeout(900)
 def test_every_executor_gives_the_same_study(tmp_path):
     """One process per run with accumulation (16 = 2 × 8, 32 = 4 × 8): local two at a time, a Ray task each on a
-    local Ray cluster, a submitit job each through its local executor."""
+    local Ray cluster whose first start fails (its dashboard agent too slow), a submitit job each through its local
+    executor."""
     pytest.importorskip("ray")
     pytest.importorskip("submitit")
     linear = ["--rules", "linear", *ONE_PROCESS]
     local, _ = _study(tmp_path / "local", "--parallel", "2", *linear)
-    env = dict(os.environ, RAY_ADDRESS="local", RAY_AUTH_MODE="disabled")
-    ray, _ = _study(tmp_path / "ray", "--executor", "ray", *linear, env=env)
+    slowed = tmp_path / "agent-slowed"
+    path = os.pathsep.join(p for p in (SLOW_RAY_AGENT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, RAY_ADDRESS="local", RAY_AUTH_MODE="disabled", PYTHONPATH=path,
+               DDPLAB_TEST_SLOW_RAY_AGENT=str(slowed))
+    ray, err = _study(tmp_path / "ray", "--executor", "ray", *linear, env=env)
+    assert slowed.exists() and "ddplab: warning: Ray's local cluster did not start (" in err
+    assert "starting it again (2 of 3)" in err
     slurm, _ = _study(tmp_path / "slurm", "--executor", "slurm", "--slurm-cluster", "local", *linear)
     assert _figures(local) == _figures(ray) == _figures(slurm)
     assert local["fit"] == ray["fit"] == slurm["fit"] and local["fit"]["linear"]["b_crit"] is not None

@@ -103,3 +103,41 @@ def test_an_executor_that_is_missing_or_cannot_be_reached_is_one_line(tmp_path, 
         executor = "slurm" if module == "submitit" else "ray"
         assert main([*argv, "--executor", executor, *command[:1], sys.executable, *command[2:]]) == 2
         assert f"pip install 'ddplab[{extra}]'" in capsys.readouterr().err
+
+
+
+class _NeverStartingRay:
+    """A ``ray`` module whose clusters never start, counting the tries."""
+
+    def __init__(self):
+        self.inits = self.shutdowns = 0
+
+    def init(self, **kwargs):
+        self.inits += 1
+        raise RuntimeError("The current node timed out during startup.\nmore detail")
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+@pytest.mark.parametrize("address, env, tries", [(None, None, 3), ("local", None, 3), (None, "local", 3),
+                                                 ("10.0.0.1:6379", None, 1), (None, "10.0.0.1:6379", 1)])
+def test_a_local_ray_cluster_that_does_not_start_is_started_again_a_bounded_number_of_times(
+        monkeypatch, address, env, tries):
+    """Each failed start is shut down; a cluster the user named (flag or RAY_ADDRESS) is reached once."""
+    import warnings
+
+    from ddplab.study.command.executors import ray_tasks
+
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    ray = _NeverStartingRay()
+    with warnings.catch_warnings(record=True) as said, pytest.raises(UsageError, match="could not reach the Ray"):
+        warnings.simplefilter("always")
+        ray_tasks._connect(ray, address)
+    assert ray.inits == ray.shutdowns == tries
+    assert [str(w.message) for w in said] == [
+        f"Ray's local cluster did not start (The current node timed out during startup.); starting it again "
+        f"({n} of 3)" for n in range(2, tries + 1)]

@@ -3,14 +3,37 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Iterator
 
 from ddplab.auditor.runner import GRACE_S
-from ddplab.errors import UsageError, literal
+from ddplab.errors import DdplabWarning, UsageError, literal
 from ddplab.runtime import timescale
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.command.executors.registry import Listener, failed, register
 from ddplab.study.command.job import JobOutcome, RunJob, run_job
+
+LOCAL_START_ATTEMPTS = 3
+"""Tries at starting a local cluster: Ray's raylet gives its dashboard agent a fixed 15 s to start, which a loaded
+machine can miss once (the node then "timed out during startup"); a second start finds the agent's imports cached."""
+
+
+def _connect(ray, address: str | None) -> None:
+    """``ray.init`` on ``address``; a local cluster that did not start is shut down and started again."""
+    local = (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+    attempts = LOCAL_START_ATTEMPTS if local else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure to connect is said in one line
+            ray.shutdown()  # what the failed start left running
+            if attempt == attempts:
+                where = literal(address) if address else "a local one"
+                raise UsageError(f"--executor ray could not reach the Ray cluster ({where}): {literal(exc)}") from None
+            warnings.warn(f"Ray's local cluster did not start ({str(exc).splitlines()[0]}); starting it "
+                          f"again ({attempt + 1} of {attempts})", DdplabWarning, stacklevel=2)
 
 
 @register("ray")
@@ -24,12 +47,7 @@ class RayExecutor:
             raise UsageError("--executor ray needs Ray: pip install 'ddplab[ray]'") from None
         self.ray = ray
         if not ray.is_initialized():
-            try:
-                ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
-            except Exception as exc:  # noqa: BLE001 - any failure to connect is said in one line
-                where = literal(options.ray_address) if options.ray_address else "a local one"
-                raise UsageError(f"--executor ray could not reach the Ray cluster ({where}): {literal(exc)}") from None
+            _connect(ray, options.ray_address)
         self.task = ray.remote(num_cpus=ranks, num_gpus=options.gpus_per_run, max_retries=0)(run_job)
 
     def run(self, jobs: list[RunJob], listen: Listener) -> Iterator[tuple[RunJob, JobOutcome]]:
