@@ -45,24 +45,46 @@ def _time_scale() -> float:
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# Set once for the session, before any test runs: ddplab's own bounds, in this process and in every process a test
-# starts, read the same factor.
-os.environ[timescale.ENV] = str(_time_scale())
+SESSION_TIME_SCALE = _time_scale()
+"""The factor the session starts with; each test raises it to the load it starts under (:func:`_scale_now`)."""
+os.environ[timescale.ENV] = str(SESSION_TIME_SCALE)
+
+
+def _scale_now() -> float:
+    """The session's factor, or more where more processes now want each core than there are cores: ``import torch``
+    at the start cannot see load that comes later, and a bound set from it alone failed tests that a rising load
+    had made 6x slower (three suites at once, docs/benchmarks.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(SESSION_TIME_SCALE, round(os.getloadavg()[0] / cores, 1))
 
 
 def pytest_report_header(config):
-    return f"DDPLAB_TIME_SCALE={os.environ[timescale.ENV]} (import torch took {TORCH_IMPORT_S:.1f} s)"
+    return (f"DDPLAB_TIME_SCALE={SESSION_TIME_SCALE} (import torch took {TORCH_IMPORT_S:.1f} s), raised at each "
+            f"test's start to the load per core then")
+
+
+_BASE_TIMEOUT = pytest.StashKey[float]()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each test's pytest-timeout bound (its marker's, else the ini's) times the session's time scale."""
-    scale = timescale.factor()
+    """Keep each test's pytest-timeout bound (its marker's, else the ini's): its start scales it."""
     default = getattr(config, "_env_timeout", None)
     for item in items:
         marker = item.get_closest_marker("timeout")
         seconds = marker.args[0] if marker is not None and marker.args else default
         if seconds:
-            item.add_marker(pytest.mark.timeout(seconds * scale), append=False)
+            item.stash[_BASE_TIMEOUT] = seconds
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item):
+    """Before pytest-timeout arms its timer: the factor this test, ddplab and every process it starts read, and
+    its timeout, both from the load the test starts under."""
+    scale = _scale_now()
+    os.environ[timescale.ENV] = str(scale)
+    if _BASE_TIMEOUT in item.stash:
+        item.add_marker(pytest.mark.timeout(item.stash[_BASE_TIMEOUT] * scale), append=False)
+    yield
 
 
 @pytest.fixture(autouse=True)

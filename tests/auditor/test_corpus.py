@@ -36,7 +36,8 @@ from ddplab.runtime.timescale import scaled
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ddplab.__file__)))
-LAUNCH_TIMEOUT_S = scaled(120)
+LAUNCH_TIMEOUT_S = 120
+"""A launch's bound on a quick machine: waits read it scaled, a test's timeout marker is scaled by its start."""
 FULL = os.environ.get("DDPLAB_FULL_CORPUS") == "1"
 LAUNCHERS = ("torchrun", "spawn", "fork")
 TOTAL_STEPS = 24  # epochs_and_exit.py: 3 epochs of 8 steps
@@ -350,7 +351,7 @@ def _kill_tree(pid: int) -> None:
 
 
 def _hang(command: list[str], stdout: str, stderr: str):
-    pytest.fail(f"HANG: {' '.join(command)} did not finish in {LAUNCH_TIMEOUT_S} s\n"
+    pytest.fail(f"HANG: {' '.join(command)} did not finish in {scaled(LAUNCH_TIMEOUT_S):.0f} s\n"
                 f"stdout tail:\n{stdout[-2000:]}\nstderr tail:\n{stderr[-3000:]}")
 
 
@@ -367,7 +368,7 @@ def _run_once(command: list[str]) -> Run:
     proc = subprocess.Popen(command, cwd=CORPUS, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        stdout, stderr = proc.communicate(timeout=scaled(LAUNCH_TIMEOUT_S))
     except subprocess.TimeoutExpired:
         _kill_tree(proc.pid)
         _hang(command, *proc.communicate())
@@ -381,7 +382,7 @@ def _run_forked(case: Case) -> Run:
         pid = os.fork()
         if pid == 0:
             _forked_main(case, out.fileno(), err.fileno())
-        deadline = start + LAUNCH_TIMEOUT_S
+        deadline = start + scaled(LAUNCH_TIMEOUT_S)
         while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         if done[0] == 0:
