@@ -3,11 +3,13 @@ train; torchrun across two local agents."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -249,7 +251,12 @@ def test_the_study_runs_under_torchrun_on_two_local_agents(tmp_path):
                  "--seeds", "2", "--max-steps", "200", "--dtype", "float64", "--out", str(out), "--no-plots",
                  "--json", "--sweep-margin", "2", "--ref-global-batch-size", "8"], port)
     agents = [command(node) for node in (0, 1)]
-    outputs = [agent.communicate(timeout=scaled(280)) for agent in agents]
+    try:
+        outputs = [agent.communicate(timeout=scaled(280)) for agent in agents]
+    finally:  # a test that timed out or was interrupted leaves neither agent nor its ranks behind
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     printed = [stdout for stdout, _ in outputs if stdout.strip()]
     assert len(printed) == 1  # rank 0 alone
@@ -270,7 +277,7 @@ def _agent(argv: list[str], port: int, node: int) -> subprocess.Popen:
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, *torchrun, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, start_new_session=True)
 
 
 REGRESSION_SPEC = '''
