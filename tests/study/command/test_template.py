@@ -105,16 +105,16 @@ def test_an_executor_that_is_missing_or_cannot_be_reached_is_one_line(tmp_path, 
         assert f"pip install 'ddplab[{extra}]'" in capsys.readouterr().err
 
 
-
 class _NeverStartingRay:
     """A ``ray`` module whose clusters never start, counting the tries."""
 
-    def __init__(self):
+    def __init__(self, message="The current node timed out during startup.\nmore detail"):
         self.inits = self.shutdowns = 0
+        self.message = message
 
     def init(self, **kwargs):
         self.inits += 1
-        raise RuntimeError("The current node timed out during startup.\nmore detail")
+        raise RuntimeError(self.message)
 
     def shutdown(self):
         self.shutdowns += 1
@@ -141,3 +141,16 @@ def test_a_local_ray_cluster_that_does_not_start_is_started_again_a_bounded_numb
     assert [str(w.message) for w in said] == [
         f"Ray's local cluster did not start (The current node timed out during startup.); starting it again "
         f"({n} of 3)" for n in range(2, tries + 1)]
+
+
+def test_a_failed_local_start_without_a_message_is_named_by_its_type(monkeypatch):
+    import warnings
+
+    from ddplab.study.command.executors import ray_tasks
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with warnings.catch_warnings(record=True) as said, pytest.raises(UsageError):
+        warnings.simplefilter("always")
+        ray_tasks._connect(_NeverStartingRay(message=""), None)
+    assert [str(w.message) for w in said] == [
+        f"Ray's local cluster did not start (RuntimeError); starting it again ({n} of 3)" for n in (2, 3)]

@@ -32,8 +32,9 @@ def _connect(ray, address: str | None) -> None:
             if attempt == attempts:
                 where = literal(address) if address else "a local one"
                 raise UsageError(f"--executor ray could not reach the Ray cluster ({where}): {literal(exc)}") from None
-            warnings.warn(f"Ray's local cluster did not start ({str(exc).splitlines()[0]}); starting it "
-                          f"again ({attempt + 1} of {attempts})", DdplabWarning, stacklevel=2)
+            reason = next(iter(str(exc).splitlines()), "") or type(exc).__name__  # its first line, never empty
+            warnings.warn(f"Ray's local cluster did not start ({reason}); starting it again ({attempt + 1} of "
+                          f"{attempts})", DdplabWarning, stacklevel=2)
 
 
 @register("ray")
