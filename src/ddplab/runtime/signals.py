@@ -1,7 +1,8 @@
 """Cancelling with signals: SIGTERM, SIGINT and SIGHUP stop what ddplab started, then act as they would have.
 
 Two users: :func:`ddplab.runtime.launch.launch` (ranks it forked or spawned) and
-``ddplab audit`` (a command in its own process group). Neither keeps state in module globals:
+``ddplab audit`` (a command in its own process group); ``ddplab study -- COMMAND`` unwinds on them
+(:class:`RaiseOnSignals`). Neither keeps state in module globals:
 each cancellation is an object, so launches may nest and run one after another. A caller that
 reports what a cancelled launch measured (``ddplab noise``) wraps the launch in
 :class:`ReturnOnSignals`.
@@ -85,6 +86,8 @@ class ReturnOnSignals:
     Main thread only, and never for a signal the process ignores.
     """
 
+    SIGNALS = CANCEL_SIGNALS
+
     def __init__(self):
         self.owner = os.getpid()
         self.previous: dict[int, Any] = {}
@@ -93,7 +96,7 @@ class ReturnOnSignals:
 
     def __enter__(self) -> ReturnOnSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in CANCEL_SIGNALS:
+            for signum in self.SIGNALS:
                 current = signal.getsignal(signum)
                 if current not in (signal.SIG_IGN, None):
                     self.previous[signum] = signal.signal(signum, self._record)
@@ -113,6 +116,29 @@ class ReturnOnSignals:
             signal.signal(signum, previous)
         if self.received is not None and not self.handled:
             signal.raise_signal(self.received)
+
+
+class RaiseOnSignals(ReturnOnSignals):
+    """While active, SIGTERM and SIGHUP unwind the main thread as Ctrl-C does, then end the process as they would.
+
+    For a driver whose main thread blocks on work running elsewhere (``ddplab study -- COMMAND`` waiting on its
+    runs): by default SIGTERM ends the process at once, and the runs, in process groups of their own, train on
+    with nothing to stop them. Here the first signal raises :class:`Cancelled` where the main thread waits, so its
+    ``finally`` clauses stop the runs; a second one only waits for that. On exit the handlers are put back and the
+    signal is delivered again under them. SIGINT keeps its KeyboardInterrupt.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def _record(self, signum, frame) -> None:
+        first = self.received is None
+        super()._record(signum, frame)
+        if first and self.received is not None:  # not in a forked child, where the signal acted as before us
+            raise Cancelled()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        super().__exit__(exc_type, exc, tb)
+        return exc_type is Cancelled
 
 
 def signal_group(pgid: int, signum: int) -> None:

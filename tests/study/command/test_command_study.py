@@ -1,10 +1,12 @@
 """ddplab study -- COMMAND on a small LM script written as people write them (examples/padded_lm/train.py: torchrun,
 DistributedSampler, a padding collate, AdamW with warmup, accumulation, a global token count), through the real
-command line: runs stopped at the target on every rank, a driver killed half-way and started again, runs that fail
-once retried, every executor giving the same figures, and what cannot be read said in one line."""
+command line: runs stopped at the target on every rank, a driver killed half-way and started again, a driver ended by
+SIGTERM ending its runs, runs that fail once retried, every executor giving the same figures, and what cannot be read
+said in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,6 +86,39 @@ def test_a_driver_killed_half_way_finishes_without_repeating_a_run_and_each_fail
     for run_dir in runs:
         first, again, second = open(os.path.join(run_dir, "output.log")).read().partition(AGAIN)
         assert "planted failure, once" in first and again and "Traceback" not in second and "Error" not in second
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_driver_ended_by_sigterm_or_sighup_stops_its_runs_first_and_dies_by_that_signal(tmp_path, signum):
+    """A scheduler's cancel or `timeout` sends SIGTERM: by default it ended the driver alone, and each run, in a
+    process group of its own, went on with nothing left to stop it."""
+    out = tmp_path / "out"
+    # A run that writes its pid (its process group's, as the study starts each run in one of its own), then waits.
+    command = ["--", "sh", "-c", 'echo $$ > "$0.tmp"; mv "$0.tmp" "$0"; exec sleep 600', "{run_dir}/started",
+               "{per_device_batch_size}", "{accumulation_steps}", "{lr}", "{seed}"]
+    driver = subprocess.Popen([os.path.join(BIN, "ddplab"), "study", *GRID, "--out", str(out), *command],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = None
+    try:
+        deadline = time.monotonic() + timescale.scaled(60)
+        while run is None:
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
+            dirs = _run_dirs(out) if os.path.isdir(out / "command-runs") else []
+            run = next((int(open(f).read()) for f in (os.path.join(d, "started") for d in dirs) if os.path.exists(f)),
+                       None)
+            time.sleep(0.2)
+        assert os.getpgid(run) == run
+        driver.send_signal(signum)
+        driver.communicate(timeout=timescale.scaled(60))
+        assert driver.returncode == -signum
+        with pytest.raises(ProcessLookupError):
+            os.killpg(run, 0)
+    finally:
+        driver.kill()
+        if run is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run, signal.SIGKILL)
 
 
 @pytest.mark.slow

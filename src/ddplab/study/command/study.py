@@ -14,6 +14,7 @@ import shutil
 import time
 
 from ddplab.progress import Progress, silent
+from ddplab.runtime.signals import RaiseOnSignals
 from ddplab.serialize import write_json_atomic
 from ddplab.study.command import executors, points
 from ddplab.study.command.config import CommandOptions
@@ -61,8 +62,10 @@ def run_command_study(command: CommandOptions, config: StudyConfig, options: Stu
     engine = CommandEngine(template, command, executor,
                            world_size=options.world_size, max_per_device=options.max_batch_size_per_device,
                            folder=folder, listen=bar.listen)
+    # SIGTERM or SIGHUP (a scheduler's cancel, `timeout`) stops the runs as Ctrl-C does, then ends the driver.
     try:
-        results = training.run_grid(workload, config, cache, engine, bar.advance)
+        with RaiseOnSignals():
+            results = training.run_grid(workload, config, cache, engine, bar.advance)
     finally:
         bar.close()
     found = analysis.analyze(config, results)
