@@ -1,8 +1,8 @@
 """Cancelling with signals: SIGTERM, SIGINT and SIGHUP stop what ddplab started, then act as they would have.
 
-Two users: :func:`ddplab.runtime.launch.launch` (ranks it forked or spawned) and
-``ddplab audit`` (a command in its own process group); ``ddplab study -- COMMAND`` unwinds on them
-(:class:`RaiseOnSignals`). Neither keeps state in module globals:
+Three users: :func:`ddplab.runtime.launch.launch` (ranks it forked or spawned), ``ddplab audit`` (a
+command in its own process group) and ``ddplab study -- COMMAND``, whose driver unwinds on them
+(:class:`RaiseOnSignals`). None keeps state in module globals:
 each cancellation is an object, so launches may nest and run one after another. A caller that
 reports what a cancelled launch measured (``ddplab noise``) wraps the launch in
 :class:`ReturnOnSignals`.

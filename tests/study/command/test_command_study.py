@@ -50,6 +50,18 @@ def _run_dirs(out) -> list[str]:
     return sorted(os.path.join(runs, fp, run) for fp in os.listdir(runs) for run in os.listdir(os.path.join(runs, fp)))
 
 
+def _a_run_file(driver: subprocess.Popen, out, name: str, bound_s: float) -> str:
+    """The path of ``name`` in the first run folder that has it, once one has; the driver still running meanwhile."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        dirs = _run_dirs(out) if os.path.isdir(out / "command-runs") else []
+        found = [os.path.join(d, name) for d in dirs if os.path.exists(os.path.join(d, name))]
+        if found:
+            return found[0]
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_driver_killed_half_way_finishes_without_repeating_a_run_and_each_failed_run_is_tried_again(tmp_path):
@@ -60,11 +72,7 @@ def test_a_driver_killed_half_way_finishes_without_repeating_a_run_and_each_fail
                "{accumulation_steps}", "--lr", "{lr}", "--seed", "{seed}", "--crash-once", "{run_dir}/crashed"]
     driver = subprocess.Popen([os.path.join(BIN, "ddplab"), "study", *GRID, "--out", str(out), *command],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timescale.scaled(300)
-    while not (os.path.isdir(out / "command-runs") and
-               any(os.path.exists(os.path.join(d, "result.json")) for d in _run_dirs(out))):
-        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
-        time.sleep(0.2)
+    _a_run_file(driver, out, "result.json", timescale.scaled(300))
     driver.send_signal(signal.SIGINT)
     _, err = driver.communicate(timeout=timescale.scaled(60))
     assert driver.returncode == 130 and "ddplab: cancelled (Ctrl-C)" in err
@@ -101,13 +109,7 @@ def test_a_driver_ended_by_sigterm_or_sighup_stops_its_runs_first_and_dies_by_th
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = None
     try:
-        deadline = time.monotonic() + timescale.scaled(60)
-        while run is None:
-            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
-            dirs = _run_dirs(out) if os.path.isdir(out / "command-runs") else []
-            run = next((int(open(f).read()) for f in (os.path.join(d, "started") for d in dirs) if os.path.exists(f)),
-                       None)
-            time.sleep(0.2)
+        run = int(open(_a_run_file(driver, out, "started", timescale.scaled(60))).read())
         assert os.getpgid(run) == run
         driver.send_signal(signum)
         driver.communicate(timeout=timescale.scaled(60))

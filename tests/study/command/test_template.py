@@ -4,6 +4,7 @@ every study the command cannot express refused in one line (no launch: these run
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 
@@ -120,37 +121,34 @@ class _NeverStartingRay:
         self.shutdowns += 1
 
 
+def _warnings_of_a_connect_that_fails(ray, address) -> list[str]:
+    """What connecting to ``ray`` warns on its way to the one-line error that it could not reach the cluster."""
+    from ddplab.study.command.executors import ray_tasks
+
+    with warnings.catch_warnings(record=True) as said, pytest.raises(UsageError, match="could not reach the Ray"):
+        warnings.simplefilter("always")
+        ray_tasks._connect(ray, address)
+    return [str(w.message) for w in said]
+
+
 @pytest.mark.parametrize("address, env, tries", [(None, None, 3), ("local", None, 3), (None, "local", 3),
                                                  ("10.0.0.1:6379", None, 1), (None, "10.0.0.1:6379", 1)])
 def test_a_local_ray_cluster_that_does_not_start_is_started_again_a_bounded_number_of_times(
         monkeypatch, address, env, tries):
     """Each failed start is shut down; a cluster the user named (flag or RAY_ADDRESS) is reached once."""
-    import warnings
-
-    from ddplab.study.command.executors import ray_tasks
-
     if env is None:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
     ray = _NeverStartingRay()
-    with warnings.catch_warnings(record=True) as said, pytest.raises(UsageError, match="could not reach the Ray"):
-        warnings.simplefilter("always")
-        ray_tasks._connect(ray, address)
+    said = _warnings_of_a_connect_that_fails(ray, address)
     assert ray.inits == ray.shutdowns == tries
-    assert [str(w.message) for w in said] == [
+    assert said == [
         f"Ray's local cluster did not start (The current node timed out during startup.); starting it again "
         f"({n} of 3)" for n in range(2, tries + 1)]
 
 
 def test_a_failed_local_start_without_a_message_is_named_by_its_type(monkeypatch):
-    import warnings
-
-    from ddplab.study.command.executors import ray_tasks
-
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with warnings.catch_warnings(record=True) as said, pytest.raises(UsageError):
-        warnings.simplefilter("always")
-        ray_tasks._connect(_NeverStartingRay(message=""), None)
-    assert [str(w.message) for w in said] == [
+    assert _warnings_of_a_connect_that_fails(_NeverStartingRay(message=""), None) == [
         f"Ray's local cluster did not start (RuntimeError); starting it again ({n} of 3)" for n in (2, 3)]
