@@ -361,6 +361,28 @@ def test_the_callers_sigterm_handler_runs_once_the_ranks_are_stopped(tmp_path, m
     assert seen == [(signal.SIGTERM, [], [])]
 
 
+def test_a_driver_whose_own_sigterm_handler_returns_gets_cancelled_after_it_ran_once():
+    """``ddplab study -- COMMAND`` unwinds on SIGTERM to stop its runs; a caller's handler that returns leaves it no
+    result, so the unwinding goes on to the caller."""
+    from ddplab.runtime.signals import Cancelled, RaiseOnSignals
+
+    seen = []
+
+    def callers_handler(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        with pytest.raises(Cancelled):
+            with RaiseOnSignals():
+                signal.raise_signal(signal.SIGTERM)
+                time.sleep(5)  # not reached: the handler raises at once
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIGTERM]
+
+
 def test_the_time_scale_is_one_factor_of_at_least_one(monkeypatch):
     from ddplab.runtime import timescale
 

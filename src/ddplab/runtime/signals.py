@@ -125,7 +125,8 @@ class RaiseOnSignals(ReturnOnSignals):
     runs): by default SIGTERM ends the process at once, and the runs, in process groups of their own, train on
     with nothing to stop them. Here the first signal raises :class:`Cancelled` where the main thread waits, so its
     ``finally`` clauses stop the runs; a second one only waits for that. On exit the handlers are put back and the
-    signal is delivered again under them. SIGINT keeps its KeyboardInterrupt.
+    signal is delivered again under them; where that handler returns (a program's own), :class:`Cancelled` goes on
+    to the caller, which has no result to use. SIGINT keeps its KeyboardInterrupt.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -135,10 +136,6 @@ class RaiseOnSignals(ReturnOnSignals):
         super()._record(signum, frame)
         if first and self.received is not None:  # not in a forked child, where the signal acted as before us
             raise Cancelled()
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        super().__exit__(exc_type, exc, tb)
-        return exc_type is Cancelled
 
 
 def signal_group(pgid: int, signum: int) -> None:
