@@ -334,6 +334,8 @@ def test_the_callers_sigterm_handler_runs_once_the_ranks_are_stopped(tmp_path, m
     out.mkdir()
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    # torch makes its compile cache in the temp folder the first time a process asks (here, when run alone).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     pid_files = [out / f"pid-{r}" for r in range(2)]
 
     def ranks():
