@@ -132,7 +132,7 @@ def _rerun_a_script_aborted_by_the_gloo_exit_race(monkeypatch):
 def _rerun_a_guest_command_aborted_by_the_gloo_exit_race(monkeypatch):
     """The same rule for a command that ``audit`` or ``noise`` runs: its ranks' output reaches the test's captured
     streams from the run that counts only, and a rerun starts from an empty guest folder."""
-    from ddplab.auditor import runner
+    from ddplab.guest import runner
 
     run_guest = runner.run_guest
 

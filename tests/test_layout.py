@@ -20,7 +20,7 @@ PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "r
                # StudyConfig's lr the rules scale from: --ref-lr sets it with reference_lr, checked first.
                "rules_lr"}
 # The auditor's voice inside the user's program, where there is no command line to print for it.
-MAY_PRINT = {"auditor/exchange.py", "auditor/bootstrap/sitecustomize.py", "integrations/lightning.py"}
+MAY_PRINT = {"auditor/exchange.py", "guest/bootstrap/sitecustomize.py", "integrations/lightning.py"}
 # A field in braces; doubled braces are a literal brace (a placeholder of the user's command), no field.
 FIELD = re.compile(r"(?<!\{)\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}(?!\})")
 
@@ -379,3 +379,31 @@ def test_the_strategy_registry_holds_every_strategy_with_every_member_of_the_pro
     from ddplab.runtime.config import DEFAULT_STRATEGY, StrategyName
 
     assert set(get_args(StrategyName)) == set(strategies.STRATEGIES) and strategies.DEFAULT == DEFAULT_STRATEGY
+
+
+TORCH_FREE = ("import sys\nfrom ddplab.cli.main import main\ncode = main(sys.argv[1:])\n"
+              "assert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(code)\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["study", "--seeds", "0", "--target-loss", "1", "--", "python", "train.py", "--lr", "{lr}"],
+    ["check", "--global-batch-size", "15", "--", "python", "train.py", "{world_size}", "{per_device_batch_size}"],
+])
+def test_a_drivers_bad_flag_is_refused_before_torch_is_imported(argv):
+    # The drivers of the user's own command train nothing themselves: a refusal costs no torch import (2.5 s).
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TORCH_FREE, *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "ddplab: error:" in done.stderr and "torch was imported" not in done.stderr
+
+
+def test_the_command_drivers_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport ddplab.study.command.study, ddplab.check.command.run, ddplab.noise.command.run\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -98,7 +98,8 @@ class Trainer:
         self.loader = DataLoader(train, batch_size=args.batch_size, sampler=self.sampler,
                                  shuffle=self.sampler is None, collate_fn=collate, drop_last=True,
                                  generator=torch.Generator().manual_seed(args.seed))
-        self.val = collate([MarkovText(256, seed=2)[i] for i in range(256)])
+        val = MarkovText(256, seed=2)
+        self.val = collate([val[i] for i in range(len(val))])
 
     def micro_batches(self):
         epoch = 0

@@ -352,7 +352,7 @@ def test_the_auditor_never_blocks_rank_local_paths_and_finds_a_summed_per_sample
 
 
 def test_digests_see_every_bit_and_ignore_nothing_else():
-    from ddplab.auditor.tensors import digest
+    from ddplab.guest.tensors import digest
 
     for dtype, bits in ((torch.float32, torch.int32), (torch.float16, torch.int16), (torch.bfloat16, torch.int16),
                         (torch.float64, torch.int64)):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 
-from ddplab.auditor import data, state, tensors
+from ddplab.auditor import data, state
 from ddplab.auditor.catalogue import INFO
 from ddplab.auditor.state import AuditState, WrapperInfo
+from ddplab.guest import tensors
 
 
 def record_training_batch(audit: AuditState, info: WrapperInfo, inputs) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ddplab.auditor.patches import Patches
+from ddplab.guest.patches import Patches
 
 # The collectives that carry data: a barrier or a broadcast of settings combines no results.
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "gather",

@@ -18,9 +18,10 @@ import weakref
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddplab.auditor import state, tensors
-from ddplab.auditor.patches import Patches
+from ddplab.auditor import state
 from ddplab.auditor.state import AuditState, WrapperInfo
+from ddplab.guest import tensors
+from ddplab.guest.patches import Patches
 from ddplab.runtime.reduction import Reduction
 
 TORCH_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks"

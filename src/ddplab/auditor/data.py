@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import DistributedSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddplab.auditor import evaluation, state, tensors
-from ddplab.auditor.patches import Patches
+from ddplab.auditor import evaluation, state
+from ddplab.guest import tensors
+from ddplab.guest.patches import Patches
 
 # Indices of a pass kept to compare orders; a pass is judged once it drew this many (or all it had).
 ORDER_PREFIX = 64

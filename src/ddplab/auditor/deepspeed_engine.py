@@ -7,7 +7,7 @@ and whose step, at each accumulation boundary, runs ``_take_model_step``: the cl
 parameter group or ZeRO sub-group, on this rank's flat partitions), the scheduler, ``global_steps += 1``. The
 Transformers Trainer and Accelerate's DeepSpeed plugin end in the same engine and the same calls.
 
-So, once the program imports ``deepspeed.runtime.engine`` (:mod:`ddplab.auditor.imports`), three methods of the
+So, once the program imports ``deepspeed.runtime.engine`` (:mod:`ddplab.guest.imports`), three methods of the
 class are wrapped, each calling through unchanged:
 
 - ``forward``: the engine is found (its ZeRO stage, its data-parallel group, what its reduction divides by: the
@@ -32,9 +32,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ddplab.auditor import batches, frameworks, hooks, imports, losses, schedulers, state, tensors
-from ddplab.auditor.patches import Patches
+from ddplab.auditor import batches, frameworks, hooks, losses, schedulers, state
 from ddplab.auditor.state import AuditState, WrapperInfo
+from ddplab.guest import imports, tensors
+from ddplab.guest.patches import Patches
 from ddplab.runtime.reduction import Reduction
 
 ENGINE_MODULE = "deepspeed.runtime.engine"

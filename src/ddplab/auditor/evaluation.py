@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddplab.auditor import collectives, state
-from ddplab.auditor.patches import Patches
+from ddplab.guest.patches import Patches
 
 # Callers whose collectives are not the program's results: torch itself, frameworks that handle the padding.
 NOT_THE_PROGRAM = ("torch.", "ddplab.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "accelerate.",

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ddplab.auditor import environment, losses, schedulers, state
-from ddplab.auditor.patches import Patches
 from ddplab.auditor.schedulers import accelerate_state
+from ddplab.guest.patches import Patches
 from ddplab.runtime import compat
 
 _PATCHES: Patches | None = None

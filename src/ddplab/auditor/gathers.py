@@ -19,8 +19,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ddplab.auditor import collectives, scales, state, tensors
-from ddplab.auditor.patches import Patches
+from ddplab.auditor import collectives, scales, state
+from ddplab.guest import tensors
+from ddplab.guest.patches import Patches
 
 GATHERS = ("all_gather", "all_gather_into_tensor")
 

@@ -31,9 +31,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddplab.auditor import batches, exchange, frameworks, losses, meshes, schedulers, state, tensors, weights
-from ddplab.auditor.patches import Patches
+from ddplab.auditor import batches, exchange, frameworks, losses, meshes, schedulers, state, weights
 from ddplab.auditor.state import AuditState, WrapperInfo
+from ddplab.guest import tensors
+from ddplab.guest.patches import Patches
 from ddplab.runtime import compat, strategies
 from ddplab.runtime.reduction import averaging
 

@@ -28,7 +28,7 @@ from ddplab.auditor import (
     state,
 )
 from ddplab.auditor import findings as fnd
-from ddplab.auditor.patches import Patches
+from ddplab.guest.patches import Patches
 from ddplab.runtime import timescale
 
 ENV_DIR, ENV_STEPS = "DDPLAB_AUDIT_DIR", "DDPLAB_AUDIT_STEPS"
@@ -76,6 +76,11 @@ def install_from_env() -> state.AuditState | None:
     if not os.environ.get(ENV_DIR):
         return None
     return install(int(os.environ.get(ENV_STEPS, "5")), os.environ[ENV_DIR])
+
+
+def write_record() -> None:
+    """Write this process's record now, as at its exit (a guest beside the audit that ends the process early)."""
+    _at_exit()
 
 
 def _at_exit() -> None:

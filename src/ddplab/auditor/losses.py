@@ -27,8 +27,9 @@ import math
 
 import torch
 
-from ddplab.auditor import gathers, loss_functions, scales, state, tensors, weights
-from ddplab.auditor.patches import Patches
+from ddplab.auditor import gathers, loss_functions, scales, state, weights
+from ddplab.guest import tensors
+from ddplab.guest.patches import Patches
 
 LOSS_FUNCTIONS = ("l1_loss", "mse_loss", "cross_entropy", "nll_loss", "binary_cross_entropy",
                   "binary_cross_entropy_with_logits", "smooth_l1_loss", "huber_loss", "kl_div",

@@ -33,8 +33,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import batches, losses, state
-from ddplab.auditor.patches import Patches
 from ddplab.auditor.state import AuditState, WrapperInfo
+from ddplab.guest.patches import Patches
 from ddplab.runtime.reduction import Reduction
 from ddplab.runtime.strategies.fsdp import gradient_divide_factors
 

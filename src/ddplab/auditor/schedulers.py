@@ -28,7 +28,7 @@ from torch.optim import lr_scheduler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import state
-from ddplab.auditor.patches import Patches
+from ddplab.guest.patches import Patches
 
 # Optimizer steps whose lr the detail lists.
 LR_HISTORY = 8

@@ -15,7 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import findings as fnd
-from ddplab.auditor import guard
+from ddplab.guest import guard
 from ddplab.runtime.reduction import Reduction
 
 # Training batches (and their indices) are kept for this many times the audited steps: streams shifted in time

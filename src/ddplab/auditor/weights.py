@@ -28,7 +28,8 @@ import sysconfig
 
 import torch
 
-from ddplab.auditor import loss_functions, patches, scales, state, tensors
+from ddplab.auditor import loss_functions, scales, state
+from ddplab.guest import patches, tensors
 
 MAX_RECORDS = 64
 # Weights that differ by less than this (relative) are one weight: float32 rounding of 1/n.

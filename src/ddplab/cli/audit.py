@@ -87,7 +87,8 @@ def config_from_args(args: argparse.Namespace) -> AuditConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ddplab import serialize
-    from ddplab.auditor.runner import check_writable, run_audited
+    from ddplab.auditor.runner import run_audited
+    from ddplab.guest.runner import check_writable
 
     config = config_from_args(args)
     if args.json_file is not None:

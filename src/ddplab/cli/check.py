@@ -1,17 +1,35 @@
-"""``ddplab check``: prove a spec trains the same on N ranks as in one process, or say why not."""
+"""``ddplab check``: prove a program trains the same on N ranks as in one process, or say why not."""
 
 from __future__ import annotations
 
 import argparse
 
+from ddplab.check.command.config import CommandCheckConfig
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.cli import render
-from ddplab.cli.args import HelpFormatter
+from ddplab.cli.args import HelpFormatter, split_at_command
 from ddplab.cli.options import add_fields, add_launch_flags, fields_given, launch_config
+from ddplab.errors import UsageError, literal
 from ddplab.text import count
 
 DESCRIPTION = f"""\
-Train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
+Prove that N ranks compute what one process computes on the same global batch: your own
+training command run split two ways and compared step by step, or a spec trained both ways.
+
+  ddplab check [--world-size N] [--global-batch-size G] [--steps K] -- COMMAND
+
+runs COMMAND on N ranks × G/N and on one process × G, with {{world_size}} and
+{{per_device_batch_size}} (or {{global_batch_size}}; {{accumulation_steps}}, {{master_port}}) filled in
+for each run, and compares the gradient each of its first K optimizer steps received and the
+update it made, per parameter and module: gradient_ratio (exact) and cosine (from seeded
+sketches, the same on both sides: nothing is gathered). Verdicts: EQUIVALENT, ROUNDING (half
+precision), INCOMPARABLE (the one process drew another first batch), or DIVERGES with its cause
+(SUM_REDUCTION, ACCUMULATION_DIVIDED_TWICE, GATHERED_LOSS_WITHOUT_WORLD_SIZE, GRADIENT_SCALE,
+NO_ALLREDUCE, SAMPLES_DIFFER, INITIALISATION, LR_SCALED_BY_WORLD_SIZE, or the audit's finding on the
+same run, which runs beside the split run unless --no-audit). Dropout is turned off in both runs
+(said so); each run ends after its K steps.
+
+The spec form: train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
 process on the ranks' batches concatenated in rank order (global batch W·b), both in float64;
 compare the parameters after every step. --strategy fsdp trains the ranks with FSDP2
 (fully_shard), --strategy hsdp on a 2-D mesh of --replicate replicas; sharded parameters and
@@ -36,6 +54,7 @@ collate(items) → batch for items of different lengths (padding them). --accumu
 K micro-batches of b per rank and step (no_sync on all but the last), each loss divided by K.
 
 examples:
+  ddplab check -- torchrun --nproc_per_node {{world_size}} train.py --batch-size {{per_device_batch_size}}
   ddplab check tests/specs/correct.py --batch-size 8                 # {DEFAULT_WORLD_SIZE} CPU ranks
   ddplab check spec.py --world-size 4 --batch-size 16 --steps 10 --json
   ddplab check spec.py --batch-size 8 --strict                       # exit 3 unless EQUIVALENT (CI)
@@ -50,29 +69,71 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("check", help="prove a model trains the same on N ranks as on one",
                                    description=DESCRIPTION, formatter_class=HelpFormatter)
     add_fields(parser, CheckConfig, ("spec_path", "world_size", "per_device_batch_size", "accumulation_steps", "steps",
-                                     "seed", "tolerance"))
+                                     "seed", "tolerance"), spec_path={"nargs": "?"},
+               per_device_batch_size={"required": False},
+               steps={"help": "optimizer steps to compare (default 5); with a command after --, 3 by default"},
+               tolerance={"help": "largest relative parameter difference called equal, in float64 (default 1e-09); "
+                                  "with a command after --, the gradient's, by default 1e-4 in float32, 1e-9 in "
+                                  "float64, 5e-2 in half precision"})
+    command_form = parser.add_argument_group("your own command (after --)")
+    add_fields(command_form, CommandCheckConfig, ("global_batch_size", "reference_accumulation_steps",
+                                                  "run_deadline_s", "audit"))
     add_fields(parser.add_argument_group("parallelism"), CheckConfig, ("strategy", "replicate", "reduce_dtype"))
     parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT or ROUNDING")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_launch_flags(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, command=None)
+    split_at_command(parser)
 
 
-def config_from_args(args: argparse.Namespace) -> CheckConfig:
+# Flags of one form only.
+COMMAND_FIELDS = ("world_size", "global_batch_size", "accumulation_steps", "reference_accumulation_steps", "steps",
+                  "tolerance", "audit", "run_deadline_s")
+SPEC_ONLY = ("per_device_batch_size", "seed", "strategy", "replicate", "reduce_dtype", "pg_timeout_s", "deadline_s")
+
+
+def config_from_args(args: argparse.Namespace) -> CheckConfig | CommandCheckConfig:
+    if args.command is not None:
+        if args.spec_path is not None:
+            raise UsageError(f"give either SPEC.py or a command after --, not both (got {literal(args.spec_path)})")
+        for field in SPEC_ONLY:
+            if getattr(args, field, None) is not None:
+                raise UsageError(f"{{{field}}} belongs to the spec form (ddplab check SPEC.py ...); with a command "
+                                 "after --, {{global_batch_size}} is split over the ranks")
+        return CommandCheckConfig(command=tuple(args.command), **fields_given(args, CommandCheckConfig,
+                                                                                only=COMMAND_FIELDS))
+    for field in ("global_batch_size", "reference_accumulation_steps", "audit", "run_deadline_s"):
+        if getattr(args, field, None) is not None:
+            raise UsageError(f"{{{field}}} belongs to the form that runs your own command (ddplab check [options] "
+                             "-- COMMAND)")
+    if args.spec_path is None:
+        raise UsageError("give a SPEC.py, or your training command after --, e.g. ddplab check -- torchrun "
+                         "--nproc_per_node {{world_size}} train.py --batch-size {{per_device_batch_size}}")
+    if args.per_device_batch_size is None:
+        raise UsageError("the spec form needs {per_device_batch_size}: samples per rank per step")
     return CheckConfig(**fields_given(args, CheckConfig))
 
 
 def run(args: argparse.Namespace) -> int:
     from ddplab.check import check
 
+    config = config_from_args(args)
+    if isinstance(config, CommandCheckConfig):
+        from ddplab.cli import check_command
+
+        return _show(args, check_command.check(args, config), check_command.print_result)
     progress = render.ProgressBar("ddplab check", status=True)
-    result = check(config_from_args(args), launch_config(args), progress=progress)
+    result = check(config, launch_config(args), progress=progress)
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
+    return _show(args, result, _print)
+
+
+def _show(args: argparse.Namespace, result, print_result) -> int:
     if args.json:
         render.print_json(result)
     else:
-        _print(result)
+        print_result(result)
     return 3 if args.strict and not result.passed else 0
 
 

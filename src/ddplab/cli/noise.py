@@ -100,7 +100,7 @@ def _refuse(args: argparse.Namespace, fields: tuple[str, ...], why: str) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddplab.auditor.runner import check_writable
+    from ddplab.guest.runner import check_writable
     from ddplab.runtime.spec import check_spec_path
 
     config = config_from_args(args)
@@ -256,7 +256,7 @@ def _plot(report, path: str) -> None:
 # --- the form that runs your own command ---
 
 def _run_command(args: argparse.Namespace, config: CommandConfig) -> int:
-    from ddplab.auditor.runner import check_writable
+    from ddplab.guest.runner import check_writable
     from ddplab.noise.command.run import measure_command
 
     if args.json_file is not None:

@@ -36,7 +36,8 @@ RENAMES: dict[str, str] = {
     "reference.context_parallel_size": "--ref-cp",
     "reference.global_batch_size": "--ref-global-batch-size",
     "data.reference_steps": "--ref-steps", "data.reference_warmup_steps": "--ref-warmup-steps",
-    "reference_global_batch_size": "--ref-global-batch-size", "reference_lr": "--ref-lr",
+    "reference_global_batch_size": "--ref-global-batch-size",
+    "reference_accumulation_steps": "--ref-accumulation", "reference_lr": "--ref-lr",
     "optimizer.family": "--optimizer", "deterministic=False": "--noisy",
 }
 

@@ -267,8 +267,6 @@ def _show(args: argparse.Namespace, config: StudyConfig, report) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     """``ddplab study [options] -- COMMAND``: the grid trained by starting the user's own command per run."""
-    from ddplab.study.command.study import run_command_study
-
     if args.spec or args.workload:
         raise UsageError("give a spec, {workload} or a command after --, not two of them")
     _refuse(args, SPEC_ONLY, "belongs to a spec's study: a command trains as it is written")
@@ -280,6 +278,8 @@ def _run_command(args: argparse.Namespace) -> int:
         raise UsageError("{target.accuracy} needs {metric} NAME: by default the study reads the training loss")
     config, options = config_from_args(args)
     command = CommandOptions(command=tuple(args.command), **fields_given(args, CommandOptions, only=COMMAND_FIELDS))
+    from ddplab.study.command.study import run_command_study
+
     found = run_command_study(command, config, options,
                               progress=render.ProgressBar("ddplab study", status=True))
     for line in found.failed:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddplab.auditor.runner import check_runnable
 from ddplab.errors import UsageError
+from ddplab.guest.runner import check_runnable
 from ddplab.noise.guest.plan import StepPlan
 from ddplab.validation import at_least, positive
 

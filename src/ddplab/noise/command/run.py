@@ -1,6 +1,6 @@
 """Run the user's training command with the noise scale's guest armed, then merge what its ranks recorded.
 
-The command runs unchanged through the auditor's runner (:func:`ddplab.auditor.runner.run_guest`: its own process
+The command runs unchanged through the auditor's runner (:func:`ddplab.guest.runner.run_guest`: its own process
 group, signals forwarded, the bootstrap sitecustomize on PYTHONPATH), with ``DDPLAB_GUEST`` naming
 :mod:`ddplab.noise.guest.install`. Its exit code is kept; a run stopped by ``--deadline``, Ctrl-C or a failure
 reports the steps measured before.
@@ -14,11 +14,10 @@ import signal
 import tempfile
 import time
 
-from ddplab.auditor import runner
+from ddplab.guest import record, runner
 from ddplab.noise.command import report as command_report
 from ddplab.noise.command.config import CommandConfig
 from ddplab.noise.command.merge import WITHOUT_ACCUMULATION, Merged, merge
-from ddplab.noise.guest import record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from ddplab.auditor import tensors
-from ddplab.auditor.patches import Patches
+from ddplab.guest import tensors
+from ddplab.guest.patches import Patches
 from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
 from ddplab.noise.guest.tokens import TokenCount

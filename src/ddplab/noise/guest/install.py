@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.distributed import DistributedSampler
 
-from ddplab.auditor import imports
-from ddplab.auditor.patches import Patches
+from ddplab.guest import imports
+from ddplab.guest.patches import Patches
 from ddplab.noise.guest import deepspeed_tap, state, tokens
 from ddplab.noise.guest.plan import StepPlan
 from ddplab.noise.guest.state import GuestState

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import weakref
 
-from ddplab.auditor import guard
-from ddplab.noise.guest import record
+from ddplab.guest import guard, record
 from ddplab.noise.guest.plan import StepPlan
 
 

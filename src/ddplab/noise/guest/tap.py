@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ddplab.auditor import tensors
+from ddplab.guest import tensors
 from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
 from ddplab.noise.guest.tokens import TokenCount

@@ -17,7 +17,7 @@ import functools
 import torch
 
 from ddplab.auditor import loss_functions
-from ddplab.auditor.patches import Patches
+from ddplab.guest.patches import Patches
 from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-from ddplab.auditor.runner import check_runnable
 from ddplab.errors import UsageError
+from ddplab.guest.runner import check_runnable
 from ddplab.validation import at_least, one_of, positive
 
 Executor = Literal["local", "ray", "slurm"]

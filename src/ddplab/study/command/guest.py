@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import math
-import os
 import re
 import sys
 import time
@@ -36,9 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ddplab.auditor import guard, imports
-from ddplab.auditor.patches import Patches
-from ddplab.noise.guest import record
+from ddplab.guest import guard, imports, record
+from ddplab.guest.patches import Patches
 from ddplab.runtime import timescale
 from ddplab.study.config import Target
 from ddplab.study.runs import DIVERGED_LOSS, RunResult, settle
@@ -83,33 +80,26 @@ class StudyGuest:
             record.append(self.out_dir, {"kind": "note", "rank": self.rank, "text": reason})
 
 
-_GUEST: StudyGuest | None = None
+_SLOT = guard.Slot()
+guarded = _SLOT.guarded
 _PATCHES: Patches | None = None
-
-
-def _current() -> StudyGuest | None:
-    return _GUEST
-
-
-def guarded(where: str):
-    return guard.guarded(_current, where)
 
 
 def install_from_env() -> StudyGuest | None:
     """Arm the guest where ``ddplab study -- COMMAND`` set the environment; None otherwise."""
-    global _GUEST, _PATCHES
-    settings, out_dir = os.environ.get(ENV_SETTINGS), os.environ.get(ENV_DIR)
-    if not settings or not out_dir or _GUEST is not None:
-        return _GUEST
-    _GUEST = StudyGuest(json.loads(settings), out_dir)
+    global _PATCHES
+    armed = guard.armed_settings(ENV_SETTINGS)
+    if armed is None or _SLOT.guest is not None:
+        return _SLOT.guest
+    _SLOT.guest = guest = StudyGuest(*armed)
     _PATCHES = Patches()
     _PATCHES.replace(torch.Tensor, "backward", _watched_backward)
     _PATCHES.hook(register_optimizer_step_post_hook(_after_optimizer_step))
-    if _GUEST.pattern is not None:
-        sys.stdout = _Tee(sys.stdout, _GUEST)
+    if guest.pattern is not None:
+        sys.stdout = _Tee(sys.stdout, guest)
         for module in LIGHTNING_MODULES:
             imports.when_imported(_PATCHES, module, _watch_lightning_log)
-    return _GUEST
+    return guest
 
 
 @guarded("watching Lightning's self.log")
@@ -242,12 +232,7 @@ def _all_reduced(guest: StudyGuest, values: torch.Tensor) -> torch.Tensor:
 def _stop(guest: StudyGuest, pruned: bool) -> None:
     if guest.rank == 0:
         record.append(guest.out_dir, {"kind": "end", "rank": 0, "step": guest.steps, "pruned": pruned})
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(0)
+    guard.leave()
 
 
 def _finite(value: float | None) -> float | None:

@@ -18,8 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ddplab.auditor import runner
-from ddplab.noise.guest import record
+from ddplab.guest import record, runner
 from ddplab.runtime import timescale
 from ddplab.runtime.signals import signal_group, sweep_group
 

@@ -8,32 +8,47 @@
 - ``fastest`` (:mod:`~ddplab.study.engines.fastest`) times a step on each; :mod:`~ddplab.study.engines.choice` is the
   one chooser both products ask (``auto`` is a fixed choice there, never a timing).
 
-Each engine registers itself (:mod:`~ddplab.study.engines.registry`) when its module is imported, here.
+The engines are a table (:mod:`~ddplab.study.engines.registry`): each module is imported when the table is first
+asked, so a driver that only checks its flags (``study -- COMMAND``) stays torch-free.
 """
 
-# ruff: noqa: I001
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-# Every built-in engine registers itself on import: the order here is fastest's order of preference.
-from ddplab.study.engines import vmap_branches, ddp_branches  # noqa: F401
-from ddplab.study.engines.fastest import Fastest, duration, fastest
+from ddplab.study import rules
 from ddplab.study.engines.base import Engine, Progress
-from ddplab.study.engines.changing import ChangingEngine
-from ddplab.study.engines.registry import ENGINES, EngineKind, branch_trainer, register, vectorized
+from ddplab.study.engines.fastest import Fastest, duration, fastest
+from ddplab.study.engines.registry import EngineKind, branch_trainer, kinds, register, vectorized
 
 if TYPE_CHECKING:
     from ddplab.study.runs import RunGroup
 
-CLAIMING: tuple[Engine, ...] = (ChangingEngine(),)
-"""Engines that train every group they claim, whatever engine the study trains the rest on."""
+
+def claiming() -> tuple[Engine, ...]:
+    """Engines that train every group they claim, whatever engine the study trains the rest on (loaded when asked:
+    each imports torch)."""
+    from ddplab.study.engines.changing import ChangingEngine
+
+    return (ChangingEngine(),)
 
 
 def for_group(engine: Engine, group: RunGroup) -> Engine:
     """The engine that trains ``group``: the one that claims it, else the study's ``engine``."""
-    return next((claiming for claiming in CLAIMING if claiming.claims(group)), engine)
+    # A rule whose runs change their batch is the changing engine's (ChangingEngine.claims): said without torch.
+    if not (group.rule and rules.get(group.rule).batch_changes):
+        return engine
+    return next((other for other in claiming() if other.claims(group)), engine)
 
 
-__all__ = ["CLAIMING", "ENGINES", "Engine", "EngineKind", "Fastest", "Progress", "branch_trainer", "duration",
-           "fastest", "for_group", "register", "vectorized"]
+def __getattr__(name: str):
+    # The table of engines by name, its modules imported on first use (each imports torch).
+    if name == "ENGINES":
+        return kinds()
+    if name == "CLAIMING":
+        return claiming()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CLAIMING", "ENGINES", "Engine", "EngineKind", "Fastest", "Progress", "branch_trainer", "claiming",
+           "duration", "fastest", "for_group", "kinds", "register", "vectorized"]

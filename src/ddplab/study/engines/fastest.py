@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ddplab.study.engines.base import Engine, Progress
-from ddplab.study.engines.registry import ENGINES
+from ddplab.study.engines.registry import kinds
 
 if TYPE_CHECKING:
     from ddplab.study.config import StudyConfig
@@ -50,7 +50,7 @@ class Fastest:
         """(engine, why) for the report: which engine each batch size took, with the timings."""
         if not self.chosen:
             return self.engines[0].name, "no group was timed (each came from the cache or had one run)"
-        taken = sorted({engine.name for engine, _, _ in self.chosen.values()}, key=list(ENGINES).index)
+        taken = sorted({engine.name for engine, _, _ in self.chosen.values()}, key=list(kinds()).index)
         parts = [f"{b}: {engine.name} (one step of its {runs} runs: "
                  + ", ".join(f"{name} {duration(s)}" for name, s in seconds.items()) + ")"
                  for b, (engine, seconds, runs) in sorted(self.chosen.items())]

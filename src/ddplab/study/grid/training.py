@@ -7,6 +7,8 @@ a changed setting or spec never silently reuses old runs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ddplab.errors import UsageError
 from ddplab.study import engines, rules
 from ddplab.study.config import StudyConfig
@@ -14,7 +16,10 @@ from ddplab.study.engines import Engine, Progress
 from ddplab.study.grid.cache import Cache
 from ddplab.study.rules.base import round_lr
 from ddplab.study.runs import RunGroup, RunResult, grid_group
-from ddplab.study.workloads import Workload
+
+if TYPE_CHECKING:
+    # Annotations only: the command study's driver trains nothing here and imports no torch.
+    from ddplab.study.workloads import Workload
 
 
 def check_grid(workload: Workload, config: StudyConfig) -> None:

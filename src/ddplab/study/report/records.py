@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddplab.serialize import finite
 from ddplab.study.config import StudyConfig
 from ddplab.study.grid.analysis import StudyAnalysis
-from ddplab.study.grid.verify import VerifyResult
+
+if TYPE_CHECKING:
+    # An annotation: replaying on DDP ranks imports torch, reading a report does not.
+    from ddplab.study.grid.verify import VerifyResult
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -7,8 +7,8 @@ import os
 import warnings
 from collections.abc import Iterator
 
-from ddplab.auditor.runner import GRACE_S
 from ddplab.errors import DdplabWarning, UsageError, literal
+from ddplab.guest.runner import GRACE_S
 from ddplab.runtime import timescale
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.command.executors.registry import Listener, failed, register

@@ -17,9 +17,9 @@ import os
 PREFIX = "noise-"
 
 
-def append(out_dir: str, line: dict) -> None:
+def append(out_dir: str, line: dict, prefix: str = PREFIX) -> None:
     """Append one event to this process's file; a folder already gone (the parent reported) is no error."""
-    path = os.path.join(out_dir, f"{PREFIX}{os.getpid()}.jsonl")
+    path = os.path.join(out_dir, f"{prefix}{os.getpid()}.jsonl")
     try:
         with open(path, "a") as fh:
             fh.write(json.dumps(line) + "\n")
@@ -27,11 +27,11 @@ def append(out_dir: str, line: dict) -> None:
         pass
 
 
-def read_all(out_dir: str) -> list[dict]:
+def read_all(out_dir: str, prefix: str = PREFIX) -> list[dict]:
     """Every event every process wrote, file by file; a line cut short by a kill is left out."""
     events = []
     for name in sorted(os.listdir(out_dir)):
-        if name.startswith(PREFIX) and name.endswith(".jsonl"):
+        if name.startswith(prefix) and name.endswith(".jsonl"):
             with open(os.path.join(out_dir, name)) as fh:
                 events += [event for event in map(_parse, fh) if event is not None]
     return events

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from ddplab.auditor.patches import Patches
+from ddplab.guest.patches import Patches
 
 
 class _Watcher:
