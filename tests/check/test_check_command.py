@@ -131,12 +131,18 @@ def test_a_clip_loss_over_gathered_features_each_way(capsys, gather):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("reduce", ["avg", "sum"])
+@pytest.mark.parametrize("reduce", ["avg", "avg-buffer", "sum"])
 def test_an_optimizer_that_reduces_the_gradients_itself_is_read_after_its_reduction(capsys, reduce):
     result = _check(capsys, "handwritten_dp.py", "--batch-size", "{per_device_batch_size}", "--reduce", reduce)
     step = _step0(result)
     if reduce == "avg":
         assert result["verdict"] == "EQUIVALENT" and step["gradient_ratio"] == pytest.approx(1, abs=1e-5)
+        return
+    if reduce == "avg-buffer":
+        # Each rank's .grad is its own at the step, yet the ranks update alike: judged by the updates, and said.
+        assert result["verdict"] == "EQUIVALENT", result["explanation"]
+        assert step["update"]["gradient_ratio"] == pytest.approx(1, abs=1e-4) and step["update"]["cosine"] > 0.9999
+        assert any("buffers of its own" in note for note in result["notes"])
         return
     # A sum of W averaged-per-rank gradients without ÷ W: W times one process's mean.
     assert (result["verdict"], result["cause"]) == ("DIVERGES", "GRADIENT_SCALE")

@@ -25,8 +25,8 @@ update it made, per parameter and module: gradient_ratio (exact) and cosine (fro
 sketches, the same on both sides: nothing is gathered). Verdicts: EQUIVALENT, ROUNDING (half
 precision), INCOMPARABLE (the one process drew another first batch), or DIVERGES with its cause
 (SUM_REDUCTION, ACCUMULATION_DIVIDED_TWICE, GATHERED_LOSS_WITHOUT_WORLD_SIZE, GRADIENT_SCALE,
-NO_ALLREDUCE, SAMPLES_DIFFER, INITIALISATION, LR_SCALED_BY_WORLD_SIZE, or the audit's finding on the
-same run, which runs beside the split run unless --no-audit). Dropout is turned off in both runs
+NO_ALLREDUCE, SAMPLES_DIFFER, INITIALISATION, LR_SCALED_BY_WORLD_SIZE, UPDATE_DIFFERS, or the
+audit's finding on the same run, which runs beside the split run unless --no-audit). Dropout is turned off in both runs
 (said so); each run ends after its K steps.
 
 The spec form: train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
@@ -98,8 +98,11 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig | CommandCheckConf
             raise UsageError(f"give either SPEC.py or a command after --, not both (got {literal(args.spec_path)})")
         for field in SPEC_ONLY:
             if getattr(args, field, None) is not None:
-                raise UsageError(f"{{{field}}} belongs to the spec form (ddplab check SPEC.py ...); with a command "
-                                 "after --, {{global_batch_size}} is split over the ranks")
+                instead = (": with a command after --, give {global_batch_size}, which check splits over the ranks"
+                           if field == "per_device_batch_size" else
+                           ": a command after -- runs under its own launcher, each run bounded by {run_deadline_s}"
+                           if field in ("pg_timeout_s", "deadline_s") else "")
+                raise UsageError(f"{{{field}}} belongs to the spec form (ddplab check SPEC.py ...){instead}")
         return CommandCheckConfig(command=tuple(args.command), **fields_given(args, CommandCheckConfig,
                                                                                 only=COMMAND_FIELDS))
     for field in ("global_batch_size", "reference_accumulation_steps", "audit", "run_deadline_s"):

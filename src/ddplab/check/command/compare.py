@@ -44,6 +44,8 @@ class Parameter:
     """The optimizer's step changed the gradient itself (an all-reduce inside the optimizer)."""
     replica_difference: float = 0.0
     """Largest relative difference between this rank's gradient and the other ranks' copies (unsharded)."""
+    update_replica_difference: float = 0.0
+    """The same for the update each rank's step made (unsharded)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,9 +92,16 @@ def _merge_parameter(key: str, first: dict, entries: list[dict]) -> Parameter:
                     sketch=_minus(after.sketch, before.sketch))
     grad = pick(gradients, "grad") if has_grad else None
     replicas = 0.0 if sharded or not has_grad else _replica_difference(gradients, "grad")
+    updates = 0.0 if sharded else _replica_difference([_update(e) for e in entries], "update")
     return Parameter(key=key, name=first.get("name"), shape=tuple(first["shape"]), dtype=first["dtype"],
                      grad=grad, param_before=before, update=update, reduced_in_step=reduced_in_step,
-                     replica_difference=replicas)
+                     replica_difference=replicas, update_replica_difference=updates)
+
+
+def _update(entry: dict) -> dict:
+    """One rank's update: its sketch after the step less before it."""
+    change = _minus(entry.get("param_after") or [], entry.get("param_before") or [])
+    return {"update": change, "update_sq": _sq(change)}
 
 
 def _gradient(entry: dict) -> dict:

@@ -7,7 +7,7 @@ import dataclasses
 
 from ddplab.errors import UsageError
 from ddplab.guest.runner import check_runnable
-from ddplab.study.command.template import CommandTemplate
+from ddplab.study.command.template import CommandTemplate, placeholders
 from ddplab.validation import at_least, positive
 
 BUCKETS = 512
@@ -67,22 +67,26 @@ class CommandCheckConfig:
     """Seconds each of the two runs may take before it is stopped."""
 
     def __post_init__(self):
-        template = CommandTemplate(self.command)
+        if not self.command:
+            raise UsageError("give your training command after --, e.g. ddplab check -- torchrun --nproc_per_node "
+                             "{{world_size}} train.py --batch-size {{per_device_batch_size}}")
+        # Check's own placeholders first: the study's others are no part of a check.
+        self._check_placeholders(placeholders(self.command))
         at_least("world_size", self.world_size, 2)
         for field in ("global_batch_size", "accumulation_steps", "reference_accumulation_steps", "steps"):
             at_least(field, getattr(self, field))
         positive("tolerance", self.tolerance)
         positive("run_deadline_s", self.run_deadline_s)
-        self._check_placeholders(template.names)
         split = self.world_size * self.accumulation_steps
         if self.global_batch_size % split:
+            micro = f" × {self.accumulation_steps} micro-batches" if self.accumulation_steps > 1 else ""
             raise UsageError(f"{{global_batch_size}} {self.global_batch_size} does not split over {self.world_size} "
-                             f"ranks × {self.accumulation_steps} micro-batches: give a multiple of {split}")
+                             f"ranks{micro}: give a multiple of {split}")
         if self.global_batch_size % self.reference_accumulation_steps:
             raise UsageError(f"{{global_batch_size}} {self.global_batch_size} does not split into "
                              f"{self.reference_accumulation_steps} micro-batches of the reference: give a multiple "
                              f"of {self.reference_accumulation_steps}")
-        check_runnable(template.fill(self.placeholder_values(self.sides()[0], 0, "."))[0])
+        check_runnable(self.fill(self.sides()[0], 0, ".")[0])
 
     def _check_placeholders(self, names: set[str]) -> None:
         unfilled = sorted(names - set(FILLED))

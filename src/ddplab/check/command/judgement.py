@@ -107,7 +107,14 @@ def by_step(merged: dict[tuple[int, int], dict[str, Parameter]]) -> dict[int, di
     return dict(sorted(steps.items()))
 
 
-def compare_step(step: int, ranks: dict[str, Parameter], one: dict[str, Parameter], tolerance: float) -> StepComparison:
+def update_tolerance(tolerance: float) -> float:
+    """The relative update difference called equal: a float32 parameter's update carries its own rounding."""
+    return max(tolerance, 1e-2)
+
+
+def compare_step(step: int, ranks: dict[str, Parameter], one: dict[str, Parameter], tolerance: float,
+                 by_updates: bool = False) -> StepComparison:
+    """One step on both sides; ``by_updates``: judged by the updates alone (each rank's .grad was its own)."""
     keys = [k for k in ranks if k in one]
     grads = compare([ranks[k].grad for k in keys], [one[k].grad for k in keys], _exact(ranks, keys))
     updates = compare([ranks[k].update for k in keys], [one[k].update for k in keys], _exact(ranks, keys))
@@ -117,7 +124,7 @@ def compare_step(step: int, ranks: dict[str, Parameter], one: dict[str, Paramete
     modules = {name: compare([ranks[k].grad for k in ks], [one[k].grad for k in ks], _exact(ranks, ks))
                for name, ks in groups.items()}
     parameters = {ranks[k].name or k: compare([ranks[k].grad], [one[k].grad], _exact(ranks, [k])) for k in keys}
-    agrees = _within(grads, tolerance) and _within(updates, max(tolerance, 1e-2))
+    agrees = _within(updates, update_tolerance(tolerance)) and (by_updates or _within(grads, tolerance))
     return StepComparison(step=step, gradient=grads, update=updates, modules=modules, parameters=parameters,
                           agrees=agrees)
 
@@ -139,9 +146,16 @@ def start_difference(ranks: dict[str, Parameter], one: dict[str, Parameter]) -> 
 
 def judge(config: CommandCheckConfig, steps: list[StepComparison], tolerance: float, half: bool, *,
           start: float, replicas: float, samples: SampleCheck, audit_codes: list[str],
-          dropout: float) -> Judgement:
-    """The verdict over the compared steps, with its cause and the notes the user needs to read it."""
+          dropout: float, by_updates: bool = False) -> Judgement:
+    """The verdict over the compared steps, with its cause and the notes the user needs to read it.
+
+    ``by_updates``: the ranks' .grad differed at the step while their updates agreed (an optimizer that reduces into
+    buffers of its own): the steps are judged by their updates."""
     notes = _notes(samples, dropout, half, tolerance)
+    if by_updates:
+        notes.append("each rank's .grad still held its own gradient at the step while the ranks made the same update: "
+                     "the optimizer reduces the gradients into buffers of its own, so the steps are compared by "
+                     "their updates")
     first = next((s.step for s in steps if not s.agrees), None)
     common = {"tolerance": tolerance, "steps": steps, "notes": notes}
     if start > tolerance:
@@ -151,7 +165,7 @@ def judge(config: CommandCheckConfig, steps: list[StepComparison], tolerance: fl
                                      "broadcasts rank 0's, FSDP2 does not), or nothing after it can be compared",
                          **common)
     if first is None:
-        return _agreement(config, steps, tolerance, half, audit_codes, common)
+        return _agreement(config, steps, tolerance, half, audit_codes, common, by_updates)
     if samples.compared and not samples.same and not samples.ranks_inconsistent:
         return Judgement(verdict="INCOMPARABLE", cause="SAMPLES_DIFFER", first_divergent_step=first,
                          explanation=f"the one process trained on another first batch than the ranks together (they "
@@ -160,19 +174,25 @@ def judge(config: CommandCheckConfig, steps: list[StepComparison], tolerance: fl
                                      "(a RandomSampler on one device) draws another order; give the one-process run "
                                      "a DistributedSampler too (num_replicas=1, the same seed)", **common)
     diverged = next(s for s in steps if s.step == first)
-    cause, explanation = _cause(config, diverged, replicas, samples, audit_codes, tolerance)
+    if by_updates:
+        cause, explanation = _update_cause(config, steps, diverged, _audit_words(audit_codes)[1], by_updates)
+    else:
+        cause, explanation = _cause(config, steps, diverged, replicas, samples, audit_codes, tolerance)
     return Judgement(verdict="DIVERGES", cause=cause, explanation=explanation, first_divergent_step=first, **common)
 
 
 def _agreement(config: CommandCheckConfig, steps: list[StepComparison], tolerance: float, half: bool,
-               audit_codes: list[str], common: dict) -> Judgement:
-    largest = max((s.gradient.difference or 0.0 for s in steps), default=0.0)
+               audit_codes: list[str], common: dict, by_updates: bool = False) -> Judgement:
+    largest = max(((s.update if by_updates else s.gradient).difference or 0.0 for s in steps), default=0.0)
     ranks, one = config.sides()
     verdict: Verdict = "ROUNDING" if half and largest > 1e-4 else "EQUIVALENT"
     same = "the same gradients and updates" if verdict == "EQUIVALENT" else \
         "gradients and updates that differ by half precision's rounding only"
+    if by_updates:
+        same = "the same updates"
+    bound = update_tolerance(tolerance) if by_updates else tolerance
     text = (f"{ranks.describe()} and {one.describe()} compute {same} at every one of {len(steps)} steps (largest "
-            f"relative gradient difference {largest:.1e} ≤ {tolerance:g})")
+            f"relative {'update' if by_updates else 'gradient'} difference {largest:.1e} ≤ {bound:g})")
     refuted = [code for code in audit_codes if code in GRADIENT_FINDINGS]
     if refuted:
         common["notes"].append(f"the audit on the same run warned {', '.join(refuted)}, but the gradients match: "
@@ -181,11 +201,16 @@ def _agreement(config: CommandCheckConfig, steps: list[StepComparison], toleranc
                      first_divergent_step=None, **common)
 
 
-def _cause(config: CommandCheckConfig, step: StepComparison, replicas: float, samples: SampleCheck,
-           audit_codes: list[str], tolerance: float) -> tuple[str, str]:
-    world = config.world_size
+def _audit_words(audit_codes: list[str]) -> tuple[str | None, str]:
+    """(the audit's finding that says why a gradient differs, the clause that quotes it)."""
     named = next((code for code in GRADIENT_FINDINGS if code in audit_codes), None)
-    audit = f"; the audit on the same run names it {named}" if named else ""
+    return named, f"; the audit on the same run names it {named}" if named else ""
+
+
+def _cause(config: CommandCheckConfig, steps: list[StepComparison], step: StepComparison, replicas: float,
+           samples: SampleCheck, audit_codes: list[str], tolerance: float) -> tuple[str, str]:
+    world = config.world_size
+    named, audit = _audit_words(audit_codes)
     if samples.compared and not samples.same:
         return "SAMPLES_DIFFER", (f"the ranks' first global batch is not the one process's: they share "
                                   f"{samples.shared} of {samples.size} samples, and the ranks draw inconsistently "
@@ -197,13 +222,13 @@ def _cause(config: CommandCheckConfig, step: StepComparison, replicas: float, sa
                                 f"{audit}")
     grad, close = step.gradient, Close.of(tolerance)
     if grad.difference is not None and grad.difference <= tolerance:
-        return _update_cause(step, world, audit)
+        return _update_cause(config, steps, step, audit, False)
     scales = _pure_scales(step, close)
     if scales is not None and max(scales.values()) <= min(scales.values()) * (1 + close.ratio):
         return _scale_cause(config, step, named, audit, close)
     if scales is not None and _gathered(scales, world, close):
         return "GATHERED_LOSS_WITHOUT_WORLD_SIZE", _gathered_text(step, scales, world, close) + audit
-    text = f"from step {step.step} the gradients differ: {_modules_text(step)}"
+    text = f"from step {step.step} {_modules_text(step)}"
     if scales is None:
         text += ": the ranks' loss weighs its terms differently from the one process's, or leaves some out"
     return named or "UNKNOWN", text + audit
@@ -228,6 +253,8 @@ def _scale_cause(config: CommandCheckConfig, step: StepComparison, named: str | 
                  "are averaged")
     elif fits == ["ACCUMULATION_DIVIDED_TWICE"]:
         text += f": each of the {micro} micro-batches' losses is divided by {micro} twice"
+    elif micro > 1 and abs(ratio / micro - 1) <= close.ratio:
+        text += f": {micro}× is the accumulation steps: each micro-batch's loss is not divided by the {micro} of them"
     elif len(fits) == 2:
         text += (f": 1/{world} is both 1/W and 1/K here, a summed loss or a loss divided twice by the accumulation "
                  "steps; a run with --accumulation other than --world-size tells them apart")
@@ -256,13 +283,25 @@ def _gathered_text(step: StepComparison, scales: dict[str, float], world: int, c
             "rank's features")
 
 
-def _update_cause(step: StepComparison, world: int, audit: str) -> tuple[str, str]:
-    update = step.update
-    ratio = update.gradient_ratio or 0.0
-    code = "LR_SCALED_BY_WORLD_SIZE" if abs(ratio / world - 1) <= 0.01 else "UPDATE_DIFFERS"
-    return code, (f"from step {step.step} the gradients agree but the updates do not (update ratio {ratio:.4f}, cos "
-                  f"{update.cosine:.4f}): the optimizer steps differently on the ranks, most often a learning rate "
-                  f"set from the world size or a schedule stepped per rank{audit}")
+def _update_cause(config: CommandCheckConfig, steps: list[StepComparison], step: StepComparison, audit: str,
+                  by_updates: bool) -> tuple[str, str]:
+    """The updates differ where the gradients agree (or cannot be read): the optimizer's lr, or its own reduction."""
+    world, update = config.world_size, step.update
+    ratios = [s.update.gradient_ratio or 0.0 for s in steps if s.step >= step.step]
+    shown = ", ".join(f"{r:.4f}" for r in ratios)
+    measured = f"update ratio {shown} at steps {step.step}-{steps[-1].step}, cos {update.cosine:.4f}"
+    if by_updates:
+        return "UPDATE_DIFFERS", (f"from step {step.step} the updates differ ({measured}), and each rank's .grad held "
+                                  "its own gradient: the optimizer reduces the gradients itself, by another scale "
+                                  f"than an average over the {world} ranks, or steps its lr differently{audit}")
+    # A learning rate set from the world size scales every update alike; a schedule stepped differently does not.
+    if len(ratios) > 1 and all(abs(r / world - 1) <= 0.01 for r in ratios):
+        return "LR_SCALED_BY_WORLD_SIZE", (f"from step {step.step} the gradients agree and every update is {world}× "
+                                           f"the one process's ({measured}): the learning rate is multiplied by the "
+                                           f"world size{audit}")
+    return "UPDATE_DIFFERS", (f"from step {step.step} the gradients agree but the updates do not ({measured}): the "
+                              "optimizer steps differently on the two sides, most often a learning-rate scheduler "
+                              f"stepped per micro-batch or per rank, or an lr set from the world size{audit}")
 
 
 def _pure_scales(step: StepComparison, close: Close) -> dict[str, float] | None:
@@ -281,7 +320,7 @@ def _modules_text(step: StepComparison) -> str:
     parts = [f"{name} {c.gradient_ratio:.3f}× (cos {c.cosine:.4f})" for name, c in step.modules.items()
              if c.gradient_ratio is not None]
     shown = ", ".join(parts[:6]) + (f", and {len(parts) - 6} more" if len(parts) > 6 else "")
-    return f"{shown} the one-process gradient"
+    return f"the ranks' gradient against the one process's, by module: {shown}"
 
 
 def _fraction(ratio: float, close: Close) -> str:

@@ -142,10 +142,13 @@ def _refuse_unfinished(config: CommandCheckConfig, run: SideRun, seconds: float)
     if run.stepped >= config.steps:
         return
     what = f"{run.side.describe()} ({' '.join(run.command)})"
-    ended = (f"was stopped after {config.run_deadline_s:g} s (--run-deadline)" if seconds >= config.run_deadline_s
-             else f"exited with code {run.returncode}")
-    if run.returncode == 0 and seconds < config.run_deadline_s:
-        ended = "ended"
+    stopped = seconds >= config.run_deadline_s
+    ended = (f"was stopped after {config.run_deadline_s:g} s (--run-deadline)" if stopped
+             else f"exited with code {run.returncode}" if run.returncode else "ended")
+    # Advice that fits how it ended: a failure is the program's, a deadline may be a rank that hangs.
+    advice = ("raise --run-deadline, or look for a rank that waits on a collective the others never reach" if stopped
+              else "its error is in its output above" if run.returncode and run.log is None
+              else "see its error" if run.returncode else "lower --steps or let the command train longer")
     steps = run.stepped
     said = f"; the guest said: {run.notes[0]}" if run.notes else ""
     end = ""
@@ -156,10 +159,10 @@ def _refuse_unfinished(config: CommandCheckConfig, run: SideRun, seconds: float)
         end = (f"; its error: {error}" if error else "") + \
             ("; its output ends:\n  " + "\n  ".join(shown) if shown and not error else "")
     if steps == 0:
-        raise CommandFailed(f"the run on {what} {ended} before any optimizer step{said}: check compares the "
-                            f"steps an optimizer takes{end}")
+        first = "check compares the steps an optimizer takes" if not run.returncode or stopped else advice
+        raise CommandFailed(f"the run on {what} {ended} before any optimizer step{said}: {first}{end}")
     raise CommandFailed(f"the run on {what} {ended} after {steps} of the {config.steps} steps to compare{said}: "
-                        f"lower --steps or let the command train longer{end}")
+                        f"{advice}{end}")
 
 
 ERROR_LINE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b.*)$")
@@ -185,15 +188,18 @@ def _judged(config: CommandCheckConfig, ranks: SideRun, one: SideRun, seconds: f
     params = [p for s in compared for p in steps_ranks[s].values()]
     autocast = any(e.get("autocast") for e in ranks.events + one.events if e.get("kind") == "step")
     tolerance, half = judgement.tolerance_for(config, params, autocast)
-    steps = [judgement.compare_step(s, steps_ranks[s], steps_one[s], tolerance) for s in compared]
     first = compared[0]
     replicas = max((p.replica_difference for p in steps_ranks[first].values()), default=0.0)
+    update_replicas = max((p.update_replica_difference for p in steps_ranks[first].values()), default=0.0)
+    # The ranks' .grad differ, their updates do not: an optimizer that reduces into buffers of its own.
+    by_updates = replicas > tolerance and update_replicas <= judgement.update_tolerance(tolerance)
+    steps = [judgement.compare_step(s, steps_ranks[s], steps_one[s], tolerance, by_updates) for s in compared]
     audit_codes = [f.code for f in ranks.audit.problems] if ranks.audit is not None else []
     dropout = max((e["p"] for e in ranks.events + one.events if e.get("kind") == "dropout"), default=0.0)
     samples = sample_check(config, ranks, one)
     verdict = judgement.judge(config, steps, tolerance, half, start=judgement.start_difference(
         steps_ranks[first], steps_one[first]), replicas=replicas, samples=samples, audit_codes=audit_codes,
-        dropout=dropout)
+        dropout=dropout, by_updates=by_updates)
     audit_findings = [f.to_json() for f in ranks.audit.problems] if ranks.audit is not None else []
     if dropped:
         verdict.notes.append(f"{len(dropped)} optimizer(s) stepped parameters of other shapes on the two sides (a "

@@ -67,6 +67,11 @@ class CommandTemplate:
         return " ".join(self.args)
 
 
+def placeholders(args: tuple[str, ...]) -> set[str]:
+    """The placeholders the words ``args`` hold, whatever their names (each product says which it fills)."""
+    return {name for arg in args for name in _names(arg)}
+
+
 def _names(arg: str) -> set[str]:
     try:
         fields = [field for _, field, _, _ in string.Formatter().parse(arg) if field is not None]
