@@ -16,7 +16,6 @@ import tempfile
 from ddplab.auditor import findings  # pure: this process may be audited, where importing torch installs the auditor
 from ddplab.errors import UsageError
 from ddplab.guest import runner
-from ddplab.guest.runner import check_runnable, markers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,7 +33,7 @@ class AuditConfig:
                              "train.py")
         if not self.steps >= 1:
             raise UsageError(f"{{steps}} must be at least 1, got {self.steps}")
-        check_runnable(self.command[0])
+        runner.check_runnable(self.command[0])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,7 +63,7 @@ def run_audited(config: AuditConfig, *, program_stdout_to_stderr: bool = False) 
     try:
         status = _run(list(config.command), out_dir, config.steps, 2 if program_stdout_to_stderr else None)
         records = findings.read_records(out_dir)
-        started, loaded, failures = markers(out_dir)
+        started, loaded, failures = runner.markers(out_dir)
         needed = _needed_variables(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)

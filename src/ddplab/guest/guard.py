@@ -8,6 +8,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from ddplab.guest import record
+
 
 def guarded(state: Callable, where: str):
     """Decorate ``fn(audit, *args)``: skip it once the audit is off, and turn its errors into a disarm.
@@ -46,7 +48,7 @@ class Slot:
 def armed_settings(variable: str) -> tuple[dict, str] | None:
     """(the guest's settings, the folder its records go to) where a product's driver put them in the environment:
     ``variable`` holds the settings as JSON, ``DDPLAB_AUDIT_DIR`` the folder; None where either is missing."""
-    settings, out_dir = os.environ.get(variable), os.environ.get("DDPLAB_AUDIT_DIR")
+    settings, out_dir = os.environ.get(variable), os.environ.get(record.ENV_DIR)
     if not settings or not out_dir:
         return None
     return json.loads(settings), out_dir

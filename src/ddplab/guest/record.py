@@ -15,6 +15,8 @@ import json
 import os
 
 PREFIX = "noise-"
+ENV_DIR = "DDPLAB_AUDIT_DIR"
+"""The environment variable naming the folder every guest of a command writes its records to."""
 
 
 def append(out_dir: str, line: dict, prefix: str = PREFIX) -> None:

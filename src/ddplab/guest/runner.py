@@ -18,6 +18,7 @@ import time
 
 import ddplab
 from ddplab.errors import UsageError, literal
+from ddplab.guest import record
 from ddplab.runtime import timescale
 from ddplab.runtime.signals import signal_group, sweep_group
 
@@ -89,7 +90,7 @@ def run_guest(command: list[str], out_dir: str, guest_env: dict[str, str], stdou
     ``out_dir``. After ``deadline_s`` seconds the group gets SIGTERM, as if one had been received. ``sweep``: what
     is left of the group once the command has ended (a worker its guest left behind) is ended too.
     """
-    env = dict(os.environ, DDPLAB_AUDIT_DIR=out_dir, **guest_env)
+    env = dict(os.environ, **{record.ENV_DIR: out_dir}, **guest_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(out_dir), os.environ.get("PYTHONPATH")) if p)
     # Its own group, so a signal reaches torchrun and every worker, not torchrun alone.
     child = subprocess.Popen(located(command), env=env, start_new_session=True, stdout=stdout, stderr=stderr)

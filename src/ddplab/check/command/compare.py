@@ -40,8 +40,6 @@ class Parameter:
     grad: Vector | None
     param_before: Vector
     update: Vector
-    reduced_in_step: bool
-    """The optimizer's step changed the gradient itself (an all-reduce inside the optimizer)."""
     replica_difference: float = 0.0
     """Largest relative difference between this rank's gradient and the other ranks' copies (unsharded)."""
     update_replica_difference: float = 0.0
@@ -83,18 +81,17 @@ def _merge_step(records: list[dict]) -> dict[str, Parameter]:
 def _merge_parameter(key: str, first: dict, entries: list[dict]) -> Parameter:
     sharded = first.get("sharded", False)
     pick = _summed if sharded else _first
-    reduced_in_step = any(e.get("grad_after_sq") is not None for e in entries)
     # The gradient the step used: read after it where the step changed it, before it otherwise.
     gradients = [_gradient(e) for e in entries]
     has_grad = any(g.get("grad_sq") is not None for g in gradients)
     before, after = pick(entries, "param_before"), pick(entries, "param_after")
-    update = Vector(sq=_sq(_minus(after.sketch, before.sketch)) if len(before.sketch) else 0.0,
-                    sketch=_minus(after.sketch, before.sketch))
+    change = _minus(after.sketch, before.sketch)
+    update = Vector(sq=_sq(change), sketch=change)
     grad = pick(gradients, "grad") if has_grad else None
     replicas = 0.0 if sharded or not has_grad else _replica_difference(gradients, "grad")
     updates = 0.0 if sharded else _replica_difference([_update(e) for e in entries], "update")
     return Parameter(key=key, name=first.get("name"), shape=tuple(first["shape"]), dtype=first["dtype"],
-                     grad=grad, param_before=before, update=update, reduced_in_step=reduced_in_step,
+                     grad=grad, param_before=before, update=update,
                      replica_difference=replicas, update_replica_difference=updates)
 
 
@@ -168,10 +165,3 @@ def module_of(name: str | None, key: str) -> str:
     if not name:
         return f"param {key}"
     return name.split(".")[0]
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total

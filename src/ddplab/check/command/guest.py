@@ -40,8 +40,8 @@ from ddplab.guest import guard, record
 from ddplab.guest.patches import Patches
 
 DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
-# Prefixes wrappers put before a parameter's name: DDP, torch.compile, Lightning, activation checkpointing.
 FINGERPRINTED = 4096  # samples per forward at most: a larger first dimension is no batch of samples
+# Prefixes wrappers put before a parameter's name: DDP, torch.compile, Lightning, activation checkpointing.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -212,9 +212,8 @@ def _watch_indices(guest: CheckGuest, sampler, iterator):
     if guest.sample_limit <= 0:
         return None
     order, guest.samplers = guest.samplers, guest.samplers + 1
-    return _recorded(guest, iterator, order, {"num_replicas": sampler.num_replicas, "sampler_rank": sampler.rank,
-                                              "dataset_size": len(sampler.dataset),
-                                              "shuffle": bool(sampler.shuffle), "seed": int(sampler.seed)})
+    # The seed tells ranks that draw from one order from ranks seeded apart.
+    return _recorded(guest, iterator, order, {"seed": int(sampler.seed)})
 
 
 def _recorded(guest: CheckGuest, iterator, order: int, about: dict):

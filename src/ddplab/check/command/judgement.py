@@ -10,10 +10,11 @@ rule of their own names it, the audit's finding on the same run names it, said a
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Any, Literal
 
-from ddplab.check.command.compare import Comparison, Parameter, compare, module_of, numel
+from ddplab.check.command.compare import Comparison, Parameter, compare, module_of
 from ddplab.check.command.config import BUCKETS, CommandCheckConfig
 
 Verdict = Literal["EQUIVALENT", "ROUNDING", "DIVERGES", "INCOMPARABLE"]
@@ -130,7 +131,7 @@ def compare_step(step: int, ranks: dict[str, Parameter], one: dict[str, Paramete
 
 
 def _exact(params: dict[str, Parameter], keys: list[str]) -> bool:
-    return all(numel(params[k].shape) <= BUCKETS for k in keys)
+    return all(math.prod(params[k].shape) <= BUCKETS for k in keys)
 
 
 def _within(comparison: Comparison, tolerance: float) -> bool:

@@ -130,7 +130,8 @@ def _run_side(config: CommandCheckConfig, side: Side, work: str, *, shown: bool,
     seconds = time.monotonic() - begun
     returncode = 128 - status if status < 0 else status
     events = record.read_all(out_dir, PREFIX)
-    report = findings.merge(findings.read_records(out_dir)) if audit and findings.read_records(out_dir) else None
+    audited = findings.read_records(out_dir) if audit else []
+    report = findings.merge(audited) if audited else None
     run = SideRun(side=side, command=command, returncode=returncode, seconds=seconds, events=events, log=log,
                   audit=report)
     _refuse_unfinished(config, run, seconds)
@@ -194,13 +195,12 @@ def _judged(config: CommandCheckConfig, ranks: SideRun, one: SideRun, seconds: f
     # The ranks' .grad differ, their updates do not: an optimizer that reduces into buffers of its own.
     by_updates = replicas > tolerance and update_replicas <= judgement.update_tolerance(tolerance)
     steps = [judgement.compare_step(s, steps_ranks[s], steps_one[s], tolerance, by_updates) for s in compared]
-    audit_codes = [f.code for f in ranks.audit.problems] if ranks.audit is not None else []
+    problems = ranks.audit.problems if ranks.audit is not None else []
     dropout = max((e["p"] for e in ranks.events + one.events if e.get("kind") == "dropout"), default=0.0)
     samples = sample_check(config, ranks, one)
-    verdict = judgement.judge(config, steps, tolerance, half, start=judgement.start_difference(
-        steps_ranks[first], steps_one[first]), replicas=replicas, samples=samples, audit_codes=audit_codes,
-        dropout=dropout, by_updates=by_updates)
-    audit_findings = [f.to_json() for f in ranks.audit.problems] if ranks.audit is not None else []
+    start = judgement.start_difference(steps_ranks[first], steps_one[first])
+    verdict = judgement.judge(config, steps, tolerance, half, start=start, replicas=replicas, samples=samples,
+                              audit_codes=[f.code for f in problems], dropout=dropout, by_updates=by_updates)
     if dropped:
         verdict.notes.append(f"{len(dropped)} optimizer(s) stepped parameters of other shapes on the two sides (a "
                              "sharded optimizer's local part) and were left out of the comparison")
@@ -208,7 +208,7 @@ def _judged(config: CommandCheckConfig, ranks: SideRun, one: SideRun, seconds: f
                               explanation=verdict.explanation, tolerance=verdict.tolerance,
                               first_divergent_step=verdict.first_divergent_step, steps=verdict.steps,
                               notes=verdict.notes, samples=samples, runs=(ranks, one),
-                              audit_findings=audit_findings, check_s=seconds)
+                              audit_findings=[f.to_json() for f in problems], check_s=seconds)
 
 
 def sample_check(config: CommandCheckConfig, ranks: SideRun, one: SideRun) -> judgement.SampleCheck:

@@ -14,6 +14,7 @@ The hashes are 2-universal (``(a·i + b) mod p``, ``p = 2³¹ − 1``), computed
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -35,9 +36,7 @@ def sketch(local: torch.Tensor, key: str, global_shape: tuple[int, ...], offset:
            buckets: int = BUCKETS) -> torch.Tensor:
     """The sketch (float64, ``buckets`` long, or the tensor's own size when smaller) of ``local``, the block of a
     tensor of ``global_shape`` whose first element sits at ``offset``."""
-    total = 1
-    for size in global_shape:
-        total *= size
+    total = math.prod(global_shape)
     size = min(total, buckets)
     out = torch.zeros(size, dtype=torch.float64, device=local.device)
     values = local.detach()

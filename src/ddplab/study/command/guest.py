@@ -41,7 +41,6 @@ from ddplab.study.config import Target
 from ddplab.study.runs import DIVERGED_LOSS, RunResult, settle
 
 ENV_SETTINGS = "DDPLAB_STUDY_RUN"
-ENV_DIR = "DDPLAB_AUDIT_DIR"
 LIGHTNING_MODULES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
 NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
 
