@@ -26,10 +26,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddplab.runtime.launch import LaunchConfig
-from ddplab.study import engines, optim, rules, workloads
+from ddplab.study import engines, optim, workloads
 from ddplab.study.config import StudyConfig, Target
 from ddplab.study.engines import ddp
 from ddplab.study.engines import vmap as engine
+from ddplab.study.rules import sweep
 from ddplab.study.runs import grid_group
 
 
@@ -141,7 +142,7 @@ def main() -> None:
     print(json.dumps({"matmul_gflop_per_s_by_threads": {t: round(f / 1e9, 1) for t, f in peak.items()}}), flush=True)
     rows = []
     for global_batch in args.batch_sizes or config.global_batch_sizes:
-        runs = rules.grid_runs(config, global_batch)
+        runs = sweep.grid_runs(config, global_batch)
         # Same answer both ways first: the speed-up compares equal work. Dropout draws other masks in the group
         # than in the loop, so with dropout the two cannot be compared number for number.
         diff = None if random_layers(workload) else max(

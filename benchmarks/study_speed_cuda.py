@@ -21,9 +21,10 @@ import platform
 import study_speed
 import torch
 
-from ddplab.study import rules, workloads
+from ddplab.study import workloads
 from ddplab.study.config import StudyConfig, Target
 from ddplab.study.engines import vmap as engine
+from ddplab.study.rules import sweep
 from ddplab.study.runs import grid_group
 
 
@@ -69,7 +70,7 @@ def max_diff_from_cpu(workload, config, global_batch: int, runs, device: torch.d
 
 
 def row(workload, config, global_batch: int, device: torch.device, peak: float, steps: int, repeats: int) -> dict:
-    runs = rules.grid_runs(config, global_batch)
+    runs = sweep.grid_runs(config, global_batch)
     flops = study_speed.group_flops_per_step(workload, config, global_batch, runs)
     floor_s = flops / peak
     seconds = step_s(workload, config, global_batch, runs, device, steps, repeats)

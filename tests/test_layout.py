@@ -277,7 +277,7 @@ def test_launch_state_lives_in_objects_not_module_globals():
 def _rule_name_branches(tree, names: set[str], keys: bool = True) -> list[int]:
     """Lines that spell a study rule's name where code decides by it: compared (==, !=, in, not in, a literal
     collection of names), or, with ``keys``, used as a key (a subscript, a dict literal's key, ``.get(name)``) or
-    handed to ``rules.get``/``color``."""
+    handed to ``registry.get``/``color``."""
     lines = []
     for node in ast.walk(tree):
         spelled = []
@@ -307,9 +307,9 @@ ALSO_NOT_A_RULE = {"schedule"}
 
 
 def test_only_the_rules_spell_a_rules_name():
-    from ddplab.study import rules
+    from ddplab.study.rules import registry
 
-    names = set(rules.REGISTRY)
+    names = set(registry.known())
     offenders = [f"{path}:{line}" for path, _, tree in _modules()
                  if path.startswith(("study" + os.sep, os.path.join("cli", "study.py")))
                  and not path.startswith(os.path.join("study", "rules") + os.sep)
@@ -405,5 +405,25 @@ def test_the_command_drivers_import_no_torch():
 
     code = ("import sys\nimport ddplab.study.command.study, ddplab.check.command.run, ddplab.noise.command.run\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_registries_are_tables_loaded_when_asked():
+    # A registry's package imports none of its entries: the rules load when one is asked for, an executor when a
+    # study builds it (a local study never imports Ray or submitit).
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom typing import get_args\n"
+            "from ddplab.study.rules import registry\nfrom ddplab.study.command import executors\n"
+            "from ddplab.study.command.config import Executor\n"
+            "from ddplab.study.command.executors.registry import BUILT_IN\n"
+            "assert not any(m in sys.modules for m in registry.BUILT_IN), 'a rule was imported'\n"
+            "assert set(BUILT_IN) == set(get_args(Executor)), BUILT_IN\n"
+            "names = list(registry.known())\n"
+            "assert {type(r).__module__ for r in registry.known().values()} == set(registry.BUILT_IN)\n"
+            "assert names[:3] == ['constant', 'linear', 'sqrt'] and 'tuned' in names, names\n"
+            "assert not any(m in sys.modules for m in BUILT_IN.values()), 'an executor was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

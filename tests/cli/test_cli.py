@@ -296,10 +296,10 @@ def test_help_quotes_the_defaults_the_configs_hold():
 
 def test_the_rules_help_names_every_rule_and_both_defaults():
     from ddplab.study.config import ADAM_RULES, FIXED_RULES
-    from ddplab.study.rules import REGISTRY as RULES
+    from ddplab.study.rules import registry
 
     rules = next(a.help for a in dict(leaves(build_parser()))[("study",)]._actions if "--rules" in a.option_strings)
-    assert all(rule in rules for rule in RULES)
+    assert all(rule in rules for rule in registry.known())
     assert f"default {','.join(FIXED_RULES)} for SGD, {','.join(ADAM_RULES)} for Adam/AdamW" in rules
 
 

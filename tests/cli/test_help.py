@@ -131,10 +131,10 @@ def test_the_short_helps_say_what_runs_and_nothing_cut_in_half(capsys, monkeypat
     intro = audit.split("\n\n")[1]
     assert not intro.endswith(":") and intro.endswith("(--help-all lists them).")
     # study's --rules names every rule whole at any width (a list without spaces was one word, cut anywhere).
-    from ddplab.study.rules import REGISTRY
+    from ddplab.study.rules import registry
 
     for columns in (80, 100, 120, 160):
         study = _help(["study", "-h"], capsys, monkeypatch, columns=columns)
         block = study.split("--rules RULES")[1].split("\n  --")[0]
         words = set(block.replace(",", " ").split())
-        assert set(REGISTRY) <= words, (columns, block)
+        assert set(registry.known()) <= words, (columns, block)

@@ -11,7 +11,6 @@ from ddplab.cli import render
 from ddplab.cli.args import HelpFormatter, mark, number, split_at_command
 from ddplab.cli.options import add_fields, fields_given, help_text
 from ddplab.errors import SpecError, UsageError, literal
-from ddplab.study import rules
 from ddplab.study.branched.config import BranchConfig
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.config import (
@@ -23,7 +22,7 @@ from ddplab.study.config import (
 )
 from ddplab.study.kernels import pin_cpu_kernels
 from ddplab.study.report.text import front_lines
-from ddplab.study.rules import REGISTRY as RULES
+from ddplab.study.rules import registry
 
 DESCRIPTION = f"""\
 Train a grid of runs — global batch sizes × lr rules × seeds — each until it first reaches a
@@ -163,16 +162,16 @@ def branch_config_from_args(args: argparse.Namespace) -> BranchConfig | None:
 
 def _rules_help() -> str:
     # The rules are a registry, not a Literal: its names are the choices.
-    text = help_text(StudyConfig, "rules", doc=rules.help_line())
+    text = help_text(StudyConfig, "rules", doc=registry.help_line())
     # Spaced, so the help wraps between names: a list without spaces is one word that wrapping cuts anywhere.
-    return text.replace("comma-separated", f"comma-separated among {', '.join(RULES)}", 1)
+    return text.replace("comma-separated", f"comma-separated among {', '.join(registry.known())}", 1)
 
 
 def _rule_list(text: str) -> tuple[str, ...]:
     rules = tuple(part.strip() for part in text.split(","))
-    bad = [r for r in rules if r not in RULES]
+    bad = [r for r in rules if r not in registry.known()]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown rule {bad[0]!r}; choose among {', '.join(RULES)}")
+        raise argparse.ArgumentTypeError(f"unknown rule {bad[0]!r}; choose among {', '.join(registry.known())}")
     return rules
 
 
@@ -215,7 +214,7 @@ def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> 
 def _stand_in_family(optimizer: dict, asked: tuple[str, ...] | None) -> str:
     """The optimizer family assumed before the workload's own is known: AdamW where a rule asked for needs Adam's
     settings (AdamW suits every such rule), Adam where --betas or --eps are given, else SGD."""
-    if any(rules.get(name).adam_only for name in asked or ()):
+    if any(registry.get(name).adam_only for name in asked or ()):
         return "adamw"
     return "adam" if {"betas", "eps"} & optimizer.keys() else "sgd"
 
@@ -392,7 +391,7 @@ def _print(report) -> None:
                   "(--ref-lr keeps one's own)")
     _print_b_simple(out, values["b_simple"])
     _print_scorecard(out, values)
-    for rule in RULES.values():
+    for rule in registry.known().values():
         for line in rule.text(values):
             out.print(line)
     for line in front_lines(values):
@@ -423,7 +422,7 @@ def _print_scorecard(out, values: dict) -> None:
              str(row["batches"])] for rule, row in card.items()]
     out.print(render.table("scorecard: medians over the global batches, against the best tuned setting",
                            ["rule", "|log₂(lr / best lr)|", "steps ÷ tuned", "seeds' range", "batches"], rows))
-    for rule in RULES.values():
+    for rule in registry.known().values():
         for line in rule.lr_text(values):
             out.print(line)
     peak = values.get("lr_peak")

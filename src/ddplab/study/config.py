@@ -9,12 +9,12 @@ from typing import Literal, get_args
 
 from ddplab.errors import UsageError
 from ddplab.runtime.config import ParallelismConfig
-from ddplab.study import rules
+from ddplab.study.rules import registry
 from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
-FIXED_RULES: tuple[str, ...] = rules.defaults("sgd")
+FIXED_RULES: tuple[str, ...] = registry.defaults("sgd")
 """SGD's default rules: those that train at a fixed lr and batch."""
-ADAM_RULES: tuple[str, ...] = rules.defaults("adam")
+ADAM_RULES: tuple[str, ...] = registry.defaults("adam")
 """Adam's and AdamW's default: the fixed ones and the rules that scale the betas and eps with the batch."""
 Family = Literal["sgd", "adam", "adamw"]
 FAMILIES: tuple[Family, ...] = get_args(Family)
@@ -152,7 +152,7 @@ class StudyConfig:
 
     def __post_init__(self):
         if self.rules is None:
-            object.__setattr__(self, "rules", rules.defaults(self.optimizer.family))
+            object.__setattr__(self, "rules", registry.defaults(self.optimizer.family))
         if not self.global_batch_sizes or any(b < 1 for b in self.global_batch_sizes):
             raise UsageError("{global_batch_sizes} must be positive integers")
         _check_rules(self)
@@ -187,16 +187,16 @@ class StudyConfig:
 
 
 def _check_rules(config: StudyConfig) -> None:
-    if not config.rules or any(name not in rules.REGISTRY for name in config.rules):
-        raise UsageError(f"{{rules}} must be among {', '.join(rules.REGISTRY)}")
+    if not config.rules or any(name not in registry.known() for name in config.rules):
+        raise UsageError(f"{{rules}} must be among {', '.join(registry.known())}")
     _add_reference_batch(config)
-    for rule in rules.of(config):
+    for rule in registry.of(config):
         rule.check(config)
 
 
 def _add_reference_batch(config: StudyConfig) -> None:
     """The reference batch joins the grid where a rule measures there (surge's B_noise) and the grid left it out."""
-    needing = tuple(rule.name for rule in rules.of(config) if rule.measures_at_reference(config))
+    needing = tuple(rule.name for rule in registry.of(config) if rule.measures_at_reference(config))
     added = config.reference_global_batch_size not in config.global_batch_sizes
     if needing and added:
         batches = tuple(sorted((*config.global_batch_sizes, config.reference_global_batch_size)))

@@ -9,11 +9,12 @@ import math
 import pytest
 
 from ddplab.plan import scaling
-from ddplab.study import rules, workloads
+from ddplab.study import workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, StudyOptions, Target
 from ddplab.study.grid import analysis
 from ddplab.study.grid.study import run_study
 from ddplab.study.report.records import StudyReport
+from ddplab.study.rules import registry, sweep
 from ddplab.study.rules.base import round_lr
 from ddplab.study.runs import RunResult, grid_group
 
@@ -47,11 +48,11 @@ def _hand_made(config: StudyConfig) -> dict[int, list[RunResult]]:
     """Every run the study would train, from the groups the grid and the rules make, with steps set by hand."""
     results: dict[int, list[RunResult]] = {}
     for b in config.global_batch_sizes:
-        group = grid_group(config, b, rules.grid_runs(config, b), rules.variants(config, b))
+        group = grid_group(config, b, sweep.grid_runs(config, b), sweep.variants(config, b))
         results[b] = [_arrive(run, SWEEP.get((b, run.lr, run.variant), [100, 100])[run.seed])
                       for run in group.results()]
     for b in config.global_batch_sizes:
-        for rule in rules.of(config):
+        for rule in registry.of(config):
             group = rule.group(config, b, results)
             if group is not None:
                 results[b] += [_arrive(run, OWN[(rule.name, b)][run.seed]) for run in group.results()]
@@ -179,8 +180,8 @@ def test_an_adaptive_rule_is_scored_by_its_mean_lr_and_never_said_to_beat_the_sw
                          sweep_margin=1.0)
     results: dict[int, list[RunResult]] = {}
     for b in config.global_batch_sizes:
-        results[b] = [_arrive(run, 100) for run in grid_group(config, b, rules.grid_runs(config, b)).results()]
-        for run in rules.get("adascale").group(config, b, results).results():
+        results[b] = [_arrive(run, 100) for run in grid_group(config, b, sweep.grid_runs(config, b)).results()]
+        for run in registry.get("adascale").group(config, b, results).results():
             run.gains = [[5, 1.0, 1.0], [10, 1.0, 2.0]] if b == 32 else [[5, 1.5, 1.5], [10, 2.0, 3.5]]
             results[b].append(_arrive(run, 10 + run.seed))
     found = analysis.analyze(config, results)

@@ -17,11 +17,12 @@ from ddplab.cli.main import main
 from ddplab.errors import UsageError
 from ddplab.plan import from_study
 from ddplab.study import fit as study_fit
-from ddplab.study import rules, workloads
+from ddplab.study import workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap as engine
 from ddplab.study.grid import analysis, verify
 from ddplab.study.grid import training as grid_training
+from ddplab.study.rules import registry, sweep
 from ddplab.study.runs import grid_group
 
 PLAIN_SGD = OptimizerConfig(momentum=0.0)
@@ -104,8 +105,8 @@ def test_the_measured_lr_is_interpolated_log_log():
 def test_sweep_spans_both_rules_and_rules_share_runs():
     config = StudyConfig(target=Target(kind="accuracy", value=0.9), reference_global_batch_size=32, reference_lr=0.05,
                                sweep_margin=2.0)
-    assert rules.get("tuned").grid_lrs(config, 128) == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4])
-    lrs = rules.lrs(config, 32)
+    assert registry.get("tuned").grid_lrs(config, 128) == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4])
+    lrs = sweep.lrs(config, 32)
     # At the reference batch constant, linear and sqrt are one run, also a sweep point.
     assert lrs[0.05] == ["constant", "linear", "sqrt", "tuned"]
 
@@ -155,7 +156,7 @@ def test_study_fit_matches_fit_of_exact_regression_curve():
                          dtype="float64")
     # 7 seeds: with 3, the median run is up to 19% ahead of the expected error's steps (Jensen) at some batch.
     found = analysis.analyze(config, grid_training.run_grid(workload, config, None, engine.VmapEngine()))
-    exact = {b: min(s for lr in rules.get("tuned").grid_lrs(config, b) if (s := workloads.regression_expected_steps(
+    exact = {b: min(s for lr in registry.get("tuned").grid_lrs(config, b) if (s := workloads.regression_expected_steps(
         dim=dim, global_batch=b, lr=lr, start=start, target=start * ratio)) is not None)
         for b in config.global_batch_sizes}
     measured = found.fit["tuned"]["median_steps"]
@@ -209,7 +210,7 @@ def test_adascale_runs_are_the_library_adapter_on_torch_sgd():
     config = StudyConfig(target=Target(kind="loss", value=1e-12), global_batch_sizes=(16, 64), rules=("adascale",),
                          reference_global_batch_size=16, reference_lr=0.02, dtype="float64")
     batch, half, steps = 64, 32, 40
-    group = engine.Group(workload, config, rules.get("adascale").group(config, batch, {}))
+    group = engine.Group(workload, config, registry.get("adascale").group(config, batch, {}))
     for step in range(steps):
         group.step(step, measure=True)
 
@@ -845,7 +846,7 @@ def test_a_sweep_whose_best_lr_is_on_its_edge_extends_until_it_is_interior():
         exact = 1 / (2 * (1 + 9 / point["global_batch_size"]))
         assert exact / 2 <= point["lr"] <= exact * 2, (point, exact)
     assert any(r["extension"] for r in found.runs) and not any("sits at the edge" in w for w in found.warnings)
-    grid_runs = sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes)
+    grid_runs = sum(len(sweep.grid_runs(config, b)) for b in config.global_batch_sizes)
     tight = dataclasses.replace(config, max_runs=grid_runs + 2)
     found = analysis.analyze(tight, grid_training.run_grid(workload, tight, None, engine.VmapEngine()))
     assert any("sits at the edge of its sweep" in w and "--max-runs" in w for w in found.warnings)

@@ -13,7 +13,7 @@ import torch
 
 from ddplab.errors import UsageError
 from ddplab.plan import scaling
-from ddplab.study import optim, rules, workloads
+from ddplab.study import optim, workloads
 from ddplab.study.config import OptimizerConfig, StudyConfig, Target
 from ddplab.study.engines import vmap
 from ddplab.study.grid import analysis
@@ -21,6 +21,7 @@ from ddplab.study.grid import cache as grid_cache
 from ddplab.study.grid import training as grid_training
 from ddplab.study.report import figures as report_figures
 from ddplab.study.report.records import StudyReport
+from ddplab.study.rules import registry, sweep
 from ddplab.study.rules.base import GridRule, OwnGroupRule, round_lr
 from ddplab.study.runs import grid_group
 
@@ -49,7 +50,7 @@ class AdamCbrt(OwnGroupRule):
 @pytest.fixture
 def adam_cbrt(monkeypatch):
     rule = AdamCbrt()
-    monkeypatch.setitem(rules.REGISTRY, rule.name, rule)
+    monkeypatch.setitem(registry.known(), rule.name, rule)
     return rule
 
 
@@ -86,7 +87,7 @@ def test_a_rule_registered_in_one_file_trains_caches_and_is_fitted(adam_cbrt, tm
     assert sum(r.rule == "adam-cbrt" for rs in results.values() for r in rs) == 2 * config.seeds
     # Its runs are drawn in every plot, in a colour of its own.
 
-    assert report_figures.color("adam-cbrt") not in {report_figures.color(name) for name in rules.REGISTRY
+    assert report_figures.color("adam-cbrt") not in {report_figures.color(name) for name in registry.known()
                                                      if name != "adam-cbrt"}
     assert all(os.path.getsize(path) for path in report_figures.plots(report, results, str(tmp_path)))
     with pytest.raises(UsageError, match="adam-cbrt rule scales Adam"):
@@ -100,7 +101,7 @@ def test_the_vectorized_engine_trains_each_run_with_its_own_settings_as_torch_ad
     config = _config(rules=("tuned", "adam-sqrt", "adamw-tau"), optimizer=OptimizerConfig(family="adamw",
                                                                                           weight_decay=0.1))
     b, steps = 64, 12
-    variants = rules.variants(config, b)
+    variants = sweep.variants(config, b)
     assert set(variants) == {"adam-sqrt", "adamw-tau"}
     assert variants["adamw-tau"].weight_decay == pytest.approx(0.2)
     group = grid_group(config, b, [(0.02, 0, ""), (0.02, 1, "adam-sqrt"), (0.04, 1, "adamw-tau")], variants)
@@ -170,7 +171,7 @@ def test_the_stacked_update_is_torch_optims_bit_for_bit_with_per_run_settings(fa
 def test_adamw_tau_scales_every_setting_as_ddplab_plan_does():
     config = _config(rules=("tuned", "adamw-tau"), optimizer=OptimizerConfig(family="adamw", betas=(0.9, 0.99),
                                                                             weight_decay=0.1))
-    rule = rules.get("adamw-tau")
+    rule = registry.get("adamw-tau")
     assert rule.runs(config, 64) == [(0.04, 0), (0.04, 1)]
     scaled = rule.optimizer(config, 64)
     # k = 4: β₁ kept, β₂ at a constant half-life (β₂⁴), ε/√k, λ·k·(η/η') = λ√k: plan's own functions.
@@ -188,28 +189,28 @@ def test_adamw_tau_scales_every_setting_as_ddplab_plan_does():
 def test_the_tuned_sweep_trains_every_lr_with_each_adam_rules_settings():
     config = _config(rules=("constant", "adam-sqrt", "adamw-tau", "surge", "tuned"), noise_scale=100.0,
                      optimizer=OptimizerConfig(family="adamw", weight_decay=0.1))
-    swept = rules.get("tuned").grid_lrs(config, 64)
+    swept = registry.get("tuned").grid_lrs(config, 64)
     # At the reference nothing is scaled: one setting per lr.
-    assert rules.variants(config, 16) == {}
-    assert {v for _, _, v in rules.grid_runs(config, 16)} == {""}
-    variants = rules.variants(config, 64)
-    assert variants == {"adam-sqrt": rules.get("adam-sqrt").optimizer(config, 64),
-                        "adamw-tau": rules.get("adamw-tau").optimizer(config, 64)}
-    runs = rules.grid_runs(config, 64)
+    assert sweep.variants(config, 16) == {}
+    assert {v for _, _, v in sweep.grid_runs(config, 16)} == {""}
+    variants = sweep.variants(config, 64)
+    assert variants == {"adam-sqrt": registry.get("adam-sqrt").optimizer(config, 64),
+                        "adamw-tau": registry.get("adamw-tau").optimizer(config, 64)}
+    runs = sweep.grid_runs(config, 64)
     assert {(lr, seed, v) for lr in swept for seed in range(2) for v in ("", "adam-sqrt", "adamw-tau")} <= set(runs)
     assert len(runs) == len(set(runs))
     # The variants serve the sweep alone: a run of theirs may stop once it cannot be the best.
-    assert {(lr, v) for lr in swept for v in ("adam-sqrt", "adamw-tau")} <= rules.sweep_only(config, 64)
-    assert (0.02, "") not in rules.sweep_only(config, 64)  # the constant rule's lr
+    assert {(lr, v) for lr in swept for v in ("adam-sqrt", "adamw-tau")} <= sweep.sweep_only(config, 64)
+    assert (0.02, "") not in sweep.sweep_only(config, 64)  # the constant rule's lr
     # Without a sweep, or with SGD, there is nothing to vary.
-    assert rules.variants(dataclasses.replace(config, rules=("adam-sqrt",)), 64) == {}
+    assert sweep.variants(dataclasses.replace(config, rules=("adam-sqrt",)), 64) == {}
     sgd = _config(rules=("sqrt", "tuned"), optimizer=OptimizerConfig())
-    assert rules.variants(sgd, 64) == {}
+    assert sweep.variants(sgd, 64) == {}
 
 
 def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_says_when_it_cannot():
     adamw = OptimizerConfig(family="adamw")
-    rule = rules.get("surge")
+    rule = registry.get("surge")
     config = _config(rules=("tuned", "surge"), optimizer=adamw, noise_scale=64.0)
     # From B_noise/4 to the peak: η*(64)/η*(16) = 1/0.8.
     assert rule.group(config, 64, {}).runs == ((0.025, 0), (0.025, 1))
@@ -220,17 +221,17 @@ def test_the_surge_rule_takes_b_noise_given_or_measured_at_the_reference_and_say
             _config(**{"rules": ("tuned", "surge"), "optimizer": adamw, "noise_scale": 64.0, **bad})
     # Measured: B_simple along the best tuned runs at the reference batch (here tr Σ / |G|² = 20 / 2 = 10).
     config = _config(rules=("tuned", "surge"), optimizer=adamw, sweep_margin=1.0)
-    reference = grid_group(config, 16, rules.grid_runs(config, 16)).results()
+    reference = grid_group(config, 16, sweep.grid_runs(config, 16)).results()
     for run in reference:
         run.steps_to_target, run.noise_g2, run.noise_trace = 50, [2.0, 2.0], [10.0, 30.0]
-    assert rules.b_simple_at(config, 16, reference) == 10.0
+    assert sweep.b_simple_at(config, 16, reference) == 10.0
     group = rule.group(config, 64, {16: reference})
     assert group.runs[0][0] == round_lr(0.02 * scaling.surge_lr_multiplier(16, 64, 10.0))
     # Not measurable (the reference's runs never arrived): the rule is skipped, and the warning says why.
     for run in reference:
         run.steps_to_target = None
     assert rule.group(config, 64, {16: reference}) is None
-    batches = {16: rules.view(config, 16, reference)}
+    batches = {16: sweep.view(config, 16, reference)}
     assert rule.report(config, batches, []) == {"surge": None}
     assert "surge rule did not run" in rule.warnings(config, batches)[0]
 
@@ -251,16 +252,17 @@ def test_the_reference_batch_a_rule_measures_at_is_trained_not_refused():
 
 
 def test_the_registry_holds_every_rule_once_and_each_says_what_it_is():
-    assert list(rules.REGISTRY) == ["constant", "linear", "sqrt", "adam-sqrt", "adamw-tau", "surge", "tuned",
+    assert list(registry.known()) == ["constant", "linear", "sqrt", "adam-sqrt", "adamw-tau", "surge", "tuned",
                                     "adascale", "ramp", "schedule"]
-    assert [rule.name for rule in rules.REGISTRY.values() if rule.sweeps] == ["tuned"]
-    assert {rule.name for rule in rules.REGISTRY.values() if rule.shares_grid} == {"constant", "linear", "sqrt",
+    assert [rule.name for rule in registry.known().values() if rule.sweeps] == ["tuned"]
+    assert {rule.name for rule in registry.known().values() if rule.shares_grid} == {"constant", "linear", "sqrt",
                                                                                    "tuned"}
-    assert all(rule.summary for rule in rules.REGISTRY.values())
+    assert all(rule.summary for rule in registry.known().values())
     config = StudyConfig(target=Target(kind="loss", value=0.1), reference_global_batch_size=32, reference_lr=0.1,
                          optimizer=OptimizerConfig(family="adam"), rules=("constant", "linear", "sqrt", "adam-sqrt"))
-    assert [rules.get(name).grid_lrs(config, 128) for name in ("constant", "linear", "sqrt")] == [[0.1], [0.4], [0.2]]
-    scaled = rules.get("adam-sqrt").optimizer(config, 128)
+    fixed = [registry.get(name).grid_lrs(config, 128) for name in ("constant", "linear", "sqrt")]
+    assert fixed == [[0.1], [0.4], [0.2]]
+    scaled = registry.get("adam-sqrt").optimizer(config, 128)
     assert scaled.betas == pytest.approx((0.6, 0.996)) and scaled.eps == pytest.approx(5e-9)
     with pytest.raises(UsageError, match="rules must be among"):
         StudyConfig(target=Target(kind="loss", value=0.1), rules=("cosine",))
@@ -324,7 +326,7 @@ def test_a_rule_registered_in_one_file_is_said_by_the_command_line_the_report_an
     from ddplab.cli.main import main
     from ddplab.study.report import html
 
-    monkeypatch.setitem(rules.REGISTRY, Quartic.name, Quartic())
+    monkeypatch.setitem(registry.known(), Quartic.name, Quartic())
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):
         main(["study", "--help-all"])  # every flag with its whole help; -h is the short one

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Literal, get_args
 
 from ddplab.errors import UsageError
-from ddplab.study import rules
+from ddplab.study.rules import registry
 from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
 LrRule = Literal["auto", "linear", "sqrt"]
@@ -88,4 +88,4 @@ def scaled_lr(reference_lr: float, global_batch: int, reference_global_batch: in
     >>> scaled_lr(0.1, 128, 32, "linear"), scaled_lr(0.1, 128, 32, "sqrt")
     (0.4, 0.2)
     """
-    return reference_lr * rules.get(rule).factor(global_batch / reference_global_batch)
+    return reference_lr * registry.get(rule).factor(global_batch / reference_global_batch)

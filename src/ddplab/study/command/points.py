@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from ddplab.errors import UsageError, literal
 from ddplab.plan import scaling
-from ddplab.study import rules
 from ddplab.study.command.template import ADAM_SETTINGS, CommandTemplate
 from ddplab.study.config import OptimizerConfig, StudyConfig
+from ddplab.study.rules import base, registry
 
 
 def values(config: StudyConfig, world_size: int, max_per_device: int | None, global_batch: int, lr: float,
@@ -42,7 +42,7 @@ def check(template: CommandTemplate, config: StudyConfig, world_size: int, max_p
                          "repeated): add it, or pass {seeds} 1")
     for global_batch in config.global_batch_sizes:
         _check_split(names, global_batch, world_size, max_per_device)
-    for rule in rules.of(config):
+    for rule in registry.of(config):
         _check_rule(rule, config, names)
 
 
@@ -55,7 +55,7 @@ def _check_split(names: set[str], global_batch: int, world_size: int, max_per_de
                          "{{accumulation_steps}}: add it, or raise {max_batch_size_per_device}")
 
 
-def _check_rule(rule: rules.Rule, config: StudyConfig, names: set[str]) -> None:
+def _check_rule(rule: base.Rule, config: StudyConfig, names: set[str]) -> None:
     if rule.lr_scaling != "fixed" or rule.batch_changes:
         changes = "lr" if rule.lr_scaling != "fixed" else "global batch"
         raise UsageError(f"the {rule.name} rule changes the {changes} as a run trains, which a command's flags "

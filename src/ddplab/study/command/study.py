@@ -117,6 +117,6 @@ class _Runs:
 
 def _runs(config: StudyConfig) -> int:
     # The grid's runs as planned; a sweep's extensions and the rules' own groups add to it as they come.
-    from ddplab.study import rules
+    from ddplab.study.rules import sweep
 
-    return max(1, sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes))
+    return max(1, sum(len(sweep.grid_runs(config, b)) for b in config.global_batch_sizes))

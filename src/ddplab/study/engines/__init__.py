@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ddplab.study import rules
 from ddplab.study.engines.base import Engine, Progress
 from ddplab.study.engines.fastest import Fastest, duration, fastest
 from ddplab.study.engines.registry import EngineKind, branch_trainer, kinds, register, vectorized
+from ddplab.study.rules import registry
 
 if TYPE_CHECKING:
     from ddplab.study.runs import RunGroup
@@ -36,7 +36,7 @@ def claiming() -> tuple[Engine, ...]:
 def for_group(engine: Engine, group: RunGroup) -> Engine:
     """The engine that trains ``group``: the one that claims it, else the study's ``engine``."""
     # A rule whose runs change their batch is the changing engine's (ChangingEngine.claims): said without torch.
-    if not (group.rule and rules.get(group.rule).batch_changes):
+    if not (group.rule and registry.get(group.rule).batch_changes):
         return engine
     return next((other for other in claiming() if other.claims(group)), engine)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ddplab.study import rules
 from ddplab.study.engines.base import Progress
 from ddplab.study.engines.vmap import evaluate_model, seeded_state
 from ddplab.study.optim import torch_dtype
 from ddplab.study.orders import Batches
+from ddplab.study.rules import registry
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, settle
 from ddplab.study.workloads import run_optimizer
 
@@ -36,11 +36,11 @@ class ChangingEngine:
 
     def claims(self, group: RunGroup) -> bool:
         """Whether this engine, and no other, trains ``group``: its rule's runs change their batch."""
-        return bool(group.rule) and rules.get(group.rule).batch_changes
+        return bool(group.rule) and registry.get(group.rule).batch_changes
 
     def train(self, workload: Workload, config: StudyConfig, group: RunGroup,
               progress: Progress | None = None) -> list[RunResult]:
-        rule = rules.get(group.rule)
+        rule = registry.get(group.rule)
         out = []
         for lr, seed in group.runs:
             out.append(train_changing(workload, config, rule, group.global_batch_size, lr, seed))

@@ -14,12 +14,12 @@ from ddplab.errors import UsageError, literal
 from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, world_size_for
 from ddplab.runtime.launch_config import under_torchrun
-from ddplab.study import rules
 from ddplab.study.config import StudyConfig, StudyOptions
 from ddplab.study.engines.base import Engine
 from ddplab.study.engines.ddp import DdpEngine
 from ddplab.study.engines.fastest import Fastest
 from ddplab.study.engines.vmap import VmapEngine
+from ddplab.study.rules import registry
 from ddplab.study.workloads import Workload
 
 BranchEngine = Literal["vmap", "ddp"]
@@ -69,7 +69,7 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
                             "vectorized, per rank on DDP), so one engine trains every batch size")
         return "vmap", ("asked for" if options.engine == "vmap" else
                         "the model and optimizer vectorize: every run of a batch size trains at once in one process")
-    for rule in rules.of(config):
+    for rule in registry.of(config):
         if rule.multi_rank and world_size_for(None, default=options.world_size) < 2:
             raise UsageError(f"the rule {rule.name} on the DDP engine measures the noise scale across ranks: give "
                              "{world_size} 2 or more, or drop it from {rules}")

@@ -10,8 +10,9 @@ import dataclasses
 import math
 
 from ddplab.errors import UsageError
-from ddplab.study import fit, rules
+from ddplab.study import fit
 from ddplab.study.config import StudyConfig
+from ddplab.study.rules import base, registry, sweep
 from ddplab.study.rules.base import BatchRuns, row
 from ddplab.study.runs import RunResult, b_simple_summary, steps
 
@@ -50,21 +51,21 @@ class StudyAnalysis:
 def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAnalysis:
     """The study's answer from its runs; UsageError when every lr of a batch size diverged."""
     _check_divergence(config, results)
-    scaled_from = rules.rules_lr(config, results)
-    config = rules.anchored(config, results)
-    batches = {b: rules.view(config, b, results[b]) for b in sorted(results)}
-    asked = rules.of(config)
+    scaled_from = sweep.rules_lr(config, results)
+    config = sweep.anchored(config, results)
+    batches = {b: sweep.view(config, b, results[b]) for b in sorted(results)}
+    asked = registry.of(config)
     runs, tuned = [], []
     steps_by_rule: dict[str, dict[int, list[float]]] = {rule.name: {} for rule in asked if rule.fitted}
-    sweep = rules.sweeping(config)
+    sweep_rule = registry.sweeping(config)
     for b, view in batches.items():
         if view.best is not None:
             best = view.seeds_at(view.best.lr, view.best.variant)
             tuned.append({"global_batch_size": b, "lr": view.best.lr, "median_steps": view.best.median_steps,
                           "variant": view.best.variant, "optimizer": best[0].optimizer,
-                          "sweep": sorted(lr for lr, names in view.lrs.items() if sweep.name in names),
+                          "sweep": sorted(lr for lr, names in view.lrs.items() if sweep_rule.name in names),
                           "variants": list(view.variants)})
-        runs += _grid_rows(view, sweep)
+        runs += _grid_rows(view, sweep_rule)
         for rule in asked:
             runs += rule.rows(view)
             seeds = rule.seeds_at(view) if rule.fitted else None
@@ -76,17 +77,18 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
         warnings += rule.warnings(config, batches)
     best_runs = [run for p in tuned for run in batches[p["global_batch_size"]].seeds_at(p["lr"], p["variant"])]
     warnings += _rules_lr_warnings(config, scaled_from)
-    warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get(sweep.name, {})
-                                                                         if sweep else {})
+    warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get(sweep_rule.name, {})
+                                                                         if sweep_rule else {})
     # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
     best_runs = [r for r in best_runs if r.steps_to_target is not None]
-    sections = _sections([rule.report(config, batches, tuned) for rule in rules.REGISTRY.values()])
+    sections = _sections([rule.report(config, batches, tuned) for rule in registry.known().values()])
     if sections.get("adaptive"):
-        sections["adaptive"] = against_the_front(sections["adaptive"], tuned, fits.get(sweep.name) if sweep else None)
+        front = fits.get(sweep_rule.name) if sweep_rule else None
+        sections["adaptive"] = against_the_front(sections["adaptive"], tuned, front)
     card = scorecard(config, batches)
     warnings += _beats_tuned_warnings(card)
     warnings += _early_target_warnings(config, fits, steps_by_rule)
-    b_simple = _b_simple(best_runs, fits.get(sweep.name) if sweep else None)
+    b_simple = _b_simple(best_runs, fits.get(sweep_rule.name) if sweep_rule else None)
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
                          sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple),
@@ -97,7 +99,7 @@ def _reference_added(config: StudyConfig) -> list[str]:
     """The reference batch the grid left out and the study trained, and the rules that made it."""
     if not config.reference_trained_for:
         return []
-    why = "; ".join(f"the {name} rule needs it for {rules.get(name).measures_at_reference(config)}"
+    why = "; ".join(f"the {name} rule needs it for {registry.get(name).measures_at_reference(config)}"
                     for name in config.reference_trained_for)
     return [f"global batch {config.reference_global_batch_size}, the reference, was not in --global-batch-sizes and "
             f"was trained too: {why}"]
@@ -105,7 +107,7 @@ def _reference_added(config: StudyConfig) -> list[str]:
 
 def _rules_lr_warnings(config: StudyConfig, scaled_from: dict) -> list[str]:
     """Where the rules could not scale from the tuned best at the reference batch although they were to."""
-    if scaled_from["source"] != "reference_lr" or rules.sweeping(config) is None:
+    if scaled_from["source"] != "reference_lr" or registry.sweeping(config) is None:
         return []
     reference = config.reference_global_batch_size
     if reference not in config.global_batch_sizes:
@@ -156,7 +158,7 @@ def against_the_front(adaptive: dict[str, dict], tuned: list[dict], tuned_fit: d
             for name, entry in adaptive.items()}
 
 
-def _grid_rows(view: BatchRuns, sweep: rules.Rule | None) -> list[dict]:
+def _grid_rows(view: BatchRuns, sweep: base.Rule | None) -> list[dict]:
     """The shared grid's runs, lr by lr, once for every rule each lr serves (the sweep's with each of its variants);
     the sweep's best starred."""
     out = []
@@ -173,13 +175,13 @@ def _grid_rows(view: BatchRuns, sweep: rules.Rule | None) -> list[dict]:
 
 
 def _check_divergence(config: StudyConfig, results: dict[int, list[RunResult]]) -> None:
-    sweeping = rules.sweeping(config)
+    sweeping = registry.sweeping(config)
     for b, runs in sorted(results.items()):
         fixed = [r for r in runs if r.fixed]
-        lrs = rules.sweep_lrs(config, b, runs)
-        sweep = [r for r in fixed if sweeping and sweeping.name in lrs.get(r.lr, [])] or fixed
-        if sweep and all(r.diverged for r in sweep):
-            lrs = [r.lr for r in sweep]
+        lrs = sweep.sweep_lrs(config, b, runs)
+        swept = [r for r in fixed if sweeping and sweeping.name in lrs.get(r.lr, [])] or fixed
+        if swept and all(r.diverged for r in swept):
+            lrs = [r.lr for r in swept]
             raise UsageError(f"every lr {'of the tuned sweep ' if sweeping else ''}diverged at global "
                              f"batch {b} ({min(lrs):g} to {max(lrs):g}): lower {{reference_lr}} (runs are cached)")
 
@@ -337,7 +339,7 @@ def _unreached(config: StudyConfig, batches: dict[int, BatchRuns]) -> list[dict]
     out = []
     for b, view in batches.items():
         runs = list(view.fixed.values()) + [run for own in view.own.values() for run in own.values()]
-        for rule in rules.of(config):
+        for rule in registry.of(config):
             served = [run for run in runs if rule.serves(run, view.lrs)]
             if served and math.isinf(_median_steps(served)):
                 out.append({"rule": rule.name, "global_batch_size": b, "best_metric": _best_metric(config, served),
@@ -368,7 +370,7 @@ def scorecard(config: StudyConfig, batches: dict[int, BatchRuns]) -> dict[str, d
     ratio's seed range (medians of its fewest and most seeds' steps over the best's), and the batches where every
     seed of it beat every seed of the best (the sweep missed a better setting there)."""
     out = {}
-    for rule in rules.of(config):
+    for rule in registry.of(config):
         gaps, ratios, lows, highs, beats = [], [], [], [], []
         for b, view in batches.items():
             if view.best is None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ddplab.errors import UsageError
-from ddplab.study import engines, rules
+from ddplab.study import engines
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines import Engine, Progress
 from ddplab.study.grid.cache import Cache
+from ddplab.study.rules import registry, sweep
 from ddplab.study.rules.base import round_lr
 from ddplab.study.runs import RunGroup, RunResult, grid_group
 
@@ -45,20 +46,20 @@ def run_grid(workload: Workload, config: StudyConfig, cache: Cache | None, engin
     """
     results = {}
     budget = _Budget(config)
-    # The reference batch first: the rules scale from its sweep's best lr (rules.anchored), unless told another.
+    # The reference batch first: the rules scale from its sweep's best lr (sweep.anchored), unless told another.
     reference = config.reference_global_batch_size
     for global_batch in sorted(config.global_batch_sizes, key=lambda b: (b != reference, b)):
         if global_batch != reference:
-            config = rules.anchored(config, results)
-        runs = rules.grid_runs(config, global_batch)
-        grid = grid_group(config, global_batch, runs, rules.variants(config, global_batch),
-                          sweep_only=rules.sweep_only(config, global_batch))
+            config = sweep.anchored(config, results)
+        runs = sweep.grid_runs(config, global_batch)
+        grid = grid_group(config, global_batch, runs, sweep.variants(config, global_batch),
+                          sweep_only=sweep.sweep_only(config, global_batch))
         results[global_batch] = _trained(workload, config, cache, engine, grid, advance) if runs else []
         results[global_batch] += _extend_sweep(workload, config, cache, engine, global_batch, results[global_batch],
                                                budget)
     # Then the groups of rules with runs of their own (another update, an lr another rule may share).
     for global_batch in sorted(config.global_batch_sizes):
-        for rule in rules.of(config):
+        for rule in registry.of(config):
             group = rule.group(config, global_batch, results)
             if group is not None:
                 results[global_batch] += _trained(workload, config, cache, engine, group, advance)
@@ -84,7 +85,7 @@ class _Budget:
     """Fixed-lr runs the study may still add to extend its sweeps (``max_runs`` less the grid's own)."""
 
     def __init__(self, config: StudyConfig):
-        self.left = config.max_runs - sum(len(rules.grid_runs(config, b)) for b in config.global_batch_sizes)
+        self.left = config.max_runs - sum(len(sweep.grid_runs(config, b)) for b in config.global_batch_sizes)
         if self.left < 0:
             raise UsageError(f"the grid has {config.max_runs - self.left} fixed-lr runs, more than {{max_runs}} "
                              f"{config.max_runs}: raise it, or give fewer {{global_batch_sizes}}, seeds or a coarser "
@@ -95,21 +96,21 @@ def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, 
                   runs: list[RunResult], budget: _Budget) -> list[RunResult]:
     """Runs past the sweep's edge, a factor at a time, until its best lr is interior (or the next lr diverged, or
     the budget is spent): the sweep's best is only a best when something on each side lost to it."""
-    sweep = rules.sweeping(config)
-    if sweep is None:
+    tuned = registry.sweeping(config)
+    if tuned is None:
         return []
     cached = cache.load_any(global_batch, "-extension") if cache else {}
-    variants = rules.variants(config, global_batch)
+    variants = sweep.variants(config, global_batch)
     added: list[RunResult] = []
     while True:
-        best = rules.tuned_best(config, global_batch, runs + added)
-        lrs = sorted(lr for lr, names in rules.sweep_lrs(config, global_batch, runs + added).items()
-                     if sweep.name in names)
+        best = sweep.tuned_best(config, global_batch, runs + added)
+        lrs = sorted(lr for lr, names in sweep.sweep_lrs(config, global_batch, runs + added).items()
+                     if tuned.name in names)
         if best is None or best.lr not in (lrs[0], lrs[-1]):
             return added
         lr = round_lr(best.lr * config.sweep_factor if best.lr == lrs[-1] else best.lr / config.sweep_factor)
         # The new lr with every setting the sweep tries, as each of its lrs.
-        new = [(lr, seed, variant) for _, variant in rules.sweep_points(config, global_batch, [lr])
+        new = [(lr, seed, variant) for _, variant in sweep.sweep_points(config, global_batch, [lr])
                for seed in range(config.seeds)]
         if all(key in cached for key in new):
             trained = [cached[key] for key in new]
@@ -127,5 +128,5 @@ def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, 
 
 def groups(config: StudyConfig) -> int:
     """Stretches of ``max_steps`` the grid trains: a group per batch size, and those of the rules' own groups."""
-    return sum(bool(rules.grid_runs(config, b)) for b in config.global_batch_sizes) + \
-        sum(rule.stretches(config) for rule in rules.of(config))
+    return sum(bool(sweep.grid_runs(config, b)) for b in config.global_batch_sizes) + \
+        sum(rule.stretches(config) for rule in registry.of(config))

@@ -10,11 +10,12 @@ from ddplab.errors import UsageError
 from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.serialize import finite
-from ddplab.study import rules, workloads
+from ddplab.study import workloads
 from ddplab.study.config import StudyConfig
 from ddplab.study.engines.vmap import Group, cast
 from ddplab.study.optim import torch_dtype, torch_optimizer
 from ddplab.study.orders import RankShards
+from ddplab.study.rules import sweep
 from ddplab.study.runs import grid_group
 from ddplab.study.workloads import Workload
 
@@ -49,7 +50,7 @@ def verify_points(config: StudyConfig, count: int, world_size: int, tuned: list[
                   for seed in range(config.seeds)]
     else:
         points = [(b, lr, seed) for b in sorted(config.global_batch_sizes) if b % world_size == 0
-                  for lr in rules.lrs(config, b) for seed in range(config.seeds)]
+                  for lr in sweep.lrs(config, b) for seed in range(config.seeds)]
     if not points:
         raise UsageError(f"no global batch in {{global_batch_sizes}} divides evenly over {world_size} ranks "
                          "({verify_world_size})")

@@ -6,7 +6,7 @@ import math
 import os
 import sys
 
-from ddplab.study import rules
+from ddplab.study.rules import registry
 
 SPARE = ("tab:pink", "gold", "navy", "black")
 
@@ -17,15 +17,15 @@ ADAPTIVE_MARKERS = ("*", "P", "X", "D")
 
 def color(rule: str) -> str:
     """A rule's colour in every plot (a rule registered later takes a spare one, the same in every figure)."""
-    own = rules.get(rule).colour if rule in rules.REGISTRY else None
+    own = registry.get(rule).colour if rule in registry.known() else None
     if own is not None:
         return own
-    return SPARE[list(rules.REGISTRY).index(rule) % len(SPARE)] if rule in rules.REGISTRY else SPARE[-1]
+    return SPARE[list(registry.known()).index(rule) % len(SPARE)] if rule in registry.known() else SPARE[-1]
 
 
 def _truth_colour() -> str:
     """The ground truth's colour (the tuned sweep's): its fit, its best lrs, its runs' batch."""
-    return color(rules.ground_truth().name)
+    return color(registry.ground_truth().name)
 
 
 def pyplot():
@@ -52,7 +52,7 @@ def plots(report: dict, results: dict, directory: str, compare: dict | None = No
     if (report.get("b_simple") or {}).get("by_batch"):
         paths.append(os.path.join(directory, "b_simple.png"))
         _b_simple_plot(report, paths[-1])
-    for rule in rules.REGISTRY.values():
+    for rule in registry.known().values():
         paths += rule.figures(report, directory, sys.modules[__name__])
     return paths
 
@@ -106,7 +106,7 @@ def _steps_plot(report: dict, path: str) -> None:
             if band:
                 ax.fill_between([b for b, _ in band], [v[0] for _, v in band], [v[1] for _, v in band],
                                 color=color(rule), alpha=0.12, linewidth=0)
-    tuned = report["fit"].get(rules.ground_truth().name)
+    tuned = report["fit"].get(registry.ground_truth().name)
     if tuned and tuned["b_crit"] is not None:
         _regimes(ax, tuned, batches)
     if report.get("b_simple") and report["b_simple"]["value"]:
@@ -148,7 +148,7 @@ def _compare_plot(report: dict, other: dict, path: str) -> None:
         if points:
             ax.plot(*zip(*points), "o-", color=color, label=f"{name}: best tuned lr")
         ref = study["reference"]
-        rule = rules.predicting(study["optimizer"].get("family", "sgd"))
+        rule = registry.predicting(study["optimizer"].get("family", "sgd"))
         batches = sorted(study.get("global_batch_sizes") or [b for b, _ in points])
         if batches:
             ax.plot(batches, [scale_lr(ref) * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
@@ -179,7 +179,7 @@ def _b_simple_plot(report: dict, path: str) -> None:
     ax.plot([], [], "o", color="tab:purple", label="whole runs (95% interval)")
     if b_simple.get("value"):
         ax.axhline(b_simple["value"], color="tab:purple", linestyle=":", label=f"pooled {b_simple['value']:.3g}")
-    tuned = report["fit"].get(rules.ground_truth().name)
+    tuned = report["fit"].get(registry.ground_truth().name)
     if tuned and tuned.get("b_crit"):
         ax.axhline(tuned["b_crit"], color=_truth_colour(), linestyle="--", label=f"B_crit {tuned['b_crit']:.3g}")
     batch_axes(ax, "B_simple = tr Σ / |G|²", "the gradient noise scale along the best runs",
@@ -205,7 +205,7 @@ def _pareto_plot(report: dict, path: str) -> None:
             ax.plot([b * s for b, s in points], [s for _, s in points], "o", color=color(rule), label=rule)
             labels += [(b * s, s, b) for b, s in points]
             shown += [(b * s, s) for b, s in points]
-    fit = report["fit"].get(rules.ground_truth().name)
+    fit = report["fit"].get(registry.ground_truth().name)
     if fit and fit["b_crit"] is not None and fit["s_min"] and fit["e_min"]:
         s_min, e_min = fit["s_min"], fit["e_min"]
         # x = E/E_min − 1 over three decades: S = S_min(1 + 1/x), E = E_min(1 + x).
@@ -351,7 +351,7 @@ def _lr_plot(report: dict, path: str) -> None:
                 label="best tuned lr")
     ref = report["reference"]
     batches = report["global_batch_sizes"]
-    for rule in (rule for rule in rules.REGISTRY.values() if rule.predicts):
+    for rule in (rule for rule in registry.known().values() if rule.predicts):
         ax.plot(batches, [scale_lr(ref) * rule.factor(b / ref["global_batch_size"]) for b in batches], "--",
                 color=color(rule.name), label=f"{rule.name} rule")
     ax.scatter([ref["global_batch_size"]], [scale_lr(ref)], marker="*", s=120, color="black", label="reference",

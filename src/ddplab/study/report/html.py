@@ -7,8 +7,8 @@ import base64
 import html
 import os
 
-from ddplab.study import rules
 from ddplab.study.report.records import optimizer_text
+from ddplab.study.rules import registry
 
 
 def _front_html(report: dict) -> str:
@@ -84,7 +84,7 @@ def write_html(report: dict, path: str) -> str:
         f"{html_escape(' (' + r['variant'] + ')') if r.get('variant') else ''}</td>"
         f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
     b_simple = report.get("b_simple") or {}
-    sections = "".join(rule.html(report) for rule in rules.REGISTRY.values())
+    sections = "".join(rule.html(report) for rule in registry.known().values())
     target = report["target"]
     body = f"""<!doctype html><html><head><meta charset="utf-8">\
 <title>ddplab study: {html_escape(report['workload'])}</title>

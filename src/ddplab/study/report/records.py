@@ -37,10 +37,10 @@ class StudyReport:
     @property
     def trained_runs(self) -> int:
         """Runs trained (or read from the cache): one per (batch, lr, seed, variant), whichever rules it serves."""
-        from ddplab.study import rules
+        from ddplab.study.rules import registry
 
         return len({(r["global_batch_size"], r["lr"], r["seed"], r.get("variant", ""),
-                     "" if rules.get(r["rule"]).shares_grid else r["rule"]) for r in self.analysis.runs})
+                     "" if registry.get(r["rule"]).shares_grid else r["rule"]) for r in self.analysis.runs})
 
     def to_json(self) -> dict[str, Any]:
         cfg, analysis = self.config, self.analysis

@@ -1,7 +1,9 @@
-"""What an executor is, and the executors by name (``--executor``); nothing here imports one."""
+"""What an executor is, and the executors by name (``--executor``): a table of their modules, the one a study
+names imported when it is built."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,8 +26,11 @@ class Executor(Protocol):
         ...
 
 
+BUILT_IN = {"local": "ddplab.study.command.executors.local", "ray": "ddplab.study.command.executors.ray_tasks",
+            "slurm": "ddplab.study.command.executors.slurm_jobs"}
+"""Each built-in executor's module, by name: Ray's and submitit's are imported only by a study that uses them."""
 EXECUTORS: dict[str, Callable[[CommandOptions, int, str], Executor]] = {}
-"""Each executor's factory ``(options, ranks per run, out folder)``."""
+"""Each executor's factory ``(options, ranks per run, out folder)``, as its module registers it."""
 
 
 def register(name: str):
@@ -38,6 +43,8 @@ def register(name: str):
 
 def build(options: CommandOptions, ranks: int, out: str) -> Executor:
     """The executor ``options.executor`` names, ready to run (connected to its cluster)."""
+    if options.executor not in EXECUTORS:
+        importlib.import_module(BUILT_IN[options.executor])
     return EXECUTORS[options.executor](options, ranks, out)
 
 
