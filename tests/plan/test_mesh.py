@@ -297,3 +297,41 @@ def test_plan_with_a_mesh_never_imports_torch():
             "'--seq-len', '4096'])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=scaled(60))
+
+
+def test_the_plan_the_audit_and_the_runtime_read_one_mesh_the_same_way():
+    # One value for the degrees: the plan's target, the audit's reading of a program's DeviceMesh and HSDP's mesh.
+    from ddplab.auditor.meshes import layout
+    from ddplab.parallel_dims import ParallelDims
+    from ddplab.runtime.config import ParallelismConfig
+    from ddplab.runtime.strategies.hsdp import HSDPStrategy
+
+    planned = ParallelDims(devices=8, nodes=2, tensor_parallel_size=2, context_parallel_size=2, replicate_size=2)
+    assert (planned.world_size, planned.data_parallel_size, planned.shard_size) == (16, 4, 2)
+    assert planned.mesh_shape() == {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2}
+    # The same 16 ranks as a program builds them: (dp_replicate, dp_shard, cp, tp), ranks in row-major order.
+    grid = [[[[r * 8 + s * 4 + c * 2 + t for t in range(2)] for c in range(2)] for s in range(2)] for r in range(2)]
+    averaged = {0, 4, 8, 12}  # rank 0's replicate × shard group
+    read = layout(grid, ["dp_replicate", "dp_shard", "cp", "tp"], 0, averaged, True).dims
+    assert read.mesh_shape() == planned.mesh_shape()
+    assert (read.data_parallel_size, read.shard_size, read.model_parallel_size) == (4, 2, 4)
+    built = HSDPStrategy(replicate=2).dims(4)
+    assert (built.replicate_size, built.shard_size, built.data_parallel_size) == (2, 2, 4)
+    assert ParallelismConfig(strategy="hsdp", replicate=2).strategy_text(4) == "hsdp: 2 replicas × 2 shards"
+    # Pipeline stages add no samples, a dimension the gradients are not averaged over is model-parallel.
+    staged = ParallelDims.from_mesh({"pp": 2, "dp": 4, "tp": 2}, data=["dp"], pipeline=["pp"])
+    assert (staged.data_parallel_size, staged.pipeline_parallel_size, staged.tensor_parallel_size) == (4, 2, 2)
+    with pytest.raises(ValueError, match="replicate 3 does not divide the data-parallel degree 4"):
+        _ = ParallelDims(devices=4, replicate_size=3).shard_size
+
+
+def test_a_launch_script_whose_degrees_do_not_fit_its_world_says_so_in_its_degrees(tmp_path, capsys):
+    # GPT-3 175B's launch script read without its reference hardware: tp 8 × pp 16 on the 8 ranks of one node.
+    from ddplab.cli.main import main
+
+    script = tmp_path / "gpt3_175b.sh"
+    script.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py --tensor-model-parallel-size 8 "
+                      "--pipeline-model-parallel-size 16 --micro-batch-size 1 --global-batch-size 1536 --lr 6e-5\n")
+    assert main(["plan", "--config", str(script), "--devices", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "tp 8 × pp 16 = 128 ranks do not fit on 8" in err and "degree 0" not in err, err

@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ddplab.auditor import batches, losses, state
 from ddplab.auditor.state import AuditState, WrapperInfo
 from ddplab.guest.patches import Patches
+from ddplab.parallel_dims import ParallelDims
 from ddplab.runtime.reduction import Reduction
 from ddplab.runtime.strategies.fsdp import gradient_divide_factors
 
@@ -59,6 +60,8 @@ class Layout:
     """The dimensions along which the peers lie."""
     sharded_inputs: bool
     """Whether the peers hold different slices of one batch (context parallelism), so only indices can agree."""
+    dims: ParallelDims
+    """The mesh's degrees by role (data-parallel, tp, pp, cp), as the plan and the runtime count them."""
 
 
 # --- the mesh, as plain lists (pure) ---
@@ -93,8 +96,8 @@ def layout(mesh: list, names: list[str | None] | None, rank: int, averaged: set[
     gradients over the ranks ``averaged`` and ``replicated`` says whether it replicates across some of them (HSDP).
 
     >>> tp_dp = layout([[0, 1], [2, 3]], ["dp", "tp"], 1, {1, 3}, False)
-    >>> tp_dp.strategy, tp_dp.data_parallel_ranks, tp_dp.peer_ranks
-    ('fsdp+tp', [1, 3], [0, 1])
+    >>> tp_dp.strategy, tp_dp.data_parallel_ranks, tp_dp.peer_ranks, tp_dp.dims.data_parallel_size
+    ('fsdp+tp', [1, 3], [0, 1], 2)
     """
     coords = coordinates(mesh)
     shape = [max(c[d] for c in coords.values()) + 1 for d in range(len(coords[rank]))]
@@ -107,7 +110,11 @@ def layout(mesh: list, names: list[str | None] | None, rank: int, averaged: set[
         (data_dims if along <= averaged and names[dim] not in CONTEXT_DIMS else model_dims).add(dim)
     labels = [names[d] or ("dp" if data_dims == {d} else f"dim{d}") for d in range(len(shape))]
     peer_dims = [labels[d] for d in sorted(model_dims)]
-    return Layout(mesh=dict(zip(labels, shape)),
+    dims = ParallelDims.from_mesh(dict(zip(labels, shape)), data=[labels[d] for d in sorted(data_dims)],
+                                  context=[labels[d] for d in model_dims if names[d] in CONTEXT_DIMS],
+                                  pipeline=[labels[d] for d in range(len(shape)) if names[d] in PIPELINE_DIMS],
+                                  replicated=replicated)
+    return Layout(mesh=dict(zip(labels, shape)), dims=dims,
                   strategy="+".join(["hsdp" if replicated else "fsdp", *peer_dims]),
                   data_parallel_ranks=ranks_along(coords, rank, data_dims),
                   peer_ranks=ranks_along(coords, rank, model_dims) if model_dims else [rank],
@@ -247,7 +254,7 @@ def note_model_parallel_only(audit: AuditState, optimizer) -> None:
 
 def note_setting(audit: AuditState, info: WrapperInfo) -> None:
     """The run's strategy, mesh, data-parallel degree and reduction, as ``info``'s model has them now."""
-    audit.data_parallel_size = len(info.group)
+    audit.data_parallel_size = info.layout.dims.data_parallel_size if info.layout is not None else len(info.group)
     audit.strategy = info.layout.strategy if info.layout is not None else (
         info.reduction.strategy if info.reduction is not None else "ddp")
     audit.mesh = info.layout.mesh if info.layout is not None else None

@@ -1,5 +1,8 @@
 """Device meshes: which ranks add samples to the global batch, and how each strategy accumulates (no torch).
 
+The sizes are :class:`~ddplab.parallel_dims.ParallelDims`' (the audit's and the runtime's too); the functions here
+are its arithmetic by keyword, as the plan's formulas write it.
+
 A world of ``devices × nodes`` ranks is a mesh of data-parallel × tensor × pipeline × context
 parallel ranks. Only the data-parallel ranks load distinct samples; the ranks of one tensor,
 pipeline or context-parallel group work on the same samples (a slice of each layer, a stage, a
@@ -21,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-from ddplab.errors import UsageError
-from ddplab.text import count
+from ddplab.parallel_dims import ParallelDims
 
 Strategy = Literal["ddp", "fsdp", "hsdp", "deepspeed-zero0", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
+__all__ = ["NOTES", "STRATEGIES", "ParallelDims", "Strategy", "StrategyNotes", "data_parallel_size", "divides",
+           "global_batch_size", "model_parallel_size", "shard_size", "tokens_per_step"]
 
 
 def model_parallel_size(*, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -35,7 +39,9 @@ def model_parallel_size(*, tensor_parallel_size: int = 1, pipeline_parallel_size
     >>> model_parallel_size(tensor_parallel_size=2, pipeline_parallel_size=4, context_parallel_size=2)
     16
     """
-    return tensor_parallel_size * pipeline_parallel_size * context_parallel_size
+    return ParallelDims(devices=1, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size,
+                        context_parallel_size=context_parallel_size).model_parallel_size
 
 
 def divides(*, world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -45,9 +51,9 @@ def divides(*, world_size: int, tensor_parallel_size: int = 1, pipeline_parallel
     >>> divides(world_size=16, tensor_parallel_size=2), divides(world_size=16, tensor_parallel_size=3)
     (True, False)
     """
-    return world_size % model_parallel_size(tensor_parallel_size=tensor_parallel_size,
-                                            pipeline_parallel_size=pipeline_parallel_size,
-                                            context_parallel_size=context_parallel_size) == 0
+    return ParallelDims(devices=world_size, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size,
+                        context_parallel_size=context_parallel_size).divides
 
 
 def data_parallel_size(*, world_size: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -61,12 +67,9 @@ def data_parallel_size(*, world_size: int, tensor_parallel_size: int = 1, pipeli
     >>> data_parallel_size(world_size=8)
     8
     """
-    shared = model_parallel_size(tensor_parallel_size=tensor_parallel_size,
-                                 pipeline_parallel_size=pipeline_parallel_size,
-                                 context_parallel_size=context_parallel_size)
-    if world_size % shared:
-        raise ValueError(f"tp × pp × cp = {shared} does not divide the world size {world_size}")
-    return world_size // shared
+    return ParallelDims(devices=world_size, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size,
+                        context_parallel_size=context_parallel_size).data_parallel_size
 
 
 def global_batch_size(*, per_device_batch_size: int, data_parallel_size: int, accumulation_steps: int = 1) -> int:
@@ -98,80 +101,7 @@ def shard_size(*, data_parallel_size: int, replicate_size: int) -> int:
     >>> shard_size(data_parallel_size=8, replicate_size=8), shard_size(data_parallel_size=8, replicate_size=1)
     (1, 8)
     """
-    if data_parallel_size % replicate_size:
-        raise ValueError(f"replicate {replicate_size} does not divide the data-parallel degree {data_parallel_size}")
-    return data_parallel_size // replicate_size
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ParallelDims:
-    """A world of devices × nodes ranks as data-parallel × tp × pp × cp ranks (torchtitan's ``ParallelDims``).
-
-    It owns the sizes derived from the degrees and the check that they divide the world; the prose's words for
-    the ranks that split the batch ("8 ranks", "8 data-parallel ranks") too.
-
-    >>> dims = ParallelDims(devices=8, nodes=2, tensor_parallel_size=2)
-    >>> dims.world_size, dims.data_parallel_size, dims.ranks, dims.division
-    (16, 8, '8 data-parallel ranks', '16 ranks ÷ tp 2')
-    """
-
-    devices: int
-    nodes: int = 1
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    context_parallel_size: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.devices * self.nodes
-
-    @property
-    def model_parallel_size(self) -> int:
-        """tp × pp × cp: ranks that share one data-parallel rank's samples."""
-        return model_parallel_size(tensor_parallel_size=self.tensor_parallel_size,
-                                   pipeline_parallel_size=self.pipeline_parallel_size,
-                                   context_parallel_size=self.context_parallel_size)
-
-    @property
-    def data_parallel_size(self) -> int:
-        """The ranks that load distinct samples: world size ÷ (tp × pp × cp)."""
-        return data_parallel_size(world_size=self.world_size, tensor_parallel_size=self.tensor_parallel_size,
-                                  pipeline_parallel_size=self.pipeline_parallel_size,
-                                  context_parallel_size=self.context_parallel_size)
-
-    def check(self, prefix: str) -> None:
-        """tp × pp × cp must divide the world, in a sentence that names the ``prefix`` config's fields."""
-        world, nodes, devices = self.world_size, self.nodes, self.devices
-        if world % self.model_parallel_size == 0:
-            return
-        raise UsageError(f"{count(world, 'rank')} ({count(nodes, 'node')} × {count(devices, 'device')}) "
-                         f"{'does' if world == 1 else 'do'} not split into tp {self.tensor_parallel_size} × pp "
-                         f"{self.pipeline_parallel_size} × cp {self.context_parallel_size}: choose "
-                         f"{{{prefix}.tensor_parallel_size}}, {{{prefix}.pipeline_parallel_size}} and "
-                         f"{{{prefix}.context_parallel_size}} whose product divides {world}")
-
-    @property
-    def rank(self) -> str:
-        """What the prose calls one rank that loads its own samples."""
-        return "rank" if self.model_parallel_size == 1 else "data-parallel rank"
-
-    @property
-    def ranks(self) -> str:
-        """The ranks that split the global batch, counted ("8 ranks", "8 data-parallel ranks")."""
-        return count(self.data_parallel_size, self.rank)
-
-    @property
-    def ranks_noun(self) -> str:
-        return "world size" if self.model_parallel_size == 1 else "data-parallel degree"
-
-    @property
-    def division(self) -> str:
-        """"16 ranks ÷ tp 2", "16 ranks ÷ (tp 2 × cp 2)": how the world divides into data-parallel ranks."""
-        parts = [f"{name} {size}" for name, size in (("tp", self.tensor_parallel_size),
-                                                     ("pp", self.pipeline_parallel_size),
-                                                     ("cp", self.context_parallel_size)) if size > 1]
-        shared = parts[0] if len(parts) == 1 else f"({' × '.join(parts)})"
-        return f"{count(self.world_size, 'rank')} ÷ {shared}"
+    return ParallelDims(devices=data_parallel_size, replicate_size=replicate_size).shard_size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, get_args
 
+from ddplab.parallel_dims import ParallelDims
 from ddplab.validation import at_least, one_of
 
 DEFAULT_WORLD_SIZE = 2
@@ -69,7 +70,8 @@ class ParallelismConfig:
         if self.wraps_in_ddp:
             return ""
         if self.replicate and world_size % self.replicate == 0:
-            return f"{self.strategy}: {self.replicate} replicas × {world_size // self.replicate} shards"
+            dims = ParallelDims(devices=world_size, replicate_size=self.replicate)
+            return f"{self.strategy}: {dims.replicate_size} replicas × {dims.shard_size} shards"
         return self.strategy
 
     def strategy_options(self) -> dict[str, Any]:

@@ -17,8 +17,10 @@ from typing import Any, Protocol
 import yaml
 
 from ddplab.errors import UsageError, literal
+from ddplab.parallel_dims import ParallelDims
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
+from ddplab.text import count
 
 MISSING: Any = object()
 """A key the file does not have."""
@@ -133,10 +135,21 @@ def optimizer_family(name: str) -> str | None:
     return "sgd" if "sgd" in lowered else None
 
 
-def data_parallel_size(world_size: int, degrees: Mapping[str, int]) -> int:
-    """The world over tp × pp × cp, or 0 where they do not divide it."""
-    model = math.prod(degrees.values())
-    return world_size // model if world_size % model == 0 else 0
+def dims(world_size: int, degrees: Mapping[str, int]) -> ParallelDims:
+    """The file's world with its model-parallel degrees (``tensor_parallel_size`` … by field)."""
+    return ParallelDims(devices=world_size, **degrees)
+
+
+def data_parallel_size_of(path: str, key: str, dims: ParallelDims) -> int:
+    """The data-parallel degree the file's batch keys are read over, refused where the degrees do not fit the world.
+
+    Refused in the words of a file read without its hardware: ``tp 8 × pp 16 = 128 ranks do not fit on 8``.
+    """
+    if dims.divides:
+        return dims.data_parallel_size
+    raise bad(path, key, f"cannot be split: {dims.degrees} = {count(dims.model_parallel_size, 'rank')} "
+                         f"{'does' if dims.model_parallel_size == 1 else 'do'} not fit on {dims.world_size}: give "
+                         "{reference.devices} and {reference.nodes} of the run this file trained")
 
 
 def planned(plan: Plan, target: Target) -> dict[str, Any]:
@@ -210,11 +223,11 @@ def parse(path: str, text: str, load: Callable[[str], Any], *, quiet: bool, give
         raise bad(path, "", f"{literal(str(exc))}: give {give}") from None
 
 
-def accumulation(path: str, key: str, global_batch: int, per_device_batch_size: int, data_parallel_size: int,
+def accumulation(path: str, key: str, global_batch: int, per_device_batch_size: int, dims: ParallelDims,
                  what: str) -> int:
-    """The accumulation steps a framework takes to reach ``global_batch`` from its per-device batch (a data-parallel
-    degree of 0: the world does not split into the model-parallel degrees)."""
-    if not data_parallel_size or global_batch % (per_device_batch_size * data_parallel_size):
+    """The accumulation steps a framework takes to reach ``global_batch`` from its per-device batch."""
+    data_parallel_size = data_parallel_size_of(path, key, dims)
+    if global_batch % (per_device_batch_size * data_parallel_size):
         raise bad(path, key, f"{global_batch} is not a multiple of {what} {per_device_batch_size} × the data-parallel "
                              f"degree {data_parallel_size}: give a global batch it can accumulate to")
     return global_batch // (per_device_batch_size * data_parallel_size)

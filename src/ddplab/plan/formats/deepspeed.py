@@ -109,8 +109,9 @@ def _batch(path: str, values: dict[str, Any], given: Mapping[str, Any]) -> tuple
     out: dict[str, Any] = {}
     if "devices" not in given:
         out.update(devices=_world(path, numbers), nodes=1)
-    world = base.data_parallel_size(given.get("devices", out.get("devices", 1)) * given.get("nodes", out.get(
-        "nodes", 1)), {field: given[field] for field in DEGREES if field in given})
+    dims = base.dims(given.get("devices", out.get("devices", 1)) * given.get("nodes", out.get("nodes", 1)),
+                     {field: given[field] for field in DEGREES if field in given})
+    world = base.data_parallel_size_of(path, BATCH["global_batch_size"], dims)
     resolved = resolve_batch(path, numbers, world)
     out.update(per_device_batch_size=resolved["per_device_batch_size"],
                accumulation_steps=resolved["accumulation_steps"])

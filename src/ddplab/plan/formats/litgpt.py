@@ -49,7 +49,7 @@ class Litgpt:
         world = given.get("devices", hardware.get("devices", 1)) * given.get("nodes", hardware.get("nodes", 1))
         reference = {"per_device_batch_size": micro, **hardware, **_optimizer(path, tree, roles, pick),
                      "accumulation_steps": base.accumulation(path, roles["global_batch_size"], global_batch, micro,
-                                                             world, "train.micro_batch_size")}
+                                                             base.dims(world, {}), "train.micro_batch_size")}
         keys = {f"{side}.{field}": roles[field] for field in ("per_device_batch_size", "global_batch_size")
                 for side in ("reference", "target")}
         keys |= {"reference.devices": "devices", "reference.nodes": "num_nodes", "reference.lr": roles["lr"],

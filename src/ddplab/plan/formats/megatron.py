@@ -186,9 +186,9 @@ def _accumulation(path: str, values: dict[str, Any], reference: dict[str, Any],
     if global_batch is base.MISSING:
         return {}
     devices, nodes = given.get("devices", reference.get("devices")), given.get("nodes", reference.get("nodes", 1))
-    dp = base.data_parallel_size(devices * nodes, _degrees(values))
+    dims = base.dims(devices * nodes, _degrees(values))
     return {"accumulation_steps": base.accumulation(path, "--global-batch-size", global_batch,
-                                                    reference["per_device_batch_size"], dp, "--micro-batch-size")}
+                                                    reference["per_device_batch_size"], dims, "--micro-batch-size")}
 
 
 def _scaled_rampup(rampup: Any, plan: Plan) -> list[int] | None:

@@ -172,8 +172,8 @@ def _accumulation(path: str, keys: dict[str, str], values: dict[str, Any], local
     value = values[key]
     if value is base.MISSING or value == -1 or devices is None:
         return {}
-    dp = base.data_parallel_size(devices * nodes, degrees)
-    return {"accumulation_steps": base.accumulation(path, key, base.whole(path, key, value), local, dp,
+    dims = base.dims(devices * nodes, degrees)
+    return {"accumulation_steps": base.accumulation(path, key, base.whole(path, key, value), local, dims,
                                                     keys["per_device_batch_size"])}
 
 

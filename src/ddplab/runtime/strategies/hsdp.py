@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.errors import UsageError
+from ddplab.parallel_dims import ParallelDims
 from ddplab.runtime.strategies.base import flat_shares
 from ddplab.runtime.strategies.fsdp import FSDPStrategy, _mesh, _placements
 from ddplab.validation import at_least
@@ -35,6 +36,10 @@ class HSDPStrategy(FSDPStrategy):
         super().__post_init__()
         at_least("replicate", self.replicate)
 
+    def dims(self, world_size: int) -> ParallelDims:
+        """The world as ``replicate`` replicas of world_size / replicate shards (checked by check_runnable)."""
+        return ParallelDims(devices=world_size, replicate_size=self.replicate)
+
     def check_runnable(self, world_size: int) -> None:
         super().check_runnable(world_size)
         if self.replicate is None or world_size % self.replicate:
@@ -46,7 +51,8 @@ class HSDPStrategy(FSDPStrategy):
         """The device mesh: (replicate, shard) = (replicate, world_size / replicate)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(ctx.device.type, (self.replicate, ctx.world_size // self.replicate),
+        dims = self.dims(ctx.world_size)
+        return init_device_mesh(ctx.device.type, (dims.replicate_size, dims.shard_size),
                                 mesh_dim_names=("replicate", "shard"))
 
     def owns(self, model) -> bool:
