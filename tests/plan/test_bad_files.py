@@ -193,3 +193,32 @@ def test_a_value_is_written_where_the_command_reads_it_or_not_at_all(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "the planned values could not be written into its layout" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name, text, key, meant", [
+    ("ds_config.json", '{"train_micro_batch_size_per_gpu": 8, "gradient_acumulation_steps": 4, '
+                       '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}',
+     "gradient_acumulation_steps", "gradient_accumulation_steps"),
+    ("ds_config.json", '{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4, '
+                       '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decya": 0.1}}}',
+     "optimizer.params.weight_decya", "optimizer.params.weight_decay"),
+    ("train.sh", "torchrun --nproc_per_node 8 pretrain_gpt.py --micro-batch-size 4 --global-batch-sise 64 "
+                 "--lr 1e-4\n", "--global-batch-sise", "--global-batch-size"),
+])
+def test_a_misspelt_key_is_a_warning_naming_both_spellings(name, text, key, meant, tmp_path):
+    # The framework ignores the key, and so does the plan: said, not silently planned around.
+    path = tmp_path / name
+    path.write_text(text)
+    result = plan_config(str(path), reference={"devices": 8}, target={"devices": 16}, data={})
+    said = [w for w in result.plan.warnings if "misspelling" in w]
+    assert len(said) == 1 and key in said[0] and meant in said[0], result.plan.warnings
+
+
+def test_a_file_no_format_recognises_is_refused_in_its_parsers_words(tmp_path, capsys):
+    # A DeepSpeed JSON with a missing comma: the JSON error and its line, not a guess at the format.
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  "train_batch_size": 64,\n  "train_micro_batch_size_per_gpu": 8\n'
+                    '  "gradient_accumulation_steps": 4\n}\n')
+    assert main(["plan", "--config", str(path), "--devices", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "is not JSON (Expecting ',' delimiter: line 4 column 3" in err and "no known format" not in err, err

@@ -170,6 +170,8 @@ def test_the_same_hardware_changes_nothing_and_writes_the_file_back_byte_for_byt
                  "sft_recipe.yaml": ["--devices", "8"], "training_args.json": ["--devices", "4"]}[name]
     result = plan_config(_path(name), **_flag_fields(reference + CASES[name][3]))
     assert result.config_changes == {} and result.text == result.original_text
+    # Every key of these files is one its framework reads: none is taken for a misspelling.
+    assert not [w for w in result.plan.warnings if "misspelling" in w]
 
 
 def test_the_reasons_name_the_files_keys(capsys, monkeypatch):

@@ -17,7 +17,7 @@ from typing import Any
 
 from ddplab.errors import UsageError, literal
 from ddplab.plan import formats, planner
-from ddplab.plan.formats.base import MISSING, FileRun, NotWritten, same
+from ddplab.plan.formats.base import MISSING, FileRun, NotWritten, misspelt, same
 from ddplab.plan.inputs import Data, Reference, Target
 from ddplab.plan.result import Plan
 
@@ -77,6 +77,7 @@ def plan_config(path: str, *, config_format: str | None = None, reference: Mappi
         raise UsageError(f"{literal(path)}: the planned values could not be written into its layout "
                          f"({', '.join(map(literal, changes))}); set them by hand from the table")
     keys = _plan_keys(run)
+    result = dataclasses.replace(result, warnings=(*misspelt(path, text, run, fmt.label), *result.warnings))
     return ConfigPlan(plan=result, config=path, config_format=fmt.name, config_changes=changes, config_keys=keys,
                       config_notes=run.notes + _unwritten_warmup(result, keys), original_text=text, text=new_text)
 

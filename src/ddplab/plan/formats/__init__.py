@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ddplab.errors import literal
 from ddplab.plan.formats import deepspeed, lightning, litgpt, megatron, torchtitan, transformers
-from ddplab.plan.formats.base import ConfigFormat, bad
+from ddplab.plan.formats.base import ConfigFormat, bad, check_syntax
 
 FORMATS: dict[str, ConfigFormat] = {format.name: format for format in (
     torchtitan.FORMAT, deepspeed.FORMAT, megatron.FORMAT, lightning.FORMAT, litgpt.FORMAT, transformers.FORMAT)}
@@ -25,4 +25,5 @@ def choose(path: str, text: str, name: str | None = None) -> ConfigFormat:
     for format in FORMATS.values():
         if format.detect(path, text):
             return format
+    check_syntax(path, text)
     raise bad(path, "", f"is of no known format: pass {{config_format}} ({', '.join(FORMATS)})")

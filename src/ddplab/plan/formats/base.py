@@ -10,11 +10,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import re
 import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 from ddplab.errors import UsageError, literal
 from ddplab.parallel_dims import ParallelDims
@@ -206,6 +213,78 @@ def load_json(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"is not JSON ({exc})") from None
+
+
+def load_toml(text: str) -> Any:
+    """A TOML text's tree; ValueError saying where it is not TOML."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"is not TOML ({exc})") from None
+
+
+def check_syntax(path: str, text: str) -> None:
+    """A file no format recognised, refused in its parser's own words where its name says JSON, TOML or YAML and it
+    is not (a missing comma is the error to show, not the format guess)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".yaml", ".yml"):
+        parse_yaml(path, text)
+    elif suffix in SYNTAX:
+        parse(path, text, SYNTAX[suffix], quiet=False, give="a config file")
+
+
+def misspelt(path: str, text: str, run: FileRun, label: str) -> list[str]:
+    """A warning for each key the file sets that its framework does not read, one or two edits from a key the plan
+    reads and the file leaves out (``gradient_acumulation_steps``): the framework ignores it, and so did the plan."""
+    known = {*run.values, *run.keys.values(), *run.roles.values()}
+    given = set(spelled_keys(path, text))
+    missing = sorted(known - given)
+    said = []
+    for key in sorted(given - known):
+        parent, _, leaf = key.rpartition(".")
+        near = [k for k in missing if k.rpartition(".")[0] == parent and len(leaf) >= 5
+                and edits(leaf, k.rpartition(".")[2]) <= 2]
+        if near:
+            said.append(f"{literal(path)}: {literal(key)} is not a key of {label}, and {literal(near[0])} is missing: "
+                        "a misspelling? It was ignored, as the framework ignores it")
+    return said
+
+
+def spelled_keys(path: str, text: str) -> list[str]:
+    """Every key the file sets: dotted paths in a JSON, TOML or YAML tree, a launch script's ``--flags``."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".sh", ".bash", ""):
+        return re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", text)
+    try:
+        tree = parse_yaml(path, text, quiet=True) if suffix in (".yaml", ".yml") else SYNTAX[suffix](text)
+    except (KeyError, ValueError, RecursionError):
+        return []
+    return list(_paths(tree, ""))
+
+
+def _paths(tree: Any, prefix: str):
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield f"{prefix}{key}"
+            yield from _paths(value, f"{prefix}{key}.")
+
+
+def edits(a: str, b: str) -> int:
+    """Levenshtein's distance: the insertions, deletions and substitutions that make ``a`` into ``b``.
+
+    >>> edits("gradient_acumulation_steps", "gradient_accumulation_steps"), edits("lr", "eps")
+    (1, 2)
+    """
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        previous, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (ca != cb))
+    return row[-1]
+
+
+SYNTAX = {".json": load_json, ".toml": load_toml}
+"""The parsers a file's name asks for (YAML's is :func:`parse_yaml`)."""
 
 
 def parse(path: str, text: str, load: Callable[[str], Any], *, quiet: bool, give: str) -> Any:

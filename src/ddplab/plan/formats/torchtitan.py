@@ -12,11 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
-    import tomli as tomllib
-
 from ddplab.plan.formats import base, editing
 from ddplab.plan.inputs import Target
 from ddplab.plan.result import Plan
@@ -85,13 +80,7 @@ FORMAT = Torchtitan()
 
 
 def _parse(path: str, text: str, *, quiet: bool = False) -> Any:
-    def load(text: str) -> Any:
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"is not TOML ({exc})") from None
-
-    return base.parse(path, text, load, quiet=quiet, give="a torchtitan job TOML")
+    return base.parse(path, text, base.load_toml, quiet=quiet, give="a torchtitan job TOML")
 
 
 def _keys(tree: dict) -> dict[str, str]:
