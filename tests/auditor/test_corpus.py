@@ -259,8 +259,8 @@ MESSAGES = {
     "fsdp_sum": ("SUM_REDUCTION", "FSDP2 averages the gradients over the 2 data-parallel ranks, so the gradient is 1/2 "
                                   "of what one process summing the global batch gets (with SGD the step is 2 times "
                                   "smaller; Adam-style optimizers mostly normalise the scale away, but not their "
-                                  "epsilon or an L2 penalty in the loss) (a summed loss reached backward divided by 2, "
-                                  "the 2 micro-batches accumulated per optimizer step: each of a micro-batch's 8 "
+                                  "epsilon or an L2 penalty in the loss) (a summed loss reached backward divided by "
+                                  "K = 2, the micro-batches accumulated per optimizer step: each of a micro-batch's 8 "
                                   "samples weighs 1/2 in the gradient where a mean would weigh it 1/16, so the loss "
                                   "still grows with the per-device batch (dividing by the accumulation steps does not "
                                   "make a sum a mean)"),

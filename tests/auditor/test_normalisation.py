@@ -188,3 +188,17 @@ def test_the_reductions_words_and_measurement_hold_their_examples():
     from ddplab.runtime import reduction
 
     assert doctest.testmod(reduction).failed == 0
+
+
+def test_a_sum_reductions_fix_names_the_world_size_apart_from_the_accumulation_steps():
+    # W = 2 ranks and K = 2 micro-batches: each 2 says which it is.
+    from ddplab.auditor import catalogue
+    from ddplab.auditor.losses import _grown_detail
+    from ddplab.runtime.reduction import Reduction
+
+    _, fix = catalogue.message("SUM_REDUCTION", Reduction("ddp", 2, 2.0, ""))
+    assert "times W = 2 (the global-count recipe" in fix and fix.endswith("multiply the summed loss by W = 2")
+    assert _grown_detail(8, 2, 2).startswith("a summed loss reached backward divided by K = 2, the micro-batches")
+    # A divisor that is not the data-parallel size (set_gradient_divide_factor) is not called W.
+    _, fix = catalogue.message("SUM_REDUCTION", Reduction("fsdp", 2, 4.0, "set_gradient_divide_factor(4)"))
+    assert fix.endswith("multiply the summed loss by 4") and "W =" not in fix

@@ -138,3 +138,16 @@ def test_the_short_helps_say_what_runs_and_nothing_cut_in_half(capsys, monkeypat
         block = study.split("--rules RULES")[1].split("\n  --")[0]
         words = set(block.replace(",", " ").split())
         assert set(registry.known()) <= words, (columns, block)
+
+
+@pytest.mark.parametrize("command, usage", [
+    ("noise", "usage: ddplab noise [FLAGS] [SPEC.py] [-- COMMAND ARGS...]"),
+    ("check", "usage: ddplab check [FLAGS] [SPEC.py] [-- COMMAND ARGS...]"),
+    ("study", "usage: ddplab study [FLAGS] [SPEC.py] [-- COMMAND ARGS...]"),
+    ("audit", "usage: ddplab audit [FLAGS] -- COMMAND ARGS..."),
+    ("plan", "usage: ddplab plan --devices DEVICES [FLAGS]"),
+])
+def test_the_usage_line_shows_where_a_command_goes(command, usage, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "-h"])
+    assert capsys.readouterr().out.splitlines()[0] == usage

@@ -250,6 +250,26 @@ def test_ctrl_c_stops_the_whole_command_and_keeps_what_was_measured(tmp_path):
     assert out["measured_steps"] == 12 and out["cancelled_by"] == "SIGINT" and "SIGINT" in out["stopped_early"]
 
 
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_the_command_turns_into_exit_code_1_is_still_called_a_ctrl_c(tmp_path):
+    # torchrun's agent answers SIGINT with exit code 1: the driver forwarded it, so it knows what stopped the run.
+    ready = tmp_path / "ready"
+    program = ("import signal, sys, time\nsignal.signal(signal.SIGINT, lambda *a: sys.exit(1))\n"
+               f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
+    noise = subprocess.Popen([sys.executable, "-m", "ddplab", "noise", "--", sys.executable, "-c", program],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + scaled(30)
+        while not ready.exists():
+            assert noise.poll() is None and time.monotonic() < end
+            time.sleep(0.1)
+        noise.send_signal(signal.SIGINT)
+        _, err = noise.communicate(timeout=scaled(30))
+    finally:
+        noise.kill()
+    assert noise.returncode == -signal.SIGINT and "stopped by SIGINT" in err and "exit code 1" not in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_json_keeps_stdout_for_the_report_alone(capfd):

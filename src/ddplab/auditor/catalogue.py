@@ -93,9 +93,9 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "process summing the global batch gets (with SGD the step is {divisor} times smaller; Adam-style optimizers "
         "mostly normalise the scale away, but not their epsilon or an L2 penalty in the loss)",
         "for a token loss, divide the summed loss by the step's valid-token count all-reduced over the data-parallel "
-        "ranks, times {divisor} (the global-count recipe; reduction='mean' divides each micro-batch by its own "
+        "ranks, times {named} (the global-count recipe; reduction='mean' divides each micro-batch by its own "
         "count, which weighs tokens unequally); for a loss over samples of one size, reduction='mean' or a division "
-        "by the sample count; or multiply the summed loss by {divisor}"),
+        "by the sample count; or multiply the summed loss by {named}"),
     "BATCHNORM_NOT_SYNCED": (
         INFO,
         "BatchNorm normalises with statistics over each rank's batch, not the global batch",
@@ -208,7 +208,7 @@ REDUCTION_FINDINGS = ("SUM_REDUCTION", "GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "DIVID
                       "GATHERED_LOSS_WITHOUT_WORLD_SIZE", *TOKEN_FINDINGS)
 # What a message says of a reduction nobody has described yet (a rank's own findings, before the merge).
 _ANY_REDUCTION = {"reduction": "DDP and FSDP2 average the gradients over the W data-parallel ranks", "divisor": "W",
-                  "times": " * dp_size", "size": "W", "factor": "W/D"}
+                  "named": "W", "times": " * dp_size", "size": "W", "factor": "W/D"}
 
 
 def fill(text: str, reduction: Reduction | None) -> str:
@@ -218,7 +218,9 @@ def fill(text: str, reduction: Reduction | None) -> str:
     divisor = f"{reduction.divisor:g}"
     times = "" if reduction.sums else f" * {divisor}"
     size = reduction.data_parallel_size
-    return text.format(reduction=reduction.describe(), divisor=divisor, times=times, size=size,
+    # W named where the divisor is the data-parallel size, apart from any other count (the accumulation steps K).
+    named = f"W = {divisor}" if reduction.divisor == size else divisor
+    return text.format(reduction=reduction.describe(), divisor=divisor, named=named, times=times, size=size,
                        factor=f"{size / reduction.divisor:g}")
 
 

@@ -234,7 +234,7 @@ def _grown_detail(micro_batch: int, accumulation: int, divisor: int) -> str:
     if divisor == 1:
         return (f"a summed loss reached backward undivided: each of a micro-batch's {micro_batch} samples weighs 1 in "
                 f"the gradient where a mean would weigh it 1/{mean}, so the loss grows with the per-device batch")
-    return (f"a summed loss reached backward divided by {divisor}, the {accumulation} micro-batches accumulated per "
+    return (f"a summed loss reached backward divided by K = {divisor}, the micro-batches accumulated per "
             f"optimizer step: each of a micro-batch's {micro_batch} samples weighs 1/{divisor} in the gradient where "
             f"a mean would weigh it 1/{mean}, so the loss still grows with the per-device batch (dividing by the "
             "accumulation steps does not make a sum a mean)")

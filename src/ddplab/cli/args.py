@@ -81,6 +81,8 @@ def split_at_command(parser: argparse.ArgumentParser) -> None:
     """Everything after the first ``--`` is the training command (``namespace.command``), never the parser's flags
     or positionals."""
     parse = parser.parse_known_args
+    # Its usage line shows the command's place (help._usage).
+    parser.takes_command = True
 
     def parse_known_args(args=None, namespace=None):
         import sys

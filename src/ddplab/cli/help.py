@@ -121,7 +121,8 @@ def _usage(parser: argparse.ArgumentParser) -> str:
         elif not action.option_strings:
             name = action.metavar or action.dest
             positionals.append(name if action.nargs in (None, argparse.REMAINDER) else f"[{name}]")
-    return " ".join([parser.prog, *required, "[FLAGS]", *positionals])
+    command = ["[-- COMMAND ARGS...]"] if getattr(parser, "takes_command", False) else []
+    return " ".join([parser.prog, *required, "[FLAGS]", *positionals, *command])
 
 
 def _intro(description: str) -> str:

@@ -82,19 +82,21 @@ def python_path(out_dir: str) -> str:
 
 
 def run_guest(command: list[str], out_dir: str, guest_env: dict[str, str], stdout=None,
-              deadline_s: float | None = None, *, stderr=None, sweep: bool = False) -> int:
+              deadline_s: float | None = None, *, stderr=None, sweep: bool = False,
+              received: list[int] | None = None) -> int:
     """Run the command with a guest armed in its Python processes; its status (−N: signal N).
 
     The command runs in its own process group, signals forwarded to the whole group. ``guest_env`` is added to
     its environment (``DDPLAB_GUEST`` names the guest module, the auditor by default); the guest writes to
     ``out_dir``. After ``deadline_s`` seconds the group gets SIGTERM, as if one had been received. ``sweep``: what
-    is left of the group once the command has ended (a worker its guest left behind) is ended too.
+    is left of the group once the command has ended (a worker its guest left behind) is ended too. ``received``
+    is told the signals this process forwarded (a Ctrl-C the command turned into exit code 1 is still a Ctrl-C).
     """
     env = dict(os.environ, **{record.ENV_DIR: out_dir}, **guest_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(out_dir), os.environ.get("PYTHONPATH")) if p)
     # Its own group, so a signal reaches torchrun and every worker, not torchrun alone.
     child = subprocess.Popen(located(command), env=env, start_new_session=True, stdout=stdout, stderr=stderr)
-    received: list[int] = []
+    received = [] if received is None else received
 
     def forward(signum, frame):
         received.append(signum)

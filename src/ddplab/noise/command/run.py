@@ -38,21 +38,24 @@ def measure_command(config: CommandConfig, *, program_stdout_to_stderr: bool = F
     """Run the command with the guest armed in every process; the merged report, or why there is none."""
     out_dir = tempfile.mkdtemp(prefix="ddplab-noise-")
     try:
-        begun = time.monotonic()
+        begun, received = time.monotonic(), []
         status = runner.run_guest(list(config.command), out_dir, config.plan().to_env(),
-                                  2 if program_stdout_to_stderr else None, config.deadline_s)
+                                  2 if program_stdout_to_stderr else None, config.deadline_s, received=received)
         timed_out = config.deadline_s is not None and time.monotonic() - begun >= config.deadline_s
         events = record.read_all(out_dir)
         started, loaded, failures = runner.markers(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    ended = {"returncode": 128 - status if status < 0 else status, "signal": -status if status < 0 else None,
-             "timed_out": timed_out}
+    # A signal the driver forwarded is what stopped the command, whatever exit code the command made of it.
+    signum = -status if status < 0 else (received[0] if received and status != 0 and not timed_out else None)
+    ended = {"returncode": 128 - status if status < 0 else status, "signal": signum, "timed_out": timed_out}
     merged = merge(events)
     if not merged.steps:
         why = _why_nothing(config, merged, ended["returncode"], started, loaded, failures)
         if timed_out:
             why += f" (the command was stopped at --deadline {config.deadline_s:g} s)"
+        elif signum is not None:
+            why += f" (the command was stopped by {signal.Signals(signum).name})"
         return NoiseOutcome(**ended, why_nothing=why)
     stopped, cancelled, failed_after = _ending(config, merged, ended["returncode"], ended["signal"], timed_out)
     report = command_report.build(config.command, merged, start_step=config.start_step, every=config.every,
