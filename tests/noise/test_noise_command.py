@@ -20,7 +20,7 @@ import torch
 from ddplab.adapt import thresholds
 from ddplab.adapt.schedule import BatchSchedule
 from ddplab.cli.main import main
-from ddplab.noise.command.merge import merge
+from ddplab.noise.command.merge import Merged, merge
 from ddplab.noise.command.report import build
 from ddplab.noise.guest.plan import StepPlan
 from ddplab.runtime.timescale import scaled
@@ -334,3 +334,46 @@ def test_plan_takes_the_critical_batch_size_from_a_noise_report(tmp_path, capsys
     report.write_text(json.dumps({"b_simple": None}))
     assert main([*plan, "--from-noise", str(report)]) == 2
     assert "--from-noise" in capsys.readouterr().err
+
+
+def _growing_noise(steps: int = 45) -> Merged:
+    """A run whose |G|² falls window by window (B_simple 10, then 50) and is lost in its noise in the last window:
+    each step's norms are the estimator's model |g_b|² = |G|² + tr Σ / b, |G_B|² = |G|² + tr Σ / B, jittered."""
+    from ddplab.noise.command.merge import StepNorms
+
+    def norms(step: int) -> StepNorms:
+        g2 = (1.0, 0.2, 0.03)[step // 15]
+        g2 += 0.05 * (1 if step % 2 else -1) * (1 + step % 3)  # per-step noise of the |G|² estimate
+        trace = 10.0 * (1 + 0.1 * (step % 4 - 1.5))
+        return StepNorms(step=step, b_small=4, b_big=8, forwards=1, g_small_sq=g2 + trace / 4,
+                         g_big_sq=g2 + trace / 8, dataset_size=None)
+
+    return Merged(strategy="ddp", world_size=2, group=[0, 1], steps=[norms(s) for s in range(steps)], left_out={},
+                  notes=[], optimizer_steps=steps, guest_s=0.0, step_s=None)
+
+
+def test_a_window_that_is_not_resolved_is_no_schedule_step_and_the_trend_is_said(tmp_path, monkeypatch):
+    report = build(("train",), _growing_noise(), start_step=0, every=None, window=15, returncode=0)
+    windows = report.to_json()["by_samples"]
+    assert [w["b_simple_status"] for w in windows] == ["resolved", "resolved", "g2_unresolved"]
+    out = report.to_json()
+    # The schedule ends where the measurement does: nothing from the unresolved window, and it says so.
+    assert len(out["schedule"]) == 2 and out["schedule"][-1]["samples_seen"] == windows[1]["samples_from"]
+    assert out["schedule_note"].startswith("the schedule stops before window 3 of 3 (steps 30-44")
+    assert "not resolved (|G|² within its error of 0: B_simple >" in out["schedule_note"]
+    first, last = windows[0]["b_simple"], windows[1]["b_simple"]
+    assert out["trend"]["ratio"] == pytest.approx(last / first) and last / first > 2
+    assert out["trend_note"].startswith(f"B_simple grew {last / first:.3g}× over training, from {first:.4g} [")
+    assert "2 of 3 windows resolved" in out["trend_note"] and "takes the last resolved window" in out["trend_note"]
+    # The plot draws the unresolved window as a lower bound only, and the chart's range follows the resolved ones.
+    import matplotlib.pyplot as plt
+
+    from ddplab.cli.noise import _plot_by_samples
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    _plot_by_samples(report, str(tmp_path / "noise.png"))
+    (ax,) = figures[0].axes
+    bound = next(line for line in ax.lines if line.get_marker() == "^")
+    assert list(bound.get_ydata()) == [windows[2]["b_simple_ci95"][0]]
+    assert ax.get_ylim()[1] < windows[2]["b_simple"]

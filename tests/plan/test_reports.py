@@ -122,3 +122,41 @@ def test_a_study_of_your_own_spec_is_not_called_another_workload(tmp_path):
                         "0.003: the study trained your own spec (train_spec.py), so the reference lr is not its "
                         "best there; the planned lr follows the study's best lrs, not the reference's"]
     assert not any("may not behave like yours" in warning for warning in own.warnings)
+
+
+def _window(samples: float, b_simple: float, interval: list, status: str, steps: list[int]) -> dict:
+    return {"samples_seen": samples, "samples_from": samples - 80, "samples_to": samples + 80, "steps": steps,
+            "b_simple": b_simple, "b_simple_ci95": interval, "b_simple_status": status}
+
+
+# A padded LM's noise over training: B_simple grows, the last window's |G|² is not resolved (its point estimate
+# 94,304 with an open interval), and the whole run's one ratio mixes the phases.
+OVER_TRAINING = {**SPEC_REPORT, "b_simple": 92.49, "b_simple_ci95": [45.11, 2301.0], "b_simple_status": "resolved",
+                 "dataset_size": 2000, "by_samples": [
+                     _window(320, 12.0, [8.0, 20.0], "resolved", [4, 14]),
+                     _window(960, 40.0, [25.0, 80.0], "resolved", [16, 26]),
+                     _window(1600, 94304.0, [307.5, None], "g2_unresolved", [28, 38])]}
+
+
+def test_a_noise_report_over_training_plans_with_its_last_resolved_window_and_says_so(tmp_path, capsys):
+    report = _write(tmp_path, "noise.json", OVER_TRAINING)
+    out = _plan(["--from-noise", report, "--devices", "8"], capsys)
+    # Steps relative to the fewest at the planned global batch 128: 1 + B_crit / 128.
+    assert out["global_batch_size"] == 128 and out["steps_factor"] == pytest.approx(1 + 40 / 128)
+    said = [w for w in out["warnings"] if "last resolved window" in w]
+    assert len(said) == 1 and "window 2 of 3, steps 16-26, at 960 samples seen" in said[0], out["warnings"]
+    assert "--noise-window whole takes the whole run's 92.49" in said[0]
+    whole = _plan(["--from-noise", report, "--noise-window", "whole", "--devices", "8"], capsys)
+    assert whole["steps_factor"] == pytest.approx(1 + 92.49 / 128)
+    assert not [w for w in whole["warnings"] if "window" in w]
+    # The samples the run drew from are the report's: no --dataset-size asked for the epochs and the warmup.
+    assert out["samples_per_rank"] == 2000 // 8 == whole["samples_per_rank"]
+    # No window resolved: no number to plan with, in one line.
+    unresolved = {**OVER_TRAINING, "by_samples": [{**w, "b_simple_status": "g2_unresolved"}
+                                                  for w in OVER_TRAINING["by_samples"]]}
+    assert main(["plan", "--from-noise", _write(tmp_path, "u.json", unresolved), "--devices", "8"]) == 2
+    assert "none of its 3 windows has a resolved B_simple" in capsys.readouterr().err
+    whole_unresolved = {**SPEC_REPORT, "b_simple": 9.4e4, "b_simple_ci95": [307.5, None],
+                        "b_simple_status": "g2_unresolved"}
+    assert main(["plan", "--from-noise", _write(tmp_path, "w.json", whole_unresolved), "--devices", "8"]) == 2
+    assert "B_simple is not resolved (g2_unresolved" in capsys.readouterr().err

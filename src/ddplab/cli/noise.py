@@ -305,8 +305,8 @@ def _print_command(report) -> None:
         rows.append(["left out", str(left), f"measured steps {reason}"])
     out = render.console()
     out.print(render.table(_command_title(values), ["", "value", "meaning"], rows))
-    for note in filter(None, [values["note"], *values["guest_notes"], values["failed_after_measuring"],
-                              values["tokens_note"]]):
+    for note in filter(None, [values["note"], values["trend_note"], values["schedule_note"], *values["guest_notes"],
+                              values["failed_after_measuring"], values["tokens_note"]]):
         out.print(f"note: {note}", markup=False)
     if values["stopped_early"]:
         out.print(f"stopped early: {values['stopped_early']}; the figures are those of the steps measured before",
@@ -363,17 +363,18 @@ def _plot_by_samples(report, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [p for p in report.to_json()["by_samples"] if p["b_simple"] is not None]
+    windows = report.to_json()["by_samples"]
+    points = [p for p in windows if p["b_simple_status"] == "resolved"]
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [p["samples_seen"] for p in points]
     y = [p["b_simple"] for p in points]
-    low = [p["b_simple"] - p["b_simple_ci95"][0] if p["b_simple_ci95"] else 0.0 for p in points]
-    # An unresolved upper end is drawn to twice the estimate, the rest of the bar being off the chart.
-    high = [(p["b_simple_ci95"][1] or 2 * p["b_simple"]) - p["b_simple"] if p["b_simple_ci95"] else 0.0
-            for p in points]
-    ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label="B_simple, 95% interval")
-    # Windows whose |G|² was not resolved have only a lower bound: drawn as one.
-    bounds = [p for p in report.to_json()["by_samples"] if p["b_simple"] is None and p["b_simple_ci95"]]
+    low = [p["b_simple"] - p["b_simple_ci95"][0] for p in points]
+    high = [p["b_simple_ci95"][1] - p["b_simple"] for p in points]
+    if points:
+        ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label="B_simple, 95% interval")
+    # A window whose |G|² was not resolved has only a lower bound, every one drawn as such: its point estimate
+    # (often huge) is no value to read, nor to set the chart's range.
+    bounds = [p for p in windows if p["b_simple_status"] != "resolved" and p["b_simple_ci95"]]
     if bounds:
         ax.plot([p["samples_seen"] for p in bounds], [p["b_simple_ci95"][0] for p in bounds], "^", color="gray",
                 label="|G|² not resolved: B_simple above")

@@ -83,6 +83,9 @@ def add_parser(subparsers) -> None:
                                 "per-device batch, accumulation, lr) where flags leave it, and its B_simple as "
                                 "--critical-batch-size (with --rule surge, as --noise-scale); a flag that "
                                 "contradicts it is warned"), "from_noise")
+    mark(data.add_argument("--noise-window", choices=("last", "whole"), default="last",
+                           help="which B_simple of a noise report over training the plan takes: its last resolved "
+                                "window (default), or the whole run's one ratio"), "noise_window")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -103,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
                                                                                                prefix="data"))
     if args.from_noise or args.from_study:
         # The report's run completes the reference the flags give, and is checked against them.
-        plan_from = plan_from_noise if args.from_noise else plan_from_study
-        result = plan_from(given, target, data, args.from_noise or args.from_study, names=args.flag_names)
+        if args.from_noise:
+            result = plan_from_noise(given, target, data, args.from_noise, names=args.flag_names,
+                                     window=args.noise_window)
+        else:
+            result = plan_from_study(given, target, data, args.from_study, names=args.flag_names)
     else:
         result = planner.plan(Reference(**given), target, data, names=args.flag_names)
     if args.json:

@@ -9,11 +9,8 @@ command line and by scripts through ``to_json``; its ``schedule`` is a batch sch
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from typing import Any
 
-from ddplab.errors import UsageError, literal
 from ddplab.noise import estimators
 from ddplab.noise.command.merge import Merged, StepNorms
 from ddplab.serialize import finite
@@ -88,18 +85,60 @@ class CommandNoiseReport:
                                 f"{tokens} over the {samples} samples of {len(steps)} measured steps, "
                                 f"{per_sample:.4g} per sample")}
 
+    @property
+    def resolved(self) -> list[dict[str, Any]]:
+        """The windows whose B_simple has a finite 95% interval: the only ones a decision is taken from."""
+        return [point for point in self.by_samples if point["b_simple_status"] == "resolved"]
+
     def schedule(self) -> list[dict[str, int]]:
-        """A batch schedule from the curve: each window's B_simple, rounded down to whole micro-steps, never falling."""
+        """A batch schedule from the curve: each window's B_simple, rounded down to whole micro-steps, never falling;
+        it stops at the first window that is not resolved (:meth:`schedule_note` says where)."""
         micro = self.per_device_batch_size * len(self.merged.group)
         entries: list[dict[str, int]] = []
-        for point in self.by_samples:
-            if not math.isfinite(point["b_simple"]):
-                continue
+        for point in self.by_samples[:self._schedule_end()]:
             batch = max(micro, int(point["b_simple"] // micro) * micro)
             if entries and batch <= entries[-1]["global_batch_size"]:
                 continue
             entries.append({"samples_seen": 0 if not entries else point["samples_from"], "global_batch_size": batch})
         return entries
+
+    def _schedule_end(self) -> int:
+        return next((i for i, point in enumerate(self.by_samples) if point["b_simple_status"] != "resolved"),
+                    len(self.by_samples))
+
+    def schedule_note(self) -> str | None:
+        """Where the schedule had to stop and why; None when every window is resolved."""
+        end = self._schedule_end()
+        if end == len(self.by_samples):
+            return None
+        point = self.by_samples[end]
+        where = (f"window {end + 1} of {len(self.by_samples)} (steps {point['steps'][0]}-{point['steps'][1]}, from "
+                 f"{point['samples_from']:,} samples seen)")
+        if end == 0:
+            return f"no schedule: its first {where} is not resolved ({_status_words(point)})"
+        return f"the schedule stops before {where}: its B_simple is not resolved ({_status_words(point)})"
+
+    def trend(self) -> dict[str, Any] | None:
+        """B_simple at the first and last resolved windows and their ratio; None with fewer than 2 resolved."""
+        resolved = self.resolved
+        if len(resolved) < 2:
+            return None
+        first, last = resolved[0], resolved[-1]
+        keys = ("samples_seen", "steps", "b_simple", "b_simple_ci95")
+        return {"first": {k: first[k] for k in keys}, "last": {k: last[k] for k in keys},
+                "ratio": last["b_simple"] / first["b_simple"], "resolved_windows": len(resolved),
+                "windows": len(self.by_samples)}
+
+    def trend_note(self) -> str | None:
+        """The headline's caveat where B_simple moved over training: which phase to plan with."""
+        trend = self.trend()
+        if trend is None or 0.5 <= trend["ratio"] <= 2:
+            return None
+        first, last = trend["first"], trend["last"]
+        moved = "grew" if trend["ratio"] > 1 else "fell"
+        return (f"B_simple {moved} {trend['ratio']:.3g}× over training, from {_point_words(first)} to "
+                f"{_point_words(last)} ({trend['resolved_windows']} of {trend['windows']} windows resolved): the "
+                "run's one ratio above mixes the phases; plan --from-noise takes the last resolved window")
 
     def to_json(self) -> dict[str, Any]:
         summary, merged = self.summary, self.merged
@@ -117,10 +156,23 @@ class CommandNoiseReport:
             "steps_factor": summary.steps_factor(self.global_batch_size),
             "guest_seconds_per_measured_step": merged.guest_s, "measured_step_seconds": merged.step_s,
             "overhead": self.overhead, "per_step": self.history, "by_samples": self.by_samples,
-            "schedule": self.schedule(), "returncode": self.returncode, "stopped_early": self.stopped_early,
+            "schedule": self.schedule(), "schedule_note": self.schedule_note(), "trend": self.trend(),
+            "trend_note": self.trend_note(), "returncode": self.returncode, "stopped_early": self.stopped_early,
             "cancelled_by": self.cancelled_by, "failed_after_measuring": self.failed_after_measuring,
             **self.tokens_json(),
         })
+
+
+def _status_words(point: dict[str, Any]) -> str:
+    interval = point["b_simple_ci95"]
+    if point["b_simple_status"] == "g2_unresolved" and interval is not None:
+        return f"|G|² within its error of 0: B_simple > {interval[0]:.4g} at 95%"
+    return point["b_simple_status"].replace("_", " ")
+
+
+def _point_words(point: dict[str, Any]) -> str:
+    low, high = point["b_simple_ci95"]
+    return f"{point['b_simple']:.4g} [{low:.4g}, {high:.4g}] at {point['samples_seen']:,.0f} samples"
 
 
 def build(command: tuple[str, ...], merged: Merged, *, start_step: int, every: int | None, window: int,
@@ -159,30 +211,3 @@ def by_samples(history: list[dict[str, float]], window: int) -> list[dict[str, A
                        "steps": [part[0]["step"], part[-1]["step"]], "b_simple": summary.b_simple,
                        "b_simple_ci95": summary.b_simple_ci95, "b_simple_status": summary.status})
     return points
-
-
-def with_noise_report(reference, data, path: str, *, surge: bool):
-    """(reference, data) of a plan with a ``ddplab noise`` report's B_simple (either form's JSON) as the critical
-    batch size, or under the surge rule as the reference's noise scale; ``plan --from-noise``."""
-    b_simple = read_b_simple(path)
-    if surge:
-        if reference.noise_scale is not None:
-            raise UsageError("{reference.noise_scale} and {from_noise} both give the noise scale: drop one")
-        return dataclasses.replace(reference, noise_scale=b_simple), data
-    if data.critical_batch_size is not None:
-        raise UsageError("{data.critical_batch_size} and {from_noise} both give the critical batch size: drop one")
-    return reference, dataclasses.replace(data, critical_batch_size=b_simple)
-
-
-def read_b_simple(path: str) -> float:
-    """The B_simple of a ``ddplab noise`` JSON report; UsageError when it holds no positive, finite one."""
-    try:
-        with open(path) as fh:
-            value = json.load(fh).get("b_simple")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise UsageError(f"{{from_noise}} {literal(repr(path))} is not a readable ddplab noise JSON report "
-                         f"({type(exc).__name__})") from None
-    if not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise UsageError(f"{{from_noise}} {literal(repr(path))} holds no finite B_simple (|G|² was not resolved): "
-                         "measure more steps")
-    return float(value)
