@@ -257,11 +257,21 @@ def _show(args: argparse.Namespace, config: StudyConfig, report) -> int:
         render.print_json(report)
     else:
         _print(report)
+    if not report.analysis.reached and _all_failed(report):
+        print("ddplab: every run failed: its error is above, and a run that fails counts as not reached",
+              file=sys.stderr)
+        return 1
     if not report.analysis.reached:
         print(f"ddplab: no run reached the target ({config.target.kind} {config.target.value:g}) within --max-steps "
               f"{config.max_steps}: lower the target or raise --max-steps (runs are cached)", file=sys.stderr)
         return 1
     return 0
+
+
+def _all_failed(report) -> bool:
+    """Whether no run trained to its end: raising the step budget would change nothing."""
+    runs = report.analysis.runs
+    return bool(runs) and all(run.get("failed") for run in runs)
 
 
 def _run_command(args: argparse.Namespace) -> int:

@@ -178,7 +178,11 @@ def test_a_printed_metric_is_the_target_and_what_cannot_be_read_is_one_line(tmp_
     # A run that fails twice is reported with the end of its output, and counts as not reached.
     flaky = [*ONE_PROCESS[:6], FLAKY, *ONE_PROCESS[7:]]
     _, err = _study(tmp_path / "failing", *grid, *flaky, "--crash-at", "2", check=1)
-    assert "failed twice (exit code 1); its output ends:" in err and "planted failure at step 2" in err
+    log = os.path.join(_run_dirs(tmp_path / "failing")[0], "output.log")
+    assert f"failed twice (exit code 1); its error: RuntimeError: planted failure at step 2; its output is in {log}" \
+        in err, err
+    # Every run failed: a larger step budget would change nothing, and the advice says so.
+    assert "every run failed: its error is above" in err and "raise --max-steps" not in err
 
 
 @pytest.mark.slow

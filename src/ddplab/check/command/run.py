@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -25,7 +24,7 @@ from ddplab.check.command.config import ENV_SETTINGS, CommandCheckConfig, Side
 from ddplab.check.command.config import RECORD_PREFIX as PREFIX
 from ddplab.errors import UsageError
 from ddplab.guest import record, runner
-from ddplab.study.command.job import free_port, tail
+from ddplab.guest.output import free_port, program_error, tail
 
 GUEST = "ddplab.check.command.guest"
 
@@ -164,16 +163,6 @@ def _refuse_unfinished(config: CommandCheckConfig, run: SideRun, seconds: float)
         raise CommandFailed(f"the run on {what} {ended} before any optimizer step{said}: {first}{end}")
     raise CommandFailed(f"the run on {what} {ended} after {steps} of the {config.steps} steps to compare{said}: "
                         f"{advice}{end}")
-
-
-ERROR_LINE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b.*)$")
-
-
-def program_error(lines: list[str]) -> str | None:
-    """The program's own exception (its traceback's last line), not the launcher's summary of it."""
-    errors = [m[1] for line in lines if (m := ERROR_LINE.match(line.strip()))
-              and "ChildFailedError" not in m[1] and not m[1].startswith("torch.distributed.elastic")]
-    return errors[-1] if errors else None
 
 
 def _judged(config: CommandCheckConfig, ranks: SideRun, one: SideRun, seconds: float) -> CommandCheckResult:

@@ -17,11 +17,12 @@ import os
 from collections.abc import Callable
 
 from ddplab.errors import UsageError, literal
+from ddplab.guest.output import program_error, tail
 from ddplab.serialize import write_json_atomic
 from ddplab.study.command import points
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.command.executors import Executor
-from ddplab.study.command.job import JobOutcome, RunJob
+from ddplab.study.command.job import LOG, JobOutcome, RunJob
 from ddplab.study.command.template import CommandTemplate
 from ddplab.study.config import StudyConfig
 from ddplab.study.runs import DIVERGED_LOSS, RunGroup, RunResult, prune_bound, settle
@@ -121,8 +122,13 @@ class CommandEngine:
         why = (f"stopped at its deadline of {self.options.run_deadline_s:g} s" if outcome.timed_out else
                f"exit code {outcome.returncode}")
         result.failed = why
-        self.failed.append(f"{job.label}: failed twice ({why}); its output ends:\n    " +
-                           "\n    ".join(outcome.log_tail or ["(nothing)"]))
+        log = os.path.join(job.run_dir, LOG)
+        error = program_error(tail(log, 400))
+        # The program's own error where its traceback has one, not the launcher's report of a failed rank.
+        said = (f"its error: {error}" if error else
+                "its output ends:\n    " + "\n    ".join(outcome.log_tail or ["(nothing)"]) + "\n  ")
+        self.failed.append(f"{job.label}: failed twice ({why}); {said}{'; ' if error else ''}its output is in "
+                           f"{log}")
         return True
 
     def _check_trained(self, job: RunJob, outcome: JobOutcome, evals: list[dict]) -> None:

@@ -12,19 +12,18 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 
 from ddplab.guest import record, runner
+from ddplab.guest.output import free_port, tail
 from ddplab.runtime import timescale
 from ddplab.runtime.signals import signal_group, sweep_group
 
 GUEST = "ddplab.study.command.guest"
 LOG = "output.log"
-LOG_TAIL = 12
 AGAIN = "\n=== ddplab study: the run started again ===\n"
 
 
@@ -134,18 +133,3 @@ def stop(child: subprocess.Popen) -> None:
     """SIGTERM to the command's whole group, SIGKILL to what is left after the grace period."""
     signal_group(child.pid, signal.SIGTERM)
     sweep_group(child.pid, timescale.scaled(runner.GRACE_S))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def tail(path: str, lines: int = LOG_TAIL) -> list[str]:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(path) - 16384))
-            return fh.read().decode(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []

@@ -213,7 +213,7 @@ def row(rule: str, global_batch: int, run: RunResult, *, best: bool = False, **e
             "optimizer": run.optimizer,
             "steps_to_target": run.steps_to_target, "samples_to_target": samples(run, global_batch),
             "diverged": run.diverged, "stalled": run.stalled, "pruned": run.pruned, "extension": run.extension,
-            "best": best, **extra}
+            "failed": run.failed, "best": best, **extra}
 
 
 def html_num(value: float | None) -> str:
