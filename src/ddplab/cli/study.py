@@ -470,6 +470,11 @@ def _fit_row(rule: str, fit: dict) -> list[str]:
     if fit.get("undefined"):
         return [rule, _num(fit["s_min"]), "undefined", f"({fit['undefined']})", "undefined"]
     low, high = fit["b_crit_ci95"]
+    bound = fit.get("bound")
+    if bound:
+        # Fitted outside the measured batches: only the side is known.
+        side, edge = next(iter(bound.items()))
+        return [rule, _num(fit["s_min"]), f"{'<' if side == 'below' else '>'} {edge}", "(outside the batches)", "—"]
     return [rule, _num(fit["s_min"]), _num(fit["b_crit"]), f"[{_num(low)}, {_num(high)}]", _num(fit["e_min"])]
 
 

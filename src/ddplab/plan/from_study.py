@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddplab.errors import UsageError, literal, render
-from ddplab.plan import planner
+from ddplab.plan import planner, scaling
 from ddplab.plan.reported import Reported, positive_whole
 
 
@@ -47,11 +47,11 @@ def plan_from_study(reference: planner.Reference | Mapping[str, Any], target: pl
         raise UsageError(f"{{target.rule}} {target.rule} and {{from_study}} both choose the lr: drop {{target.rule}}, "
                          "the study's best lr at the planned global batch replaces any rule")
     _check_optimizer(reference, loaded)
-    b_crit = _b_crit(loaded)
+    b_crit, bound = _b_crit(loaded), _bound(loaded)
     source = StudyLr(loaded)
     result = planner.plan(reference, target, dataclasses.replace(data, critical_batch_size=b_crit), lr_source=source,
                           names=names)
-    return _warned(result, names, before=contradictions, after=_reference_lr_mismatch(reference, source))
+    return _warned(result, names, before=contradictions, after=(*bound, *_reference_lr_mismatch(reference, source)))
 
 
 def _warned(result: planner.Plan, names: Mapping[str, str] | None, *, before: tuple[str, ...] = (),
@@ -114,11 +114,23 @@ class StudyLr:
     def __call__(self, global_batch_size: int) -> planner.MeasuredLr:
         tuned = self.study["tuned_lr"]
         batches = [p["global_batch_size"] for p in tuned]
+        low, high = min(batches), max(batches)
         lr, inside = loglog_interpolate(batches, [p["lr"] for p in tuned], global_batch_size)
+        how = "log-log interpolation between measured batches"
         warnings = []
         if not inside:
+            edge = low if global_batch_size < low else high
+            if max(global_batch_size / edge, edge / global_batch_size) > EXTRAPOLATE_UP_TO:
+                # Far past the data, a slope set by the last two points (a tie, say) is no evidence: the rule is.
+                rule = "sqrt" if self._family() in ("adam", "adamw") else "linear"
+                best = next(p["lr"] for p in tuned if p["global_batch_size"] == edge)
+                lr = best * scaling.lr_multiplier(global_batch_size / edge, rule)
+                how = (f"extrapolated: more than {EXTRAPOLATE_UP_TO:g}× outside the measured batches {low}–{high}, "
+                       f"the {rule} rule from the best lr {best:.4g} at global batch {edge}")
+            else:
+                how = f"extrapolated from the end segment of the measured batches {low}–{high}"
             warnings.append(f"global batch {global_batch_size} lies outside the study's measured range "
-                            f"{min(batches)}–{max(batches)}: the lr and B_crit are extrapolated")
+                            f"{low}–{high}: the lr and B_crit are extrapolated")
         train_size = self.study.get("train_size")
         if train_size and global_batch_size > train_size:
             warnings.append(f"global batch {global_batch_size} is larger than the study's {train_size} training "
@@ -126,13 +138,39 @@ class StudyLr:
                             "about it")
         workload = literal(self.study.get("workload", "?"))
         reason = (f"measured by ddplab study ({workload}): best lr on the tuned curve at "
-                  f"global batch {global_batch_size} (log-log interpolation between measured batches), in place of "
-                  f"a rule; B_crit {_b_crit(self.study):.4g} fitted to steps-to-target")
+                  f"global batch {global_batch_size} ({how}), in place of a rule; {_b_crit_words(self.study)}")
         return planner.MeasuredLr(lr=lr, reason=reason, warnings=tuple(warnings))
 
+    def _family(self) -> str:
+        optimizer = self.study.get("optimizer")
+        return optimizer.get("family", "sgd") if isinstance(optimizer, dict) else "sgd"
 
-def _b_crit(study: dict) -> float:
-    return float(study["fit"]["tuned"]["b_crit"])
+
+EXTRAPOLATE_UP_TO = 2.0
+"""How far past the measured batches the tuned curve's end segment is followed; beyond, the optimizer's rule."""
+
+
+def _b_crit(study: dict) -> float | None:
+    """The tuned fit's B_crit where it lies among the measured batches; None where the fit places it outside."""
+    fit = study["fit"]["tuned"]
+    return None if fit.get("bound") else float(fit["b_crit"])
+
+
+def _b_crit_words(study: dict) -> str:
+    b_crit = _b_crit(study)
+    if b_crit is None:
+        side, edge = next(iter(study["fit"]["tuned"]["bound"].items()))
+        return f"B_crit {'<' if side == 'below' else '>'} {edge}, {side} the measured batches"
+    return f"B_crit {b_crit:.4g} fitted to steps-to-target"
+
+
+def _bound(study: dict) -> tuple[str, ...]:
+    bound = study["fit"]["tuned"].get("bound")
+    if not bound:
+        return ()
+    side, edge = next(iter(bound.items()))
+    return (f"the study's B_crit lies {side} its measured batches (B_crit {'<' if side == 'below' else '>'} "
+            f"{edge}): no critical batch is planned with",)
 
 
 def _check_optimizer(reference: planner.Reference, study: dict) -> None:

@@ -198,7 +198,12 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
                       "seed_range": {str(b): v for b, v in fitted["seed_range"].items()},
                       "band": {str(b): v for b, v in fitted["band"].items()},
                       "batches_fitted": sorted(reached)}
+        left_out = sorted(set(by_batch) - set(reached))
+        if left_out:
+            warnings.append(f"rule {rule}: fitted on global batches {_batches(reached)} only: the median run did not "
+                            f"reach the target at {_batches(left_out)}, which the fit leaves out")
         if not math.isfinite(fitted["b_crit"]):
+            fits[rule]["bound"] = {"above": max(reached)}
             warnings.append(f"rule {rule}: steps fall as 1/B over the whole measured range; B_crit lies above it")
             continue
         if fitted["b_crit"] == 0:
@@ -208,11 +213,33 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
                             "the fit S_min(1 + B_crit/B) is flat: B_crit and E_min are undefined (every batch here is "
                             "past the critical batch, or the rule does not scale its lr with the batch)")
             continue
+        bound = _outside(fitted["b_crit"], sorted(reached))
+        if bound is not None:
+            # A bend the data do not hold: the fit's B_crit says only on which side of the measured batches it is.
+            fits[rule]["bound"] = bound
+            side, edge = next(iter(bound.items()))
+            warnings.append(f"rule {rule}: B_crit is fitted at {fitted['b_crit']:.3g}, {side} the measured batches "
+                            f"{_batches(reached)}: read it as B_crit {'<' if side == 'below' else '>'} {edge}, not as "
+                            f"a value; measure {'smaller' if side == 'below' else 'larger'} batches to place it")
+            continue
         warnings += _fit_warnings(rule, fitted)
     seeds = min((len(s) for by_batch in steps_by_rule.values() for s in by_batch.values()), default=0)
     if fits and seeds == 2:
         warnings.append(FEW_SEEDS)
     return fits, warnings
+
+
+def _outside(b_crit: float, batches: list[int]) -> dict[str, int] | None:
+    """{"below": smallest} or {"above": largest} where the fitted B_crit lies outside the batches it was fitted on."""
+    if b_crit < batches[0]:
+        return {"below": batches[0]}
+    if b_crit > batches[-1]:
+        return {"above": batches[-1]}
+    return None
+
+
+def _batches(batches) -> str:
+    return ", ".join(str(b) for b in sorted(batches))
 
 
 FEW_SEEDS = ("B_crit's 95% intervals resample 2 seeds, so each batch's median can take at most 3 values: they "
