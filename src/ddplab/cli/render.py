@@ -34,12 +34,14 @@ class ProgressBar:
     closes when ``completed`` reaches ``total``.
     """
 
-    def __init__(self, label: str, *, status: bool = False):
-        self.label, self.status = label, status
+    def __init__(self, label: str, *, status: bool = False, unit: str | None = None):
+        self.label, self.status, self.unit = label, status, unit
         self._bar = self._task = None
+        self._logged = 0
 
     def __call__(self, completed: int, total: int, status: str = "") -> None:
         if not sys.stderr.isatty():
+            self._log(completed, total, status)
             return
         if self._bar is None:
             self._start(total)
@@ -47,10 +49,21 @@ class ProgressBar:
         if completed >= total:
             self.close()
 
+    def _log(self, completed: int, total: int, status: str) -> None:
+        # Where jobs run (nohup, a Slurm log): a line per item finished, when the bar counts items.
+        if self.unit is None or completed <= self._logged:
+            return
+        self._logged = completed
+        print(f"{self.label}: {completed} of {total} {self.unit}{': ' + status if status else ''}", file=sys.stderr,
+              flush=True)
+
     def _start(self, total: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        columns = [TextColumn(self.label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+        columns = [TextColumn(self.label), BarColumn(), MofNCompleteColumn()]
+        if self.unit:
+            columns.append(TextColumn(self.unit))
+        columns.append(TimeRemainingColumn())
         if self.status:
             columns.append(TextColumn("{task.fields[status]}"))
         self._bar = Progress(*columns, console=console(stderr=True), transient=True)
@@ -64,7 +77,8 @@ class ProgressBar:
 
     def __getstate__(self):
         # Pickled into a spawned rank before it started: only the label travels.
-        return {"label": self.label, "status": self.status, "_bar": None, "_task": None}
+        return {"label": self.label, "status": self.status, "unit": self.unit, "_bar": None, "_task": None,
+                "_logged": 0}
 
 
 def table(title: str, columns: list[str], rows: list[list[str]]):

@@ -290,7 +290,7 @@ def _run_command(args: argparse.Namespace) -> int:
     from ddplab.study.command.study import run_command_study
 
     found = run_command_study(command, config, options,
-                              progress=render.ProgressBar("ddplab study", status=True))
+                              progress=render.ProgressBar("ddplab study", status=True, unit="runs"))
     for line in found.failed:
         print(f"ddplab study: warning: {line}", file=sys.stderr)
     return _show(args, config, found.report)

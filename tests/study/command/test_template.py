@@ -152,3 +152,45 @@ def test_a_failed_local_start_without_a_message_is_named_by_its_type(monkeypatch
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert _warnings_of_a_connect_that_fails(_NeverStartingRay(message=""), None) == [
         f"Ray's local cluster did not start (RuntimeError); starting it again ({n} of 3)" for n in (2, 3)]
+
+
+def test_progress_counts_runs_and_without_a_terminal_says_a_line_per_run_that_ended(capsys):
+    # Where a study usually runs (nohup, a Slurm log): one line per run, true counts, and what was read back.
+    from ddplab.cli.render import ProgressBar
+    from ddplab.study.command.study import _Runs
+
+    config = StudyConfig(target=Target(kind="loss", value=1.7), global_batch_sizes=(16, 32), seeds=1,
+                         rules=("constant", "linear"), reference_global_batch_size=16, max_steps=300)
+    told: list[tuple[int, int, str]] = []
+    bar = ProgressBar("ddplab study", status=True, unit="runs")
+
+    def progress(completed, total, status=""):
+        told.append((completed, total, status))
+        bar(completed, total, status)
+
+    runs = _Runs(progress, config)
+    runs.advance(300)  # a run read back from an earlier driver's folder
+    runs.listen(1, 1, 0)
+    assert told[-1] == (1, 3, "1 run read back, trained by an earlier driver; 1 running")
+    runs.listen(0, 1, 1)  # the executor: one ended, the next started
+    runs.finished("global batch 32, lr 0.01, seed 0: 25 steps to the target, 3 s")
+    runs.advance(300)
+    # A sweep's extension: a run past the plan, and the total grows with it instead of the bar standing at its end.
+    runs.listen(0, 1, 0)
+    assert told[-1][:2] == (2, 3)
+    runs.listen(0, 0, 1)
+    runs.finished("global batch 32, lr 0.02, seed 0: 20 steps to the target, 3 s")
+    runs.advance(300)
+    runs.listen(0, 1, 0)
+    assert told[-1][:2] == (3, 4)
+    runs.listen(0, 0, 1)
+    runs.finished("global batch 32, lr 0.04, seed 0: 22 steps to the target, 3 s")
+    runs.advance(300)
+    runs.close()
+    assert told[-1] == (4, 4, "global batch 32, lr 0.04, seed 0: 22 steps to the target, 3 s")
+    assert capsys.readouterr().err.splitlines() == [
+        "ddplab study: 1 of 3 runs: 1 run read back, trained by an earlier driver",
+        "ddplab study: 2 of 3 runs: global batch 32, lr 0.01, seed 0: 25 steps to the target, 3 s; 1 running",
+        "ddplab study: 3 of 3 runs: global batch 32, lr 0.02, seed 0: 20 steps to the target, 3 s",
+        "ddplab study: 4 of 4 runs: global batch 32, lr 0.04, seed 0: 22 steps to the target, 3 s",
+    ]

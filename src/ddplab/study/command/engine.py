@@ -61,9 +61,12 @@ class CommandEngine:
     per_run = True
 
     def __init__(self, template: CommandTemplate, options: CommandOptions, executor: Executor, *, world_size: int,
-                 max_per_device: int | None, folder: str, listen: Callable[[int, int, int], None]):
+                 max_per_device: int | None, folder: str, listen: Callable[[int, int, int], None],
+                 finished: Callable[[str], None] = lambda line: None):
         self.template, self.options, self.executor = template, options, executor
         self.world_size, self.max_per_device, self.folder, self.listen = world_size, max_per_device, folder, listen
+        self.finished = finished
+        """Told a line per run as it ends: what it trained, how far and how long."""
         self.failed: list[str] = []
         """A line per run that failed twice: its batch, lr, seed and the end of its output."""
 
@@ -97,7 +100,9 @@ class CommandEngine:
                 for job, outcome in outcomes:
                     if not self._read(config, job, outcome, todo[job], last=attempt == TRIES - 1):
                         again[job] = todo[job]
-                    elif progress:
+                        continue
+                    self.finished(_ended(job, outcome, todo[job]))
+                    if progress:
                         progress(config.max_steps)
             todo = again
 
@@ -186,6 +191,19 @@ def replay(config: StudyConfig, evals: list[dict], result: RunResult, *, metric:
 
 def _steps(job: RunJob) -> int:
     return int(json.loads(job.settings)["eval_every"])
+
+
+def _ended(job: RunJob, outcome: JobOutcome, result: RunResult) -> str:
+    """A finished run in one line: what it trained, how it ended, and how long it took."""
+    rule = f"{result.rule} " if result.rule else ""
+    if result.failed:
+        how = f"failed ({result.failed})"
+    elif result.steps_to_target is not None:
+        how = f"{result.steps_to_target} steps to the target"
+    else:
+        how = "diverged" if result.diverged else "stalled" if result.stalled else "pruned" if result.pruned else \
+            "not reached"
+    return f"{rule}{job.label}: {how}, {outcome.seconds:.0f} s"
 
 
 def _cached(job: RunJob, result: RunResult) -> bool:

@@ -61,7 +61,7 @@ def run_command_study(command: CommandOptions, config: StudyConfig, options: Stu
     bar = _Runs(progress, config)
     engine = CommandEngine(template, command, executor,
                            world_size=options.world_size, max_per_device=options.max_batch_size_per_device,
-                           folder=folder, listen=bar.listen)
+                           folder=folder, listen=bar.listen, finished=bar.finished)
     # SIGTERM or SIGHUP (a scheduler's cancel, `timeout`) stops the runs as Ctrl-C does, then ends the driver.
     try:
         with RaiseOnSignals():
@@ -96,23 +96,41 @@ def _save(report: StudyReport, started: float) -> None:
 
 
 class _Runs:
-    """Progress over the grid's step budget, its status the runs queued, running and done of the batch training."""
+    """Progress in runs finished out of the runs planned; its status the runs running now and the last one done."""
 
     def __init__(self, progress: Progress, config: StudyConfig):
-        self.progress, self.total = progress, config.max_steps * _runs(config)
-        self.completed, self.status = 0, ""
+        self.progress, self.planned, self.max_steps = progress, _runs(config), config.max_steps
+        self.completed, self.running, self.last, self.told = 0, 0, "", False
+
+    @property
+    def total(self) -> int:
+        # A sweep's extensions and the rules' own groups add runs past the plan: the total grows with them.
+        return max(self.planned, self.completed + self.running)
 
     def advance(self, steps: int) -> None:
-        # A sweep's extensions and the rules' own groups add runs past the plan: the bar waits at its end.
-        self.completed = min(self.completed + steps, self.total - 1)
-        self.progress(self.completed, self.total, self.status)
+        """The grid's step budget as the engines count it: a run's whole budget per run finished or read back."""
+        runs = max(1, round(steps / self.max_steps))
+        self.completed += runs
+        if not self.told:
+            # No run ended: the group was read back from the study's folder.
+            self.last = f"{runs} run{'s' if runs > 1 else ''} read back, trained by an earlier driver"
+        self.told = False
+        self._tell()
 
     def listen(self, queued: int, running: int, done: int) -> None:
-        self.status = f"runs: {queued} queued, {running} running, {done} done"
-        self.progress(self.completed, self.total, self.status)
+        self.running = running
+        self._tell()
+
+    def finished(self, line: str) -> None:
+        self.last, self.told = line, True
+
+    def _tell(self) -> None:
+        running = f"{self.running} running" if self.running else ""
+        self.progress(self.completed, self.total, "; ".join(filter(None, [self.last, running])))
 
     def close(self) -> None:
-        self.progress(self.total, self.total, self.status)
+        # The runs there were: fewer than planned where runs were read back or pruned.
+        self.progress(self.completed, self.completed, self.last)
 
 
 def _runs(config: StudyConfig) -> int:
