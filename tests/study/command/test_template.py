@@ -194,3 +194,16 @@ def test_progress_counts_runs_and_without_a_terminal_says_a_line_per_run_that_en
         "ddplab study: 3 of 3 runs: global batch 32, lr 0.02, seed 0: 20 steps to the target, 3 s",
         "ddplab study: 4 of 4 runs: global batch 32, lr 0.04, seed 0: 22 steps to the target, 3 s",
     ]
+
+
+def test_a_commands_runs_show_the_optimizer_settings_its_placeholders_set_and_no_others():
+    # AdamW with weight decay 0.01 in the command, only {lr} placed: the study's defaults are no fact about it.
+    from ddplab.study.command.engine import placed
+    from ddplab.study.report.html import _settings
+
+    study = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    assert _settings(placed(study, {"lr", "per_device_batch_size"})) == "the command's own"
+    assert _settings(placed(study, {"lr", "beta1", "beta2"})) == "β (0.9, 0.999), the rest the command's own"
+    every = {"lr", "beta1", "beta2", "eps", "weight_decay"}
+    assert _settings(placed(study, every)) == "β (0.9, 0.999), ε 1e-08, λ 0"
+    assert placed(None, every) is None  # SGD: no setting of Adam's to show

@@ -110,6 +110,8 @@ class CommandEngine:
         """Fill ``result`` from the run's outcome; False where it failed and may be tried again."""
         evals = [e for e in outcome.events if e.get("kind") == "eval"]
         decided = any(e.get("kind") == "end" for e in outcome.events)
+        # The settings the command was given are those its placeholders carry; the rest are its own.
+        result.optimizer = placed(result.optimizer, self.template.names)
         if (outcome.returncode == 0 and not outcome.timed_out) or decided:
             self._check_trained(job, outcome, evals)
             replay(config, evals, result, metric=self.options.metric is not None)
@@ -191,6 +193,23 @@ def replay(config: StudyConfig, evals: list[dict], result: RunResult, *, metric:
 
 def _steps(job: RunJob) -> int:
     return int(json.loads(job.settings)["eval_every"])
+
+
+PLACED = {"betas": ("beta1", "beta2"), "eps": ("eps",), "weight_decay": ("weight_decay",)}
+"""Each Adam setting a run records, by the placeholders that hand it to the command."""
+
+
+def placed(settings: dict | None, names) -> dict | None:
+    """A command's run's Adam settings as far as its placeholders set them, marked ``own`` where the command keeps
+    any of its own (the study cannot see them); None for SGD.
+
+    >>> placed({"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}, {"lr", "eps"})
+    {'eps': 1e-08, 'own': True}
+    """
+    if settings is None or settings.get("own"):
+        return settings
+    kept = {key: value for key, value in settings.items() if any(name in names for name in PLACED.get(key, ()))}
+    return kept if len(kept) == len(settings) else {**kept, "own": True}
 
 
 def _ended(job: RunJob, outcome: JobOutcome, result: RunResult) -> str:

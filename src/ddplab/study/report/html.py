@@ -46,8 +46,17 @@ def _settings(optimizer: dict | None) -> str:
     """A run's Adam settings in the runs table: betas, eps, weight decay ("" for SGD)."""
     if not optimizer:
         return ""
-    betas = ", ".join(f"{b:.6g}" for b in optimizer["betas"])
-    return f"β ({betas}), ε {optimizer['eps']:.3g}, λ {optimizer['weight_decay']:.4g}"
+    parts = []
+    if "betas" in optimizer:
+        parts.append(f"β ({', '.join(f'{b:.6g}' for b in optimizer['betas'])})")
+    if "eps" in optimizer:
+        parts.append(f"ε {optimizer['eps']:.3g}")
+    if "weight_decay" in optimizer:
+        parts.append(f"λ {optimizer['weight_decay']:.4g}")
+    # A command's run keeps the settings no placeholder gave it: what they are, the study cannot know.
+    if optimizer.get("own"):
+        parts.append("the rest the command's own" if parts else "the command's own")
+    return ", ".join(parts)
 
 
 def _scorecard_html(report: dict) -> str:
