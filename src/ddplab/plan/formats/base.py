@@ -272,7 +272,7 @@ def _paths(tree: Any, prefix: str):
 def edits(a: str, b: str) -> int:
     """Levenshtein's distance: the insertions, deletions and substitutions that make ``a`` into ``b``.
 
-    >>> edits("gradient_acumulation_steps", "gradient_accumulation_steps"), edits("lr", "eps")
+    >>> edits("gradient_acumulation_steps", "gradient_accumulation_steps"), edits("weight_decya", "weight_decay")
     (1, 2)
     """
     row = list(range(len(b) + 1))
