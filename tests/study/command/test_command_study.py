@@ -123,6 +123,29 @@ def test_a_driver_ended_by_sigterm_or_sighup_stops_its_runs_first_and_dies_by_th
                 os.killpg(run, signal.SIGKILL)
 
 
+@pytest.mark.timeout(120)
+def test_ctrl_c_under_submitits_local_executor_is_one_line_and_leaves_nothing_running(tmp_path):
+    """The local jobs never see the terminal's Ctrl-C (as a Slurm job on its node does not): the driver cancels them,
+    and submitit's controller prints no traceback of its own."""
+    pytest.importorskip("submitit")
+    out = tmp_path / "out"
+    command = ["--executor", "slurm", "--slurm-cluster", "local", "--", "sh", "-c",
+               'echo $$ > "$0.tmp"; mv "$0.tmp" "$0"; exec sleep 600', "{run_dir}/started",
+               "{per_device_batch_size}", "{accumulation_steps}", "{lr}", "{seed}"]
+    driver = subprocess.Popen([os.path.join(BIN, "ddplab"), "study", *GRID, "--out", str(out), *command],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _a_run_file(driver, out, "started", timescale.scaled(60))
+        driver.send_signal(signal.SIGINT)
+        _, err = driver.communicate(timeout=timescale.scaled(60))
+    finally:
+        driver.kill()
+    assert driver.returncode == 130 and "ddplab: cancelled (Ctrl-C)" in err, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not left
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_executor_gives_the_same_study(tmp_path):

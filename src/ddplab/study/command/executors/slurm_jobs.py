@@ -4,11 +4,16 @@ submitit's local executor, with no Slurm. Job files and logs are kept under OUT/
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
 from ddplab.errors import UsageError
+from ddplab.guest import runner
+from ddplab.runtime import timescale
 from ddplab.study.command.config import CommandOptions
 from ddplab.study.command.executors.registry import Listener, failed, register
 from ddplab.study.command.job import JobOutcome, RunJob, run_job
@@ -36,10 +41,11 @@ class SlurmExecutor:
         if options.slurm_partition:
             parameters["slurm_partition"] = options.slurm_partition
         executor.update_parameters(**parameters)
-        self.executor = executor
+        self.executor, self.local = executor, local
 
     def run(self, jobs: list[RunJob], listen: Listener) -> Iterator[tuple[RunJob, JobOutcome]]:
-        submitted = {self.executor.submit(run_job, job): job for job in jobs}
+        with _ctrl_c_for_the_driver() if self.local else contextlib.nullcontext():
+            submitted = {self.executor.submit(run_job, job): job for job in jobs}
         pending, done = dict(submitted), 0
         try:
             while pending:
@@ -52,10 +58,41 @@ class SlurmExecutor:
                 for slurm_job in finished:
                     job = pending.pop(slurm_job)
                     done += 1
+                    # Told before the run is read: a job that ended is no longer counted running.
+                    running = sum(j.state in ("RUNNING", "COMPLETING") for j in pending)
+                    listen(len(pending) - running, running, done)
                     yield job, _outcome(slurm_job)
         finally:
-            for slurm_job in pending:
+            self._cancel(list(pending))
+
+    def _cancel(self, jobs: list) -> None:
+        """Slurm's scancel; a local job's controller (its job id is its pid) gets SIGTERM, which it forwards to the
+        run, whose command's process group is then stopped; the driver waits for that, so no run outlives it."""
+        if not self.local:
+            for slurm_job in jobs:
                 slurm_job.cancel(check=False)
+            return
+        for slurm_job in jobs:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(slurm_job.job_id), signal.SIGTERM)
+        deadline = time.monotonic() + 2 * timescale.scaled(runner.GRACE_S)
+        while any(not j.done() for j in jobs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _ctrl_c_for_the_driver():
+    """Local jobs started with SIGINT ignored, as a Slurm job on its node never sees the terminal's Ctrl-C: the
+    driver alone takes it and cancels them (:meth:`SlurmExecutor._cancel`; submitit's local controller would
+    otherwise print its own traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _outcome(slurm_job) -> JobOutcome:
