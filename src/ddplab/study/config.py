@@ -26,7 +26,7 @@ DEFAULT_BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 WORKLOADS = ("digits", "mnist1d", "charlm", "regression")
 """The built-in workloads (``--workload``)."""
 UNCACHED_FIELDS = ("global_batch_sizes", "rules", "max_runs", "noise_scale", "schedule", "rules_lr",
-                   "reference_trained_for")
+                   "reference_trained_for", "seeds")
 """The StudyConfig fields a cached run does not depend on: the surge rule's lrs follow noise_scale and every rule's
 follow rules_lr, and runs are found by lr; the schedule rule's runs are cached by the schedule's digest."""
 DEFAULT_ACCURACY = 0.95

@@ -77,6 +77,13 @@ class RunGroup:
                           extension=self.extension, variant=variant, optimizer=settings(optimizer))
                 for (lr, seed, variant), optimizer in zip(self.keys(), self.run_optimizers())]
 
+    def only(self, keys: set[RunKey]) -> RunGroup:
+        """The runs whose (lr, seed, variant) is in ``keys``, as a group of their own (the rest read back)."""
+        kept = [i for i, key in enumerate(self.keys()) if key in keys]
+        return dataclasses.replace(self, runs=tuple(self.runs[i] for i in kept),
+                                   variants=tuple(self.variants[i] for i in kept) if self.variants else (),
+                                   optimizers=tuple(self.optimizers[i] for i in kept) if self.optimizers else ())
+
     def part(self, start: int, stop: int) -> RunGroup:
         """The runs ``start`` to ``stop`` as a group of their own (a group split to fit in memory)."""
         return dataclasses.replace(self, runs=self.runs[start:stop], variants=self.variants[start:stop],

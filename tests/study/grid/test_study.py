@@ -324,6 +324,19 @@ def test_cli_json_resume_and_fresh(tmp_path, capsys, monkeypatch):
     # Other settings in the same --out: refused, not mixed.
     assert main(_study(tmp_path, "--rules", "linear", "--no-plots", "--ref-lr", "0.2")) == 2
     assert "other settings or another spec (--ref-lr changed); pass --fresh" in capsys.readouterr().err
+    # A seed added to the finished study: its runs are kept, and only the new seed's train.
+    seeds = []
+    monkeypatch.setattr(engine.VmapEngine, "train",
+                        lambda self, w, c, g, *a: seeds.append({s for _, s in g.runs}) or real(self, w, c, g, *a))
+    assert main(["study", *_study(tmp_path, "--json", "--rules", "linear,tuned", "--no-plots")[1:],
+                 "--seeds", "3"]) == 0
+    more = json.loads(capsys.readouterr().out)
+    assert seeds and all(trained <= {2} for trained in seeds), seeds
+    def trained(runs):  # each run as it trained (which is best may change with the new seed)
+        return {(r["rule"], r["global_batch_size"], r["lr"], r["seed"], r["variant"], r["steps_to_target"])
+                for r in runs if not r["pruned"]}
+
+    assert trained(report["runs"]) <= trained(more["runs"]) and {r["seed"] for r in more["runs"]} == {0, 1, 2}
 
 
 @pytest.mark.timeout(120)

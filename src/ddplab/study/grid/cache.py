@@ -10,7 +10,7 @@ import shutil
 
 from ddplab.errors import UsageError, literal
 from ddplab.serialize import write_json_atomic
-from ddplab.study.runs import RunGroup, RunKey, RunResult
+from ddplab.study.runs import RunKey, RunResult
 
 
 class RankZeroCache:
@@ -18,13 +18,6 @@ class RankZeroCache:
 
     def __init__(self, cache: Cache | None, rank: int):
         self.cache, self.rank = cache, rank
-
-    def load(self, group: RunGroup) -> list[RunResult] | None:
-        import torch.distributed as dist
-
-        found = [self.cache.load(group) if self.rank == 0 else None]
-        dist.broadcast_object_list(found, src=0)
-        return found[0]
 
     def load_any(self, global_batch: int, kind: str) -> dict[RunKey, RunResult]:
         import torch.distributed as dist
@@ -81,14 +74,6 @@ class Cache:
 
     def _path(self, global_batch: int, kind: str) -> str:
         return os.path.join(self.runs_dir, f"batch-{global_batch}{kind}.json")
-
-    def load(self, group: RunGroup) -> list[RunResult] | None:
-        """The cached runs of one group, or None."""
-        cached = self.load_any(group.global_batch_size, group.cache_key)
-        # A cached group serves when it holds every run asked for (a grid may shrink, not grow).
-        if not cached or not all(key in cached for key in group.keys()):
-            return None
-        return [cached[key] for key in group.keys()]
 
     def load_any(self, global_batch: int, kind: str) -> dict[RunKey, RunResult]:
         """Every cached run of one file, by (lr, seed, variant)."""

@@ -70,15 +70,22 @@ def _trained(workload: Workload, config: StudyConfig, cache: Cache | None, engin
              advance: Progress | None) -> list[RunResult]:
     """One group's runs: cached, or trained (by the engine that claims it, else the study's)."""
     engine = engines.for_group(engine, group)
-    cached = cache.load(group) if cache else None
-    if cached is not None:
+    cached = cache.load_any(group.global_batch_size, group.cache_key) if cache else {}
+    keys = group.keys()
+    if all(key in cached for key in keys):
         if advance:
             advance(config.max_steps * (len(group.runs) if engine.per_run else 1))
-        return cached
-    trained = engine.train(workload, config, group, advance)
+        return [cached[key] for key in keys]
+    # Seeds or lrs added to a finished study: its runs are kept and only the new ones train. A pruned run is
+    # trained again, as the bound it was pruned at came from fewer runs than the group now holds.
+    kept = {key: cached[key] for key in keys if key in cached and not cached[key].pruned}
+    if kept and advance and engine.per_run:
+        advance(config.max_steps * len(kept))
+    trained = engine.train(workload, config, group.only(set(keys) - set(kept)) if kept else group, advance)
+    by_key = {**kept, **{run.key: run for run in trained}}
     if cache:
-        cache.save(group.global_batch_size, trained, group.cache_key)
-    return trained
+        cache.save(group.global_batch_size, list({**cached, **by_key}.values()), group.cache_key)
+    return [by_key[key] for key in keys]
 
 
 class _Budget:
@@ -112,13 +119,17 @@ def _extend_sweep(workload: Workload, config: StudyConfig, cache: Cache | None, 
         # The new lr with every setting the sweep tries, as each of its lrs.
         new = [(lr, seed, variant) for _, variant in sweep.sweep_points(config, global_batch, [lr])
                for seed in range(config.seeds)]
-        if all(key in cached for key in new):
-            trained = [cached[key] for key in new]
-        elif budget.left < len(new):
+        # As in a group of the grid: what an earlier driver trained is kept (a pruned run trains again beside a new
+        # seed, whose runs move the bound it was pruned at).
+        missing = [key for key in new if key not in cached]
+        missing += [key for key in new if missing and key in cached and cached[key].pruned]
+        if missing and budget.left < len(missing):
             return added
-        else:
-            budget.left -= len(new)
-            trained = engine.train(workload, config, grid_group(config, global_batch, new, variants, extension=True))
+        budget.left -= len(missing)
+        fresh = engine.train(workload, config, grid_group(config, global_batch, missing, variants,
+                                                          extension=True)) if missing else []
+        by_key = {**cached, **{run.key: run for run in fresh}}
+        trained = [by_key[key] for key in new]
         added += trained
         if cache:
             cache.save(global_batch, added, "-extension")
