@@ -142,3 +142,30 @@ def test_the_pareto_plot_marks_each_rule_whose_batch_changes_at_its_medians_with
     assert low < min(4800, 2109.357, 32 * 135) and high > max(9600, 128 * 85)
     with open(tmp_path / "pareto.png", "rb") as fh:
         assert fh.read(8) == PNG
+
+
+@pytest.mark.timeout(60)
+def test_plots_are_written_where_they_have_content_their_bands_named_their_ticks_plain_and_nothing_warned(
+        tmp_path, monkeypatch, recwarn):
+    # A study of fixed rules only: no tuned sweep, so no best lrs to draw; the constant rule never reached at two
+    # batches, so the compute side has nothing either.
+    fit = {"s_min": 100.0, "b_crit": 64.0, "b_crit_ci95": [40.0, 90.0], "e_min": 6400.0,
+           "median_steps": {"16": 500.0, "32": 300.0, "64": 200.0},
+           "seed_range": {"16": [480, 520], "32": [290, 310], "64": [190, 210]},
+           "band": {"16": [450.0, 550.0], "32": [280.0, 320.0], "64": [185.0, 215.0]}}
+    report = {"rules": ["linear"], "global_batch_sizes": [16, 32, 64], "fit": {"linear": fit}, "tuned_lr": [],
+              "reference": {"global_batch_size": 16, "lr": 0.1}, "target": {"kind": "loss", "value": 1.0},
+              "workload": "w", "max_steps": 1000, "runs": [], "b_simple": None}
+    figures = []
+    real = report_figures.write_figure
+    monkeypatch.setattr(report_figures, "write_figure",
+                        lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
+    paths = report_figures.plots(report, {}, str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["steps_vs_batch.png", "loss_curves.png", "pareto.png"]
+    steps = figures[0].axes[0]
+    assert "linear fit's 95% band (seeds resampled)" in steps.get_legend_handles_labels()[1]
+    # Plain numbers on the log axes, not 2×10^1.
+    figures[0].canvas.draw()
+    labels = [t.get_text() for t in steps.get_xticklabels() + steps.get_yticklabels() if t.get_text()]
+    assert labels and not [t for t in labels if "times" in t or "^" in t], labels
+    assert not [w for w in recwarn if "legend" in str(w.message).lower()], [str(w.message) for w in recwarn]

@@ -40,12 +40,16 @@ def pyplot():
 def plots(report: dict, results: dict, directory: str, compare: dict | None = None) -> list[str]:
     """Write the three plots under ``directory``; returns their paths."""
     os.makedirs(directory, exist_ok=True)
-    names = ("steps_vs_batch.png", "tuned_lr.png", "loss_curves.png", "pareto.png")
-    paths = [os.path.join(directory, name) for name in names]
-    _steps_plot(report, paths[0])
-    _lr_plot(report, paths[1])
-    _curves_plot(report, results, paths[2])
-    _pareto_plot(report, paths[3])
+    drawn = [("steps_vs_batch.png", lambda path: _steps_plot(report, path)),
+             ("loss_curves.png", lambda path: _curves_plot(report, results, path)),
+             ("pareto.png", lambda path: _pareto_plot(report, path))]
+    if report["tuned_lr"]:
+        # The best lrs are the tuned sweep's: a study without one has none to draw.
+        drawn.insert(1, ("tuned_lr.png", lambda path: _lr_plot(report, path)))
+    paths = []
+    for name, draw in drawn:
+        paths.append(os.path.join(directory, name))
+        draw(paths[-1])
     if compare is not None:
         paths.append(os.path.join(directory, "compare_lr.png"))
         _compare_plot(report, compare, paths[-1])
@@ -68,11 +72,19 @@ def batch_axes(axis, ylabel: str, title: str | None = None, xlabel: str = "globa
 
 
 def save_figure(plt, fig, path: str, axes) -> None:
-    """Grid and legend on each axis, then the PNG, and the figure freed."""
+    """Grid and legend on each axis (a log axis labelled in plain numbers), then the PNG, and the figure freed."""
     for axis in axes:
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_xscale() == "log" or axis.get_yscale() == "log":
+            _plain_log_labels(axis)
+        legend(axis, fontsize=8)
     write_figure(plt, fig, path)
+
+
+def legend(axis, **options) -> None:
+    """The axis's legend, where something drawn has a label (else none, and no warning of matplotlib's)."""
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(**options)
 
 
 def write_figure(plt, fig, path: str) -> None:
@@ -105,7 +117,8 @@ def _steps_plot(report: dict, path: str) -> None:
             band = sorted((int(b), v) for b, v in (fit.get("band") or {}).items() if None not in v)
             if band:
                 ax.fill_between([b for b, _ in band], [v[0] for _, v in band], [v[1] for _, v in band],
-                                color=color(rule), alpha=0.12, linewidth=0)
+                                color=color(rule), alpha=0.12, linewidth=0,
+                                label=f"{rule} fit's 95% band (seeds resampled)")
     tuned = report["fit"].get(registry.ground_truth().name)
     if tuned and tuned["b_crit"] is not None:
         _regimes(ax, tuned, batches)
@@ -121,7 +134,7 @@ def _steps_plot(report: dict, path: str) -> None:
     ax_e.set_title("compute side: E = S·B")
     # Below the axes: inside, a legend of every rule and fit covers the small batches' points.
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
-    ax_e.legend(fontsize=7, loc="upper left")
+    legend(ax_e, fontsize=7, loc="upper left")
     write_figure(plt, fig, path)
 
 
@@ -385,5 +398,5 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
         axis.set_xlabel("optimizer step")
         axis.set_ylabel(label)
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        legend(axis, fontsize=8)
     write_figure(plt, fig, path)
