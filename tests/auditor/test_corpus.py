@@ -180,6 +180,9 @@ MISTAKES = {
     # The same indices on every rank, augmented differently: no two tensors alike.
     "same_indices_augmented": (Case("augmented_vision.py", ("--mistake", "random-sampler")),
                                {"SAME_DATA_ON_ALL_RANKS": "error"}, {}, "fork"),
+    # DistributedSampler(seed=SEED + rank): each rank's slice of a permutation of its own.
+    "sampler_seeded_per_rank": (Case("augmented_vision.py", ("--mistake", "seed-per-rank")),
+                                {"SAMPLER_SEEDED_PER_RANK": "warning"}, {}, "fork"),
     "gpu_only_no_group": (Case("gpu_only_ddp.py", ("--distributed-when", "cuda"), launchers=("torchrun",)),
                           {"NOT_DISTRIBUTED": "error"}, {}, "torchrun"),
     # A group joined but never used, in a run shorter than the audit window.
@@ -253,6 +256,9 @@ MESSAGES = {
     "set_epoch_frozen": ("SET_EPOCH_MISSING", "set_epoch was called with epoch 0 in both passes"),
     "set_epoch_missing_after_window": ("SET_EPOCH_MISSING", "set_epoch was not called"),
     "same_indices_augmented": ("SAME_DATA_ON_ALL_RANKS", "loaded from the same indices of the same dataset"),
+    "sampler_seeded_per_rank": ("SAMPLER_SEEDED_PER_RANK", "one dataset of 256 samples over 2 replicas, rank 0 seed "
+                                                           "42, rank 1 seed 43: about 25% of the samples train on two "
+                                                           "ranks or more in an epoch and 25% on none"),
     "gpu_only_no_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2), but this process stepped"),
     "gpu_only_unused_group": ("NOT_DISTRIBUTED", "torchrun started 2 processes (WORLD_SIZE=2); they joined a process "
                                                  "group"),

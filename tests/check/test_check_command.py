@@ -82,7 +82,9 @@ def test_a_summed_loss_is_sum_reduction_with_a_gradient_of_exactly_one_over_w(ca
 @pytest.mark.timeout(240)
 def test_a_sampler_seeded_per_rank_is_named_with_the_samples_the_two_sides_share(capsys):
     result = _classifier(capsys, "--mistake", "seed-per-rank")
-    assert (result["verdict"], result["cause"]) == ("DIVERGES", "SAMPLES_DIFFER")
+    # The audit beside the split run saw the samplers' seeds differ: the cause has its name.
+    assert (result["verdict"], result["cause"]) == ("DIVERGES", "SAMPLER_SEEDED_PER_RANK")
+    assert "SAMPLER_SEEDED_PER_RANK" in [f["code"] for f in result["audit_findings"]]
     # Rank 0's seed is the reference's: its 8 samples are shared; rank 1 draws 8 from another order.
     assert result["samples"]["compared"] and not result["samples"]["same"]
     assert result["samples"]["shared"] < 16 and result["samples"]["size"] == 16

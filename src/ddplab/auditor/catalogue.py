@@ -87,6 +87,14 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "set_epoch is given each epoch's own number, every epoch repeats the first one's order",
         "call sampler.set_epoch(epoch) at the start of every epoch, with that epoch's number (one that advances), "
         "before iterating the loader"),
+    "SAMPLER_SEEDED_PER_RANK": (
+        WARNING,
+        "the ranks' DistributedSamplers shuffle one dataset with different seeds: each rank takes its own slice of "
+        "a permutation of its own, so the slices overlap: some samples train on several ranks in an epoch and "
+        "others on none",
+        "give every rank's DistributedSampler the same seed (DistributedSampler(dataset, seed=args.seed), not "
+        "seed + rank): it shuffles one permutation and hands each rank its own slice of it; vary the seed by "
+        "epoch with set_epoch"),
     "SUM_REDUCTION": (
         WARNING,
         "backward starts from a loss summed over the batch: {reduction}, so the gradient is 1/{divisor} of what one "

@@ -5,6 +5,9 @@
   pass, does not), so a correct script that inspects its loader before calling ``set_epoch`` stays clean;
   the orders are compared on the pass's first indices, so a repeat is seen within its first batches. The
   detail says what the program did: set_epoch never called, or called with an epoch that never advances.
+- ``SAMPLER_SEEDED_PER_RANK``: the ranks' DistributedSamplers of one dataset shuffle with different seeds, so each
+  rank takes its slice of a permutation of its own and the slices overlap (a seed + rank): the seed, epoch and
+  dataset of each sampler's first training pass are compared across ranks by :func:`ddplab.auditor.findings.merge`.
 - ``SAME_DATA_ON_ALL_RANKS`` on indices: each index batch a DataLoader's iterator draws from its sampler
   (the indices its map-style dataset is then asked for) is fingerprinted together with a signature of the
   dataset, and tied to the training forward whose input is the batch the loader returned for it.
@@ -37,6 +40,8 @@ DRAWN_AHEAD = 64
 SIGNATURE_ELEMENTS = 4096
 SIGNATURE_DEPTH = 3
 SIGNATURE_PARTS = 20000
+# DistributedSamplers of a rank whose first training pass is kept for the ranks' comparison.
+MAX_SAMPLERS = 8
 
 
 def install(patches: Patches) -> None:
@@ -152,6 +157,11 @@ def _judge_pass(audit, sampler, this_pass: _Pass) -> None:
                                            f"pass {number} (sampler epoch {this_pass.epoch} both times): "
                                            f"{_what_set_epoch_did(watch, earlier, this_pass)}")
             break
+    if not watch.passes and len(audit.samplers) < MAX_SAMPLERS:
+        # Its first training pass: what the ranks' samplers are compared by (findings.merge, SAMPLER_SEEDED_PER_RANK).
+        audit.samplers.append({"seed": int(sampler.seed), "epoch": int(this_pass.epoch),
+                               "num_replicas": int(sampler.num_replicas), "size": len(sampler.dataset),
+                               "signature": _signature(sampler.dataset), "prefix": list(this_pass.prefix)})
     if len(watch.passes) < 16:
         watch.passes.append(this_pass)
 

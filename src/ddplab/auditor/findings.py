@@ -278,6 +278,9 @@ def cross_rank_findings(records: list[dict[str, Any]], reduction: Reduction | No
     duplicate = _duplicate_batches(records, "batches") or _duplicate_batches(records, "index_batches")
     if duplicate is not None:
         out.append(duplicate)
+    seeded = _seeded_per_rank(records)
+    if seeded is not None and duplicate is None:
+        out.append(seeded)
     different = _tensor_parallel_batches(records)
     if different is not None:
         out.append(different)
@@ -394,6 +397,34 @@ def _duplicate_batches(records: list[dict[str, Any]], field: str) -> Finding | N
     finding = Finding.make("SAME_DATA_ON_ALL_RANKS", min(found), detail)
     finding.ranks = sorted(found)
     return finding
+
+
+def _seeded_per_rank(records: list[dict[str, Any]]) -> Finding | None:
+    """Evidence that the ranks' DistributedSamplers of one dataset drew from different permutations: the same
+    dataset (its signature and size) split over the same replicas, shuffled in the same epoch with other seeds."""
+    by_dataset: dict[tuple, dict[int, dict]] = {}
+    for record in records:
+        for sampler in record.get("samplers", []):
+            if sampler.get("signature") is None:
+                continue  # a dataset that cannot be told apart from another rank's shard: no evidence
+            key = (sampler["signature"], sampler["size"], sampler["num_replicas"], sampler["epoch"])
+            by_dataset.setdefault(key, {}).setdefault(record["rank"], sampler)
+    for (_, size, replicas, _), ranks in by_dataset.items():
+        seeds = {rank: sampler["seed"] for rank, sampler in ranks.items()}
+        if len(ranks) < 2 or len(set(seeds.values())) < 2:
+            continue
+        shown = ", ".join(f"rank {rank} seed {seed}" for rank, seed in sorted(seeds.items())[:4])
+        never = (1 - 1 / replicas) ** replicas
+        once = (1 - 1 / replicas) ** (replicas - 1)
+        prefixes = [set(sampler.get("prefix", [])) for sampler in ranks.values()]
+        met = len(set.intersection(*prefixes[:2])) if len(prefixes) >= 2 else 0
+        detail = (f"one dataset of {size} samples over {replicas} replicas, {shown}: about "
+                  f"{1 - never - once:.0%} of the samples train on two ranks or more in an epoch and {never:.0%} on "
+                  f"none (the first {len(prefixes[0])} indices of two ranks already share {met})")
+        finding = Finding.make("SAMPLER_SEEDED_PER_RANK", min(ranks), detail)
+        finding.ranks = sorted(ranks)
+        return finding
+    return None
 
 
 # Training batches of a tensor-parallel group compared one for one: differing in at least this many, and in at

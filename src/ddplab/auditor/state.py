@@ -76,6 +76,8 @@ class AuditState:
         self.batches: dict[str, list[str]] = {}  # training batch fingerprints per wrapper, kept past its life
         # Fingerprints of the dataset indices behind those batches, per wrapper (:mod:`ddplab.auditor.data`).
         self.index_batches: dict[str, list[str]] = {}
+        # Each DistributedSampler's first training pass: its seed, epoch, replicas and dataset (auditor.data).
+        self.samplers: list[dict] = []
         self.audited_batches: dict[str, dict[str, int]] = {}  # field → wrapper → batches of the audited steps
         self.loaded: dict[str, str] = {}  # digest of a batch a DataLoader returned → its index batch's fingerprint
         self.micro_batch: int | None = None  # samples in the newest training forward of a DDP model
@@ -154,7 +156,7 @@ class AuditState:
                 "reduction": self.reduction.to_json() if self.reduction is not None else None,
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
-                "index_batches": self.index_batches,
+                "index_batches": self.index_batches, "samplers": self.samplers,
                 "audited_batches": self.audited_batches, "joined": self.joined, "frameworks": sorted(self.frameworks),
                 "peers": self.peers, "interim": self.interim}
 

@@ -11,6 +11,10 @@ rank draws the same indices, of different datasets: correct.
 Mistake (`--mistake random-sampler`): `DataLoader(shuffle=True)` instead of the DistributedSampler. Its RandomSampler
 takes its seed from torch's generator, seeded alike on every rank, so every rank draws the same indices: the same
 images, which the per-rank augmentation makes differ pixel by pixel (SAME_DATA_ON_ALL_RANKS).
+
+Mistake (`--mistake seed-per-rank`): `DistributedSampler(..., seed=SEED + rank)`, each rank shuffling a permutation of
+its own: their slices overlap, a quarter of the images trained twice per epoch and a quarter never
+(SAMPLER_SEEDED_PER_RANK).
 """
 
 import random
@@ -69,7 +73,8 @@ def train(rank, world_size, args):
     if args.data == "per-rank-files" or args.mistake == "random-sampler":
         loader = DataLoader(train_set, batch_size=BATCH, shuffle=True, drop_last=True)
     else:
-        sampler = DistributedSampler(train_set, shuffle=True, seed=SEED)
+        seed = SEED + rank if args.mistake == "seed-per-rank" else SEED
+        sampler = DistributedSampler(train_set, shuffle=True, seed=seed)
         loader = DataLoader(train_set, batch_size=BATCH, sampler=sampler, drop_last=True)
     val_loader = DataLoader(val_set, batch_size=32)
     model = DDP(small_cnn())
@@ -97,5 +102,5 @@ def train(rank, world_size, args):
 if __name__ == "__main__":
     parser = _harness.parser(__doc__.splitlines()[0])
     parser.add_argument("--data", choices=("shared", "per-rank-files"), default="shared")
-    parser.add_argument("--mistake", choices=("none", "random-sampler"), default="none")
+    parser.add_argument("--mistake", choices=("none", "random-sampler", "seed-per-rank"), default="none")
     _harness.run(train, parser.parse_args())

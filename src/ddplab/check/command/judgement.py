@@ -213,7 +213,9 @@ def _cause(config: CommandCheckConfig, steps: list[StepComparison], step: StepCo
     world = config.world_size
     named, audit = _audit_words(audit_codes)
     if samples.compared and not samples.same:
-        return "SAMPLES_DIFFER", (f"the ranks' first global batch is not the one process's: they share "
+        # The audit's name where it saw the cause: the ranks' samplers seeded apart.
+        code = "SAMPLER_SEEDED_PER_RANK" if "SAMPLER_SEEDED_PER_RANK" in audit_codes else "SAMPLES_DIFFER"
+        return code, (f"the ranks' first global batch is not the one process's: they share "
                                   f"{samples.shared} of {samples.size} samples, and the ranks draw inconsistently "
                                   "(samplers seeded per rank, or one sample on two ranks): every rank's sampler must "
                                   "draw from one order, the same seed on every rank")
