@@ -60,3 +60,37 @@ def test_a_plan_from_a_study_whose_b_crit_is_a_bound_plans_no_critical_batch():
     assert any("the study's B_crit lies below its measured batches (B_crit < 16): no critical batch is planned "
                "with" in w for w in plan.warnings), plan.warnings
     assert "B_crit < 16, below the measured batches" in plan.reasons["lr"]
+
+
+def test_a_best_lr_that_ties_at_the_evaluation_interval_is_said_and_makes_no_peak():
+    # One seed, evaluated every 5 steps: at batch 64 the lrs 0.004 and 0.008 both reach the target at step 30.
+    from ddplab.study.config import OptimizerConfig, StudyConfig, Target
+    from ddplab.study.grid.analysis import analyze
+    from ddplab.study.runs import RunResult
+
+    config = StudyConfig(target=Target(kind="loss", value=1.0), global_batch_sizes=(16, 32, 64), seeds=1,
+                         rules=("tuned",), reference_global_batch_size=16, reference_lr=0.004, sweep_factor=2.0,
+                         sweep_margin=1.0, eval_every=5, optimizer=OptimizerConfig(family="adamw"))
+    from ddplab.study.rules import sweep
+
+    steps = {(16, 0.002): 80, (16, 0.004): 60, (16, 0.008): 70,
+             (32, 0.004): 45, (32, 0.008): 40, (32, 0.016): 55, (32, 0.002): 60,
+             (64, 0.004): 30, (64, 0.008): 30, (64, 0.016): 45, (64, 0.002): 50}
+    results = {}
+    for b in config.global_batch_sizes:
+        results[b] = [RunResult(global_batch_size=b, lr=lr, seed=seed, variant=variant,
+                                steps_to_target=steps.get((b, lr), 100))
+                      for lr, seed, variant in sweep.grid_runs(config, b)]
+    found = analyze(config, results)
+    tied = [w for w in found.warnings if "ties with" in w]
+    assert len(tied) == 1 and tied[0].startswith("at global batch 64 the best tuned lr 0.004 ties with 0.008 (30 "
+                                                 "median steps, read every 5 steps over 1 seed)"), found.warnings
+    # The best lrs 0.004, 0.008, 0.004 look like a peak at 32; but at 64 0.008 does as well as 0.004: the data do
+    # not separate a peak from a plateau.
+    assert [p["lr"] for p in found.tuned_lr] == [0.004, 0.008, 0.004]
+    assert found.lr_peak["global_batch_size"] is None
+    untied = {**steps, (64, 0.008): 35}
+    for b in config.global_batch_sizes:
+        for run in results[b]:
+            run.steps_to_target = untied.get((b, run.lr), 100)
+    assert analyze(config, results).lr_peak["global_batch_size"] == 32

@@ -89,9 +89,11 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     warnings += _beats_tuned_warnings(card)
     warnings += _early_target_warnings(config, fits, steps_by_rule)
     b_simple = _b_simple(best_runs, fits.get(sweep_rule.name) if sweep_rule else None)
+    ties = {b: tied for b, view in batches.items() if (tied := tied_best(config, view))}
+    warnings += _tie_warnings(config, batches, ties)
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
-                         sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple),
+                         sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple, ties),
                          rules_lr=scaled_from)
 
 
@@ -441,10 +443,38 @@ def _beats_tuned_warnings(card: dict[str, dict]) -> list[str]:
     return out
 
 
-def lr_peak(config: StudyConfig, tuned: list[dict], b_simple: dict | None) -> dict | None:
+def tied_best(config: StudyConfig, view: BatchRuns) -> list[float]:
+    """The sweep's other lrs at this batch whose median steps are within one evaluation interval of the best's:
+    which of them is best is then not measured (the steps to target are read every ``eval_every`` steps)."""
+    sweep_rule = registry.sweeping(config)
+    if view.best is None or sweep_rule is None:
+        return []
+    tied = []
+    for lr, names in view.lrs.items():
+        if sweep_rule.name not in names or lr == view.best.lr:
+            continue
+        runs = view.seeds_at(lr, view.best.variant) if all(
+            (lr, s, view.best.variant) in view.fixed for s in range(config.seeds)) else []
+        median = fit.median([steps(r) for r in runs]) if runs else math.inf
+        if abs(median - view.best.median_steps) < config.eval_every:
+            tied.append(lr)
+    return sorted(tied)
+
+
+def _tie_warnings(config: StudyConfig, batches: dict[int, BatchRuns], ties: dict[int, list[float]]) -> list[str]:
+    seeds = f"{config.seeds} seed{'s' if config.seeds > 1 else ''}"
+    return [f"at global batch {b} the best tuned lr {batches[b].best.lr:g} ties with "
+            f"{', '.join(f'{lr:g}' for lr in tied)} ({batches[b].best.median_steps:g} median steps, read every "
+            f"{config.eval_every} steps over {seeds}): which is best is not measured there; evaluate more often "
+            "(--eval-every 1) or add seeds (--seeds)" for b, tied in sorted(ties.items())]
+
+
+def lr_peak(config: StudyConfig, tuned: list[dict], b_simple: dict | None,
+            ties: dict[int, list[float]] | None = None) -> dict | None:
     """Adam-family studies: the smallest batch where the best tuned lr is highest, where that is inside the measured
     range (the best lrs at the smallest and the largest batch are both lower; else None), and B_simple at the
-    reference batch (Li et al. 2024 place the peak at B_noise). None for SGD."""
+    reference batch (Li et al. 2024 place the peak at B_noise). None for SGD. A peak whose best lr ties with a lower
+    one (``ties``) is none: the data do not separate them."""
     if not config.optimizer.adam:
         return None
     points = sorted((p["global_batch_size"], p["lr"]) for p in tuned)
@@ -453,6 +483,11 @@ def lr_peak(config: StudyConfig, tuned: list[dict], b_simple: dict | None) -> di
         top = max(lr for _, lr in points)
         if points[0][1] < top and points[-1][1] < top:
             peak = next(b for b, lr in points if lr == top)
+            ties = ties or {}
+            # Only where the data separate them: the ends' best lrs below the top, the top above its own ties.
+            if any(lr < top for lr in ties.get(peak, [])) or any(lr >= top for end in (points[0][0], points[-1][0])
+                                                                for lr in ties.get(end, [])):
+                peak = None
     reference = next((at["value"] for at in (b_simple or {}).get("by_batch", [])
                       if at["global_batch_size"] == config.reference_global_batch_size), None)
     return {"global_batch_size": peak, "b_simple": reference}
