@@ -77,6 +77,8 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
         warnings += rule.warnings(config, batches)
     best_runs = [run for p in tuned for run in batches[p["global_batch_size"]].seeds_at(p["lr"], p["variant"])]
     warnings += _rules_lr_warnings(config, scaled_from)
+    ties = {b: tied for b, view in batches.items() if (tied := tied_best(config, view))}
+    warnings += _tie_warnings(config, batches, ties)
     warnings += _collapsed_warnings(best_runs) + _monotonicity_warnings(steps_by_rule.get(sweep_rule.name, {})
                                                                          if sweep_rule else {})
     # A seed that never arrived measures a run stuck somewhere else: B_simple is taken along the runs that reached.
@@ -89,8 +91,6 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     warnings += _beats_tuned_warnings(card)
     warnings += _early_target_warnings(config, fits, steps_by_rule)
     b_simple = _b_simple(best_runs, fits.get(sweep_rule.name) if sweep_rule else None)
-    ties = {b: tied for b, view in batches.items() if (tied := tied_best(config, view))}
-    warnings += _tie_warnings(config, batches, ties)
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
                          sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple, ties),
