@@ -1,5 +1,6 @@
 """plan --config: each framework's file read, planned, and written back with only the changed keys (no torch)."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -379,12 +380,18 @@ def test_a_models_own_optimizer_settings_are_read_and_written_in_its_init_args(b
                f"model.init_args.{decay} as the weight decay" in note for note in result.config_notes)
 
 
-def test_a_models_own_adam_settings_need_the_optimizer_named(tmp_path, capsys):
+def test_a_models_own_adam_settings_without_a_named_optimizer_are_planned_as_adams_and_said(tmp_path, capsys):
+    # LightningCLI's documented shape: the module builds its optimizer from beta_1/beta_2; no block names it.
     path = tmp_path / "fit.yaml"
     path.write_text(OWN_OPTIMIZER.format(beta1="beta1", beta2="beta2", eps="eps", decay="weight_decay"))
-    assert main(["plan", "--config", str(path), "--devices", "8"]) == 2
-    assert ("model.init_args.beta1 is Adam's, and the file names no optimizer (the model builds its own): pass "
-            "--optimizer adam or adamw") in capsys.readouterr().err
+    assert main(["plan", "--config", str(path), "--devices", "8", "--keep", "trajectory"]) == 0
+    capsys.readouterr()
+    result = plan_config(str(path), reference={}, target={"devices": 8}, data={})
+    named = plan_config(str(path), reference={"optimizer": "adam"}, target={"devices": 8}, data={})
+    # The same numbers as with --optimizer adam (the reasons name where each came from).
+    assert dataclasses.replace(result.plan, reasons={}) == dataclasses.replace(named.plan, reasons={})
+    assert any("nothing names that optimizer, and model.init_args.beta1 is Adam's: planned as Adam" in note
+               for note in result.config_notes), result.config_notes
     # Its betas as one list, and its optimizer named among its init args.
     path.write_text(OWN_OPTIMIZER.replace("    {beta1}: 0.9\n    {beta2}: 0.95\n", "    betas: [0.9, 0.98]\n"
                                           "    optimizer: adamw\n").format(eps="eps", decay="wd"))

@@ -78,7 +78,7 @@ class Lightning:
                 "data.reference_steps": ROLES["total_steps"]}
         if lr_keys:
             keys["reference.lr"] = lr_keys[0]
-        notes = _notes(tree) + (_model_note(own, family) if own else ())
+        notes = _notes(tree) + (_model_note(own, family, inferred=_inferred(tree, own, given)) if own else ())
         return base.FileRun(path=path, reference=reference, target=target, data=data, keys=keys, roles=roles,
                             values=values, defaults=_defaults(family), notes=notes)
 
@@ -200,11 +200,14 @@ def _model_family(path: str, tree: dict, own: dict[str, str], given: Mapping[str
     if isinstance(name, dict):
         name = name.get("class_path")  # an optimizer init arg given as a class, as jsonargparse takes it
     family = base.optimizer_family(name) if isinstance(name, str) else None
-    adam = [own[role] for role in ("beta1", "beta2", "betas", "eps") if role in own]
-    if family is None and adam:
-        raise base.bad(path, adam[0], "is Adam's, and the file names no optimizer (the model builds its own): pass "
-                                      "{reference.optimizer} adam or adamw")
+    if family is None and _adam_settings(own):
+        # Its betas say Adam's family, and Adam and AdamW share the lr rule: planned as Adam, and said so.
+        return "adam"
     return family
+
+
+def _adam_settings(own: dict[str, str]) -> list[str]:
+    return [own[role] for role in ("beta1", "beta2", "betas", "eps") if role in own]
 
 
 def _model_optimizer(path: str, values: dict[str, Any], own: dict[str, str], family: str | None) -> dict[str, Any]:
@@ -230,11 +233,23 @@ def _setting_keys(roles: Mapping[str, str]) -> dict[str, str]:
     return keys | {f"reference.{field}": roles[field] for field in ("eps", "weight_decay") if field in roles}
 
 
-def _model_note(own: dict[str, str], family: str | None) -> tuple[str, ...]:
+def _inferred(tree: dict, own: dict[str, str], given: Mapping[str, Any]) -> str | None:
+    """The init arg that made the plan take the model's optimizer for Adam's family, where nothing named it."""
+    if "optimizer" in given or "optimizer" in own or not _adam_settings(own):
+        return None
+    return _adam_settings(own)[0]
+
+
+def _model_note(own: dict[str, str], family: str | None, *, inferred: str | None = None) -> tuple[str, ...]:
     """Which of the model's init args were taken as which optimizer setting."""
     taken = [f"{key} as {MEANING[role]}" for role, key in own.items()
              if role == "optimizer" or family in ("adam", "adamw")]
     if not taken:
         return ()
-    return (f"the file has no optimizer block, so the model builds its own optimizer from its init args: "
-            f"{', '.join(taken)}; the plan writes only the keys the model already takes",)
+    said = (f"the file has no optimizer block, so the model builds its own optimizer from its init args: "
+            f"{', '.join(taken)}; the plan writes only the keys the model already takes")
+    if inferred:
+        said += (f"; nothing names that optimizer, and {inferred} is Adam's: planned as Adam (AdamW shares its lr "
+                 "rule; pass --optimizer adamw where the model builds AdamW, whose weight decay then follows "
+                 "AdamW's timescale)")
+    return (said,)
