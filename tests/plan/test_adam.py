@@ -58,6 +58,10 @@ def test_adamw_weight_decay_keeps_its_timescale_in_epochs():
     assert sqrt.adamw_timescale_epochs is not None
     unsized = plan(_adamw(), Target(devices=8, nodes=2))
     assert unsized.adamw_timescale_epochs is None and "20,833 steps" in unsized.reasons["weight_decay"]
+    # The JSON holds the number its reason gives: the timescale in steps, with or without a dataset size.
+    assert unsized.adamw_timescale_steps == pytest.approx(1 / (1.2e-3 * 0.04))
+    assert unsized.to_json()["adamw_timescale_steps"] == pytest.approx(20_833.33, rel=1e-5)
+    assert sqrt.adamw_timescale_steps == pytest.approx(sqrt.adamw_timescale_epochs * 100_000 / sqrt.global_batch_size)
 
 
 def test_weight_decay_defaults_follow_torch_and_adam_keeps_its_coupled_decay():

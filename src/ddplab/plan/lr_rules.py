@@ -179,15 +179,16 @@ def _weight_decay(reference: Reference, rule: PlanRule, k: float, multiplier: fl
 
 def adamw_timescale(reference: Reference, data: Data, global_batch: int, lr_fields: dict[str, Any],
                      reasons: dict[str, str]) -> dict[str, Any]:
-    """AdamW's averaging timescale in epochs, τ = B/(η·λ·N), with the reference's beside it (in steps without N)."""
+    """AdamW's averaging timescale in epochs, τ = B/(η·λ·N), with the reference's beside it, and in steps, 1/(η·λ),
+    which needs no dataset size."""
     lr, decay = lr_fields["lr"], lr_fields["weight_decay"]
     if reference.optimizer != "adamw" or not decay:
-        return {"adamw_timescale_epochs": None}
+        return {"adamw_timescale_epochs": None, "adamw_timescale_steps": None}
     steps = scaling.adamw_timescale_steps(lr=lr, weight_decay=decay)
     if data.dataset_size is None:
         reasons["weight_decay"] += (f"; the weights average over 1/(η·λ) = {steps:,.0f} steps (pass "
                                     "{data.dataset_size} for epochs)")
-        return {"adamw_timescale_epochs": None}
+        return {"adamw_timescale_epochs": None, "adamw_timescale_steps": steps}
     n = data.dataset_size
     epochs = scaling.adamw_timescale_epochs(lr=lr, weight_decay=decay, global_batch_size=global_batch, dataset_size=n)
     was = scaling.adamw_timescale_epochs(lr=reference.lr, weight_decay=reference.weight_decay,
@@ -196,7 +197,7 @@ def adamw_timescale(reference: Reference, data: Data, global_batch: int, lr_fiel
     reasons["adamw_timescale_epochs"] = (f"B/(η·λ·N) = {global_batch}/({lr:.4g} × {decay:.4g} × {n}): the weights "
                                          f"average over the last {steps:,.0f} steps"
                                          + ("; the reference's too" if same else f"; the reference's: {was:.4g}"))
-    return {"adamw_timescale_epochs": epochs}
+    return {"adamw_timescale_epochs": epochs, "adamw_timescale_steps": steps}
 
 
 def world_size_overshoot(reference: Reference, target: Target, rule: PlanRule, k: float, multiplier: float) -> str:

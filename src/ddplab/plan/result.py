@@ -59,6 +59,8 @@ class Plan:
     weight_decay: float | None
     adamw_timescale_epochs: float | None
     """AdamW's averaging timescale B/(η·λ·N) in epochs; None without decay, for Adam or without a dataset size."""
+    adamw_timescale_steps: float | None
+    """The same timescale in optimizer steps, 1/(η·λ) (no dataset size needed); None without decay or for Adam."""
     warmup_recommended: bool
     warmup_steps: int | None
     warmup_epochs: float | None
@@ -79,7 +81,7 @@ class Plan:
         out = dataclasses.asdict(self)
         out["warnings"] = list(self.warnings)
         if self.betas is None:
-            for key in ("betas", "eps", "weight_decay", "adamw_timescale_epochs"):
+            for key in ("betas", "eps", "weight_decay", "adamw_timescale_epochs", "adamw_timescale_steps"):
                 out.pop(key)
         return out
 
