@@ -24,6 +24,13 @@ def test_a_b_crit_fitted_outside_the_measured_batches_is_a_bound(steps, bound, s
     assert any(said in w and w.startswith("rule tuned: B_crit is fitted at") for w in warnings), warnings
 
 
+def test_a_fit_through_two_batches_says_nothing_tests_its_shape():
+    fits, warnings = _fits({"tuned": _two_seeds({16: 500.0, 64: 200.0})})
+    assert fits["tuned"]["b_crit"] == pytest.approx(64)
+    assert "rule tuned: fitted on 2 global batches (16, 64): two points fix S_min and B_crit exactly" in \
+        " ".join(warnings)
+
+
 def test_inside_the_batches_b_crit_is_a_value_and_a_batch_the_fit_left_out_is_named():
     # S = 100 (1 + 64 / B) at 16, 32 and 64: B_crit 64 exactly; batch 8's median never reached.
     steps = _two_seeds({16: 500.0, 32: 300.0, 64: 200.0})

@@ -224,6 +224,10 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
                             f"{_batches(reached)}: read it as B_crit {'<' if side == 'below' else '>'} {edge}, not as "
                             f"a value; measure {'smaller' if side == 'below' else 'larger'} batches to place it")
             continue
+        if len(reached) == 2:
+            warnings.append(f"rule {rule}: fitted on 2 global batches ({_batches(reached)}): two points fix S_min and "
+                            "B_crit exactly, so nothing tests the curve's shape; read B_crit as rough, or measure "
+                            "a third batch")
         warnings += _fit_warnings(rule, fitted)
     seeds = min((len(s) for by_batch in steps_by_rule.values() for s in by_batch.values()), default=0)
     if fits and seeds == 2:
