@@ -251,7 +251,7 @@ MISTAKES = {
 
 # id → (finding, words its message must hold): what the finding says happened.
 MESSAGES = {
-    "sum_divided_by_accumulation": ("SUM_REDUCTION", "divided by 4, the 4 micro-batches accumulated"),
+    "sum_divided_by_accumulation": ("SUM_REDUCTION", "divided by K = 4, the micro-batches accumulated"),
     "sum_divided_by_accumulation_1": ("SUM_REDUCTION", "each of a micro-batch's 16 samples weighs 1"),
     "set_epoch_frozen": ("SET_EPOCH_MISSING", "set_epoch was called with epoch 0 in both passes"),
     "set_epoch_missing_after_window": ("SET_EPOCH_MISSING", "set_epoch was not called"),

@@ -251,7 +251,7 @@ def misspelt(path: str, text: str, run: FileRun, label: str) -> list[str]:
 
 
 def spelled_keys(path: str, text: str) -> list[str]:
-    """Every key the file sets: dotted paths in a JSON, TOML or YAML tree, a launch script's ``--flags``."""
+    """Every key the file sets: dotted paths in a JSON, TOML or YAML tree, a launch script's double-dash flags."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix in (".sh", ".bash", ""):
         return re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", text)

@@ -250,6 +250,6 @@ def _model_note(own: dict[str, str], family: str | None, *, inferred: str | None
             f"{', '.join(taken)}; the plan writes only the keys the model already takes")
     if inferred:
         said += (f"; nothing names that optimizer, and {inferred} is Adam's: planned as Adam (AdamW shares its lr "
-                 "rule; pass --optimizer adamw where the model builds AdamW, whose weight decay then follows "
+                 "rule; name the optimizer adamw where the model builds AdamW, whose weight decay then follows "
                  "AdamW's timescale)")
     return (said,)
