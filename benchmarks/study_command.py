@@ -26,8 +26,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(os.path.dirname(HERE), "examples", "padded_lm", "train.py")
 GRID = ["--target-loss", "1.7", "--global-batch-sizes", "16,32,64", "--seeds", "1", "--rules", "constant,linear,sqrt",
-        "--ref-global-batch-size", "16", "--ref-lr", "1e-2", "--eval-every", "5", "--max-steps", "300", "--no-plots",
-        "--json", "--world-size", "1", "--max-batch-size-per-device", "8"]
+        "--optimizer", "adamw", "--ref-global-batch-size", "16", "--ref-lr", "1e-2", "--eval-every", "5",
+        "--max-steps", "300", "--no-plots", "--json", "--world-size", "1", "--max-batch-size-per-device", "8"]
 COMMAND = [sys.executable, SCRIPT, "--batch-size", "{per_device_batch_size}", "--grad-accum", "{accumulation_steps}",
            "--lr", "{lr}", "--seed", "{seed}"]
 

@@ -386,7 +386,8 @@ TORCH_FREE = ("import sys\nfrom ddplab.cli.main import main\ncode = main(sys.arg
 
 
 @pytest.mark.parametrize("argv", [
-    ["study", "--seeds", "0", "--target-loss", "1", "--", "python", "train.py", "--lr", "{lr}"],
+    ["study", "--seeds", "0", "--target-loss", "1", "--optimizer", "sgd", "--ref-lr", "0.1", "--", "python", "train.py",
+     "--lr", "{lr}"],
     ["check", "--global-batch-size", "15", "--", "python", "train.py", "{world_size}", "{per_device_batch_size}"],
 ])
 def test_a_drivers_bad_flag_is_refused_before_torch_is_imported(argv):

@@ -2,9 +2,9 @@
 linear warmup, gradient accumulation, and the loss normalised by the global count of valid tokens.
 
     torchrun --nproc_per_node 2 train.py --batch-size 8 --grad-accum 2 --lr 3e-3 --seed 0
-    ddplab study --target-loss 1.7 --global-batch-sizes 16,32,64 --world-size 2 -- torchrun --nproc_per_node \
-        {world_size} train.py --batch-size {per_device_batch_size} --grad-accum {accumulation_steps} --lr {lr} \
-        --seed {seed}
+    ddplab study --target-loss 1.7 --global-batch-sizes 16,32,64 --optimizer adamw --ref-lr 1e-2 --world-size 2 \
+        -- torchrun --nproc_per_node {world_size} train.py --batch-size {per_device_batch_size} \
+        --grad-accum {accumulation_steps} --lr {lr} --seed {seed}
 
 Sequences come from a fixed Markov chain over a small vocabulary, each of its own length, padded per batch with
 labels -100. Prints ``step N loss L`` every --log-every steps and ``val_loss=V`` every --eval-every steps (rank 0).

@@ -69,7 +69,7 @@ rank at once when it is decided. --executor local (--parallel N at once), ray or
 
 examples:
   ddplab study
-  ddplab study --target-loss 2 -- python train.py --lr {{lr}} --batch-size {{per_device_batch_size}}
+  ddplab study --target-loss 2 --optimizer adamw --ref-lr 3e-4 -- python t.py --lr {{lr}} --bs {{per_device_batch_size}}
   ddplab study --global-batch-sizes 16,64,256 --seeds 3 --json
   ddplab study --rules tuned,adascale,ramp
   ddplab study spec.py --target-loss 0.1 --ref-global-batch-size 64 --ref-lr 0.1
@@ -285,6 +285,7 @@ def _run_command(args: argparse.Namespace) -> int:
                          "{metric} NAME with {target.accuracy} A or {target.loss} L")
     if accuracy is not None and args.metric is None:
         raise UsageError("{target.accuracy} needs {metric} NAME: by default the study reads the training loss")
+    _ask_for_the_optimizer(args)
     config, options = config_from_args(args)
     command = CommandOptions(command=tuple(args.command), **fields_given(args, CommandOptions, only=COMMAND_FIELDS))
     from ddplab.study.command.study import run_command_study
@@ -294,6 +295,17 @@ def _run_command(args: argparse.Namespace) -> int:
     for line in found.failed:
         print(f"ddplab study: warning: {line}", file=sys.stderr)
     return _show(args, config, found.report)
+
+
+def _ask_for_the_optimizer(args: argparse.Namespace) -> None:
+    """A command's optimizer and lr are not seen before it runs, and the rules scale both: they are asked for."""
+    unsaid = [text for text, given in (("its optimizer with {optimizer.family} (sgd, adam or adamw)",
+                                        getattr(args, "optimizer.family", None)),
+                                       ("the lr it trains with at the reference batch with {reference_lr}",
+                                        args.reference_lr)) if given is None]
+    if unsaid:
+        raise UsageError(f"a command study cannot see the command's optimizer before it runs, and the rules scale "
+                         f"from it: name {' and '.join(unsaid)}")
 
 
 def _refuse(args: argparse.Namespace, fields: tuple[str, ...], why: str) -> None:

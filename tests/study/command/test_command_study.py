@@ -26,8 +26,8 @@ SLOW_RAY_AGENT = os.path.join(HERE, "scripts", "slow_ray_agent")
 BIN = os.path.dirname(sys.executable)
 # The grid: global batches 16 and 32 from the reference 16, constant and linear: 3 runs of a few dozen steps.
 GRID = ["--target-loss", "1.7", "--global-batch-sizes", "16,32", "--seeds", "1", "--rules", "constant,linear",
-        "--ref-global-batch-size", "16", "--ref-lr", "1e-2", "--eval-every", "5", "--max-steps", "300", "--no-plots",
-        "--json"]
+        "--optimizer", "adamw", "--ref-global-batch-size", "16", "--ref-lr", "1e-2", "--eval-every", "5",
+        "--max-steps", "300", "--no-plots", "--json"]
 ONE_PROCESS = ["--world-size", "1", "--max-batch-size-per-device", "8", "--", sys.executable, SCRIPT,
                "--batch-size", "{per_device_batch_size}", "--grad-accum", "{accumulation_steps}", "--lr", "{lr}",
                "--seed", "{seed}"]
@@ -192,6 +192,10 @@ def test_a_printed_metric_is_the_target_and_what_cannot_be_read_is_one_line(tmp_
     assert run["steps_to_target"] is not None and run["steps_to_target"] % 10 == 0
     _, err = _study(tmp_path / "never", "--metric", "accuracy", *grid, *ONE_PROCESS, "--max-steps", "20", check=2)
     assert "the command printed no accuracy in 20 steps" in err and err.count("\n") == 1
+    # The optimizer named is checked against the one the command steps (the example's AdamW).
+    _, err = _study(tmp_path / "sgd", *grid, "--optimizer", "sgd", "--max-steps", "20", *ONE_PROCESS, check=2)
+    assert ("the command steps torch's AdamW and --optimizer is sgd: the rules' lrs and settings follow the family "
+            "named, so pass --optimizer adamw") in err and err.count("\n") == 1
     _, err = _study(tmp_path / "ranks", *grid, "--world-size", "2", "--max-batch-size-per-device", "8",
                     *ONE_PROCESS[4:], check=2)
     assert "the command ran 1 rank and --world-size is 2, so its batches were not the grid's" in err

@@ -65,8 +65,9 @@ def test_a_run_fills_every_placeholder_and_the_grid_splits_as_plan_splits():
 def test_what_a_command_cannot_run_is_one_line_before_anything_starts(tmp_path, capsys, command, study, says):
     argv = ["study", "--target-loss", "1.0", "--seeds", str(study.get("seeds", 1)), "--out", str(tmp_path),
             "--global-batch-sizes", ",".join(map(str, study.get("global_batch_sizes", (16, 64)))),
-            "--ref-global-batch-size", "16", "--world-size", "2"]
-    for flag in ("rules", "optimizer", "max_batch_size_per_device"):
+            "--ref-global-batch-size", "16", "--ref-lr", "0.01", "--world-size", "2",
+            "--optimizer", study.get("optimizer", "sgd")]
+    for flag in ("rules", "max_batch_size_per_device"):
         if flag in study:
             argv += [f"--{flag.replace('_', '-')}", str(study[flag])]
     assert main([*argv, "--", *command]) == 2
@@ -84,7 +85,15 @@ def test_the_command_forms_flags_are_kept_apart(capsys):
     assert "a command study needs a target: --target-loss L" in capsys.readouterr().err
     assert main(["study", "--target-accuracy", "0.9", *command]) == 2
     assert "--target-accuracy needs --metric NAME" in capsys.readouterr().err
-    assert main(["study", "--target-loss", "1", "--executor", "ray", "--parallel", "2", *command]) == 2
+    # A command's optimizer is not seen before it runs: asked for, not assumed.
+    assert main(["study", "--target-loss", "1", *command]) == 2
+    assert ("a command study cannot see the command's optimizer before it runs, and the rules scale from it: name its "
+            "optimizer with --optimizer (sgd, adam or adamw) and the lr it trains with at the reference batch with "
+            "--ref-lr") in capsys.readouterr().err
+    assert main(["study", "--target-loss", "1", "--optimizer", "adamw", *command]) == 2
+    assert capsys.readouterr().err.endswith("name the lr it trains with at the reference batch with --ref-lr\n")
+    assert main(["study", "--target-loss", "1", "--optimizer", "sgd", "--ref-lr", "0.1", "--executor", "ray",
+                 "--parallel", "2", *command]) == 2
     assert "--parallel is the local executor's" in capsys.readouterr().err
     with pytest.raises(UsageError):
         CommandTemplate(())
@@ -92,7 +101,8 @@ def test_the_command_forms_flags_are_kept_apart(capsys):
 
 def test_an_executor_that_is_missing_or_cannot_be_reached_is_one_line(tmp_path, capsys, monkeypatch):
     command = ["--", "python", "t.py", "--lr", "{lr}", "--bs", "{per_device_batch_size}"]
-    argv = ["study", "--target-loss", "1", "--seeds", "1", "--out", str(tmp_path), "--no-plots"]
+    argv = ["study", "--target-loss", "1", "--seeds", "1", "--out", str(tmp_path), "--no-plots", "--optimizer", "sgd",
+            "--ref-lr", "0.1"]
     # No Slurm on this machine (no sbatch): said before anything runs, with the way to try it here.
     monkeypatch.setenv("PATH", str(tmp_path))
     assert main([*argv, "--executor", "slurm", *command[:1], sys.executable, *command[2:]]) == 2

@@ -113,7 +113,7 @@ class CommandEngine:
         # The settings the command was given are those its placeholders carry; the rest are its own.
         result.optimizer = placed(result.optimizer, self.template.names)
         if (outcome.returncode == 0 and not outcome.timed_out) or decided:
-            self._check_trained(job, outcome, evals)
+            self._check_trained(config, job, outcome, evals)
             replay(config, evals, result, metric=self.options.metric is not None)
             result.pruned = any(e.get("kind") == "end" and e.get("pruned") for e in outcome.events)
             notes = [e["text"] for e in outcome.events if e.get("kind") == "note"]
@@ -138,7 +138,7 @@ class CommandEngine:
                            f"{log}")
         return True
 
-    def _check_trained(self, job: RunJob, outcome: JobOutcome, evals: list[dict]) -> None:
+    def _check_trained(self, config: StudyConfig, job: RunJob, outcome: JobOutcome, evals: list[dict]) -> None:
         """One line, ending the study, where a run shows that no run of this command can be read."""
         log = os.path.join(job.run_dir, "output.log")
         if outcome.failures:
@@ -154,6 +154,11 @@ class CommandEngine:
             raise UsageError(f"the command ran {world} rank{'s' if world != 1 else ''} and {{world_size}} is "
                              f"{self.world_size}, so its batches were not the grid's: pass {{world_size}} {world}, or "
                              "put {{world_size}} where the command sets its ranks")
+        stepped, named = evals[0].get("optimizer"), config.optimizer.family
+        if FAMILIES.get(stepped, named) != named:
+            raise UsageError(f"the command steps torch's {stepped} and {{optimizer.family}} is {named}: the rules' "
+                             f"lrs and settings follow the family named, so pass {{optimizer.family}} "
+                             f"{FAMILIES[stepped]}")
         if self.options.metric and all(e.get("metric") is None for e in evals):
             name = literal(self.options.metric)
             raise UsageError(f"the command printed no {name} in {evals[-1]['step']} steps (looked for {name}=VALUE, "
@@ -194,6 +199,10 @@ def replay(config: StudyConfig, evals: list[dict], result: RunResult, *, metric:
 def _steps(job: RunJob) -> int:
     return int(json.loads(job.settings)["eval_every"])
 
+
+FAMILIES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw"}
+"""torch's optimizer classes by the family a study names; another class (Lion, a fused or sharded Adam) is the
+user's word."""
 
 PLACED = {"betas": ("beta1", "beta2"), "eps": ("eps",), "weight_decay": ("weight_decay",)}
 """Each Adam setting a run records, by the placeholders that hand it to the command."""

@@ -62,6 +62,7 @@ class StudyGuest:
             if self.metric else None
         self.disabled: str | None = None
         self.optimizer_id: int | None = None  # the optimizer whose steps are counted
+        self.optimizer_class = ""  # its class, said to the driver: the study's rules follow the family named
         self.pending = None  # losses backward saw since the last counted step (a tensor on their device)
         self.window_loss, self.window_steps = 0.0, 0  # the evaluation's sum over its steps (a tensor once summed)
         self.seen: float | None = None  # the last metric value printed since the previous evaluation
@@ -167,7 +168,7 @@ def _count_step(guest: StudyGuest, optimizer) -> None:
     if guest.pending is None:
         return  # no loss reached backward since the last step: another optimizer's step, or not training
     if guest.optimizer_id is None:
-        guest.optimizer_id = id(optimizer)
+        guest.optimizer_id, guest.optimizer_class = id(optimizer), type(optimizer).__qualname__
     if id(optimizer) != guest.optimizer_id:
         return
     guest.window_loss = guest.pending + guest.window_loss
@@ -194,7 +195,8 @@ def _evaluate(guest: StudyGuest) -> None:
     if guest.rank == 0:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         record.append(guest.out_dir, {"kind": "eval", "rank": 0, "step": step, "loss": _finite(loss),
-                                      "metric": _finite(metric), "world_size": world, "guest_s": guest.seconds})
+                                      "metric": _finite(metric), "world_size": world, "guest_s": guest.seconds,
+                                      "optimizer": guest.optimizer_class})
     pruned = not done and guest.steps > guest.prune_after
     if done or pruned or guest.steps >= guest.max_steps:
         _stop(guest, pruned)
