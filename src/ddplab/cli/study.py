@@ -438,12 +438,10 @@ def _print_scorecard(out, values: dict) -> None:
     card = values.get("scorecard") or {}
     if not any(row["batches"] for row in card.values()):
         return  # no tuned sweep to judge against: a table of dashes says nothing
-    rows = [[rule, _short(row["median_abs_log2_lr_gap"]), _short(row["median_steps_ratio"]),
-             "—" if row["steps_ratio_seed_range"] is None else
-             f"{_short(row['steps_ratio_seed_range'][0])} to {_short(row['steps_ratio_seed_range'][1])}",
-             str(row["batches"])] for rule, row in card.items()]
-    out.print(render.table("scorecard: medians over the global batches, against the best tuned setting",
-                           ["rule", "|log₂(lr / best lr)|", "steps ÷ tuned", "seeds' range", "batches"], rows))
+    if values.get("scorecard_note"):
+        out.print(f"scorecard: not shown: {values['scorecard_note']}")
+    else:
+        _print_scorecard_table(out, card)
     for rule in registry.known().values():
         for line in rule.lr_text(values):
             out.print(line)
@@ -454,6 +452,15 @@ def _print_scorecard(out, values: dict) -> None:
         out.print(f"the best tuned lr {where}; B_simple at the reference batch "
                   f"{values['reference']['global_batch_size']}: {_num(peak['b_simple'])} (Li et al. 2024 put Adam's "
                   "peak at B_noise)")
+
+
+def _print_scorecard_table(out, card: dict) -> None:
+    rows = [[rule, _short(row["median_abs_log2_lr_gap"]), _short(row["median_steps_ratio"]),
+             "—" if row["steps_ratio_seed_range"] is None else
+             f"{_short(row['steps_ratio_seed_range'][0])} to {_short(row['steps_ratio_seed_range'][1])}",
+             str(row["batches"])] for rule, row in card.items()]
+    out.print(render.table("scorecard: medians over the global batches, against the best tuned setting",
+                           ["rule", "|log₂(lr / best lr)|", "steps ÷ tuned", "seeds' range", "batches"], rows))
 
 
 def _print_b_simple(out, b_simple: dict | None) -> None:

@@ -100,6 +100,36 @@ def test_the_scorecard_from_hand_made_runs():
     assert report["surge"]["noise_scale"] == 16.0 and report["surge"]["source"] == "given"
 
 
+def test_the_scorecard_is_shown_only_where_its_seed_ranges_tell_two_rules_apart(capsys):
+    from ddplab.cli.render import console
+    from ddplab.cli.study import _print_scorecard
+
+    config = _config()
+    found = analysis.analyze(config, _hand_made(config))
+    # tuned's seeds span 50/53 to 56/53, wholly below adamw-tau's 120/110 to 140/110: the two are told apart.
+    assert found.scorecard_note is None
+    # The same runs made alike: every seed of every setting 100 steps but one seed a step off, so each rule's range
+    # overlaps every other's, and one seed measures no range at all.
+    alike = _hand_made(config)
+    for runs in alike.values():
+        for run in runs:
+            _arrive(run, 100 + run.seed)
+    overlapping = analysis.analyze(config, alike)
+    assert overlapping.scorecard["constant"]["steps_ratio_seed_range"] == [100 / 100.5, 101 / 100.5]
+    assert overlapping.scorecard_note.startswith("every rule's seed range of steps ÷ tuned overlaps every other's")
+    assert analysis.scorecard_note(1, found.scorecard).startswith("one seed measures no spread")
+    assert analysis.scorecard_note(2, {"tuned": {"steps_ratio_seed_range": None}}) is None
+    # A rule whose seeds never arrived lies above every finite range.
+    assert analysis.scorecard_note(2, {"tuned": {"steps_ratio_seed_range": [0.9, 1.1]},
+                                       "surge": {"steps_ratio_seed_range": [math.inf, math.inf]}}) is None
+    report = StudyReport(workload="hand-made", config=config, train_size=1000, analysis=overlapping, out="").to_json()
+    assert report["scorecard_note"] == overlapping.scorecard_note
+    # The CLI says why in one line instead of a table of numbers that differ by noise.
+    _print_scorecard(console(), report)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "scorecard: not shown: every rule's seed range" in printed and "steps ÷ tuned ┃" not in printed
+
+
 def test_an_lr_that_rises_to_the_largest_batch_has_no_peak_and_sgd_has_no_lr_peak():
     tuned = [{"global_batch_size": b, "lr": lr} for b, lr in ((16, 0.02), (32, 0.04), (64, 0.04))]
     config = _config()

@@ -36,6 +36,9 @@ class StudyAnalysis:
     scorecard: dict[str, dict] = dataclasses.field(default_factory=dict)
     """Per rule, medians over the batches: how far its lr is from the best tuned lr (|log₂|) and its steps over the
     best tuned runs', with the seeds' range of that ratio and where it beat the tuned runs beyond it."""
+    scorecard_note: str | None = None
+    """Why the scorecard ranks no rule (one seed, or every rule's seed range overlapping every other's); None where
+    some two rules are told apart."""
     lr_peak: dict | None = None
     """Adam-family studies: the batch where the best tuned lr peaks inside the measured range (None where it does
     not), and B_simple at the reference batch."""
@@ -93,7 +96,8 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     b_simple = _b_simple(best_runs, fits.get(sweep_rule.name) if sweep_rule else None)
     return StudyAnalysis(runs=runs, tuned_lr=tuned, fit=fits, b_simple=b_simple,
                          warnings=warnings, unreached=_unreached(config, batches), steps_by_rule=steps_by_rule,
-                         sections=sections, scorecard=card, lr_peak=lr_peak(config, tuned, b_simple, ties),
+                         sections=sections, scorecard=card, scorecard_note=scorecard_note(config.seeds, card),
+                         lr_peak=lr_peak(config, tuned, b_simple, ties),
                          rules_lr=scaled_from)
 
 
@@ -431,6 +435,29 @@ def scorecard(config: StudyConfig, batches: dict[int, BatchRuns]) -> dict[str, d
                           "steps_ratio_seed_range": [fit.median(lows), fit.median(highs)] if ratios else None,
                           "batches": len(ratios), "beats_tuned": beats}
     return out
+
+
+def scorecard_note(seeds: int, card: dict[str, dict]) -> str | None:
+    """Why the scorecard cannot rank the rules, or None where it can: some rule's seed range of steps ÷ tuned lies
+    wholly above another's (a rule whose seeds never arrived reaches infinity). One seed measures no range.
+
+    >>> card = {"a": {"steps_ratio_seed_range": [0.9, 1.1]}, "b": {"steps_ratio_seed_range": [1.0, 1.3]}}
+    >>> scorecard_note(2, card) is not None
+    True
+    >>> card["b"]["steps_ratio_seed_range"] = [1.2, 1.3]
+    >>> scorecard_note(2, card) is None
+    True
+    """
+    ranges = [row["steps_ratio_seed_range"] for row in card.values() if row.get("steps_ratio_seed_range")]
+    if not ranges:
+        return None  # nothing scored: no table to hold back
+    if seeds < 2:
+        return ("one seed measures no spread between runs, so these runs do not rank the rules: --seeds 2 or more "
+                "would")
+    if any(high < low for _, high in ranges for low, _ in ranges):
+        return None
+    return ("every rule's seed range of steps ÷ tuned overlaps every other's, so these runs do not rank the rules: "
+            "more --seeds, or global batches further apart, would")
 
 
 def _beats_tuned_warnings(card: dict[str, dict]) -> list[str]:

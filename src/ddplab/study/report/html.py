@@ -70,16 +70,20 @@ def _scorecard_html(report: dict) -> str:
         for rule, row in card.items())
     if not rows:
         return ""
+    if report.get("scorecard_note"):
+        table = f"<p>Not shown: {html_escape(report['scorecard_note'])}.</p>"
+    else:
+        table = ("<p>Medians over the global batches: |log₂(rule's lr / best tuned lr)|, and the rule's median steps "
+                 "to the target over the best tuned setting's (the range: its fewest and most seeds').</p><table><tr>"
+                 "<th>rule</th><th>|log₂ lr gap|</th><th>steps ÷ tuned</th><th>seeds' range</th><th>batches</th>"
+                 f"</tr>{rows}</table>")
     peak, peak_text = report.get("lr_peak"), ""
     if peak is not None:
         where = (f"peaks inside the measured range at global batch {peak['global_batch_size']}"
                  if peak["global_batch_size"] else "does not peak inside the measured range")
         peak_text = (f"<p>The best tuned lr {where}; B_simple at the reference batch: {_n(peak['b_simple'])} "
                      "(Li et al. 2024 put Adam's peak at B_noise).</p>")
-    return ("<h2>Scorecard</h2><p>Medians over the global batches: |log₂(rule's lr / best tuned lr)|, and the rule's "
-            "median steps to the target over the best tuned setting's (the range: its fewest and most seeds').</p>"
-            "<table><tr><th>rule</th><th>|log₂ lr gap|</th><th>steps ÷ tuned</th><th>seeds' range</th>"
-            f"<th>batches</th></tr>{rows}</table>{peak_text}")
+    return f"<h2>Scorecard</h2>{table}{peak_text}"
 
 
 def write_html(report: dict, path: str) -> str:

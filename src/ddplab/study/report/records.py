@@ -55,7 +55,8 @@ class StudyReport:
             "engine": self.engine, "engine_reason": self.engine_reason, "device": self.device,
             "runs": analysis.runs, "trained_runs": self.trained_runs, "tuned_lr": analysis.tuned_lr,
             "fit": analysis.fit, "b_simple": analysis.b_simple, "warnings": analysis.warnings,
-            "unreached": analysis.unreached, "scorecard": analysis.scorecard, "lr_peak": analysis.lr_peak,
+            "unreached": analysis.unreached, "scorecard": analysis.scorecard,
+            "scorecard_note": analysis.scorecard_note, "lr_peak": analysis.lr_peak,
             **analysis.sections,
             "plots": self.plots, "report": self.report, "out": self.out,
         }
