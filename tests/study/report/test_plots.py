@@ -169,3 +169,30 @@ def test_plots_are_written_where_they_have_content_their_bands_named_their_ticks
     labels = [t.get_text() for t in steps.get_xticklabels() + steps.get_yticklabels() if t.get_text()]
     assert labels and not [t for t in labels if "times" in t or "^" in t], labels
     assert not [w for w in recwarn if "legend" in str(w.message).lower()], [str(w.message) for w in recwarn]
+    # The loss curves: a spec's study draws the training loss beside its validation metric, two panels.
+    curves = figures[1]
+    assert [axis.get_ylabel() for axis in curves.axes] == ["training loss (the step's batch)", "validation loss"]
+
+
+@pytest.mark.timeout(60)
+def test_a_command_studys_loss_curves_label_what_the_target_is_read_from(tmp_path, monkeypatch):
+    """Without --metric the target is the training loss: one panel, not the same curve twice under two labels; with
+    --metric the second panel names the metric the command printed."""
+    from ddplab.study.report.records import TRAINING_LOSS
+    from ddplab.study.runs import RunResult
+
+    run = RunResult(global_batch_size=16, lr=0.01, seed=0)
+    run.history = [[5, 2.0, 2.0], [10, 1.6, 1.6]]
+    report = {"tuned_lr": [{"global_batch_size": 16, "lr": 0.01, "variant": ""}],
+              "target": {"kind": "loss", "value": 1.7}, "target_read": TRAINING_LOSS}
+    figures = []
+    real = report_figures.write_figure
+    monkeypatch.setattr(report_figures, "write_figure",
+                        lambda plt, fig, path: figures.append(fig) or real(plt, fig, path))
+    report_figures._curves_plot(report, {16: [run]}, str(tmp_path / "one.png"))
+    (axis,) = figures[0].axes
+    assert axis.get_ylabel() == "training loss (the ranks' mean between evaluations)"
+    assert [line.get_label() for line in axis.get_lines()] == ["B=16, lr 0.01", "target"]
+    report_figures._curves_plot(report | {"target_read": "val_loss"}, {16: [run]}, str(tmp_path / "two.png"))
+    assert [axis.get_ylabel() for axis in figures[1].axes] == ["training loss (the step's batch)",
+                                                              "val_loss, as the command printed it"]

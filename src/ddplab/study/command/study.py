@@ -24,7 +24,7 @@ from ddplab.study.config import StudyConfig, StudyOptions
 from ddplab.study.grid import analysis, training
 from ddplab.study.grid.cache import Cache
 from ddplab.study.report.output import check_out, require_matplotlib
-from ddplab.study.report.records import StudyReport
+from ddplab.study.report.records import TRAINING_LOSS, StudyReport
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -72,7 +72,8 @@ def run_command_study(command: CommandOptions, config: StudyConfig, options: Stu
     report = StudyReport(workload=workload.name, config=config, train_size=workload.train_size, analysis=found,
                          out=options.out, engine=f"command ({command.executor})",
                          engine_reason=f"each run one launch of: {template.text()}", device="the command's own",
-                         own_optimizer=_own_optimizer(config, template))
+                         own_optimizer=_own_optimizer(config, template),
+                         target_read=command.metric or TRAINING_LOSS)
     _save(report, started)
     if options.plots and found.fit:
         from ddplab.study.report import figures, html

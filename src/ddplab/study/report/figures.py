@@ -6,6 +6,7 @@ import math
 import os
 import sys
 
+from ddplab.study.report.records import TRAINING_LOSS
 from ddplab.study.rules import registry
 
 SPARE = ("tab:pink", "gold", "navy", "black")
@@ -374,8 +375,13 @@ def _lr_plot(report: dict, path: str) -> None:
 
 
 def _curves_plot(report: dict, results: dict, path: str) -> None:
+    """The loss and the target's metric along a few best tuned runs; one panel where the target is the loss itself
+    (a command study without --metric), else two."""
     plt = pyplot()
-    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(12, 4.5))
+    read = report.get("target_read")
+    one = read == TRAINING_LOSS
+    fig, axes = plt.subplots(1, 1 if one else 2, figsize=(6.5 if one else 12, 4.5), squeeze=False)
+    ax_loss, ax_metric = axes[0][0], axes[0][-1]
     tuned = report["tuned_lr"]
     # A few batch sizes spread over the range, each at its best tuned lr, seed 0.
     picks = tuned[::max(1, len(tuned) // 4)] if tuned else []
@@ -389,11 +395,15 @@ def _curves_plot(report: dict, results: dict, path: str) -> None:
         steps, losses, metrics = zip(*run.history)
         color = cmap(i / max(1, len(picks) - 1))
         ax_loss.plot(steps, losses, color=color, label=f"B={b}, lr {lr:.3g}")
-        ax_metric.plot(steps, metrics, color=color, label=f"B={b}")
+        if not one:
+            ax_metric.plot(steps, metrics, color=color, label=f"B={b}")
     ax_metric.axhline(report["target"]["value"], color="black", linestyle=":", label="target")
     ax_loss.set_yscale("log")
-    for axis, label in ((ax_loss, "training loss (the step's batch)"),
-                        (ax_metric, f"validation {report['target']['kind']}")):
+    labels = ([(ax_loss, "training loss (the ranks' mean between evaluations)")] if one else
+              [(ax_loss, "training loss (the step's batch)"),
+               (ax_metric, f"{read}, as the command printed it" if read else
+                f"validation {report['target']['kind']}")])
+    for axis, label in labels:
         axis.set_xscale("log")
         axis.set_xlabel("optimizer step")
         axis.set_ylabel(label)

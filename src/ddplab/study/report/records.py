@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from ddplab.study.grid.verify import VerifyResult
 
 
+TRAINING_LOSS = "training loss"
+"""What a command study without --metric reads its target from: the loss that reached backward."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class StudyReport:
     workload: str
@@ -26,6 +30,9 @@ class StudyReport:
     engine_reason: str = ""
     """Why that engine."""
     device: str = "cpu"
+    target_read: str | None = None
+    """What the target is read from where it is not a spec's validation set: TRAINING_LOSS, or the metric a
+    command prints."""
     own_optimizer: dict | None = None
     """The spec's own optimizer, where the runs trained with it instead of the config's (optim.describe)."""
     verify_ddp: VerifyResult | None = None
@@ -45,7 +52,8 @@ class StudyReport:
     def to_json(self) -> dict[str, Any]:
         cfg, analysis = self.config, self.analysis
         out = {
-            "workload": self.workload, "target": cfg.target.to_json(), "rules": list(cfg.rules),
+            "workload": self.workload, "target": cfg.target.to_json(), "target_read": self.target_read,
+            "rules": list(cfg.rules),
             "global_batch_sizes": sorted(cfg.global_batch_sizes),
             "reference": {"global_batch_size": cfg.reference_global_batch_size, "lr": cfg.reference_lr,
                           "rules_lr": analysis.rules_lr},
