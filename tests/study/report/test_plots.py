@@ -196,3 +196,9 @@ def test_a_command_studys_loss_curves_label_what_the_target_is_read_from(tmp_pat
     report_figures._curves_plot(report | {"target_read": "val_loss"}, {16: [run]}, str(tmp_path / "two.png"))
     assert [axis.get_ylabel() for axis in figures[1].axes] == ["training loss (the step's batch)",
                                                               "val_loss, as the command printed it"]
+    # report.html says the same of its steps to the target.
+    from ddplab.study.report import html
+
+    assert html._read_from(report) == "the training loss (the ranks' mean between evaluations)"
+    assert html._read_from(report | {"target_read": "val_loss"}) == "val_loss, as the command printed it,"
+    assert html._read_from(report | {"target_read": None}) == "validation loss"

@@ -7,7 +7,7 @@ import base64
 import html
 import os
 
-from ddplab.study.report.records import optimizer_text
+from ddplab.study.report.records import TRAINING_LOSS, optimizer_text
 from ddplab.study.rules import registry
 
 
@@ -86,6 +86,14 @@ def _scorecard_html(report: dict) -> str:
     return f"<h2>Scorecard</h2>{table}{peak_text}"
 
 
+def _read_from(report: dict) -> str:
+    """What the target is read from: the spec's validation set, or the command's training loss or printed metric."""
+    read = report.get("target_read")
+    if read == TRAINING_LOSS:
+        return "the training loss (the ranks' mean between evaluations)"
+    return f"{read}, as the command printed it," if read else f"validation {report['target']['kind']}"
+
+
 def write_html(report: dict, path: str) -> str:
     """One HTML file: the plots embedded, the fits, B_simple and a table of every run."""
     images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{_b64(p)}">'
@@ -105,7 +113,7 @@ def write_html(report: dict, path: str) -> str:
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
 <h1>ddplab study: {html_escape(report['workload'])}</h1>
 <p>{report.get('trained_runs', '')} runs trained ({html_escape(str(report['engine']))} engine). \
-Steps until validation {target['kind']} first reaches {target['value']:g} \
+Steps until {html_escape(_read_from(report))} first reaches {target['value']:g} \
 (evaluated every {report['eval_every']} steps,
 budget {report['max_steps']}), median over {report['seeds']} seeds; \
 reference lr {report['reference']['lr']:g} at global batch
