@@ -280,6 +280,14 @@ def test_reports_merge_over_ranks():
     assert "no DDP mistakes found in the first 5 steps; a repeated epoch order" in rendering.render_text(
         clean, interim_steps=5)
     assert rendering.render_text(clean).splitlines()[1] == "no DDP mistakes found"
+    # A clean run names the engine its gradients went through.
+    for strategy, size, name in (("fsdp", 2, "FSDP2"), ("deepspeed-zero2", 2, "DeepSpeed ZeRO-2"),
+                                 ("hsdp+tp", 4, "HSDP")):
+        reduction = {"strategy": strategy, "data_parallel_size": size, "divisor": float(size)}
+        engine = findings.merge([{**record(rank, []), "reduction": reduction, "strategy": strategy}
+                                 for rank in (0, 1)])
+        assert rendering.render_text(engine).splitlines()[1] == f"no {name} mistakes found"
+        assert f"no {name} mistakes found in the first 5 steps" in rendering.render_text(engine, interim_steps=5)
 
 
 def test_steps_past_a_ranks_join_are_not_compared_across_ranks():

@@ -318,7 +318,7 @@ INFO = {"hsdp_reduce_every_micro_batch": {"ACCUMULATION_REDUCES_EVERY_STEP"}, "f
 
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"
-                         r"\s*no DDP mistakes found)")
+                         r"\s*no [\w -]+ mistakes found)")
 
 
 @dataclasses.dataclass(frozen=True)

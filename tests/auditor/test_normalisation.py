@@ -78,6 +78,18 @@ def test_the_merged_report_names_the_frameworks_fix():
         record["frameworks"] = []
     plain = next(f for f in findings.merge(records).findings if f.code == "LOSS_NORMALISED_PER_DEVICE")
     assert "dist.all_reduce(count, group=dp_group)" in plain.fix
+    # Under DeepSpeed's engine, whose backward divides by the accumulation steps itself, DDP's recipe would halve the
+    # gradient at K = 2: the fix says what engine.backward does and gives its own recipe.
+    for record in records:
+        record["strategy"] = "deepspeed-zero2"
+    deepspeed = next(f for f in findings.merge(records).findings if f.code == "LOSS_NORMALISED_PER_DEVICE")
+    assert deepspeed.fix.startswith("DeepSpeed's engine.backward(loss) divides the loss by gradient_accumulation_steps")
+    assert "engine.backward(loss_sum * dp_size / count, scale_wrt_gas=False)" in deepspeed.fix
+    # The Trainer drives the engine itself: its own recipe stays the user's.
+    for record in records:
+        record["frameworks"] = ["transformers"]
+    trainer = next(f for f in findings.merge(records).findings if f.code == "LOSS_NORMALISED_PER_DEVICE")
+    assert trainer.fix.startswith("TrainingArguments(average_tokens_across_devices=True)")
 
 
 def test_a_tensor_parallel_fix_names_the_programs_own_data_parallel_dimension():

@@ -63,9 +63,13 @@ MISTAKES = {
     "trainer_rank_mean_zero2": (("trainer_ds.py", "--stage", "2", "--mistake", "rank-mean"),
                                 {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}),
 }
+# What a fix says on DeepSpeed's engine, whose backward divides by the accumulation steps itself: its own recipe, or
+# the framework's that drives the engine.
+FIXES = {"lm_token_mean_zero2": "engine.backward(loss_sum * dp_size / count, scale_wrt_gas=False)",
+         "trainer_rank_mean_zero2": "TrainingArguments(average_tokens_across_devices=True)"}
 # What `ddplab audit` itself prints: its report lines, told apart from the program's own.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"
-                         r"\s*no DDP mistakes found)")
+                         r"\s*no [\w -]+ mistakes found)")
 
 
 def _env() -> dict:
@@ -123,6 +127,7 @@ def test_a_correct_deepspeed_program_is_clean_and_runs_unchanged(name):
     stage = args[args.index("--stage") + 1]
     assert report["strategy"] == f"deepspeed-zero{stage}" and report["data_parallel_size"] == 2
     assert report["steps_audited"] == 5 and report["reduction"]["divisor"] == 2.0
+    assert f"no DeepSpeed ZeRO-{stage} mistakes found" in audited.stdout
     # The engine's own numbers: micro-batch 4 × accumulation 2 × 2 ranks (ds_config.json; the Trainer fills "auto").
     assert report["global_batch_size"] == 16
     if name in ("loop_zero2_deepspeed_scheduler", "lm_global_count_zero3"):
@@ -138,6 +143,9 @@ def test_a_planted_deepspeed_mistake_gets_exactly_its_finding(name):
     assert _serious(report) == expected, report["findings"]
     headline = f"DeepSpeed ZeRO-{args[args.index('--stage') + 1]} (data-parallel size 2)"
     assert headline in next(f["message"] for f in report["findings"] if f["code"] == "RUN_INFO")
+    if name in FIXES:
+        code = next(iter(expected))
+        assert FIXES[name] in next(f["fix"] for f in report["findings"] if f["code"] == code)
 
 
 NOISE_SCRIPTS = os.path.join(os.path.dirname(CORPUS), os.pardir, "noise", "scripts")

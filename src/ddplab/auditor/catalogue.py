@@ -38,6 +38,13 @@ TOKEN_FIXES: dict[str, str] = {
     "accelerate": "count the step's valid tokens over its micro-batches, accelerator.reduce(count, 'sum') across "
                   "processes, and backward loss_sum * accelerator.num_processes / count (with "
                   "gradient_accumulation_steps, Accelerator.backward divides by the steps: multiply them back in)",
+    # Last: the Trainer and Accelerate drive DeepSpeed's engine themselves, and their own recipe is the user's.
+    "deepspeed": "DeepSpeed's engine.backward(loss) divides the loss by gradient_accumulation_steps itself, unless "
+                 "given scale_wrt_gas=False: take the step's micro-batches first, count their valid tokens, "
+                 "all-reduce the count over the data-parallel group, then per micro-batch call "
+                 "engine.backward(loss_sum * dp_size / count, scale_wrt_gas=False) and engine.step() (× dp_size "
+                 "since the engine averages the ranks' gradients; no division by the accumulation steps anywhere, "
+                 "which the default scale_wrt_gas=True would add a second time)",
 }
 TOKEN_FINDINGS = ("LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH")
 # code → framework → the finding's fix in the words of that framework, where the program used it (the catalogue's own

@@ -140,6 +140,8 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
     main = records[0] if records else {}
     findings = sorted(merged.values(), key=lambda f: (SEVERITY_ORDER[f.severity], f.code))
     used = {name for record in records for name in record.get("frameworks", [])}
+    if (main.get("strategy") or "").startswith("deepspeed"):
+        used.add("deepspeed")  # its engine's backward, not a module the program imported, decides the recipe
     dimension = _data_parallel_dimension(main)
     for finding in findings:
         _reword(finding, reduction, used)

@@ -21,7 +21,8 @@ def report_lines(report: Report, *, interim_steps: int | None = None, width: int
     prefix = f"[rank 0, after {interim_steps} steps] " if interim_steps is not None else ""
     lines: list[tuple[Kind, str]] = [("headline", f"{prefix}ddplab audit: {report.headline()}")]
     if not report.problems and report.audited:
-        lines.append(("clean", _clean(interim_steps)))
+        engine = report.reduction.name if report.reduction is not None else "DDP"
+        lines.append(("clean", _clean(interim_steps, engine)))
     for finding in report.problems:
         data = finding.to_json()
         ranks = ", ".join(map(str, data["ranks"]))
@@ -36,12 +37,13 @@ def render_text(report: Report, *, interim_steps: int | None = None, width: int 
     return "\n".join(text for _, text in report_lines(report, interim_steps=interim_steps, width=width))
 
 
-def _clean(interim_steps: int | None) -> str:
+def _clean(interim_steps: int | None, engine: str) -> str:
+    """The clean line, naming the engine the run's gradients went through (DDP, FSDP2, HSDP, DeepSpeed ZeRO-2)."""
     if interim_steps is None:
-        return "no DDP mistakes found"
+        return f"no {engine} mistakes found"
     # What the run has not reached yet cannot be judged yet: a second pass over the data, evaluation.
-    return (f"no DDP mistakes found in the first {interim_steps} steps; a repeated epoch order and evaluation over "
-            "padded samplers are judged when the run reaches them (the final report says)")
+    return (f"no {engine} mistakes found in the first {interim_steps} steps; a repeated epoch order and evaluation "
+            "over padded samplers are judged when the run reaches them (the final report says)")
 
 
 def _wrap(text: str, indent: str, width: int, first: str = "") -> list[str]:
