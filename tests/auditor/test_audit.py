@@ -504,6 +504,16 @@ def test_the_header_shows_the_configured_lr_rounded():
         by_hand.param_groups[0]["lr"] = lr
         seen = configured_lr(by_hand, seen)
     assert seen == 0.003
+    # DeepSpeed's schedulers overwrite the groups' lr and keep no initial_lr: their own peak is the configured lr
+    # (the attributes of WarmupLR and WarmupDecayLR, of WarmupCosineLR; tests/deepspeed reads a real one's).
+    from types import SimpleNamespace
+
+    from ddplab.auditor.schedulers import scheduler_peak_lr
+
+    assert scheduler_peak_lr(SimpleNamespace(min_lrs=[0.0], max_lrs=[0.02, 0.01])) == 0.02
+    assert scheduler_peak_lr(SimpleNamespace(org_lrs=[0.02])) == 0.02
+    assert scheduler_peak_lr(lr_scheduler.LambdaLR(warmup, lambda s: 1.0)) == 0.003
+    assert scheduler_peak_lr(None) is None and scheduler_peak_lr(SimpleNamespace(max_lrs=[0.0])) is None
 
 
 NEEDS_TORCHRUN = {

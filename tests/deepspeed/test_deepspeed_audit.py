@@ -128,6 +128,9 @@ def test_a_correct_deepspeed_program_is_clean_and_runs_unchanged(name):
     assert report["strategy"] == f"deepspeed-zero{stage}" and report["data_parallel_size"] == 2
     assert report["steps_audited"] == 5 and report["reduction"]["divisor"] == 2.0
     assert f"no DeepSpeed ZeRO-{stage} mistakes found" in audited.stdout
+    if name == "loop_zero2_deepspeed_scheduler":
+        # The header's lr is the configured one, WarmupDecayLR's warmup_max_lr, not a point its warmup passed.
+        assert report["lr"] == 1e-2
     # The engine's own numbers: micro-batch 4 × accumulation 2 × 2 ranks (ds_config.json; the Trainer fills "auto").
     assert report["global_batch_size"] == 16
     if name in ("loop_zero2_deepspeed_scheduler", "lm_global_count_zero3"):

@@ -188,5 +188,7 @@ def _stepped(audit: AuditState, engine) -> None:
     # Whole on every rank after the step: every parameter at ZeRO 0-2, the persistent ones at ZeRO-3.
     whole = [(n, p) for n, p in info.params() if info.engine < 3 or getattr(p, "ds_persist", False)]
     audit.window(info)["params"] = tensors.named_digests(whole)
+    # The engine's own scheduler overwrites the groups' lr from the first step: its peak is the configured lr.
+    audit.lr = schedulers.scheduler_peak_lr(getattr(engine, "lr_scheduler", None)) or audit.lr
     hooks.finish_step(audit, info, optimizer, global_batch_size=int(engine.train_batch_size()),
                       loss_scale=info.loss_scale)

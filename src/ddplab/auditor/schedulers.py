@@ -175,6 +175,21 @@ def configured_lr(optimizer, seen: float | None) -> float | None:
     return lr if seen is None else max(seen, lr)
 
 
+PEAK_ATTRIBUTES = ("max_lrs", "org_lrs", "base_lrs")
+"""Where a scheduler keeps the lrs it rises to: DeepSpeed's WarmupLR, WarmupDecayLR and OneCycle (``max_lrs``), its
+WarmupCosineLR (``org_lrs``), torch's (``base_lrs``, each group's ``initial_lr``)."""
+
+
+def scheduler_peak_lr(scheduler) -> float | None:
+    """The highest lr ``scheduler`` is configured to reach (the header's lr on every engine: the configured one,
+    never a point the warmup passes through); None where it keeps none."""
+    for name in PEAK_ATTRIBUTES:
+        values = [_as_float(v) for v in getattr(scheduler, name, None) or ()]
+        if values and all(v is not None and v > 0 for v in values):
+            return max(values)
+    return None
+
+
 def _as_float(value) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
