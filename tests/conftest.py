@@ -27,6 +27,25 @@ torch.set_num_threads(1)
 # say otherwise: ddplab.study.kernels), so a test may compare its numbers with this process's to the last bit.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", torch.backends.cpu.get_cpu_capability().lower())
 os.environ.setdefault("MKL_CBWR", "AUTO")
+
+
+def _extensions_dir() -> str:
+    """Where DeepSpeed's CPU op is built (2-3 minutes) and found again: a cache outside the clone, one folder per
+    torch and DeepSpeed version and per interpreter (torch rebuilds an op built against another one's headers), so
+    a fresh clone whose virtualenv stands where the last one stood builds nothing."""
+    import hashlib
+    import importlib.metadata
+
+    try:
+        deepspeed = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        deepspeed = "none"
+    where = hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "ddplab-tests", f"torch-{torch.__version__}-deepspeed-{deepspeed}-{where}")
+
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", _extensions_dir())
 from ddplab.runtime.launch import TORCHRUN_VARS  # noqa: E402
 
 

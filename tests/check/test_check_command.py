@@ -245,9 +245,7 @@ def test_a_deepspeed_engine_loop_is_compared_at_zero_0_and_refused_where_it_step
         capsys, monkeypatch, stage, loss):
     if importlib.util.find_spec("deepspeed") is None:  # not imported here: it prints to this process's stdout
         pytest.skip("needs deepspeed")
-    # Each virtualenv keeps its own build of DeepSpeed's CPU op (see tests/deepspeed).
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR")
-                       or os.path.join(sys.prefix, "torch_extensions"))
+    # DeepSpeed's CPU op is built in the suite's folder for it (tests/conftest.py).
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (DEEPSPEED_CORPUS, os.environ.get("PYTHONPATH")) if p))
     argv = ["check", "--json", "--steps", "2", "--accumulation", "2", "--", *TORCHRUN,

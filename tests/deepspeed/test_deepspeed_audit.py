@@ -3,8 +3,8 @@ mistake gets exactly its finding, each correct program none, and the program's o
 unaudited; the noise scale of noiseless regression under ZeRO 0-2 is D + 1 within its interval.
 
 DeepSpeed compiles a small CPU op the first time it initialises on a machine (about 3 minutes here), then caches it
-in torch's extensions folder (the virtualenv's own here): the module's first fixture does that once, before any
-test's own bound starts.
+in torch's extensions folder (the suite's, outside the clone: tests/conftest.py): the module's first fixture does that
+once, before any test's own bound starts.
 """
 
 import json
@@ -73,10 +73,8 @@ REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING
 
 
 def _env() -> dict:
-    # torch rebuilds a cached op built against another interpreter's headers (a CI clone's virtualenv beside a
-    # development one, 2-3 minutes each time, one lock between them): each virtualenv keeps its own build.
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
-    return dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=extensions,
+    # The op's build folder is the suite's (tests/conftest.py: outside the clone, one per interpreter).
+    return dict(os.environ, DS_ACCELERATOR="cpu",
                 PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
 
 
