@@ -3,7 +3,7 @@
 import pytest
 
 from ddplab.auditor import findings
-from ddplab.auditor.normalisation import Part, judge, judge_windows, relative_weights
+from ddplab.auditor.normalisation import Part, divided_twice, judge, judge_windows, relative_weights
 
 
 def _parts(counts: dict[int, list[int]], weight) -> list[Part]:
@@ -34,6 +34,27 @@ def test_per_micro_batch_means_give_the_exact_ratio_of_their_counts():
     # Relative to the fair weight 1/N (after DDP's average of 2): the smallest weight is N/(2·2·95).
     low, high = relative_weights(_parts(COUNTS, lambda r, m, c: 1 / (2 * c)))
     assert (low, high) == pytest.approx((TOTAL / (4 * 95), TOTAL / (4 * 31)))
+
+
+def test_a_per_micro_batch_mean_divided_by_k_before_an_engine_divides_again_gives_both_of_its_effects():
+    # DeepSpeed's engine.backward divides by K = 2 itself (in the weights): mean / K on top weighs 1/(K²·c).
+    once = _parts(COUNTS, lambda r, m, c: 1 / (2 * c))
+    twice = _parts(COUNTS, lambda r, m, c: 1 / (4 * c))
+    assert divided_twice(once, 2, 0, engine_divides_by=2) is None
+    found = divided_twice(twice, 2, 0, engine_divides_by=2)
+    assert found.code == "ACCUMULATION_DIVIDED_TWICE" and "the gradient is 1/2 of that mean's" in found.detail
+    # Σ w·c over 2 ranks × 2 micro-batches of 1/4 each is 1, half the average's divisor 2.
+    assert "weighed 0.5 in all after the engine's own division by the 2 accumulation steps" in found.detail
+    # No engine division, elements alike (judge's own case), or an unknown divisor: not this judgement.
+    assert divided_twice(twice, 2, 0) is None and divided_twice(twice, 2, 0, None, 2) is None
+    assert divided_twice(_parts(COUNTS, lambda r, m, c: 1 / (4 * TOTAL)), 2, 0, engine_divides_by=2) is None
+    # Both findings come out of one step's windows, each with its own factor.
+    windows = {("ds0", 1): {rank: {"group": [0, 1], "engine_divides_by": 2,
+                                   "loss_weights": {"lm.py:9": [[m, 1 / (4 * c), c] for m, c in
+                                                                 enumerate(COUNTS[rank], start=1)]}}
+                            for rank in (0, 1)}}
+    assert sorted(j.code for j in judge_windows(windows)) == ["ACCUMULATION_DIVIDED_TWICE",
+                                                              "LOSS_NORMALISED_PER_MICRO_BATCH"]
 
 
 def test_per_rank_means_are_per_device_with_the_ratio_of_the_ranks_counts():

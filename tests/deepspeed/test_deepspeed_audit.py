@@ -53,6 +53,10 @@ MISTAKES = {
     "loop_no_set_epoch_zero2": (("engine_loop.py", "--stage", "2", "--no-set-epoch"), {"SET_EPOCH_MISSING": "warning"}),
     "lm_token_mean_zero2": (("engine_lm.py", "--stage", "2", "--loss", "token-mean"),
                             {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}),
+    # The same mean divided by the accumulation steps too, before engine.backward divides again: both effects.
+    "lm_token_mean_gas_zero2": (("engine_lm.py", "--stage", "2", "--loss", "token-mean-gas"),
+                                {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning",
+                                 "ACCUMULATION_DIVIDED_TWICE": "warning"}),
     "lm_token_mean_zero3_no_accumulation": (("engine_lm.py", "--stage", "3", "--loss", "token-mean",
                                              "--accumulation", "1"), {"LOSS_NORMALISED_PER_DEVICE": "warning"}),
     # The global-count recipe given to a plain engine.backward, which divides by the accumulation steps again.
@@ -66,6 +70,7 @@ MISTAKES = {
 # What a fix says on DeepSpeed's engine, whose backward divides by the accumulation steps itself: its own recipe, or
 # the framework's that drives the engine.
 FIXES = {"lm_token_mean_zero2": "engine.backward(loss_sum * dp_size / count, scale_wrt_gas=False)",
+         "lm_token_mean_gas_zero2": "engine.backward(loss_sum * dp_size / count, scale_wrt_gas=False)",
          "trainer_rank_mean_zero2": "TrainingArguments(average_tokens_across_devices=True)"}
 # What `ddplab audit` itself prints: its report lines, told apart from the program's own.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"

@@ -16,6 +16,11 @@ records, per loss line and micro-batch, the weight w of its counted elements and
 - w varying within a rank, with w·c equal over every micro-batch: each micro-batch divided by its own count
   (``LOSS_NORMALISED_PER_MICRO_BATCH``);
 - anything else is not a normalisation by a count: nothing is said.
+
+The scale is judged apart from the weighting: where an engine's backward divided by the accumulation steps K itself,
+a step whose elements weigh 1/K in all of what its reduction calls for (Σ w·c = D/K) was divided by K twice
+(``ACCUMULATION_DIVIDED_TWICE``), whether its elements weighed alike or each micro-batch by its own count: the two
+effects of one loss are both the step's (:func:`divided_twice`).
 """
 
 from __future__ import annotations
@@ -91,6 +96,27 @@ def judge(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVER
         return None  # not one constant over each part's own count: nothing to attribute
     detail = _unequal_detail(parts, by_rank, code == "LOSS_NORMALISED_PER_MICRO_BATCH", total)
     return Judgement(code, step, detail, spread)
+
+
+def divided_twice(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVERAGE,
+                  engine_divides_by: int = 1) -> Judgement | None:
+    """Elements weighed unequally (which :func:`judge` names) whose weights sum to 1/K of what the reduction calls
+    for, K the accumulation steps an engine's backward divided by itself: the loss was divided by K before it.
+
+    A mean over each micro-batch's own elements, the engine's 1/K in it, sums to D over the step (each of the K
+    micro-batches of the W ranks weighs 1/K): D/K is a second 1/K, whatever weighed the elements unequally.
+    """
+    if engine_divides_by < 2 or world_size < 2 or divisor is None or _equal(p.weight for p in parts):
+        return None
+    divisor = float(world_size) if divisor == AVERAGE else divisor
+    scale = sum(p.weight * p.count for p in parts) / divisor  # the gradient's size over a mean's of the same weights
+    if not _near(scale, 1 / engine_divides_by):
+        return None
+    factor = _factor(scale, 1 / engine_divides_by, f"1/{engine_divides_by}")
+    return Judgement("ACCUMULATION_DIVIDED_TWICE", step,
+                     f"the step's elements weighed {scale:.4g} in all after the engine's own division by the "
+                     f"{engine_divides_by} accumulation steps, where a mean over the step's elements, however they "
+                     f"are weighed among themselves, weighs 1: the gradient is {factor} of that mean's", 1.0)
 
 
 def _follows(products: list[float], spread: float) -> bool:
@@ -211,10 +237,12 @@ def judge_windows(windows: dict[tuple[str, int], dict[int, dict]], divisor: Divi
                 # A loss some ranks never computed (rank-dependent code), or one line computing several losses in
                 # a micro-batch (a loop over tasks, each its own mean): nothing to compare element for element.
                 continue
-            judgement = judge(parts, world, step, divisor, engine)
-            if judgement is not None and (judgement.code not in best or judgement.spread > best[judgement.code].spread):
-                best[judgement.code] = dataclasses.replace(judgement, detail=f"at optimizer step {step}, {site}: "
-                                                                            f"{judgement.detail}")
+            for judgement in (judge(parts, world, step, divisor, engine),
+                              divided_twice(parts, world, step, divisor, engine)):
+                if judgement is not None and (judgement.code not in best
+                                              or judgement.spread > best[judgement.code].spread):
+                    best[judgement.code] = dataclasses.replace(judgement, detail=f"at optimizer step {step}, {site}: "
+                                                                                f"{judgement.detail}")
     return list(best.values())
 
 

@@ -26,6 +26,9 @@ Mistakes:
   --loss global-gas     the global count of --loss global given to a plain `engine.backward(loss)`: the engine divides
                         it by the accumulation steps once more, the gradient is 1/K of the mean's (as
                         engine_loop.py's --loss divided-by-accum)
+  --loss token-mean-gas the token mean divided by the accumulation steps before `engine.backward(loss)`, which divides
+                        by them again: each micro-batch weighed by its own count, and every weight 1/K of the
+                        mean's (LOSS_NORMALISED_PER_MICRO_BATCH and ACCUMULATION_DIVIDED_TWICE)
 
 Rank 0 prints each optimizer step's token loss on rank 0's documents and a checksum of the (gathered) parameters.
 """
@@ -78,11 +81,12 @@ class BigramLM(torch.nn.Module):
         return self.head(self.mlp(self.embed(tokens)))
 
 
-def token_loss(logits, labels, how: str, step_tokens, world_size: int):
+def token_loss(logits, labels, how: str, step_tokens, world_size: int, accumulation: int):
     """This micro-batch's loss, normalised as ``how`` says."""
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
-    if how == "token-mean":
-        return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+    if how in ("token-mean", "token-mean-gas"):
+        mean = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+        return mean / accumulation if how == "token-mean-gas" else mean
     summed = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE, reduction="sum")
     if how == "sum":
         return summed
@@ -91,7 +95,8 @@ def token_loss(logits, labels, how: str, step_tokens, world_size: int):
 
 def main():
     parser = _ds_harness.parser(__doc__.split("\n")[0])
-    parser.add_argument("--loss", choices=("global", "token-mean", "sum", "global-gas"), default="global")
+    parser.add_argument("--loss", choices=("global", "token-mean", "sum", "global-gas", "token-mean-gas"),
+                        default="global")
     args = parser.parse_args()
     rank, world_size = _ds_harness.start()
 
@@ -119,7 +124,7 @@ def main():
             summed = 0.0
             for inputs, labels in micro_batches:
                 logits = engine(inputs)
-                loss = token_loss(logits, labels, args.loss, step_tokens, world_size)
+                loss = token_loss(logits, labels, args.loss, step_tokens, world_size, accumulation)
                 with torch.no_grad():
                     summed += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                               reduction="sum").item()
