@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ddplab.auditor import batches, frameworks, hooks, losses, schedulers, state
+from ddplab.auditor import batches, exchange, frameworks, hooks, losses, schedulers, state
 from ddplab.auditor.state import AuditState, WrapperInfo
 from ddplab.guest import imports, tensors
 from ddplab.guest.patches import Patches
@@ -184,6 +184,9 @@ def _stepped(audit: AuditState, engine) -> None:
     schedulers.check(audit, optimizer)
     audit.total_steps += 1
     if not audit.armed:
+        if audit.disabled is None:
+            # Rank 0 prints the in-run report once its peers' records are in, as after a DDP step.
+            exchange.poll_peers(audit)
         return
     # Whole on every rank after the step: every parameter at ZeRO 0-2, the persistent ones at ZeRO-3.
     whole = [(n, p) for n, p in info.params() if info.engine < 3 or getattr(p, "ds_persist", False)]
