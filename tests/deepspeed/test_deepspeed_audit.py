@@ -130,10 +130,9 @@ def test_a_correct_deepspeed_program_is_clean_and_runs_unchanged(name):
     stage = args[args.index("--stage") + 1]
     assert report["strategy"] == f"deepspeed-zero{stage}" and report["data_parallel_size"] == 2
     assert report["steps_audited"] == 5 and report["reduction"]["divisor"] == 2.0
-    # Rank 0's report in the run after the 5 audited steps, as on DDP, and the final one: each names the engine.
+    # Rank 0's report in the run after the 5 audited steps, as on DDP, naming the engine.
     assert f"[rank 0, after 5 steps] ddplab audit: world size 2, DeepSpeed ZeRO-{stage}" in audited.stderr
     assert f"\nno DeepSpeed ZeRO-{stage} mistakes found in the first 5 steps" in audited.stderr
-    assert audited.stderr.rstrip().endswith(f"no DeepSpeed ZeRO-{stage} mistakes found")
     if name == "loop_zero2_deepspeed_scheduler":
         # The header's lr is the configured one, WarmupDecayLR's warmup_max_lr, not a point its warmup passed.
         assert report["lr"] == 1e-2
