@@ -19,8 +19,9 @@ PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "r
                "schedule", "samples_seen",
                # StudyConfig's lr the rules scale from: --ref-lr sets it with reference_lr, checked first.
                "rules_lr"}
-# The auditor's voice inside the user's program, where there is no command line to print for it.
-MAY_PRINT = {"auditor/exchange.py", "guest/bootstrap/sitecustomize.py", "integrations/lightning.py"}
+# The guests' voice inside the user's program, where there is no command line to print for it.
+MAY_PRINT = {"auditor/exchange.py", "guest/bootstrap/sitecustomize.py", "guest/extension_builds.py",
+             "integrations/lightning.py"}
 # A field in braces; doubled braces are a literal brace (a placeholder of the user's command), no field.
 FIELD = re.compile(r"(?<!\{)\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}(?!\})")
 

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -660,3 +661,53 @@ def test_a_launcher_beside_ddplabs_own_interpreter_runs_without_an_activated_env
     # Nowhere at all: one line that says where it looked.
     assert main(["audit", "--", "no-such-launcher-xyz"]) == 2
     assert f"looked on PATH and in {folder}" in capsys.readouterr().err
+
+
+def test_a_deepspeed_op_build_is_said_once_and_a_stale_lock_is_named(tmp_path, monkeypatch, capsys):
+    """DeepSpeed's OpBuilder.jit_load, stood in for: before its first build the note says it builds once; a lock
+    older than any build left by one killed half-way is named with its age; the build itself runs as it would."""
+    import types
+
+    from ddplab.guest import extension_builds
+    from ddplab.guest.patches import Patches
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(extension_builds, "_SAID", set())
+    loaded = []
+
+    class OpBuilder:
+        name = "shm_comm"
+
+        def jit_load(self, verbose=True):
+            loaded.append(verbose)
+            return "module"
+
+    patches = Patches()
+    try:
+        extension_builds._patch(patches, types.SimpleNamespace(OpBuilder=OpBuilder))
+        lock = tmp_path / "shm_comm" / "lock"
+        lock.parent.mkdir()
+        lock.write_text("")
+        os.utime(lock, (time.time() - 3600, time.time() - 3600))
+        assert OpBuilder().jit_load(verbose=False) == "module" and loaded == [False]
+        assert capsys.readouterr().err.splitlines() == [
+            f"ddplab: DeepSpeed builds its shm_comm op once (a few minutes on a CPU), in {lock.parent}; later runs "
+            "load it from there",
+            f"ddplab: {lock} is 60 min old: a build killed half-way leaves it, and torch waits while it exists; if no "
+            "build of this op is running, delete it"]
+        # Once per build folder; a lock as young as a running build's, and a built op, are not remarked on.
+        OpBuilder().jit_load()
+        assert capsys.readouterr().err == ""
+        (lock.parent / "shm_comm.so").write_text("")
+        os.utime(lock, None)
+        assert extension_builds.notes("shm_comm", str(lock.parent)) == []
+        # Only rank 0 speaks.
+        monkeypatch.setattr(extension_builds, "_SAID", set())
+        monkeypatch.setenv("RANK", "1")
+        lock.unlink()
+        (lock.parent / "shm_comm.so").unlink()
+        OpBuilder().jit_load()
+        assert capsys.readouterr().err == "" and len(loaded) == 3
+    finally:
+        patches.undo()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ddplab.auditor import batches, exchange, frameworks, hooks, losses, schedulers, state
 from ddplab.auditor.state import AuditState, WrapperInfo
-from ddplab.guest import imports, tensors
+from ddplab.guest import extension_builds, imports, tensors
 from ddplab.guest.patches import Patches
 from ddplab.runtime.reduction import Reduction
 
@@ -44,6 +44,7 @@ PIPELINE_MODULE = "deepspeed.runtime.pipe.engine"
 
 def install(patches: Patches) -> None:
     imports.when_imported(patches, ENGINE_MODULE, functools.partial(_patch, patches))
+    extension_builds.watch(patches)
 
 
 @state.guarded("watching DeepSpeed's engine")

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.distributed import DistributedSampler
 
-from ddplab.guest import imports
+from ddplab.guest import extension_builds, imports
 from ddplab.guest.patches import Patches
 from ddplab.noise.guest import deepspeed_tap, state, tokens
 from ddplab.noise.guest.plan import StepPlan
@@ -50,6 +50,7 @@ def install_from_env() -> GuestState | None:
     _PATCHES.hook(register_optimizer_step_post_hook(_after_optimizer_step))
     _PATCHES.replace(DistributedSampler, "__iter__", _watched_sampler)
     tokens.patch(_PATCHES)
+    extension_builds.watch(_PATCHES)
     imports.when_imported(_PATCHES, deepspeed_tap.ENGINE_MODULE,
                           functools.partial(_guarded_patch, functools.partial(deepspeed_tap.patch, _PATCHES,
                                                                               _model_stepped)))
