@@ -70,6 +70,8 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
         low, high = found["interval"]
         assert low <= found["critical_batch_size"] <= high
         assert found["b_simple"] == pytest.approx(DIM + 1, rel=0.25)
+        # Inside the grid, so a schedule step (and no note of an interval spanning it).
+        assert found["resolved"] and (low, high) != (2, 64) and not any("cannot tell" in n for n in found["notes"])
     # What the measurement cost: every lr it tried at every batch it trained × 3 seeds × 256 samples, at each
     # checkpoint; past a sweep's edge the lrs go on until the best is interior.
     trained = [sum(len(row["lrs"]) for row in found["batches"]) for found in values["branches"]]
@@ -183,12 +185,28 @@ def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_one
     other["param_groups"][0]["lr"] = 0.123
     torch.save({"model": state.model, "optimizer": other, "samples_seen": state.samples_seen}, other_lr)
     assert main([*base, "--branch-from", str(wrapped), str(bare), str(other_lr), "--no-plots"]) == 0
-    found = json.loads(capsys.readouterr().out)["branches"]
+    measured = json.loads(capsys.readouterr().out)
+    found = measured["branches"]
     assert [f["batches"] for f in found[::2]] == [from_file["branches"][0]["batches"]] * 2
     fresh = f"{bare} has no optimizer state: its branches start with a fresh optimizer, as a restart would"
     lr_note = (f"{other_lr}'s optimizer ran at lr 0.123, and the branches scale from the reference lr "
                f"{config.reference_lr:g}: give the run's lr there as --ref-lr")
-    assert [f["notes"] for f in found] == [[], [fresh], [lr_note]]
+
+    def cannot_tell(f):
+        """The note of a checkpoint whose seeds' interval spans every batch branched (2 to 8 here)."""
+        low, high = f["interval"]
+        if (low, high) != (f["batches"][0]["global_batch_size"], f["batches"][-1]["global_batch_size"]):
+            return []
+        return [f"the branches cannot tell the critical batch at {f['samples_seen']} samples: its seeds' interval "
+                f"[{low}, {high}] spans every batch branched, so the schedule takes no step from it (more seeds, or "
+                "longer branches, would tell)"]
+
+    assert [f["notes"] for f in found] == [cannot_tell(found[0]), [fresh, *cannot_tell(found[1])],
+                                           [lr_note, *cannot_tell(found[2])]]
+    # These short branches span the grid (2 to 8) at every checkpoint: said, and no schedule step taken from them.
+    assert all(map(cannot_tell, found)) and [f["resolved"] for f in found] == [not cannot_tell(f) for f in found]
+    assert [f["resolved"] for f in found] == [False] * 3
+    assert measured["schedule"] == [{"samples_seen": 0, "global_batch_size": 2, "lr": config.reference_lr}]
     # The default tolerance is the seeds' spread: one seed is refused, unless a tolerance is given.
     one_seed = [*base[:base.index("--seeds")], "--seeds", "1", *base[base.index("--seeds") + 2:]]
     assert main([*one_seed, "--branch-from", str(good)]) == 2

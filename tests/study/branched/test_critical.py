@@ -54,6 +54,15 @@ def test_a_given_tolerance_replaces_the_seeds_and_the_interval_brackets_the_crit
     low, high = found.interval
     assert low <= found.critical_batch_size <= high
     assert judge(losses, 2, tolerance=1.0).at_edge
+    # An interval spanning every batch branched tells nothing: the schedule takes no step from it. One inside the
+    # grid, or the grid's top alone (every seed of every batch matches: a bound), does.
+    assert not found.resolved
+    assert found.unresolved_note(416) == (
+        "the branches cannot tell the critical batch at 416 samples: its seeds' interval [2, 16] spans every batch "
+        "branched, so the schedule takes no step from it (more seeds, or longer branches, would tell)")
+    assert judge(losses, 2).unresolved_note(416) is None
+    assert judge(losses, 2).resolved and judge(losses, 2).interval == (2, 2)
+    assert judge(losses, 2, tolerance=1.0).resolved and judge(losses, 2, tolerance=1.0).interval == (16, 16)
 
 
 def test_diverged_batches_never_match_and_a_diverged_reference_has_no_critical_batch():

@@ -128,6 +128,23 @@ class Judgement:
     """Per batch: its best lr, median end loss, seeds' losses at that lr, and whether it matches."""
 
     @property
+    def resolved(self) -> bool:
+        """Whether the branches tell the critical batch apart from the grid's ends: not where it is unknown, nor where
+        its seeds' interval spans every batch branched (any of them could be it)."""
+        batches = [row["global_batch_size"] for row in self.rows]
+        return self.critical_batch_size is not None and not (
+            len(batches) > 1 and self.interval == (batches[0], batches[-1]))
+
+    def unresolved_note(self, samples_seen: int) -> str | None:
+        """What a checkpoint whose branches cannot tell its critical batch says instead of a schedule step."""
+        if self.critical_batch_size is None or self.resolved:
+            return None
+        low, high = self.interval
+        return (f"the branches cannot tell the critical batch at {samples_seen} samples: its seeds' interval "
+                f"[{low}, {high}] spans every batch branched, so the schedule takes no step from it (more seeds, or "
+                "longer branches, would tell)")
+
+    @property
     def at_edge(self) -> bool:
         """The critical batch is the largest branched batch: it may lie above the grid."""
         return self.critical_batch_size is not None and self.critical_batch_size == self.rows[-1]["global_batch_size"]

@@ -142,7 +142,8 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
                               _Training(train, cache, checkpoint, samples, advance, ctx))
                  for checkpoint in checkpoints]
     advance.finish()
-    steps = schedule.schedule([(f["samples_seen"], f["critical_batch_size"],
+    # A checkpoint whose branches cannot tell its critical batch (its interval spans the grid) takes no schedule step.
+    steps = schedule.schedule([(f["samples_seen"], f["critical_batch_size"] if f["resolved"] else None,
                                 {row["global_batch_size"]: row["lr"] for row in f["batches"]}) for f in found],
                               config.reference_global_batch_size, config.reference_lr)
     on_ranks = not engines.vectorized(setup.engine)
@@ -199,7 +200,10 @@ def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, 
             trained[batch] = {step: trained[batch][step] + losses[step] for step in trained[batch]}
     judged = judge(trained)
     b_simple = b_simple_at_checkpoint(workload, config, checkpoint, branch.global_batch_sizes(reference)[-1], device)
-    return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source, "notes": list(checkpoint.notes),
+    unresolved = judged.unresolved_note(checkpoint.samples_seen)
+    return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source,
+            "notes": [*checkpoint.notes, *([unresolved] if unresolved else [])],
+            "resolved": judged.resolved,
             "critical_batch_size": judged.critical_batch_size, "interval": list(judged.interval),
             "at_edge": judged.at_edge, "b_simple": b_simple, "reference_loss": judged.reference_loss,
             "tolerance": judged.tolerance, "batches": judged.rows,
