@@ -160,3 +160,47 @@ def test_a_noise_report_over_training_plans_with_its_last_resolved_window_and_sa
                         "b_simple_status": "g2_unresolved"}
     assert main(["plan", "--from-noise", _write(tmp_path, "w.json", whole_unresolved), "--devices", "8"]) == 2
     assert "B_simple is not resolved (g2_unresolved" in capsys.readouterr().err
+
+
+# What `ddplab study --branch-at` wrote for the digits run on docs/study/branched.md (its per-batch rows left out).
+BRANCHED = {"workload": "digits-mlp", "optimizer": {"family": "sgd", "momentum": 0.9},
+            "reference": {"global_batch_size": 32, "lr": 0.1}, "global_batch_sizes": [32, 64, 128, 256, 512],
+            "branches": [{"samples_seen": 416, "critical_batch_size": 64, "interval": [32, 64], "at_edge": False,
+                          "resolved": True},
+                         {"samples_seen": 1248, "critical_batch_size": 128, "interval": [128, 256], "at_edge": False,
+                          "resolved": True},
+                         {"samples_seen": 2496, "critical_batch_size": 128, "interval": [64, 128], "at_edge": False,
+                          "resolved": True}]}
+
+
+def test_a_critical_batch_measured_over_training_plans_with_its_last_resolved_checkpoint(tmp_path, capsys):
+    branched = _write(tmp_path, "branched.json", BRANCHED)
+    out = _plan(["--from-study", branched, "--devices", "8", "--batch-size", "32"], capsys)
+    # The reference is the measurement's, the critical batch its last checkpoint's 128, the lr the rule's.
+    same = _plan(["--ref-global-batch-size", "32", "--ref-lr", "0.1", "--critical-batch-size", "128", "--devices",
+                  "8", "--batch-size", "32"], capsys)
+    assert {k: v for k, v in out.items() if k != "warnings"} == {k: v for k, v in same.items() if k != "warnings"}
+    assert (out["global_batch_size"], out["lr"]) == (256, 0.8) and out["rule"] == "linear"
+    assert out["warnings"][0] == (
+        f"the critical batch over training ({branched!r}): 64 [32, 64] at 416 samples, 128 [128, 256] at 1,248 "
+        "samples, 128 [64, 128] at 2,496 samples; planned with the last resolved one, 128 at 2,496 samples seen")
+    assert out["warnings"][1:] == same["warnings"]
+    # A last checkpoint whose interval spans the grid, or at its top, is passed over; none left: no critical batch.
+    tree = json.loads(json.dumps(BRANCHED))
+    tree["branches"][2].update(critical_batch_size=512, interval=[32, 512], resolved=False)
+    spans = _plan(["--from-study", _write(tmp_path, "spans.json", tree), "--devices", "8", "--batch-size", "32"],
+                  capsys)
+    assert spans["warnings"][0].endswith("planned with the last resolved one, 128 at 1,248 samples seen; the later 1 "
+                                         "checkpoint placed none inside the grid")
+    for point in tree["branches"]:
+        point.update(at_edge=True, critical_batch_size=512, interval=[512, 512])
+    none = _plan(["--from-study", _write(tmp_path, "edge.json", tree), "--devices", "8", "--batch-size", "32"],
+                 capsys)
+    unplanned = _plan(["--ref-global-batch-size", "32", "--ref-lr", "0.1", "--devices", "8", "--batch-size", "32"],
+                      capsys)
+    assert none["warnings"][0].endswith("no checkpoint places it inside the batches branched (each spans the grid or "
+                                        "lies at its top), so no critical batch is planned with")
+    assert none["compute_factor"] == unplanned["compute_factor"] and none["lr"] == unplanned["lr"]
+    # The surge rule's noise scale is no part of a critical-batch measurement.
+    assert main(["plan", "--from-study", branched, "--rule", "surge", "--devices", "8", "--batch-size", "32"]) == 2
+    assert "which a critical-batch measurement (branched.json) does not give" in capsys.readouterr().err

@@ -77,7 +77,8 @@ def add_parser(subparsers) -> None:
                            help="a ddplab study's study.json: its reference (global batch, lr, optimizer) where "
                                 "flags leave it, its measured B_crit, and its best lr at the planned global batch in "
                                 "place of --rule (not with --critical-batch-size); with --rule surge, only its "
-                                "B_simple, as --noise-scale"), "from_study")
+                                "B_simple, as --noise-scale; a branched.json (study --branch-at): the critical "
+                                "batch of its last resolved checkpoint, the lr by --rule"), "from_study")
     mark(data.add_argument("--from-noise", metavar="REPORT.json",
                            help="a ddplab noise JSON report: the run it measured as the reference (world size, "
                                 "per-device batch, accumulation, lr) where flags leave it, and its B_simple as "

@@ -14,6 +14,7 @@ from typing import Any
 
 from ddplab.errors import UsageError, literal, render
 from ddplab.plan import planner, scaling
+from ddplab.plan.from_branches import is_branched, plan_from_branches
 from ddplab.plan.reported import Reported, positive_whole
 
 
@@ -27,14 +28,21 @@ def plan_from_study(reference: planner.Reference | Mapping[str, Any], target: pl
     batch, lr and optimizer) and is checked against, a warning per contradiction.
     UsageError when the study has no tuned curve, was measured with another optimizer family, or
     ``data`` already gives a critical batch size. With ``target.rule`` surge only the study's B_simple is read,
-    as the rule's noise scale.
+    as the rule's noise scale. A critical-batch measurement (``branched.json``) gives its last resolved checkpoint's
+    critical batch instead, and the lr follows the rule (:mod:`ddplab.plan.from_branches`).
     """
     data = data or planner.Data()
     loaded = read_study(study)
     contradictions: tuple[str, ...] = ()
+    source = study if isinstance(study, str) else "the study"
     if not isinstance(reference, planner.Reference):
-        reference, contradictions = reported_study(study if isinstance(study, str) else "the study",
-                                                   loaded).merge(reference)
+        reference, contradictions = reported_study(source, loaded).merge(reference)
+    if is_branched(loaded):
+        if target.rule == "surge":
+            raise UsageError("{target.rule} surge needs a noise scale, which a critical-batch measurement "
+                             "(branched.json) does not give: plan from a grid study's study.json, or pass "
+                             "{reference.noise_scale}")
+        return plan_from_branches(reference, target, data, loaded, source, names=names, before=contradictions)
     if target.rule == "surge":
         # The surge rule takes only B_noise from the study: its lr comes from the rule, not the tuned curve.
         result = planner.plan(_with_noise_scale(reference, loaded), target, data, names=names)
