@@ -169,6 +169,13 @@ def test_a_saved_checkpoint_branches_as_the_reference_runs_own_state_and_bad_one
     assert from_run["plots"] == [str(tmp_path / "out" / "branched.png")]
     with open(from_run["plots"][0], "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    # branched.html beside them: the figure embedded, a row per checkpoint with its interval, the schedule.
+    page = (tmp_path / "out" / "branched.html").read_text()
+    point = from_run["branches"][0]
+    low, high = point["interval"]
+    assert 'src="data:image/png;base64,' in page and f"<td>{point['samples_seen']:,}</td>" in page
+    assert f"<td>[{low}, {high}]</td>" in page and "Batch schedule (double when" in page
+    assert "no: the interval spans the grid" in page if not point["resolved"] else "<td>yes</td>" in page
     monkeypatch.setenv("COLUMNS", "400")  # the path on one line
     assert main([*base[:-1], "--branch-at", "0.3", "--max-steps", "200"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"plot: {tmp_path / 'out' / 'branched.png'}"

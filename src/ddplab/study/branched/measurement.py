@@ -46,6 +46,7 @@ from ddplab.study.engines.choice import BranchEngine, engine_for, resolve_device
 from ddplab.study.engines.vmap import threads
 from ddplab.study.report.branched import BranchReport
 from ddplab.study.report.branched_figure import branched_plot
+from ddplab.study.report.branched_page import write_branched_html
 from ddplab.study.report.output import check_out, require_matplotlib
 from ddplab.study.workloads import Workload
 
@@ -160,6 +161,8 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
         if options.plots:
             # branched.json is written before the plot is drawn, so a failing plot never loses a measurement.
             report.plots = [branched_plot(report.to_json(), options.out)]
+            # The page beside them: the curve, each checkpoint's row and the schedule.
+            write_branched_html(report.to_json(), os.path.join(options.out, "branched.html"))
     return report
 
 

@@ -17,12 +17,12 @@ def _front_html(report: dict) -> str:
     fixed = {p["global_batch_size"]: p["median_steps"] for p in report["tuned_lr"]}
     rows = ""
     for name, entry in (report.get("adaptive") or {}).items():
-        beaten = ", ".join(f"{b} ({_n(fixed[b])} steps, {_n(fixed[b] * b)} samples)"
+        beaten = ", ".join(f"{b} ({number(fixed[b])} steps, {number(fixed[b] * b)} samples)"
                            for b in entry.get("dominated_by") or [])
         rows += (f"<tr><td>{html_escape(name)}</td><td>{entry['start_global_batch_size']}</td>"
-                 f"<td>{_n(entry['median_steps'])}</td><td>{_n(entry['median_samples'])}</td>"
+                 f"<td>{number(entry['median_steps'])}</td><td>{number(entry['median_samples'])}</td>"
                  f"<td>{beaten or 'none: on or below the front'}</td>"
-                 f"<td>{_n(entry.get('front_samples_at_steps'))}</td></tr>")
+                 f"<td>{number(entry.get('front_samples_at_steps'))}</td></tr>")
     if not rows:
         return ""
     return ("<h2>Batches that change, against the fixed-batch front</h2><p>Median steps and samples to the target "
@@ -36,10 +36,11 @@ def _front_html(report: dict) -> str:
 def _fit_row(rule: str, f: dict) -> str:
     """A rule's fit as a table row: an undefined (flat) fit shows why, not its zeros."""
     if f.get("undefined"):
-        return (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>undefined</td><td>({html.escape(f['undefined'])})"
+        return (f"<tr><td>{rule}</td><td>{number(f['s_min'])}</td><td>undefined</td><td>({html.escape(f['undefined'])})"
                 "</td><td>undefined</td></tr>")
-    return (f"<tr><td>{rule}</td><td>{_n(f['s_min'])}</td><td>{_n(f['b_crit'])}</td>"
-            f"<td>[{_n(f['b_crit_ci95'][0])}, {_n(f['b_crit_ci95'][1])}]</td><td>{_n(f['e_min'])}</td></tr>")
+    low, high = f["b_crit_ci95"]
+    return (f"<tr><td>{rule}</td><td>{number(f['s_min'])}</td><td>{number(f['b_crit'])}</td>"
+            f"<td>[{number(low)}, {number(high)}]</td><td>{number(f['e_min'])}</td></tr>")
 
 
 def _settings(optimizer: dict | None) -> str:
@@ -63,10 +64,10 @@ def _scorecard_html(report: dict) -> str:
     """The scorecard: per rule its lr's distance from the best tuned lr and its steps over the best's."""
     card = report.get("scorecard") or {}
     rows = "".join(
-        f"<tr><td>{html_escape(rule)}</td><td>{_n(row['median_abs_log2_lr_gap'])}</td>"
-        f"<td>{_n(row['median_steps_ratio'])}</td>"
-        f"<td>{_n((row['steps_ratio_seed_range'] or [None, None])[0])} to "
-        f"{_n((row['steps_ratio_seed_range'] or [None, None])[1])}</td><td>{row['batches']}</td></tr>"
+        f"<tr><td>{html_escape(rule)}</td><td>{number(row['median_abs_log2_lr_gap'])}</td>"
+        f"<td>{number(row['median_steps_ratio'])}</td>"
+        f"<td>{number((row['steps_ratio_seed_range'] or [None, None])[0])} to "
+        f"{number((row['steps_ratio_seed_range'] or [None, None])[1])}</td><td>{row['batches']}</td></tr>"
         for rule, row in card.items())
     if not rows:
         return ""
@@ -81,7 +82,7 @@ def _scorecard_html(report: dict) -> str:
     if peak is not None:
         where = (f"peaks inside the measured range at global batch {peak['global_batch_size']}"
                  if peak["global_batch_size"] else "does not peak inside the measured range")
-        peak_text = (f"<p>The best tuned lr {where}; B_simple at the reference batch: {_n(peak['b_simple'])} "
+        peak_text = (f"<p>The best tuned lr {where}; B_simple at the reference batch: {number(peak['b_simple'])} "
                      "(Li et al. 2024 put Adam's peak at B_noise).</p>")
     return f"<h2>Scorecard</h2>{table}{peak_text}"
 
@@ -96,7 +97,7 @@ def _read_from(report: dict) -> str:
 
 def write_html(report: dict, path: str) -> str:
     """One HTML file: the plots embedded, the fits, B_simple and a table of every run."""
-    images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{_b64(p)}">'
+    images = "".join(f'<img alt="{html_escape(os.path.basename(p))}" src="data:image/png;base64,{b64(p)}">'
                      for p in report["plots"])
     fits = "".join(_fit_row(rule, f) for rule, f in report["fit"].items())
     runs = "".join(
@@ -105,6 +106,7 @@ def write_html(report: dict, path: str) -> str:
         f"{html_escape(' (' + r['variant'] + ')') if r.get('variant') else ''}</td>"
         f"<td>{r['seed']}</td><td>{_steps(r)}</td></tr>" for r in report["runs"])
     b_simple = report.get("b_simple") or {}
+    b_low, b_high = b_simple.get("ci95") or [None, None]
     sections = "".join(rule.html(report) for rule in registry.known().values())
     target = report["target"]
     body = f"""<!doctype html><html><head><meta charset="utf-8">\
@@ -122,9 +124,9 @@ reference lr {report['reference']['lr']:g} at global batch
 Fit: S(B) = S_min(1 + B_crit/B).</p>
 <table><tr><th>rule</th><th>S_min</th><th>B_crit</th><th>B_crit 95% (seed bootstrap)</th>\
 <th>E_min (samples)</th></tr>{fits}</table>
-<p>B_simple along the best tuned runs: {_n(b_simple.get('value'))} \
-(95% interval [{_n((b_simple.get('ci95') or [None, None])[0])}, {_n((b_simple.get('ci95') or [None, None])[1])}]); \
-B_crit / B_simple = {_n(b_simple.get('b_crit_over_b_simple'))}</p>
+<p>B_simple along the best tuned runs: {number(b_simple.get('value'))} \
+(95% interval [{number(b_low)}, {number(b_high)}]); \
+B_crit / B_simple = {number(b_simple.get('b_crit_over_b_simple'))}</p>
 <p>B_crit is where the fitted curve bends: below it, doubling the global batch halves the steps; above it, \
 steps barely fall while the samples (compute) grow. B_simple = tr Σ / |G|² is the gradient noise scale measured \
 along the best runs (McCandlish et al. 2018): the batch at which one step's noise equals its signal. The two are \
@@ -149,12 +151,13 @@ def html_escape(text: str) -> str:
     return html.escape(str(text))
 
 
-def _b64(path: str) -> str:
+def b64(path: str) -> str:
     with open(path, "rb") as fh:
         return base64.b64encode(fh.read()).decode()
 
 
-def _n(value) -> str:
+def number(value) -> str:
+    """A figure as the pages print it: four significant digits, a dash for none."""
     if value is None:
         return "—"
     return f"{value:.4g}"
