@@ -1,4 +1,4 @@
-"""Plan from the critical batch ``ddplab study --branch-at/--branch-from`` measured over training (``branched.json``):
+"""Plan from the critical batch ``ddplab study`` measured over training by branching (``branched.json``):
 where training is now, its last checkpoint whose branches told the critical batch (pure Python, no torch).
 
 A checkpoint whose seeds' interval spans every batch branched tells nothing, and one at the grid's top is a lower

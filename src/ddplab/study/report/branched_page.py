@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ddplab.study.report.html import b64, html_escape, number
+from ddplab.study.report.html import b64, html_escape, number, write_page
 
 
 def write_branched_html(values: dict, path: str) -> str:
@@ -20,11 +20,7 @@ def write_branched_html(values: dict, path: str) -> str:
     cost = values["cost"]
     relative = f" ({number(cost['relative'])}× one reference run)" if cost.get("relative") else ""
     batches = ", ".join(map(str, values["global_batch_sizes"]))
-    body = f"""<!doctype html><html><head><meta charset="utf-8">\
-<title>ddplab study: {html_escape(values['workload'])}, the critical batch over training</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}img{{max-width:100%;display:block;margin:1em 0}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
-<h1>ddplab study: {html_escape(values['workload'])}, the critical batch over training</h1>
+    body = f"""<h1>ddplab study: {html_escape(values['workload'])}, the critical batch over training</h1>
 <p>Branches of {values['branch_samples']:,} samples from each checkpoint at global batches {batches}, \
 {values['seeds']} seeds, lrs of the {html_escape(values['lr_rule'])} rule; tolerance: \
 {html_escape(values['tolerance'])}. The critical batch is the largest batch whose branches still match the \
@@ -36,11 +32,8 @@ and its best seed.</p>
 {notes}
 <p>Batch schedule (double when the critical batch reaches twice the batch): {schedule}.</p>
 <p>Cost: {cost['branch_samples']:,} samples of branches{relative}.</p>
-</body></html>"""
-    with open(path + ".tmp", "w") as fh:
-        fh.write(body)
-    os.replace(path + ".tmp", path)
-    return path
+"""
+    return write_page(path, f"ddplab study: {values['workload']}, the critical batch over training", body)
 
 
 def _row(point: dict) -> str:

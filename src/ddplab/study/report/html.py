@@ -109,11 +109,7 @@ def write_html(report: dict, path: str) -> str:
     b_low, b_high = b_simple.get("ci95") or [None, None]
     sections = "".join(rule.html(report) for rule in registry.known().values())
     target = report["target"]
-    body = f"""<!doctype html><html><head><meta charset="utf-8">\
-<title>ddplab study: {html_escape(report['workload'])}</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}img{{max-width:100%;display:block;margin:1em 0}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
-<h1>ddplab study: {html_escape(report['workload'])}</h1>
+    body = f"""<h1>ddplab study: {html_escape(report['workload'])}</h1>
 <p>{report.get('trained_runs', '')} runs trained ({html_escape(str(report['engine']))} engine). \
 Steps until {html_escape(_read_from(report))} first reaches {target['value']:g} \
 (evaluated every {report['eval_every']} steps,
@@ -140,9 +136,20 @@ predicted to agree within a small factor; B_simple grows as the loss falls, so i
 <h2>Every run</h2><p>★ the best lr of the tuned sweep at that batch size.</p>
 <table><tr><th>rule</th><th>global batch</th><th>lr</th><th>Adam settings (variant)</th><th>seed</th>\
 <th>steps to target</th></tr>{runs}</table>
-</body></html>"""
+"""
+    return write_page(path, f"ddplab study: {report['workload']}", body)
+
+
+STYLE = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto}img{max-width:100%;display:block;margin:1em 0}"
+         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}")
+
+
+def write_page(path: str, title: str, body: str) -> str:
+    """One HTML page of the study's: ``body`` under ``title`` in the pages' style, written whole or not at all."""
+    page = (f'<!doctype html><html><head><meta charset="utf-8"><title>{html_escape(title)}</title>'
+            f"<style>{STYLE}</style></head><body>\n{body}</body></html>")
     with open(path + ".tmp", "w") as fh:
-        fh.write(body)
+        fh.write(page)
     os.replace(path + ".tmp", path)
     return path
 
