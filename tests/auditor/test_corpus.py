@@ -402,43 +402,7 @@ def _run_forked(case: Case) -> Run:
     return Run(os.waitstatus_to_exitcode(done[1]), stdout, stderr, time.monotonic() - start)
 
 
-def _run_as_torchrun(case: Case) -> Run:
-    """The program's ranks forked from this process (torch imported) with the environment torchrun gives them, for a
-    plain run of a program that reads it: its output as under torchrun (whose ranks write to its own stdout), without
-    an agent and a fresh interpreter per rank. The audited run stays under the real torchrun."""
-    from ddplab.guest.output import free_port
-
-    port, ranks = free_port(), []
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.monotonic()
-        for rank in range(case.world_size):
-            pid = os.fork()
-            if pid == 0:
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                                  WORLD_SIZE=str(case.world_size), LOCAL_WORLD_SIZE=str(case.world_size),
-                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                os.environ.setdefault("OMP_NUM_THREADS", "1")
-                _forked_main(case, out.fileno(), err.fileno(), argv=[case.script, *case.args])
-            ranks.append(pid)
-        deadline, codes = start + scaled(LAUNCH_TIMEOUT_S), {}
-        while len(codes) < len(ranks) and time.monotonic() < deadline:
-            for pid in ranks:
-                if pid not in codes and (done := os.waitpid(pid, os.WNOHANG))[0]:
-                    codes[pid] = os.waitstatus_to_exitcode(done[1])
-            time.sleep(0.05)
-        for pid in set(ranks) - set(codes):
-            _kill_tree(pid)
-            os.waitpid(pid, 0)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        if len(codes) < len(ranks):
-            _hang(case.command("torchrun"), stdout, stderr)
-    # torchrun's exit code: 0 when every rank's was, else 1.
-    return Run(0 if not any(codes.values()) else 1, stdout, stderr, time.monotonic() - start)
-
-
-def _forked_main(case: Case, out_fd: int, err_fd: int, argv: list[str] | None = None):
+def _forked_main(case: Case, out_fd: int, err_fd: int):
     code = 1
     try:
         os.dup2(out_fd, 1)
@@ -446,7 +410,7 @@ def _forked_main(case: Case, out_fd: int, err_fd: int, argv: list[str] | None = 
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
         os.chdir(CORPUS)
         sys.path.insert(0, CORPUS)
-        sys.argv = argv or case.command("fork")[1:]
+        sys.argv = case.command("fork")[1:]
         runpy.run_path(case.script, run_name="__main__")
         code = 0
     except SystemExit as exit_:
@@ -462,11 +426,10 @@ def _forked_main(case: Case, out_fd: int, err_fd: int, argv: list[str] | None = 
 @functools.cache
 def _plain(case: Case, launcher: str) -> Run:
     """The program run alone. Its output does not depend on the launcher (the full matrix checks that), so the
-    default matrix reuses one forked run for every launcher: the program's own fork launcher, or its ranks forked
-    with torchrun's environment where it reads that."""
-    if FULL:
+    default matrix reuses one forked run for every launcher."""
+    if FULL or "fork" not in case.launchers:
         return _run(case.command(launcher))
-    return _run_forked(case) if "fork" in case.launchers else _run_as_torchrun(case)
+    return _run_forked(case)
 
 
 # --- the audit CLI and its report: the one place that knows them ---
@@ -581,8 +544,8 @@ def test_a_summed_loss_under_fsdp2_makes_the_gradient_the_data_parallel_size_tim
     """What SUM_REDUCTION says, measured: one process summing the same global batch (the first step's 32 samples:
     2 micro-batches of 16, which 2 ranks' DistributedSampler split into 8 each) gets exactly dp = 2 times the
     gradient FSDP2 averages; with a mean the two agree."""
-    alone = {loss: _run_as_torchrun(Case("fsdp_trainer.py", ("--loss", loss, "--batch-size", "16"), world_size=1,
-                                         launchers=("torchrun",))) for loss in ("sum", "mean")}
+    alone = {loss: _run(Case("fsdp_trainer.py", ("--loss", loss, "--batch-size", "16"), world_size=1,
+                             launchers=("torchrun",)).command("torchrun")) for loss in ("sum", "mean")}
     for run in alone.values():
         assert run.returncode == 0, _why("the program fails on one rank", run, None)
     summed, _ = _audited(MISTAKES["fsdp_sum"][0], "torchrun")
@@ -606,8 +569,8 @@ def test_what_the_reduction_findings_say_is_the_gradient_measured_against_one_pr
     """The factor each finding names, measured: one process fed the same global batch (2 ranks' micro-batches of B
     documents, or samples, are one process's 2B) against the 2 ranks' first gradient."""
     def alone(script, *flags):
-        run = _run_as_torchrun(Case(script, (*flags, "--batch-size", "8" if script == "titan_lm.py" else "16"),
-                                    world_size=1, launchers=("torchrun",)))
+        run = _run(Case(script, (*flags, "--batch-size", "8" if script == "titan_lm.py" else "16"), world_size=1,
+                        launchers=("torchrun",)).command("torchrun"))
         assert run.returncode == 0, _why("the program fails on one rank", run, None)
         return _first_grad_norm(run)
 
