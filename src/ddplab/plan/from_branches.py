@@ -49,7 +49,7 @@ def taken(points: list[dict], source: str) -> tuple[int | None, str]:
     >>> taken(points, "b.json")[0]
     128
     """
-    curve = ", ".join(f"{p['critical_batch_size']} [{_end(p['interval'][0])}, {_end(p['interval'][1])}] at "
+    curve = ", ".join(f"{p['critical_batch_size']} [{p['interval'][0]}, {p['interval'][1]}] at "
                       f"{p['samples_seen']:,} samples" for p in points)
     usable = [p for p in points if p.get("resolved", True) and not p.get("at_edge")]
     head = f"the critical batch over training ({literal(repr(source))}): {curve}"
@@ -62,10 +62,6 @@ def taken(points: list[dict], source: str) -> tuple[int | None, str]:
     return int(last["critical_batch_size"]), (f"{head}; planned with the last resolved one, "
                                               f"{last['critical_batch_size']} at {last['samples_seen']:,} samples "
                                               f"seen{later}")
-
-
-def _end(value) -> str:
-    return "?" if value is None else str(value)
 
 
 def _count(n: int, word: str) -> str:

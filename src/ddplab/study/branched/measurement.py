@@ -157,12 +157,13 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
                           own_optimizer=workload.own_optimizer)
     report.seconds = time.monotonic() - started
     if main:
-        write_json_atomic(os.path.join(options.out, "branched.json"), report.to_json())
+        values = report.to_json()
+        write_json_atomic(os.path.join(options.out, "branched.json"), values)
         if options.plots:
             # branched.json is written before the plot is drawn, so a failing plot never loses a measurement.
-            report.plots = [branched_plot(report.to_json(), options.out)]
+            report.plots = [branched_plot(values, options.out)]
             # The page beside them: the curve, each checkpoint's row and the schedule.
-            write_branched_html(report.to_json(), os.path.join(options.out, "branched.html"))
+            write_branched_html({**values, "plots": report.plots}, os.path.join(options.out, "branched.html"))
     return report
 
 
