@@ -12,6 +12,7 @@ import math
 from ddplab.errors import UsageError
 from ddplab.study import fit
 from ddplab.study.config import StudyConfig
+from ddplab.study.grid import rounding
 from ddplab.study.rules import base, registry, sweep
 from ddplab.study.rules.base import BatchRuns, row
 from ddplab.study.runs import RunResult, b_simple_summary, steps
@@ -60,6 +61,7 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
     asked = registry.of(config)
     runs, tuned = [], []
     steps_by_rule: dict[str, dict[int, list[float]]] = {rule.name: {} for rule in asked if rule.fitted}
+    runs_by_rule: dict[str, dict[int, list[RunResult]]] = {name: {} for name in steps_by_rule}
     sweep_rule = registry.sweeping(config)
     for b, view in batches.items():
         if view.best is not None:
@@ -74,7 +76,9 @@ def analyze(config: StudyConfig, results: dict[int, list[RunResult]]) -> StudyAn
             seeds = rule.seeds_at(view) if rule.fitted else None
             if seeds is not None:
                 steps_by_rule[rule.name][b] = [steps(run) for run in seeds]
+                runs_by_rule[rule.name][b] = seeds
     fits, warnings = _fits(steps_by_rule)
+    warnings += _rounding_warnings(config, runs_by_rule, fits)
     warnings = _reference_added(config) + warnings + _edge_warnings(tuned)
     for rule in asked:
         warnings += rule.warnings(config, batches)
@@ -237,6 +241,27 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
     if fits and seeds == 2:
         warnings.append(FEW_SEEDS)
     return fits, warnings
+
+
+def _rounding_warnings(config: StudyConfig, runs_by_rule: dict[str, dict[int, list[RunResult]]],
+                       fits: dict) -> list[str]:
+    """Per rule, a fit that turning its edge runs over would move: said, and recorded in its fit as ``rounding``."""
+    out = []
+    for rule, by_batch in runs_by_rule.items():
+        edges = [edge for seeds in by_batch.values() for edge in rounding.edge_runs(config, seeds)]
+        turned = {}
+        for way in rounding.TURNS:
+            these = [edge for edge in edges if rounding.turn(edge) == way]
+            flipped = _fits({rule: rounding.flipped_steps(by_batch, these)})[0].get(rule) if these else None
+            if these and rounding.moved(fits.get(rule), flipped):
+                turned[way] = flipped
+        if not turned:
+            continue
+        if rule in fits:
+            fits[rule]["rounding"] = {"edge_runs": [edge.to_json() for edge in edges],
+                                      "turned": {way: rounding.reading(f) for way, f in turned.items()}}
+        out.append(rounding.rounding_warning(rule, edges, fits.get(rule), turned))
+    return out
 
 
 def _outside(b_crit: float, batches: list[int]) -> dict[str, int] | None:
