@@ -212,7 +212,7 @@ def _record_tokens(audit, trainer, batch_samples, num_items) -> None:
     across = bool(getattr(trainer.args, "average_tokens_across_devices", False)) and num_items is not None
     if across:
         return  # one count over all devices divides every rank's loss: no per-device normalisation
-    tokens = _label_tokens(batch_samples)
+    tokens = label_tokens(batch_samples, shifts_labels(trainer))
     if tokens is not None:
         window = audit.window(info)
         window["tokens"] = tokens
@@ -220,12 +220,31 @@ def _record_tokens(audit, trainer, batch_samples, num_items) -> None:
                                 else "the model takes no num_items_in_batch, so it averages over its own tokens")
 
 
-def _label_tokens(batch_samples) -> int | None:
-    """Label tokens (not -100) in one optimizer step's micro-batches; None unless labels are token sequences."""
+def shifts_labels(trainer) -> bool:
+    """The model's loss drops each sequence's first label (a causal LM shifts them): where the Trainer says so, or
+    where the model is a causal LM by its loss type or class (GPT-2's head shifts though the Trainer, going by its
+    loss type alone, counts it unshifted)."""
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    model = getattr(trainer, "model", None)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith(("ForCausalLM",
+                                                                                                "LMHeadModel"))
+
+
+def label_tokens(batch_samples, shifted: bool) -> int | None:
+    """Label tokens (not -100) that reach the loss in one optimizer step's micro-batches: a collator's
+    ``shift_labels`` as given, else ``labels[..., 1:]`` where the loss shifts them; None unless labels are token
+    sequences."""
     total = 0
     for batch in batch_samples:
-        labels = batch.get("labels") if isinstance(batch, dict) or hasattr(batch, "get") else None
+        getter = batch.get if isinstance(batch, dict) or hasattr(batch, "get") else None
+        given = getter("shift_labels") if getter else None
+        labels = given if given is not None else getter("labels") if getter else None
         if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
             return None
+        if shifted and given is None:
+            labels = labels[..., 1:]
         total += int(labels.ne(-100).sum())
     return total
