@@ -62,10 +62,10 @@ def test_a_fit_that_a_stalled_seed_decides_says_so_with_the_fit_it_gives_turned_
     assert said[0].startswith("rule constant: its fit rests on runs float32 rounding can turn over (global batch 8, "
                               "lr 0.1, seed 0 stalled while 1 of its 2 seeds reached)")
     low, high = exact["b_crit_ci95"]
-    assert f"with the runs that did not arrive reaching, B_crit {exact['b_crit']:.3g} [{low:.3g}, {high:.3g}], instead " \
-           "of B_crit < 32" in said[0]
+    reading = f"B_crit {exact['b_crit']:.3g} [{low:.3g}, {high:.3g}]"
+    assert f"with the runs that did not arrive reaching, {reading}, instead of B_crit < 32" in said[0]
     record = found.fit["constant"]["rounding"]
-    assert record["turned"] == {"reaching": f"B_crit {exact['b_crit']:.3g} [{low:.3g}, {high:.3g}]"}
+    assert record["turned"] == {"reaching": reading}
     assert record["edge_runs"] == [{"global_batch_size": 8, "lr": 0.1, "seed": 0,
                                     "why": "stalled while 1 of its 2 seeds reached", "flipped_steps": 1215.0}]
 
