@@ -239,9 +239,10 @@ def label_tokens(batch_samples, shifted: bool) -> int | None:
     sequences."""
     total = 0
     for batch in batch_samples:
-        getter = batch.get if isinstance(batch, dict) or hasattr(batch, "get") else None
-        given = getter("shift_labels") if getter else None
-        labels = given if given is not None else getter("labels") if getter else None
+        if not (isinstance(batch, dict) or hasattr(batch, "get")):
+            return None
+        given = batch.get("shift_labels")
+        labels = given if given is not None else batch.get("labels")
         if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
             return None
         if shifted and given is None:

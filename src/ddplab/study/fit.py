@@ -150,6 +150,12 @@ def _percentiles(values: list[float], *quantiles: float) -> tuple[float, ...]:
     return tuple(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] for q in quantiles)
 
 
+def bound_reading(bound: dict[str, int]) -> str:
+    """``{"below": 32}`` as "B_crit < 32", ``{"above": 128}`` as "B_crit > 128"."""
+    side, edge = next(iter(bound.items()))
+    return f"B_crit {'<' if side == 'below' else '>'} {edge}"
+
+
 def regimes(b_crit: float) -> dict[str, float]:
     """Where perfect scaling ends and where a larger batch stops paying."""
     return {"perfect_scaling_below": b_crit * PERFECT_BELOW, "no_further_gain_above": b_crit * NO_GAIN_ABOVE}

@@ -174,9 +174,28 @@ def stalled(config: StudyConfig, history: list) -> bool:
     patience = config.patience
     if not patience or len(history) <= patience:
         return False
-    sign = 1.0 if config.target.kind == "accuracy" else -1.0
+    sign = _better(config)
     before = max(sign * h[2] for h in history[:-patience])
     return max(sign * h[2] for h in history[-patience:]) <= before
+
+
+def longest_plateau(config: StudyConfig, history: list) -> int:
+    """The most evaluations in a row that did not improve on the best metric before them (the stall rule stops a
+    run once its last plateau reaches ``patience``)."""
+    sign = _better(config)
+    best, run, longest = -math.inf, 0, 0
+    for row in history:
+        if sign * row[2] > best:
+            best, run = sign * row[2], 0
+        else:
+            run += 1
+            longest = max(longest, run)
+    return longest
+
+
+def _better(config: StudyConfig) -> float:
+    """+1 where a higher metric is better (accuracy), -1 where a lower one is (loss)."""
+    return 1.0 if config.target.kind == "accuracy" else -1.0
 
 
 def settled_best(results) -> tuple[tuple[float, str] | None, float]:

@@ -14,7 +14,7 @@ from ddplab.study.config import StudyConfig, Target
 from ddplab.study.grid import rounding
 from ddplab.study.grid.analysis import _fits, analyze
 from ddplab.study.rules import sweep
-from ddplab.study.runs import RunResult
+from ddplab.study.runs import RunResult, longest_plateau
 
 CONFIG = StudyConfig(target=Target(kind="loss", value=0.5), global_batch_sizes=(8, 32, 128), seeds=2,
                      rules=("constant",), reference_global_batch_size=8, reference_lr=0.1, eval_every=5,
@@ -107,7 +107,7 @@ def _results_for(config: StudyConfig, steps: dict) -> dict[int, list[RunResult]]
 def test_a_late_arrival_after_a_plateau_near_the_patience_is_an_edge_run_turned_into_not_reaching():
     late = RunResult(global_batch_size=8, lr=0.1, seed=0, steps_to_target=1215,
                      history=_history(1215, plateau_from=1215 - 5 * 24) + [[1220, 0.4, 0.4]])
-    assert rounding.longest_plateau(CONFIG, late.history) == 25
+    assert longest_plateau(CONFIG, late.history) == 25
     (edge,) = rounding.edge_runs(CONFIG, [late])
     assert math.isinf(edge.flipped_steps) and edge.why.startswith("reached after 25 evaluations without improving")
     early = RunResult(global_batch_size=8, lr=0.1, seed=0, steps_to_target=600, history=_history(600))

@@ -227,9 +227,9 @@ def _fits(steps_by_rule: dict) -> tuple[dict, list[str]]:
         if bound is not None:
             # A bend the data do not hold: the fit's B_crit says only on which side of the measured batches it is.
             fits[rule]["bound"] = bound
-            side, edge = next(iter(bound.items()))
+            side = next(iter(bound))
             warnings.append(f"rule {rule}: B_crit is fitted at {fitted['b_crit']:.3g}, {side} the measured batches "
-                            f"{_batches(reached)}: read it as B_crit {'<' if side == 'below' else '>'} {edge}, not as "
+                            f"{_batches(reached)}: read it as {fit.bound_reading(bound)}, not as "
                             f"a value; measure {'smaller' if side == 'below' else 'larger'} batches to place it")
             continue
         if len(reached) == 2:
@@ -252,8 +252,10 @@ def _rounding_warnings(config: StudyConfig, runs_by_rule: dict[str, dict[int, li
         turned = {}
         for way in rounding.TURNS:
             these = [edge for edge in edges if rounding.turn(edge) == way]
-            flipped = _fits({rule: rounding.flipped_steps(by_batch, these)})[0].get(rule) if these else None
-            if these and rounding.moved(fits.get(rule), flipped):
+            if not these:
+                continue
+            flipped = _fits({rule: rounding.flipped_steps(by_batch, these)})[0].get(rule)
+            if rounding.moved(fits.get(rule), flipped):
                 turned[way] = flipped
         if not turned:
             continue

@@ -16,7 +16,7 @@ import math
 
 from ddplab.study import fit
 from ddplab.study.config import StudyConfig
-from ddplab.study.runs import RunResult, steps
+from ddplab.study.runs import RunResult, longest_plateau, steps
 
 NEAR_PATIENCE = 0.5
 """A run that reached after a plateau of at least this share of the stall rule's patience was near its edge."""
@@ -36,19 +36,6 @@ class EdgeRun:
     def to_json(self) -> dict:
         return {"global_batch_size": self.run.global_batch_size, "lr": self.run.lr, "seed": self.run.seed,
                 "why": self.why, "flipped_steps": None if math.isinf(self.flipped_steps) else self.flipped_steps}
-
-
-def longest_plateau(config: StudyConfig, history: list) -> int:
-    """The most evaluations in a row that did not improve on the best metric before them."""
-    sign = 1.0 if config.target.kind == "accuracy" else -1.0
-    best, run, longest = -math.inf, 0, 0
-    for row in history:
-        if sign * row[2] > best:
-            best, run = sign * row[2], 0
-        else:
-            run += 1
-            longest = max(longest, run)
-    return longest
 
 
 def edge_runs(config: StudyConfig, seeds: list[RunResult]) -> list[EdgeRun]:
@@ -83,8 +70,7 @@ def reading(fitted: dict | None) -> str:
     if "undefined" in fitted:
         return "undefined (steps do not fall as the batch grows)"
     if "bound" in fitted:
-        side, edge = next(iter(fitted["bound"].items()))
-        return f"B_crit {'<' if side == 'below' else '>'} {edge}"
+        return fit.bound_reading(fitted["bound"])
     low, high = fitted["b_crit_ci95"]
     return f"B_crit {fitted['b_crit']:.3g} [{low:.3g}, {high:.3g}]"
 
