@@ -88,6 +88,7 @@ CORRECT = {
     "accumulate_mean": Case("accumulate_sum.py"),
     "accumulate_mean_accum_1": Case("accumulate_sum.py", ("--accum", "1")),
     "accumulate_sum_per_sample": Case("accumulate_sum.py", ("--loss", "sum-per-sample")),
+    "accumulate_mean_grad_scaler": Case("accumulate_sum.py", ("--grad-scaler",)),
     "step_budget": Case("step_budget.py"),
     "step_budget_two_passes": Case("step_budget.py", ("--max-steps", "20")),
     "augmented_vision": Case("augmented_vision.py"),
@@ -120,6 +121,12 @@ CORRECT = {
     "simclr_autograd_gather": Case("simclr.py", ("--gather", "autograd")),
     "simclr_slice_times_world": Case("simclr.py", ("--gather", "slice-times-world")),
     "tp_dp_mean": Case("tp_dp_sum.py", world_size=4, launchers=("torchrun",)),
+    # torchtune's shape: summed token losses, the gradients scaled after backward by dp / the all-reduced count, then
+    # clipped (by about half: a clip read as the program's scaling would be 1/W).
+    "tune_recipe_scaled": Case("tune_recipe.py"),
+    "tune_recipe_sum_foreach": Case("tune_recipe.py", ("--loss", "sum", "--scale-by", "foreach")),
+    "tune_recipe_fsdp_sum_divide": Case("tune_recipe.py", ("--strategy", "fsdp", "--loss", "sum", "--scale-by",
+                                                           "divide"), launchers=("torchrun",)),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -136,6 +143,7 @@ DEFAULT_CORRECT = [
     ("skipped_step_unused", "fork"), ("skipped_step_static", "fork"), ("epochs_os_exit_window_50", "fork"),
     ("sweep_groups", "fork"), ("validate_through_wrapper", "fork"), ("uneven_join", "fork"),
     ("accumulate_mean", "fork"), ("accumulate_mean_accum_1", "fork"), ("accumulate_sum_per_sample", "fork"),
+    ("accumulate_mean_grad_scaler", "fork"),
     ("step_budget_two_passes", "fork"), ("augmented_vision", "fork"), ("augmented_vision_per_rank_files", "fork"),
     ("gpu_only_ddp_on_cpu", "torchrun"), ("fsdp_trainer", "torchrun"), ("tp_dp", "torchrun"),
     ("token_lm_global", "fork"), ("token_lm_hand_global", "fork"), ("token_lm_scaled_terms", "fork"),
@@ -146,6 +154,7 @@ DEFAULT_CORRECT = [
     ("ce_label_smoothing_global", "fork"),
     ("class_weighted_global", "fork"), ("beta_vae_per_sample_kl", "fork"), ("near_count_times_world", "fork"),
     ("simclr_autograd_gather", "fork"), ("simclr_slice_times_world", "spawn"), ("tp_dp_mean", "torchrun"),
+    ("tune_recipe_scaled", "fork"), ("tune_recipe_sum_foreach", "fork"), ("tune_recipe_fsdp_sum_divide", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -172,6 +181,9 @@ MISTAKES = {
     # CrossEntropyLoss(reduction='sum') then / accum: still a sum, whatever it is divided by last.
     "sum_divided_by_accumulation": (Case("accumulate_sum.py", ("--loss", "sum")), {"SUM_REDUCTION": "warning"}, {},
                                     "fork"),
+    # The same under a GradScaler: backward from the sum × 1024, the gradients unscaled before the step.
+    "sum_under_grad_scaler": (Case("accumulate_sum.py", ("--loss", "sum", "--grad-scaler")),
+                              {"SUM_REDUCTION": "warning"}, {}, "fork"),
     "sum_divided_by_accumulation_1": (Case("accumulate_sum.py", ("--loss", "sum", "--accum", "1")),
                                       {"SUM_REDUCTION": "warning"}, {}, "fork"),
     # set_epoch(0) before every pass: the second pass repeats the first from its first batch (2 batches into it).
@@ -208,6 +220,9 @@ MISTAKES = {
     "hand_written_token_mean": (Case("token_lm.py", ("--loss", "hand-mean")),
                                 {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "fork"),
     "hand_written_token_sum": (Case("token_lm.py", ("--loss", "hand-sum")), {"SUM_REDUCTION": "warning"}, {}, "fork"),
+    # No loss function: a .mean() over the masked selection of the label tokens' log-probs, per rank.
+    "selected_log_prob_mean": (Case("token_lm.py", ("--loss", "selected-mean", "--accumulation", "1")),
+                               {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "fork"),
     "global_count_without_world_size": (Case("token_lm.py", ("--loss", "global-no-world")),
                                         {"GLOBAL_COUNT_WITHOUT_WORLD_SIZE": "warning"}, {}, "fork"),
     "eval_padded_all_reduced": (Case("token_lm.py", ("--eval-samples", "41")), {"EVAL_SAMPLES_DUPLICATED": "warning"},
@@ -247,11 +262,21 @@ MISTAKES = {
     # The official FSDP + TP example's model(inp).sum() on a dp × tp mesh.
     "tp_dp_hand_sum": (Case("tp_dp_sum.py", ("--loss", "sum"), world_size=4, launchers=("torchrun",)),
                        {"SUM_REDUCTION": "warning"}, {}, "torchrun"),
+    # torchtune's recipe with its gradients scaled by 1 / the global count (no dp), or by 1 / the rank's own count:
+    # under DDP the ranks then step different gradients, and their parameters part.
+    "tune_recipe_no_world": (Case("tune_recipe.py", ("--mistake", "no-world", "--loss", "sum")),
+                             {"GLOBAL_COUNT_WITHOUT_WORLD_SIZE": "warning"}, {}, "fork"),
+    "tune_recipe_rank_count": (Case("tune_recipe.py", ("--mistake", "rank-count", "--scale-by", "foreach")),
+                               {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {"PARAMS_DIVERGED": "error"}, "fork"),
+    "tune_recipe_fsdp_rank_count": (Case("tune_recipe.py", ("--strategy", "fsdp", "--mistake", "rank-count"),
+                                         launchers=("torchrun",)),
+                                    {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "torchrun"),
 }
 
 # id → (finding, words its message must hold): what the finding says happened.
 MESSAGES = {
     "sum_divided_by_accumulation": ("SUM_REDUCTION", "divided by K = 4, the micro-batches accumulated"),
+    "sum_under_grad_scaler": ("SUM_REDUCTION", "divided by K = 4, the micro-batches accumulated"),
     "sum_divided_by_accumulation_1": ("SUM_REDUCTION", "each of a micro-batch's 16 samples weighs 1"),
     "set_epoch_frozen": ("SET_EPOCH_MISSING", "set_epoch was called with epoch 0 in both passes"),
     "set_epoch_missing_after_window": ("SET_EPOCH_MISSING", "set_epoch was not called"),
@@ -279,6 +304,8 @@ MESSAGES = {
                                    "weighed 3.06× one of micro-batch 1"),
     "token_mean_per_device": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 67, rank 1 29): an element on rank 1 weighed "
                                                             "2.31× one on rank 0"),
+    "selected_log_prob_mean": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 67, rank 1 29): an element on rank 1 weighed "
+                                                             "2.31× one on rank 0"),
     "rank_token_count": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 126, rank 1 172): an element on rank 0 weighed 1.37× "
                                                        "one on rank 1"),
     "hand_written_token_sum": ("SUM_REDUCTION", "weighs 1 in the gradient"),
@@ -294,6 +321,13 @@ MESSAGES = {
     "simclr_slice_gather": ("GATHERED_LOSS_WITHOUT_WORLD_SIZE", "gathered from the 2 ranks, and its backward "
                                                                 "returned only rank"),
     "tp_dp_hand_sum": ("SUM_REDUCTION", "FSDP2 averages the gradients over the 2 data-parallel ranks"),
+    "tune_recipe_no_world": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "the gradient is 1/2 of the global mean's (these "
+                                                                "weights include the program's scaling of the "
+                                                                "gradients after backward: ×0.003906 on every rank)"),
+    "tune_recipe_rank_count": ("PARAMS_DIVERGED", "the program scaled its gradients after they were reduced by a "
+                                                  "different number on each rank (rank 0 ×0.007874, rank 1 ×0.007752)"),
+    "tune_recipe_fsdp_rank_count": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 115, rank 1 148): an element on rank 0 "
+                                                                  "weighed 1.29× one on rank 1"),
     "eval_padded_all_reduced": ("EVAL_SAMPLES_DUPLICATED", "41 samples on 2 ranks padded it to 42: 1 sample was "
                                                            "evaluated twice (the padding is on rank 1)"),
 }
@@ -564,12 +598,13 @@ def test_report_lines_are_told_apart_from_the_programs_own():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(6 * LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.timeout(8 * LAUNCH_TIMEOUT_S + 60)
 def test_what_the_reduction_findings_say_is_the_gradient_measured_against_one_process():
     """The factor each finding names, measured: one process fed the same global batch (2 ranks' micro-batches of B
     documents, or samples, are one process's 2B) against the 2 ranks' first gradient."""
     def alone(script, *flags):
-        run = _run(Case(script, (*flags, "--batch-size", "8" if script == "titan_lm.py" else "16"), world_size=1,
+        batch = {"titan_lm.py": "8", "tune_recipe.py": "8"}.get(script, "16")
+        run = _run(Case(script, (*flags, "--batch-size", batch), world_size=1,
                         launchers=("torchrun",)).command("torchrun"))
         assert run.returncode == 0, _why("the program fails on one rank", run, None)
         return _first_grad_norm(run)
@@ -585,3 +620,7 @@ def test_what_the_reduction_findings_say_is_the_gradient_measured_against_one_pr
     for name in ("simclr_autograd_gather", "simclr_slice_times_world"):
         assert ratio(_plain(CORRECT[name], "torchrun"), simclr) == pytest.approx(1, rel=1e-4)
     assert ratio(_audited(MISTAKES["simclr_slice_gather"][0], "torchrun")[0], simclr) == pytest.approx(0.5, rel=1e-4)
+    # The gradient as clip_grad_norm_ reads it: after the program's own scaling, before the clip.
+    tune = alone("tune_recipe.py")
+    assert ratio(_plain(CORRECT["tune_recipe_scaled"], "fork"), tune) == pytest.approx(1, rel=1e-4)
+    assert ratio(_audited(MISTAKES["tune_recipe_no_world"][0], "fork")[0], tune) == pytest.approx(0.5, rel=1e-4)

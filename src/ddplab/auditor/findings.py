@@ -312,7 +312,11 @@ def _join_notes(records: list[dict[str, Any]], joined: dict[str, tuple[int, int]
 
 
 def _first_difference(windows, field: str, code: str, what: str) -> Finding | None:
+    scaled = None
     for (_, step), by_rank in sorted(windows.items(), key=lambda item: item[0][1]):
+        scaled = scaled or _scaled_per_rank(by_rank, step)
+        if field == "grads" and _scaled_per_rank(by_rank, step):
+            continue  # reduced alike, then scaled by each rank's own number: not gradients left unreduced
         present = {rank: w[field] for rank, w in by_rank.items() if w.get(field)}
         if len(present) < 2:
             continue
@@ -325,11 +329,23 @@ def _first_difference(windows, field: str, code: str, what: str) -> Finding | No
             name, _, norm = next(t for t in present[rank] if reference.get(t[0], (None,))[0] != t[1])
             ref_norm = reference.get(name, (None, 0.0))[1]
             size = f"; norms {ref_norm:.6g} vs {norm:.6g}" if ref_norm != norm else "; equal norms, other values"
-            detail = (f"{what} {step}: '{name}' on rank {rank} differs from rank {reference_rank}{size}")
+            detail = (f"{what} {step}: '{name}' on rank {rank} differs from rank {reference_rank}{size}"
+                      f"{f'; {scaled}' if scaled and field == 'params' else ''}")
             finding = Finding.make(code, reference_rank, detail)
             finding.ranks = sorted({reference_rank, *differing})
             return finding
     return None
+
+
+def _scaled_per_rank(by_rank: dict[int, dict], step: int) -> str | None:
+    """Where the ranks scaled their gradients between backward and the step by different numbers
+    (:mod:`ddplab.auditor.grad_scaling`), what they were."""
+    factors = {rank: float(w.get("grad_scale", 1.0)) for rank, w in by_rank.items()}
+    if len(factors) < 2 or max(factors.values()) - min(factors.values()) <= 1e-4 * max(map(abs, factors.values())):
+        return None
+    each = ", ".join(f"rank {rank} ×{factor:.4g}" for rank, factor in sorted(factors.items()))
+    return (f"at optimizer step {step} the program scaled its gradients after they were reduced by a different number "
+            f"on each rank ({each}), so the ranks stepped different gradients")
 
 
 def _per_device_tokens(windows) -> Finding | None:

@@ -31,7 +31,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddplab.auditor import batches, exchange, frameworks, losses, meshes, schedulers, state, weights
+from ddplab.auditor import batches, exchange, frameworks, grad_scaling, losses, meshes, schedulers, state, weights
 from ddplab.auditor.state import AuditState, WrapperInfo
 from ddplab.guest import tensors
 from ddplab.guest.patches import Patches
@@ -228,7 +228,12 @@ def _before_optimizer_step(audit: AuditState, optimizer, args, kwargs) -> None:
         # Its previous step raised before finishing: nothing of that step is still running.
         audit.stepping.clear()
     # A step inside another's step (ZeRO's per-rank inner optimizer) is not a step of the model.
+    outermost = not audit.stepping
     audit.stepping.add(id(optimizer))
+    info = _owner(audit, optimizer) if outermost and audit.armed else None
+    if info is not None:
+        # The gradients as the step takes them, against the newest backward's: the program's scaling between.
+        grad_scaling.measure(audit, info)
 
 
 @state.guarded("after an optimizer step")
@@ -304,11 +309,16 @@ def finish_step(audit: AuditState, info: WrapperInfo, optimizer, global_batch_si
     """What every audited optimizer step of a data-parallel model records, whatever wraps it: its losses' weights
     (``loss_scale``: a factor of the engine's own in them), its lr, its batch; and the report once the window is full.
     ``global_batch_size``: the engine's own, where it states one."""
-    losses.check_step(audit, info.forward_batch)
+    grad_scale, info.grad_scale = info.grad_scale, None
+    losses.check_step(audit, info.forward_batch, grad_scale)
     batches.check_cleared(audit, info)
     info.zero_grad_calls = audit.zero_grad_calls
-    # What each loss element weighed in this step's micro-batches, compared across ranks by findings.merge.
-    audit.window(info)["loss_weights"] = weights.flush(audit, loss_scale)
+    # What each loss element weighed in this step's micro-batches, compared across ranks by findings.merge; the
+    # program's own scaling of the gradients after backward is part of what they weigh in the step.
+    window = audit.window(info)
+    window["loss_weights"] = weights.flush(audit, loss_scale if grad_scale is None else loss_scale / abs(grad_scale))
+    if grad_scale is not None and grad_scale != 1.0:
+        window["grad_scale"] = grad_scale
     audit.lr = schedulers.configured_lr(optimizer, audit.lr)
     audit.optimizer = type(optimizer).__name__
     meshes.note_setting(audit, info)

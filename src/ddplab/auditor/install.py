@@ -21,6 +21,7 @@ from ddplab.auditor import (
     exchange,
     frameworks,
     gathers,
+    grad_scaling,
     hooks,
     losses,
     meshes,
@@ -44,8 +45,8 @@ def install(steps: int = 5, out_dir: str | None = None) -> state.AuditState:
         return audit
     audit = state.start(steps, out_dir)
     _PATCHES = Patches()
-    for module in (hooks, comm_hooks, meshes, collectives, data, evaluation, losses, gathers, schedulers, frameworks,
-                   deepspeed_engine):
+    for module in (hooks, comm_hooks, meshes, collectives, data, evaluation, losses, gathers, grad_scaling, schedulers,
+                   frameworks, deepspeed_engine):
         module.install(_PATCHES)
     if out_dir:
         _PATCHES.replace(sys, "excepthook", environment.watched_excepthook)

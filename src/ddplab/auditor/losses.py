@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ddplab.auditor import gathers, loss_functions, scales, state, weights
+from ddplab.auditor import gathers, grad_scaling, loss_functions, scales, state, weights
 from ddplab.guest import tensors
 from ddplab.guest.patches import Patches
 
@@ -63,6 +63,8 @@ def install(patches: Patches) -> None:
     patches.replace(torch.Tensor, "backward", _checking_backward)
     patches.replace(torch.Tensor, "sum", _watched_sum)
     patches.replace(torch, "sum", _watched_sum)
+    patches.replace(torch.Tensor, "mean", _watched_mean)
+    patches.replace(torch, "mean", _watched_mean)
 
 
 def note_outputs(audit, output) -> None:
@@ -76,9 +78,13 @@ def _checking_backward(original_backward):
     @functools.wraps(original_backward)
     def backward(self, *args, **kwargs):
         audit = state.current()
-        if audit is not None and audit.armed and not _INSIDE_ENGINE_BACKWARD[0]:
+        watched = audit is not None and audit.armed and not _INSIDE_ENGINE_BACKWARD[0]
+        if watched:
             _check_loss(self)
-        return original_backward(self, *args, **kwargs)
+        out = original_backward(self, *args, **kwargs)
+        if watched:
+            grad_scaling.after_backward()
+        return out
 
     return backward
 
@@ -147,6 +153,30 @@ def _watched_sum(original_sum):
     return watched_sum
 
 
+def _watched_mean(original_mean):
+    @functools.wraps(original_mean)
+    def watched_mean(input, *args, **kwargs):
+        out = original_mean(input, *args, **kwargs)
+        # Only a mean over every element (a masked selection's .mean(), TRL's); one over a dim is a model's own.
+        if not args and not kwargs and not _INSIDE_LOSS_FUNCTION[0] and isinstance(out, torch.Tensor) and \
+                out.grad_fn is not None:
+            audit = state.current()
+            if audit is not None and audit.armed:
+                _hand_written_mean(input, out)
+        return out
+
+    return watched_mean
+
+
+@state.guarded("watching a mean")
+def _hand_written_mean(audit, meaned, out: torch.Tensor) -> None:
+    node = getattr(meaned, "grad_fn", None)
+    if _compiling() or audit.training_info is None or node is None or not tensors.is_local(meaned) or \
+            scales.RECORD in node.metadata or not _from_model_output(audit, meaned):
+        return  # a loss function's terms ('none', then .mean()) are weighed where they are already
+    weights.watch_mean(audit, meaned, out)
+
+
 @state.guarded("watching a sum")
 def _hand_written_sum(audit, summed, out: torch.Tensor, full: bool) -> None:
     if _compiling() or audit.training_info is None or not tensors.is_local(summed) or \
@@ -210,23 +240,36 @@ def _note_weight(audit, micro_batch: int, grad_outputs) -> None:
         audit.loss_weights.append((float(grad.detach().double().abs().mean()), micro_batch))
 
 
-def check_step(audit, samples: int) -> None:
+def check_step(audit, samples: int, grad_scale: float | None = None) -> None:
     """At an audited optimizer step: a summed loss, however divided, whose terms' weights grow with the batch.
 
-    ``samples`` is the number the step's training forwards took on this rank (all its micro-batches).
+    ``samples`` is the number the step's training forwards took on this rank (all its micro-batches);
+    ``grad_scale`` what the program multiplied the gradients by after backward (:mod:`.grad_scaling`; None: unseen).
     """
     summed, audit.loss_weights = audit.loss_weights, []
     audit.output_nodes.clear()
     audit.gathered = None
+    at_backward, audit.summed_at_backward = audit.summed_at_backward, False
+    if at_backward and grad_scale is not None and _normalised_after_backward(grad_scale, samples, audit.micro_batch):
+        # The sum reached backward, but the program divided its gradients by a count of its own before the step
+        # (torchtune's dp / the step's tokens): what each element weighs is judged across ranks, not here.
+        del audit.findings["SUM_REDUCTION"]
     if "SUM_REDUCTION" in audit.findings:
         return
     for weight, micro_batch in summed:
+        weight *= 1.0 if grad_scale is None else abs(grad_scale)
         accumulation = max(1, round(samples / micro_batch))
         divisor = 1 / weight if weight > 0 else math.inf
         # Divided by nothing, or by exactly the accumulation steps: a sum; any other scale is no evidence.
         if weight * micro_batch >= GROWTH and any(math.isclose(divisor, d, rel_tol=1e-3) for d in {1, accumulation}):
             audit.add("SUM_REDUCTION", _grown_detail(micro_batch, accumulation, round(divisor)))
             return
+
+
+def _normalised_after_backward(grad_scale: float, samples: int, micro_batch: int | None) -> bool:
+    """Whether a factor on the gradients after backward divides by more than nothing or the accumulation steps."""
+    accumulation = max(1, round(samples / micro_batch)) if micro_batch else 1
+    return not any(math.isclose(abs(grad_scale), 1 / d, rel_tol=1e-3) for d in {1, accumulation})
 
 
 def _grown_detail(micro_batch: int, accumulation: int, divisor: int) -> str:
@@ -264,10 +307,19 @@ def _check_loss(audit, loss: torch.Tensor) -> None:
     if not summed(loss):
         _constant_scaled_sums(audit, terms)
     elif node.metadata.get(TAG) == "sum":
-        audit.add("SUM_REDUCTION", "a loss computed with reduction='sum' reached backward as it is")
+        _summed_at_backward(audit, "a loss computed with reduction='sum' reached backward as it is")
     else:
-        audit.add("SUM_REDUCTION", "per-sample losses (reduction='none') were summed with .sum() and reached "
+        _summed_at_backward(audit, "per-sample losses (reduction='none') were summed with .sum() and reached "
                                    "backward without division by a count")
+
+
+def _summed_at_backward(audit, detail: str) -> None:
+    """SUM_REDUCTION, as backward starts: taken back at the step if the program's own scaling of the gradients
+    between backward and the step divided the sum by something other than the accumulation steps (:func:`check_step`).
+    """
+    if "SUM_REDUCTION" not in audit.findings:
+        audit.add("SUM_REDUCTION", detail)
+        audit.summed_at_backward = True
 
 
 def _constant_scaled_sums(audit, terms: list[scales.Reached]) -> None:
@@ -282,10 +334,10 @@ def _constant_scaled_sums(audit, terms: list[scales.Reached]) -> None:
             continue
         means = sorted({other.record.site for other in terms if other.record.divide_by_count})
         beside = f", beside the mean at {means[0]}, whose weight shrinks as the batch grows" if means else ""
-        audit.add("SUM_REDUCTION",
-                  f"{record.what} at {record.site} reached backward scaled by the constant {term.scale:.4g} and "
-                  f"divided by no count of its batch: each of its terms weighs {abs(term.scale):.4g} in the gradient "
-                  f"whatever the per-device batch{beside}, so that term grows with the per-device batch")
+        _summed_at_backward(
+            audit, f"{record.what} at {record.site} reached backward scaled by the constant {term.scale:.4g} and "
+                   f"divided by no count of its batch: each of its terms weighs {abs(term.scale):.4g} in the "
+                   f"gradient whatever the per-device batch{beside}, so that term grows with the per-device batch")
         return
 
 

@@ -241,9 +241,21 @@ def judge_windows(windows: dict[tuple[str, int], dict[int, dict]], divisor: Divi
                               divided_twice(parts, world, step, divisor, engine)):
                 if judgement is not None and (judgement.code not in best
                                               or judgement.spread > best[judgement.code].spread):
-                    best[judgement.code] = dataclasses.replace(judgement, detail=f"at optimizer step {step}, {site}: "
-                                                                                f"{judgement.detail}")
+                    best[judgement.code] = dataclasses.replace(
+                        judgement, detail=f"at optimizer step {step}, {site}: {judgement.detail}{_scaled(by_rank)}")
     return list(best.values())
+
+
+def _scaled(by_rank: dict[int, dict]) -> str:
+    """The program's own scaling of the step's gradients between backward and the step, where there was one: the
+    weights above include it (:mod:`ddplab.auditor.grad_scaling`)."""
+    factors = {rank: w["grad_scale"] for rank, w in by_rank.items() if "grad_scale" in w}
+    if not factors:
+        return ""
+    values = set(f"{factor:.4g}" for factor in factors.values())
+    each = (f"×{values.pop()} on every rank" if len(values) == 1 and len(factors) == len(by_rank) else
+            ", ".join(f"rank {rank} ×{factors.get(rank, 1.0):.4g}" for rank in sorted(by_rank)))
+    return f" (these weights include the program's scaling of the gradients after backward: {each})"
 
 
 def _repeated(parts: list[Part]) -> bool:

@@ -55,6 +55,11 @@ class WrapperInfo:
         self.loss_scale = 1.0  # what the engine multiplied the loss by before backward (fp16's dynamic loss scale)
         # A comm hook's buckets this step: a linear functional of the local gradients and of the reduced ones.
         self.comm_sums: list[float] | None = None
+        # The program's own scaling of the gradients between backward and the step (:mod:`.grad_scaling`): a few
+        # gradient elements as the newest backward left them, the clips' factor since, and the step's factor.
+        self.probe: list | None = None
+        self.clip_factor: float | None = 1.0
+        self.grad_scale: float | None = None
 
     def root(self) -> torch.nn.Module | None:
         """The model's module (the FSDP2 root, or the module DDP wraps), while it lives."""
@@ -83,6 +88,8 @@ class AuditState:
         self.micro_batch: int | None = None  # samples in the newest training forward of a DDP model
         self.training_info: WrapperInfo | None = None  # the model of the newest training forward
         self.loss_weights: list[tuple[float, int]] = []  # (weight per summed term, micro-batch) this step
+        # SUM_REDUCTION was found at a backward of this step: the program may still normalise it before the step.
+        self.summed_at_backward = False
         self.weight_records: list = []  # what a loss's elements weigh, this step (:mod:`ddplab.auditor.weights`)
         self.output_nodes: list = []  # autograd nodes of this step's training forwards' outputs
         # (rank, size) of a gather of features that require grad, this step (:mod:`ddplab.auditor.gathers`).

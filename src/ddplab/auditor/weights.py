@@ -11,7 +11,9 @@ gradient is unchanged):
 - ``reduction='sum'``: the output's gradient, for each such unit;
 - ``reduction='none'``: the gradient of every term, where the nonzero ones are equal (masked terms weigh 0);
 - a sum written by hand (``Tensor.sum``, ``torch.sum``) over a tensor computed from the model's output: the sum's
-  gradient, for each nonzero summed element (a masked or one-hot product is zero elsewhere).
+  gradient, for each nonzero summed element (a masked or one-hot product is zero elsewhere);
+- a mean over every element written by hand (``Tensor.mean``, ``torch.mean``) of such a tensor (TRL's mean over a
+  masked selection of log-probs): the mean's gradient over the elements it divides by.
 
 Each record holds (micro-step, weight, count) under the line of the user's program that computed it;
 :mod:`ddplab.auditor.normalisation` compares them across micro-batches and ranks once every rank's are in.
@@ -97,6 +99,13 @@ def watch_sum(audit, summed: torch.Tensor, out: torch.Tensor) -> None:
     """A full sum written by hand over a tensor computed from the model's output."""
     count = summed.detach().count_nonzero()
     _watch(audit, out, Record(site(), _micro_step(audit), count=count, summed=True, what="a sum written by hand"))
+
+
+def watch_mean(audit, meaned: torch.Tensor, out: torch.Tensor) -> None:
+    """A full mean written by hand over a tensor computed from the model's output (a masked selection of log-probs):
+    each element weighs the output's gradient over the elements it divides by."""
+    _watch(audit, out, Record(site(), _micro_step(audit), count=meaned.numel(), divide_by_count=True,
+                              what="a mean written by hand"))
 
 
 def _micro_step(audit) -> int:

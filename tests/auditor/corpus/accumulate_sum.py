@@ -3,7 +3,8 @@
 The criterion is an `nn.CrossEntropyLoss` module built once, as tutorials write it, plus an L2 term on the head.
 Correct losses (`--loss`): `mean` (the default reduction, then `/ accum`), and `sum-per-sample`: the criterion sums
 over the micro-batch and the loop divides by the samples it holds and by the accumulation steps, a mean written by
-hand. With `--accum 1` the division by the accumulation steps divides by 1.
+hand. With `--accum 1` the division by the accumulation steps divides by 1. `--grad-scaler` runs backward from
+the loss times a GradScaler's scale and unscales the gradients before the clip, as mixed-precision recipes do.
 
 Mistake (`--loss sum`): `CrossEntropyLoss(reduction='sum')` then `loss / accum`, which still sums over the samples:
 the gradient grows with the per-device batch and DDP divides by the world size (SUM_REDUCTION), with any `--accum`.
@@ -34,6 +35,8 @@ def train(rank, world_size, args):
     ddp = DDP(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     criterion = torch.nn.CrossEntropyLoss(reduction="mean" if args.loss == "mean" else "sum")
+    # The mixed-precision recipe's loss scaling: backward from loss × 1024, the gradients divided back before the clip.
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if args.grad_scaler else None
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         optimizer.zero_grad()
@@ -44,10 +47,16 @@ def train(rank, world_size, args):
                 if args.loss == "sum-per-sample":
                     loss = loss / x.size(0)
                 loss = (loss + L2 * model[2].weight.pow(2).sum()) / args.accum
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
             if last_micro_step:
+                if scaler is not None:
+                    scaler.unscale_(optimizer)  # the clip reads the gradients the step takes
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 5.0)
-                optimizer.step()
+                if scaler is None:
+                    optimizer.step()
+                else:
+                    scaler.step(optimizer)
+                    scaler.update()
                 optimizer.zero_grad()
         _harness.say(rank, f"epoch {epoch} loss {loss.item() * args.accum:.6f}")
     _harness.say(rank, f"final {_harness.checksum(model)}")
@@ -58,4 +67,5 @@ if __name__ == "__main__":
     parser.add_argument("--loss", choices=("mean", "sum-per-sample", "sum"), default="mean")
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--grad-scaler", action="store_true", help="scale the loss by torch.amp.GradScaler")
     _harness.run(train, parser.parse_args())

@@ -23,6 +23,8 @@ Mistakes:
   --loss rank-mean       a sum over the step's micro-batches ÷ this rank's own token count (LOSS_NORMALISED_PER_DEVICE)
   --loss hand-mean       the hand-written token loss ÷ this micro-batch's mask.sum() (as token-mean)
   --loss hand-sum        the hand-written token loss summed, never divided (SUM_REDUCTION)
+  --loss selected-mean   the label tokens' log-probs selected by a mask, then .mean() (TRL's), ÷ accumulation steps
+                         (as token-mean)
   --loss global-no-world the global count without × world size (GLOBAL_COUNT_WITHOUT_WORLD_SIZE)
   --eval-samples 41      an evaluation set the sampler pads to 42: one document counted twice
                          (EVAL_SAMPLES_DUPLICATED)
@@ -88,6 +90,10 @@ def token_loss(logits, labels, how: str, step_tokens, world_size: int, accumulat
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
     if how == "token-mean":
         return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE) / accumulation
+    if how == "selected-mean":
+        # TRL's shape: the log-probs of the label tokens selected by a mask, then .mean(); no loss function.
+        picked = F.log_softmax(flat_logits, dim=-1).gather(1, flat_labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+        return -picked[flat_labels.ne(IGNORE)].mean() / accumulation
     if how.startswith("hand"):
         mask = flat_labels.ne(IGNORE)
         picked = F.log_softmax(flat_logits, dim=-1).gather(1, flat_labels.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -224,7 +230,8 @@ if __name__ == "__main__":
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "fsdp-tp", "tp"), default="ddp")
     parser.add_argument("--loss", default="global", choices=("global", "hand-global", "scaled-terms", "token-mean",
                                                               "rank-mean",
-                                                              "hand-mean", "hand-sum", "global-no-world"))
+                                                              "hand-mean", "hand-sum", "global-no-world",
+                                                              "selected-mean"))
     parser.add_argument("--data", choices=("padded", "packed"), default="padded")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--zero-grad", choices=("after-step", "before-backward", "never"), default="after-step")
