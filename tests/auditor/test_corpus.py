@@ -127,6 +127,12 @@ CORRECT = {
     "tune_recipe_sum_foreach": Case("tune_recipe.py", ("--loss", "sum", "--scale-by", "foreach")),
     "tune_recipe_fsdp_sum_divide": Case("tune_recipe.py", ("--strategy", "fsdp", "--loss", "sum", "--scale-by",
                                                            "divide"), launchers=("torchrun",)),
+    # No wrapper: the program reduces the gradients itself, in its loop or in its optimizer's step (nanochat's).
+    "by_hand_loop_sum_divide": Case("by_hand.py"),
+    "by_hand_loop_avg": Case("by_hand.py", ("--reduce", "loop-avg")),
+    "by_hand_loop_sum_global_count": Case("by_hand.py", ("--reduce", "loop-sum", "--loss", "global-no-world")),
+    "by_hand_optimizer_avg": Case("by_hand.py", ("--reduce", "optimizer-avg")),
+    "by_hand_optimizer_sum_divide": Case("by_hand.py", ("--reduce", "optimizer-sum-divide")),
 }
 
 # Every correct program once. torchrun and spawn (where each worker loads the auditor at its own start) get the
@@ -155,6 +161,8 @@ DEFAULT_CORRECT = [
     ("class_weighted_global", "fork"), ("beta_vae_per_sample_kl", "fork"), ("near_count_times_world", "fork"),
     ("simclr_autograd_gather", "fork"), ("simclr_slice_times_world", "spawn"), ("tp_dp_mean", "torchrun"),
     ("tune_recipe_scaled", "fork"), ("tune_recipe_sum_foreach", "fork"), ("tune_recipe_fsdp_sum_divide", "torchrun"),
+    ("by_hand_loop_sum_divide", "fork"), ("by_hand_loop_sum_global_count", "fork"),
+    ("by_hand_optimizer_avg", "torchrun"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -271,6 +279,18 @@ MISTAKES = {
     "tune_recipe_fsdp_rank_count": (Case("tune_recipe.py", ("--strategy", "fsdp", "--mistake", "rank-count"),
                                          launchers=("torchrun",)),
                                     {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "torchrun"),
+    # Gradients reduced by hand with ReduceOp.SUM and never divided, under a loss already × W / the global count.
+    "by_hand_loop_sum_times_world": (Case("by_hand.py", ("--reduce", "loop-sum")), {"DIVIDE_FACTOR": "warning"}, {},
+                                     "fork"),
+    "by_hand_optimizer_sum_times_world": (Case("by_hand.py", ("--reduce", "optimizer-sum")),
+                                          {"DIVIDE_FACTOR": "warning"}, {}, "torchrun"),
+    "by_hand_loop_summed_loss": (Case("by_hand.py", ("--reduce", "loop-avg", "--loss", "hand-sum")),
+                                 {"SUM_REDUCTION": "warning"}, {}, "fork"),
+    "by_hand_same_data": (Case("by_hand.py", ("--mistake", "same-data")), {"SAME_DATA_ON_ALL_RANKS": "error"}, {},
+                          "fork"),
+    "by_hand_optimizer_token_mean": (Case("by_hand.py", ("--reduce", "optimizer-avg", "--loss", "token-mean",
+                                                         "--accumulation", "1")),
+                                     {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "fork"),
 }
 
 # id → (finding, words its message must hold): what the finding says happened.
@@ -328,6 +348,16 @@ MESSAGES = {
                                                   "different number on each rank (rank 0 ×0.007874, rank 1 ×0.007752)"),
     "tune_recipe_fsdp_rank_count": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 115, rank 1 148): an element on rank 0 "
                                                                   "weighed 1.29× one on rank 1"),
+    "by_hand_loop_sum_times_world": ("DIVIDE_FACTOR", "but the program's own reduction sums the 2 data-parallel "
+                                                      "ranks' gradients here (dist.all_reduce with ReduceOp.SUM in the "
+                                                      "training loop; measured): the gradient is 2 times the global "
+                                                      "mean's"),
+    "by_hand_optimizer_sum_times_world": ("DIVIDE_FACTOR", "(dist.reduce_scatter_tensor with ReduceOp.SUM in "
+                                                           "DistAdamW.step; measured): the gradient is 2 times"),
+    "by_hand_loop_summed_loss": ("SUM_REDUCTION", "the program's own reduction averages the gradients over the 2 "
+                                                  "data-parallel ranks (dist.all_reduce with ReduceOp.AVG in the "
+                                                  "training loop; measured), so the gradient is 1/2 of what one "
+                                                  "process summing the global batch gets"),
     "eval_padded_all_reduced": ("EVAL_SAMPLES_DUPLICATED", "41 samples on 2 ranks padded it to 42: 1 sample was "
                                                            "evaluated twice (the padding is on rank 1)"),
 }
@@ -338,13 +368,17 @@ CONFIGURED_LR = {"step_budget_two_passes": 0.02, "nanogpt_eval_all": 3e-3}
 GLOBAL_BATCH = {"token_lm_fsdp_tp_global": 4 * 2 * 2, "gan_freeze": 64, "gan_plain": 64, "trainer_class": 32,
                 # Micro-batch × accumulation steps × the data-parallel size: never the world size when tp > 1.
                 "fsdp_trainer": 8 * 2 * 2, "fsdp_trainer_4": 8 * 2 * 4, "hsdp_reduce_every_micro_batch": 8 * 2 * 4,
-                "tp_dp": 4 * 2}
+                "tp_dp": 4 * 2, **{name: 4 * 2 * 2 for name in CORRECT if name.startswith("by_hand")}}
 # The run under a mesh: (data-parallel size, strategy, mesh); DDP runs report their group's size and no mesh.
 SETTING = {"token_lm_fsdp_tp_global": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
            "tp_dp_mean": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
            "fsdp_trainer": (2, "fsdp", {"dp": 2}), "fsdp_trainer_4": (4, "fsdp", {"dp": 4}),
            "hsdp_reduce_every_micro_batch": (4, "hsdp", {"dp_replicate": 2, "dp_shard": 2}),
-           "tp_dp": (2, "fsdp+tp", {"dp": 2, "tp": 2}), "trainer_class": (2, "ddp", None)}
+           "tp_dp": (2, "fsdp+tp", {"dp": 2, "tp": 2}), "trainer_class": (2, "ddp", None),
+           **{name: (2, "manual", None) for name in CORRECT if name.startswith("by_hand")}}
+# What the data-parallel reduction divides the ranks' summed gradients by, as the report measured it.
+DIVISOR = {"by_hand_loop_sum_divide": 2.0, "by_hand_loop_avg": 2.0, "by_hand_loop_sum_global_count": 1.0,
+           "by_hand_optimizer_avg": 2.0, "by_hand_optimizer_sum_divide": 2.0}
 # Runs with model parallelism and no data-parallel dimension: the mesh the report names instead of a DDP model.
 MODEL_PARALLEL_ONLY = {"token_lm_tp_only": {"tp": 2}}
 # Information a correct program must get (and no other, in these programs).
@@ -536,6 +570,10 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     if name in SETTING:
         setting = (report["data_parallel_size"], report["strategy"], report["mesh"])
         assert setting == SETTING[name], _why(f"SETTING: {setting}", audited, report)
+    if name in DIVISOR:
+        # Found at its first step, audited from its second: every step of the window counted.
+        assert (report["reduction"]["divisor"], report["steps_audited"]) == (DIVISOR[name], 5), \
+            _why(f"REDUCTION: {report['reduction']}, {report['steps_audited']} steps", audited, report)
     if name in INFO:
         infos = {f["code"] for f in report["findings"] if f["severity"] == "info"} - {"RUN_INFO"}
         assert infos == INFO[name], _why(f"INFO: {infos}", audited, report)
@@ -624,3 +662,36 @@ def test_what_the_reduction_findings_say_is_the_gradient_measured_against_one_pr
     tune = alone("tune_recipe.py")
     assert ratio(_plain(CORRECT["tune_recipe_scaled"], "fork"), tune) == pytest.approx(1, rel=1e-4)
     assert ratio(_audited(MISTAKES["tune_recipe_no_world"][0], "fork")[0], tune) == pytest.approx(0.5, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)
+def test_a_reduction_written_by_hand_scales_the_gradient_as_its_findings_say():
+    """The first step's gradient after the loop's own all-reduce, against one process fed the 2 ranks' documents
+    (2 × 4 per micro-batch): a sum ÷ W is one process's mean, a sum left alone W times it (DIVIDE_FACTOR: 2), an
+    average of summed losses 1/W of one process's sum (SUM_REDUCTION: 1/2)."""
+    def alone(*flags):
+        run = _run(Case("by_hand.py", (*flags, "--batch-size", "8"), world_size=1,
+                        launchers=("torchrun",)).command("torchrun"))
+        assert run.returncode == 0, _why("the program fails on one rank", run, None)
+        return _first_grad_norm(run)
+
+    mean, summed = alone(), alone("--loss", "hand-sum")
+    assert _first_grad_norm(_plain(CORRECT["by_hand_loop_sum_divide"], "fork")) / mean == pytest.approx(1, rel=1e-5)
+    assert _first_grad_norm(_audited(MISTAKES["by_hand_loop_sum_times_world"][0], "fork")[0]) / mean == \
+        pytest.approx(2, rel=1e-5)
+    assert _first_grad_norm(_audited(MISTAKES["by_hand_loop_summed_loss"][0], "fork")[0]) / summed == \
+        pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_gradients_reduced_in_a_flat_buffer_are_not_read_and_the_report_says_why():
+    case = Case("by_hand.py", ("--reduce", "flat"))
+    plain, (audited, report) = _plain(case, "fork"), _audited(case, "fork")
+    assert audited.returncode == 0 and _program_lines(audited.stdout) == _program_lines(plain.stdout)
+    assert report is not None and report["steps_audited"] == 0 and _serious(report) == {}
+    said = " ".join(audited.stderr.split())  # the report, wrapped to the terminal's width
+    assert "nothing was audited: the program reduced 4,176 values in collectives" in said and \
+        "into tensors that are not the parameters' gradients (a flat buffer)" in said, \
+        _why("WHY: the reason is missing", audited, report)

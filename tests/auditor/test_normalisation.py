@@ -235,3 +235,61 @@ def test_a_sum_reductions_fix_names_the_world_size_apart_from_the_accumulation_s
     # A divisor that is not the data-parallel size (set_gradient_divide_factor) is not called W.
     _, fix = catalogue.message("SUM_REDUCTION", Reduction("fsdp", 2, 4.0, "set_gradient_divide_factor(4)"))
     assert fix.endswith("multiply the summed loss by 4") and "W =" not in fix
+
+
+def _by_hand(local: list[list[list[float]]], reduced: list[list[float]], op: str, in_step: bool = False,
+             kind: str = "all_reduce") -> dict[int, list[dict]]:
+    """Every rank's probe of one gradient: its shards before the collective, and what the step took."""
+    return {rank: [{"kind": kind, "shard": 0 if kind == "all_reduce" else rank, "local": local[rank],
+                    "reduced": reduced[rank], "in_step": in_step, "op": op}] for rank in range(len(local))}
+
+
+def test_a_reduction_written_by_hand_is_measured_element_by_element():
+    from ddplab.runtime.reduction import divisor_by_elements
+
+    local = [[[1.0, -2.0, 0.5]], [[3.0, 4.0, 0.25]]]
+    summed = [4.0, 2.0, 0.75]
+    # A sum, then the program's ÷ W: the average; a sum left alone: D = 1.
+    assert divisor_by_elements(_by_hand(local, [[v / 2 for v in summed]] * 2, "sum"), 2) == 2.0
+    assert divisor_by_elements(_by_hand(local, [summed] * 2, "sum"), 2) == 1.0
+    # torchtune's scaling after a sum (× W / N, N = 263 tokens): not a whole number, kept as measured.
+    scaled = divisor_by_elements(_by_hand(local, [[v * 2 / 263 for v in summed]] * 2, "sum"), 2)
+    assert scaled == pytest.approx(131.5)
+    # Elements that disagree (a term added to the gradient): no one divisor.
+    assert divisor_by_elements(_by_hand(local, [[2.0, 1.0, 0.5]] * 2, "sum"), 2) is None
+    # A reduce-scatter: rank r's output is shard r of the ranks' summed inputs, averaged.
+    shards = [[[1.0, 2.0], [5.0, 6.0]], [[3.0, 4.0], [7.0, 8.0]]]
+    assert divisor_by_elements(_by_hand(shards, [[2.0, 3.0], [6.0, 7.0]], "avg", True, "reduce_scatter"), 2) == 2.0
+
+
+def test_an_optimizers_own_buffer_blended_after_its_reduction_is_not_read_as_a_divisor():
+    from ddplab.runtime.reduction import divisor_by_elements
+
+    # Muon's first step: the reduced buffer × (1 - m²), m = 0.95: one number, but no divisor a reduction has.
+    local = [[[1.0, -2.0]], [[3.0, 4.0]]]
+    blended = [[v / 2 * (1 - 0.95 ** 2) for v in (4.0, 2.0)]] * 2
+    assert divisor_by_elements(_by_hand(local, blended, "avg", in_step=True), 2) is None
+    # Read before the step (a loop's collective), the same factor is the program's own scaling, and counts.
+    assert divisor_by_elements(_by_hand(local, blended, "avg"), 2) == pytest.approx(2 / (1 - 0.95 ** 2))
+
+
+def test_the_merged_report_of_a_reduction_by_hand_names_it_and_its_measured_divisor():
+    def record(rank, reduced, codes=()):
+        return {"rank": rank, "world_size": 2, "steps_audited": 1, "strategy": "manual",
+                "reduction": {"strategy": "manual", "data_parallel_size": 2, "divisor": None,
+                              "source": "dist.all_reduce with ReduceOp.SUM in the training loop"},
+                "findings": [vars(findings.Finding.make(code, rank)) for code in codes],
+                "windows": [{"wrapper": "manual0-0.1", "group": [0, 1], "step": 0,
+                             "reduced_by_hand": _by_hand([[[1.0, 2.0]], [[3.0, 4.0]]], [reduced] * 2, "sum")[rank]}]}
+
+    divided = findings.merge([record(r, [2.0, 3.0], ["SUM_REDUCTION"]) for r in (0, 1)])
+    assert divided.reduction.divisor == 2.0 and [f.code for f in divided.problems] == ["SUM_REDUCTION"]
+    assert ("the program's own reduction averages the gradients over the 2 data-parallel ranks (dist.all_reduce "
+            "with ReduceOp.SUM in the training loop, then scaled by the program; measured)") in \
+        divided.problems[0].message
+    # Summed and left so: a summed loss is what one process summing the global batch computes.
+    summed = findings.merge([record(r, [4.0, 6.0], ["SUM_REDUCTION"]) for r in (0, 1)])
+    assert summed.reduction.divisor == 1.0 and summed.problems == []
+    # Unread (a rank's probe missing): a sum the program may still scale is not judged, and the report says so.
+    unread = findings.merge([record(0, [4.0, 6.0], ["SUM_REDUCTION"]), {**record(1, [4.0, 6.0]), "windows": []}])
+    assert unread.reduction.divisor is None and [f.code for f in unread.problems] == ["AUDIT_INCOMPLETE"]

@@ -55,6 +55,9 @@ FIXES_IN_FRAMEWORK: dict[str, dict[str, str]] = {
         "accelerate": "give the schedule's lengths in scheduler steps (multiply warmup and total steps by "
                       "num_processes), or prepare the scheduler with Accelerator(step_scheduler_with_optimizer=False) "
                       "and step it once per optimizer step yourself"},
+    "DIVIDE_FACTOR": {
+        "manual": "make the two agree: either keep the summed reduction and divide the summed loss by the global count "
+                  "alone, or divide the reduced gradients by the world size (or reduce them with ReduceOp.AVG)"},
     "LR_SCALED_NOT_SCHEDULE": {
         "lightning": "scale the lr before configure_optimizers builds the scheduler, or use ddplab.integrations."
                      "lightning.ScaleLearningRate, which scales the lr, group['initial_lr'] and scheduler.base_lrs "

@@ -17,7 +17,7 @@ from ddplab.guest.patches import Patches
 
 # The collectives that carry data: a barrier or a broadcast of settings combines no results.
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "gather",
-               "gather_object", "reduce_scatter", "reduce_scatter_tensor")
+               "gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 
 Watcher = Callable[[str, tuple, dict, str], None]
 """(the collective's name, its args, its kwargs, the calling module's __name__) → None."""

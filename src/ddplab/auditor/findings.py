@@ -24,7 +24,7 @@ from ddplab.auditor.catalogue import (
     Severity,
     message,
 )
-from ddplab.runtime.reduction import Reduction, averaging, measured_divisor
+from ddplab.runtime.reduction import Reduction, averaging, divisor_by_elements, measured_divisor
 
 
 @dataclasses.dataclass
@@ -142,6 +142,8 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
     used = {name for record in records for name in record.get("frameworks", [])}
     if (main.get("strategy") or "").startswith("deepspeed"):
         used.add("deepspeed")  # its engine's backward, not a module the program imported, decides the recipe
+    if main.get("strategy") == "manual":
+        used.add("manual")  # the program's own collectives: its fix is in them, not in a wrapper's settings
     dimension = _data_parallel_dimension(main)
     for finding in findings:
         _reword(finding, reduction, used)
@@ -175,9 +177,33 @@ def run_reduction(records: list[dict[str, Any]]) -> Reduction | None:
             return None
         size = main.get("data_parallel_size") or main.get("world_size") or 1
         return averaging(main.get("strategy") or "ddp", size)
+    if reduction.strategy == "manual":
+        # Written by hand: measured by its effect where every rank read it, else what the op says.
+        measured, scaled = _measured_by_hand(records, reduction.data_parallel_size)
+        then = ", then scaled by the program" if scaled else ""
+        return reduction if measured is None else dataclasses.replace(
+            reduction, divisor=measured, source=f"{reduction.source}{then}; measured")
     if reduction.known:
         return reduction
     return dataclasses.replace(reduction, divisor=_measured(records))
+
+
+def _measured_by_hand(records: list[dict[str, Any]], size: int) -> tuple[float | None, bool]:
+    """D from the first step whose probed gradients every rank recorded (:mod:`ddplab.auditor.handwritten`), and
+    whether it differs from what the collectives' op divides by (the program scaled the reduced gradients)."""
+    by_step: dict[tuple[str, int], dict[int, list]] = {}
+    for record in records:
+        for window in record.get("windows", []):
+            if window.get("reduced_by_hand"):
+                by_step.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window["reduced_by_hand"]
+    for (_, _), probes in sorted(by_step.items(), key=lambda item: item[0][1]):
+        if len(probes) == len(records):
+            divisor = divisor_by_elements(probes, size)
+            if divisor is not None:
+                ops = {probe.get("op") for by_rank in probes.values() for probe in by_rank}
+                implied = {"avg": float(size), "sum": 1.0}.get(ops.pop()) if len(ops) == 1 else None
+                return divisor, implied != divisor
+    return None, False
 
 
 def _measured(records: list[dict[str, Any]]) -> float | None:

@@ -31,7 +31,18 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddplab.auditor import batches, exchange, frameworks, grad_scaling, losses, meshes, schedulers, state, weights
+from ddplab.auditor import (
+    batches,
+    exchange,
+    frameworks,
+    grad_scaling,
+    handwritten,
+    losses,
+    meshes,
+    schedulers,
+    state,
+    weights,
+)
 from ddplab.auditor.state import AuditState, WrapperInfo
 from ddplab.guest import tensors
 from ddplab.guest.patches import Patches
@@ -231,6 +242,8 @@ def _before_optimizer_step(audit: AuditState, optimizer, args, kwargs) -> None:
     outermost = not audit.stepping
     audit.stepping.add(id(optimizer))
     info = _owner(audit, optimizer) if outermost and audit.armed else None
+    if outermost:
+        handwritten.before_step(optimizer, info)
     if info is not None:
         # The gradients as the step takes them, against the newest backward's: the program's scaling between.
         grad_scaling.measure(audit, info)
@@ -253,6 +266,7 @@ def _optimizer_stepped(audit: AuditState, optimizer) -> None:
         # A probe or auxiliary optimizer beside a DDP model is no part of the audit; with no DDP model at all,
         # ranks that each train alone are, and so is their schedule.
         if audit.wrapper_count == 0:
+            handwritten.after_alone_step(optimizer)
             meshes.note_model_parallel_only(audit, optimizer)
             frameworks.check_not_distributed(audit, optimizer)
             schedulers.check(audit, optimizer)
@@ -276,7 +290,11 @@ def _ddp_step_evidence(audit: AuditState, info: WrapperInfo) -> None:
         audit.add("ACCUMULATION_SYNCS_EVERY_STEP",
                   f"{info.accumulated_reductions} all-reduces of micro-batches accumulated into one optimizer step")
     window = audit.window(info)
-    window["grads"] = tensors.named_digests([(n, p.grad) for n, p in stepped])
+    if info.by_hand:
+        # Its gradients are what the program left in .grad: reduced in place, or this rank's own beside a shard.
+        handwritten.step_evidence(audit, info)
+    else:
+        window["grads"] = tensors.named_digests([(n, p.grad) for n, p in stepped])
     window["params"] = tensors.named_digests(params)
     if info.comm_sums is not None:
         window["comm_sums"], info.comm_sums = info.comm_sums, None

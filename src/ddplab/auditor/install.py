@@ -22,6 +22,7 @@ from ddplab.auditor import (
     frameworks,
     gathers,
     grad_scaling,
+    handwritten,
     hooks,
     losses,
     meshes,
@@ -46,7 +47,7 @@ def install(steps: int = 5, out_dir: str | None = None) -> state.AuditState:
     audit = state.start(steps, out_dir)
     _PATCHES = Patches()
     for module in (hooks, comm_hooks, meshes, collectives, data, evaluation, losses, gathers, grad_scaling, schedulers,
-                   frameworks, deepspeed_engine):
+                   frameworks, deepspeed_engine, handwritten):
         module.install(_PATCHES)
     if out_dir:
         _PATCHES.replace(sys, "excepthook", environment.watched_excepthook)

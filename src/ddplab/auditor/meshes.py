@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import batches, losses, state
 from ddplab.auditor.state import AuditState, WrapperInfo
-from ddplab.guest.patches import Patches
+from ddplab.guest.patches import Handles, Patches
 from ddplab.parallel_dims import ParallelDims
 from ddplab.runtime.reduction import Reduction
 from ddplab.runtime.strategies.fsdp import gradient_divide_factors
@@ -160,19 +160,8 @@ def _watched_mesh_init(original_init):
 def _mesh_built(audit: AuditState) -> None:
     # Global module hooks are never stored on the user's modules; this one lives for the data window only.
     if audit.mesh_hook is None and _PATCHES is not None and _TABLES.optimizer_steps < audit.data_window:
-        audit.mesh_hook = _PATCHES.hook(_Handles(register_module_forward_pre_hook(_module_forward),
-                                                 register_module_forward_hook(_module_forward_done)))
-
-
-class _Handles:
-    """Two global module hooks that live and go together."""
-
-    def __init__(self, *handles):
-        self.handles = handles
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        audit.mesh_hook = _PATCHES.hook(Handles(register_module_forward_pre_hook(_module_forward),
+                                                register_module_forward_hook(_module_forward_done)))
 
 
 def _fsdp_module_class() -> type | None:
@@ -206,8 +195,12 @@ def _module_forward(audit: AuditState, module, args) -> None:
 
 @state.guarded("watching FSDP2 outputs")
 def _module_forward_done(audit: AuditState, module, args, output) -> None:
-    # A root's training output: where a loss over its samples starts (losses.note_outputs).
-    info = _TABLES.roots.get(module)
+    training_output(audit, _TABLES.roots.get(module), output)
+
+
+def training_output(audit: AuditState, info: WrapperInfo | None, output) -> None:
+    """A root's training output (FSDP2's, or a model reduced by hand): where a loss over its samples starts
+    (losses.note_outputs), and where its backward shows whether the step's gradients were cleared."""
     if audit.armed and torch.is_grad_enabled() and info is not None:
         losses.note_outputs(audit, output)
         batches.after_training_forward(audit, info, output)

@@ -21,7 +21,7 @@ def report_lines(report: Report, *, interim_steps: int | None = None, width: int
     prefix = f"[rank 0, after {interim_steps} steps] " if interim_steps is not None else ""
     lines: list[tuple[Kind, str]] = [("headline", f"{prefix}ddplab audit: {report.headline()}")]
     if not report.problems and report.audited:
-        engine = report.reduction.name if report.reduction is not None else "DDP"
+        engine = report.reduction.engine if report.reduction is not None else "DDP"
         lines.append(("clean", _clean(interim_steps, engine)))
     for finding in report.problems:
         data = finding.to_json()

@@ -51,6 +51,7 @@ class WrapperInfo:
         self.zero_grad_calls = 0  # the process's zero_grad calls as of this model's last optimizer step
         self.synced_micro_steps = 0  # of those, the ones whose backward reduces (FSDP2's gradient sync on)
         self.reduction: Reduction | None = None  # what the data-parallel reduction divides the summed gradients by
+        self.by_hand = False  # the program reduces the gradients itself (:mod:`ddplab.auditor.handwritten`)
         self.engine: int | None = None  # the ZeRO stage of a DeepSpeed engine's model; None for DDP and FSDP2
         self.loss_scale = 1.0  # what the engine multiplied the loss by before backward (fp16's dynamic loss scale)
         # A comm hook's buckets this step: a linear functional of the local gradients and of the reduced ones.

@@ -82,3 +82,14 @@ class Patches:
         self._originals.clear()
         self._handles.clear()
         self._exits.clear()
+
+
+class Handles:
+    """Hook handles that live and go together: one ``remove()`` for all (:meth:`Patches.hook` takes it)."""
+
+    def __init__(self, *handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

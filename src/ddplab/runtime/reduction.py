@@ -17,7 +17,9 @@ from typing import Any
 # A measured divisor this close to a whole number is that number (float32 sums of one bucket's elements).
 SNAP = 1e-3
 
-_NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "hsdp": "HSDP"}
+_NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "hsdp": "HSDP", "manual": "the program's own reduction"}
+# Elements of one probe agree on a divisor this closely (float32 sums against the auditor's float64).
+AGREE = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,12 @@ class Reduction:
         if base.startswith("deepspeed-zero"):
             return f"DeepSpeed ZeRO-{base.removeprefix('deepspeed-zero')}"
         return _NAMES.get(base, base)
+
+    @property
+    def engine(self) -> str:
+        """What a clean report says it checked: "no DDP mistakes", "no data-parallel mistakes" for a reduction the
+        program wrote itself."""
+        return "data-parallel" if self.strategy == "manual" else self.name
 
     def describe(self) -> str:
         """One clause a finding's message can hold: what this reduction does, in the engine's own words.
@@ -106,3 +114,57 @@ def measured_divisor(local_sums: list[float], reduced_sum: float) -> float | Non
     if whole >= 1 and math.isclose(divisor, whole, rel_tol=SNAP):
         return float(whole)
     return None
+
+
+def divisor_by_elements(probes_by_rank: dict[int, list[dict[str, Any]]], data_parallel_size: int) -> float | None:
+    """D of a reduction written by hand, from the same few elements of a few gradients on every rank: each rank's
+    own before its collective (``local``: shard by shard as the group's ranks receive them, one for an all-reduce)
+    and where the step took them (``reduced``: its own ``shard``). D = Σ_r local_r[shard] / reduced, one number for
+    every element of every probe, snapped to a whole number; None where they disagree or nothing was read.
+
+    A probe read after the optimizer's own step (``in_step``) counts only where it gives 1 or W: an optimizer that
+    updates its reduced buffer in place (a momentum blended into it) scales it by a factor of its own.
+
+    >>> divisor_by_elements({0: [{"shard": 0, "local": [[1.0, 2.0]], "reduced": [2.0, 3.0], "in_step": False}],
+    ...                      1: [{"shard": 0, "local": [[3.0, 4.0]], "reduced": [2.0, 3.0], "in_step": False}]}, 2)
+    2.0
+    """
+    counts = {len(probes) for probes in probes_by_rank.values()}
+    if len(counts) != 1 or len(probes_by_rank) < 2:
+        return None
+    found = []
+    for index in range(counts.pop()):
+        entries = [probes[index] for probes in probes_by_rank.values()]
+        divisor = _probe_divisor(entries)
+        if divisor is None:
+            continue
+        if any(e.get("in_step") for e in entries) and not any(
+                math.isclose(divisor, d, rel_tol=SNAP) for d in (1.0, float(data_parallel_size))):
+            continue
+        found.append(divisor)
+    if not found or not all(math.isclose(d, found[0], rel_tol=SNAP) for d in found):
+        return None
+    whole = round(found[0])
+    return float(whole) if whole >= 1 and math.isclose(found[0], whole, rel_tol=SNAP) else found[0]
+
+
+def _probe_divisor(entries: list[dict[str, Any]]) -> float | None:
+    """One probe's D over every rank and element; None where no one number fits."""
+    ratios = []
+    for entry in entries:
+        shard, reduced = entry["shard"], entry.get("reduced")
+        locals_ = [other["local"][shard] for other in entries if shard < len(other["local"])]
+        if reduced is None or len(locals_) != len(entries):
+            return None
+        for j, value in enumerate(reduced):
+            terms = [local[j] for local in locals_ if j < len(local)]
+            total, size = math.fsum(terms), max((abs(t) for t in terms), default=0.0)
+            if size == 0 or abs(total) < 1e-3 * size:
+                continue  # cancelling terms: float32 rounding is all that is left of them
+            if value == 0:
+                return None
+            ratios.append(total / value)
+    if not ratios or min(ratios) <= 0:
+        return None
+    low, high = min(ratios), max(ratios)
+    return (low + high) / 2 if high - low <= AGREE * high else None
