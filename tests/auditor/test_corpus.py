@@ -221,6 +221,10 @@ MISTAKES = {
     # Token means over documents of different lengths, each divided by a count of its own.
     "token_mean_per_micro_batch": (Case("token_lm.py", ("--loss", "token-mean")),
                                    {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "fork"),
+    # The same means never divided by the accumulation steps: the weighting and the K× scale, both.
+    "token_mean_not_divided": (Case("token_lm.py", ("--loss", "token-mean-undivided")),
+                               {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning", "ACCUMULATION_NOT_DIVIDED": "warning"},
+                               {}, "fork"),
     "token_mean_per_device": (Case("token_lm.py", ("--loss", "token-mean", "--accumulation", "1")),
                               {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "fork"),
     "rank_token_count": (Case("token_lm.py", ("--loss", "rank-mean")), {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {},
@@ -322,6 +326,8 @@ MESSAGES = {
     "token_mean_per_micro_batch": ("LOSS_NORMALISED_PER_MICRO_BATCH",
                                    "on rank 0 the micro-batches held 95, 31 elements, so an element of micro-batch 2 "
                                    "weighed 3.06× one of micro-batch 1"),
+    "token_mean_not_divided": ("ACCUMULATION_NOT_DIVIDED", "the step's elements weighed 2 in all over its 2 "
+                                                           "micro-batches per rank"),
     "token_mean_per_device": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 67, rank 1 29): an element on rank 1 weighed "
                                                             "2.31× one on rank 0"),
     "selected_log_prob_mean": ("LOSS_NORMALISED_PER_DEVICE", "(rank 0 67, rank 1 29): an element on rank 1 weighed "

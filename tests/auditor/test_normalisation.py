@@ -57,6 +57,26 @@ def test_a_per_micro_batch_mean_divided_by_k_before_an_engine_divides_again_give
                                                               "LOSS_NORMALISED_PER_MICRO_BATCH"]
 
 
+def test_per_micro_batch_means_never_divided_by_k_give_the_weighting_and_the_k_times_scale():
+    from ddplab.auditor.normalisation import not_divided
+
+    # Each micro-batch's own mean, not ÷ K = 2: Σ w·c = 2 ranks × 2 micro-batches × 1 = 4 = K · D.
+    undivided = _parts(COUNTS, lambda r, m, c: 1 / c)
+    found = not_divided(undivided, 2, 0)
+    assert found.code == "ACCUMULATION_NOT_DIVIDED" and "the gradient is 2 times that mean's" in found.detail
+    assert "weighed 2 in all over its 2 micro-batches per rank" in found.detail
+    # Divided by K (the weighting alone), a global count (elements alike), or by an engine: not this judgement.
+    assert not_divided(_parts(COUNTS, lambda r, m, c: 1 / (2 * c)), 2, 0) is None
+    assert not_divided(_parts(COUNTS, lambda r, m, c: 2 / TOTAL), 2, 0) is None
+    assert not_divided(undivided, 2, 0, engine_divides_by=2) is None and not_divided(undivided, 2, 0, None) is None
+    # One micro-batch per rank: nothing accumulated, nothing to divide.
+    assert not_divided([p for p in undivided if p.micro_step == 1], 2, 0) is None
+    windows = {("ddp0", 1): {rank: {"group": [0, 1], "loss_weights": {"lm.py:9": [
+        [m, 1 / c, c] for m, c in enumerate(COUNTS[rank], start=1)]}} for rank in (0, 1)}}
+    assert sorted(j.code for j in judge_windows(windows)) == ["ACCUMULATION_NOT_DIVIDED",
+                                                              "LOSS_NORMALISED_PER_MICRO_BATCH"]
+
+
 def test_per_rank_means_are_per_device_with_the_ratio_of_the_ranks_counts():
     judgement = judge(_parts(COUNTS, lambda r, m, c: 1 / sum(COUNTS[r])), 2, 0)
     assert judgement.code == "LOSS_NORMALISED_PER_DEVICE"

@@ -199,6 +199,16 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "normalise the scale away, but not their epsilon)",
         "remove your own division by the accumulation steps (engine.backward already divides), or normalise the step "
         "yourself and call engine.backward(loss, scale_wrt_gas=False)"),
+    "ACCUMULATION_NOT_DIVIDED": (
+        WARNING,
+        "each micro-batch's loss reached backward as a whole step's would, undivided by the gradient accumulation "
+        "steps: the K micro-batches' gradients add up, so the gradient is K times the step's mean (with SGD the "
+        "step is K times larger; Adam-style optimizers mostly normalise the scale away, but not their epsilon), and "
+        "it changes with K at the same global batch",
+        "divide each micro-batch's loss by the accumulation steps before backward, or (exact with tokens of "
+        "different counts) divide its summed loss by the step's count over its micro-batches and data-parallel "
+        "ranks, times W; a Transformers Trainer compute_loss override that takes num_items_in_batch must divide "
+        "its summed loss by it (the Trainer then skips its own division by the accumulation steps)"),
     "EVAL_SAMPLES_DUPLICATED": (
         WARNING,
         "an evaluation pass over a DistributedSampler that padded the dataset to a multiple of the ranks "

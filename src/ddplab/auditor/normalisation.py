@@ -20,7 +20,9 @@ records, per loss line and micro-batch, the weight w of its counted elements and
 The scale is judged apart from the weighting: where an engine's backward divided by the accumulation steps K itself,
 a step whose elements weigh 1/K in all of what its reduction calls for (Σ w·c = D/K) was divided by K twice
 (``ACCUMULATION_DIVIDED_TWICE``), whether its elements weighed alike or each micro-batch by its own count: the two
-effects of one loss are both the step's (:func:`divided_twice`).
+effects of one loss are both the step's (:func:`divided_twice`). Where nothing divided by K, means over each
+micro-batch's own count that weigh K in all (Σ w·c = K·D) were never divided by it (``ACCUMULATION_NOT_DIVIDED``,
+beside ``LOSS_NORMALISED_PER_MICRO_BATCH``: :func:`not_divided`).
 """
 
 from __future__ import annotations
@@ -117,6 +119,40 @@ def divided_twice(parts: list[Part], world_size: int, step: int, divisor: Diviso
                      f"the step's elements weighed {scale:.4g} in all after the engine's own division by the "
                      f"{engine_divides_by} accumulation steps, where a mean over the step's elements, however they "
                      f"are weighed among themselves, weighs 1: the gradient is {factor} of that mean's", 1.0)
+
+
+def not_divided(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVERAGE,
+                engine_divides_by: int = 1) -> Judgement | None:
+    """Elements weighed by each micro-batch's own count (which :func:`judge` names) whose weights sum to K times
+    what the reduction calls for, K the micro-batches each rank accumulated: each micro-batch's mean went to
+    backward undivided by the accumulation steps (a Trainer's ``compute_loss`` override that skips the Trainer's
+    own ÷K, a loop that never divides).
+
+    A mean over each micro-batch's own elements weighs 1 per micro-batch: K micro-batches of W ranks weigh K·W, so
+    the step's gradient is K times a mean over the step's elements weighed the same way.
+    """
+    if engine_divides_by > 1 or world_size < 2 or divisor is None or _equal(p.weight for p in parts):
+        return None
+    micro_batches = {len({p.micro_step for p in parts if p.rank == rank}) for rank in {p.rank for p in parts}}
+    if len(micro_batches) != 1 or (steps := micro_batches.pop()) < 2:
+        return None
+    by_rank: dict[int, list[Part]] = {}
+    for part in parts:
+        by_rank.setdefault(part.rank, []).append(part)
+    spread = max(p.weight for p in parts) / min(p.weight for p in parts)
+    if all(_equal(p.weight for p in own) for own in by_rank.values()) or \
+            not _follows([p.weight * p.count for p in parts], spread):
+        return None  # one weight per rank, or no count explains the weights: not each micro-batch's own mean
+    divisor = float(world_size) if divisor == AVERAGE else divisor
+    scale = sum(p.weight * p.count for p in parts) / divisor
+    if not _near(scale, steps):
+        return None
+    factor = _factor(scale, steps, f"{steps}")
+    return Judgement("ACCUMULATION_NOT_DIVIDED", step,
+                     f"the step's elements weighed {scale:.4g} in all over its {steps} micro-batches per rank, where "
+                     f"a mean over the step's elements, however they are weighed among themselves, weighs 1: each "
+                     f"micro-batch's mean reached backward undivided by the {steps} accumulation steps, and the "
+                     f"gradient is {factor} times that mean's", 1.0)
 
 
 def _follows(products: list[float], spread: float) -> bool:
@@ -238,7 +274,8 @@ def judge_windows(windows: dict[tuple[str, int], dict[int, dict]], divisor: Divi
                 # a micro-batch (a loop over tasks, each its own mean): nothing to compare element for element.
                 continue
             for judgement in (judge(parts, world, step, divisor, engine),
-                              divided_twice(parts, world, step, divisor, engine)):
+                              divided_twice(parts, world, step, divisor, engine),
+                              not_divided(parts, world, step, divisor, engine)):
                 if judgement is not None and (judgement.code not in best
                                               or judgement.spread > best[judgement.code].spread):
                     best[judgement.code] = dataclasses.replace(

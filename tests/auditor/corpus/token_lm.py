@@ -20,6 +20,8 @@ Mistakes:
 
   --loss token-mean      F.cross_entropy's default mean over each micro-batch's own tokens, ÷ accumulation steps
                          (LOSS_NORMALISED_PER_MICRO_BATCH; with --accumulation 1, LOSS_NORMALISED_PER_DEVICE)
+  --loss token-mean-undivided  the same mean, never ÷ accumulation steps (LOSS_NORMALISED_PER_MICRO_BATCH, and
+                         ACCUMULATION_NOT_DIVIDED: the gradient K times the step's mean)
   --loss rank-mean       a sum over the step's micro-batches ÷ this rank's own token count (LOSS_NORMALISED_PER_DEVICE)
   --loss hand-mean       the hand-written token loss ÷ this micro-batch's mask.sum() (as token-mean)
   --loss hand-sum        the hand-written token loss summed, never divided (SUM_REDUCTION)
@@ -88,8 +90,9 @@ class BigramLM(torch.nn.Module):
 def token_loss(logits, labels, how: str, step_tokens, world_size: int, accumulation: int, rank_tokens):
     """This micro-batch's loss, normalised as ``how`` says."""
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
-    if how == "token-mean":
-        return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE) / accumulation
+    if how in ("token-mean", "token-mean-undivided"):
+        mean = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+        return mean / accumulation if how == "token-mean" else mean
     if how == "selected-mean":
         # TRL's shape: the log-probs of the label tokens selected by a mask, then .mean(); no loss function.
         picked = F.log_softmax(flat_logits, dim=-1).gather(1, flat_labels.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -229,6 +232,7 @@ if __name__ == "__main__":
     parser = _harness.parser(__doc__)
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "fsdp-tp", "tp"), default="ddp")
     parser.add_argument("--loss", default="global", choices=("global", "hand-global", "scaled-terms", "token-mean",
+                                                              "token-mean-undivided",
                                                               "rank-mean",
                                                               "hand-mean", "hand-sum", "global-no-world",
                                                               "selected-mean"))
