@@ -256,8 +256,10 @@ MISTAKES = {
     "titan_times_world_under_sum": (Case("titan_lm.py", ("--loss", "times-world"), launchers=("torchrun",)),
                                     {"DIVIDE_FACTOR": "warning"}, {}, "torchrun"),
     # The Annotated Transformer's KLDivLoss(reduction='sum') / batch.ntokens, the micro-batch's own token count.
+    # Not divided by the accumulation steps either (its run_epoch backwards each micro-batch's loss as it is).
     "kl_label_smoothing_per_micro_batch": (Case("label_smoothing.py", ("--loss", "per-batch-tokens")),
-                                           {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning"}, {}, "fork"),
+                                           {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning",
+                                            "ACCUMULATION_NOT_DIVIDED": "warning"}, {}, "fork"),
     "kl_label_smoothing_per_device": (Case("label_smoothing.py", ("--loss", "per-batch-tokens", "--accumulation", "1")),
                                       {"LOSS_NORMALISED_PER_DEVICE": "warning"}, {}, "fork"),
     # nn.CrossEntropyLoss(weight=w): each rank's mean divides by its own targets' summed class weights.

@@ -20,7 +20,8 @@ schedule (LambdaLR); 6 optimizer steps.
 Mistake:
 
   --loss per-batch-tokens  the summed KL ÷ the micro-batch's own `batch.ntokens`, the Annotated Transformer's line
-                           (LOSS_NORMALISED_PER_MICRO_BATCH; with --accumulation 1, LOSS_NORMALISED_PER_DEVICE)
+                           (LOSS_NORMALISED_PER_MICRO_BATCH, and, never ÷ the accumulation steps,
+                           ACCUMULATION_NOT_DIVIDED; with --accumulation 1, LOSS_NORMALISED_PER_DEVICE)
 
 Rank 0 prints the gradient norm after the first backward (DDP's averaged .grad), each step's loss (per token,
 summed over the ranks) and a checksum of the parameters.
