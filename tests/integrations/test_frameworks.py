@@ -322,6 +322,20 @@ def test_transformers_trainer_loss_normalised_per_device_is_found(in_scripts, tm
     assert float(ratio) == pytest.approx(int(high) / int(low), rel=1e-2)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_trainer_compute_loss_override_under_accumulation_gets_the_weighting_and_the_k_times_scale(
+        in_scripts, tmp_path, capfd):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    code, report, out = _audit(tmp_path, capfd, [*TORCHRUN, "transformers_train.py", "--mistake",
+                                                 "micro_mean_override"])
+    assert code == 0 and "trainer-done steps=8" in out
+    assert _serious(report) == {"LOSS_NORMALISED_PER_MICRO_BATCH": "warning", "ACCUMULATION_NOT_DIVIDED": "warning"}
+    message = _finding(report, "ACCUMULATION_NOT_DIVIDED")["message"]
+    assert "over its 2 micro-batches per rank" in message and "the gradient is 2 times that mean's" in message
+
+
 def _clm_flags(output_dir):
     """run_clm.py's command line for a short run: TrainingArguments' own flags, parsed by HfArgumentParser."""
     return ["--output_dir", str(output_dir), "--max_steps", "8", "--per_device_train_batch_size", "4",

@@ -3,6 +3,9 @@
 Correct: the model divides its summed token loss by ``num_items_in_batch`` (the Trainer's token count,
 across devices with ``average_tokens_across_devices``), gradient accumulation 2, a linear schedule with warmup.
 --mistake per_device turns average_tokens_across_devices off: each device divides by its own token count.
+--mistake micro_mean_override: a ``compute_loss`` override returning the micro-batch's own token mean, as many
+fine-tuning scripts write it; the model takes loss kwargs, so the Trainer (which then trusts the loss to be divided
+by ``num_items_in_batch``) does not divide it by the accumulation steps either: the weighting and the K× both.
 """
 
 import argparse
@@ -47,9 +50,19 @@ class TinyLM(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+class MicroBatchMean(Trainer):
+    """compute_loss over this micro-batch's own label tokens, num_items_in_batch ignored."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = F.cross_entropy(outputs["logits"].reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+        return (loss, outputs) if return_outputs else loss
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mistake", choices=("none", "per_device"), default="none")
+    parser.add_argument("--mistake", choices=("none", "per_device", "micro_mean_override"), default="none")
     mistake = parser.parse_args().mistake
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
@@ -58,7 +71,8 @@ def main():
                                  use_cpu=True, ddp_backend="gloo", report_to="none", save_strategy="no",
                                  logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
                                  average_tokens_across_devices=mistake != "per_device")
-        trainer = Trainer(model=TinyLM(), args=args, train_dataset=TokenData())
+        trainer_class = MicroBatchMean if mistake == "micro_mean_override" else Trainer
+        trainer = trainer_class(model=TinyLM(), args=args, train_dataset=TokenData())
         result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"trainer-done steps={result.global_step}", flush=True)
