@@ -191,33 +191,33 @@ def run_reduction(records: list[dict[str, Any]]) -> Reduction | None:
 def _measured_by_hand(records: list[dict[str, Any]], size: int) -> tuple[float | None, bool]:
     """D from the first step whose probed gradients every rank recorded (:mod:`ddplab.auditor.handwritten`), and
     whether it differs from what the collectives' op divides by (the program scaled the reduced gradients)."""
-    by_step: dict[tuple[str, int], dict[int, list]] = {}
-    for record in records:
-        for window in record.get("windows", []):
-            if window.get("reduced_by_hand"):
-                by_step.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window["reduced_by_hand"]
-    for (_, _), probes in sorted(by_step.items(), key=lambda item: item[0][1]):
-        if len(probes) == len(records):
-            divisor = divisor_by_elements(probes, size)
-            if divisor is not None:
-                ops = {probe.get("op") for by_rank in probes.values() for probe in by_rank}
-                implied = {"avg": float(size), "sum": 1.0}.get(ops.pop()) if len(ops) == 1 else None
-                return divisor, implied != divisor
+    for probes in _every_ranks_steps(records, "reduced_by_hand"):
+        divisor = divisor_by_elements(probes, size)
+        if divisor is not None:
+            ops = {probe.get("op") for by_rank in probes.values() for probe in by_rank}
+            implied = {"avg": float(size), "sum": 1.0}.get(ops.pop()) if len(ops) == 1 else None
+            return divisor, implied != divisor
     return None, False
 
 
 def _measured(records: list[dict[str, Any]]) -> float | None:
     """D from the first step whose hooked reductions every rank measured: Σ_r local_r = D · reduced."""
-    by_step: dict[tuple[str, int], dict[int, list[float]]] = {}
-    for record in records:
-        for window in record.get("windows", []):
-            if window.get("comm_sums"):
-                by_step.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window["comm_sums"]
-    for (_, _), sums in sorted(by_step.items(), key=lambda item: item[0][1]):
-        if len(sums) == len(records) and len(records) >= 2:
+    for sums in _every_ranks_steps(records, "comm_sums"):
+        if len(records) >= 2:
             reduced = [reduced for _, reduced in sums.values()]
             return measured_divisor([local for local, _ in sums.values()], sum(reduced) / len(reduced))
     return None
+
+
+def _every_ranks_steps(records: list[dict[str, Any]], field: str) -> list[dict[int, Any]]:
+    """rank → its window's ``field``, for each model's step that every rank recorded it for, in step order."""
+    by_step: dict[tuple[str, int], dict[int, Any]] = {}
+    for record in records:
+        for window in record.get("windows", []):
+            if window.get(field):
+                by_step.setdefault((window["wrapper"], window["step"]), {})[record["rank"]] = window[field]
+    return [by_rank for (_, _), by_rank in sorted(by_step.items(), key=lambda item: item[0][1])
+            if len(by_rank) == len(records)]
 
 
 def _judged_by(local: list[Finding], reduction: Reduction | None) -> list[Finding]:

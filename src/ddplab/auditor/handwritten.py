@@ -29,7 +29,6 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -51,8 +50,7 @@ STRATEGY = "manual"
 class _Reduced:
     """One collective over one gradient (or a list of them), this step."""
 
-    kind: str  # all_reduce, or reduce_scatter
-    call: str  # the collective's own name (reduce_scatter_tensor)
+    call: str  # the collective's own name (all_reduce, reduce_scatter_tensor)
     tensors: list  # the gradients it reduced (a reduce-scatter's inputs: one per shard, or the one flat input)
     output: torch.Tensor  # where the reduced values are: the gradient itself, or a reduce-scatter's output
     op: str | None  # "avg", "sum"; None for another op
@@ -63,6 +61,11 @@ class _Reduced:
     params: list = dataclasses.field(default_factory=list)  # the parameters whose gradients they are
     reduced: list[float] | None = None  # the same elements where the step takes them
     read: bool = False
+
+    @property
+    def kind(self) -> str:
+        """all_reduce, or reduce_scatter (whichever of its forms)."""
+        return "all_reduce" if self.call == "all_reduce" else "reduce_scatter"
 
 
 class _Tables:
@@ -94,7 +97,7 @@ def _op(value) -> str | None:
 
 
 def _arguments(name: str, args: tuple, kwargs: dict):
-    """(output, inputs, op, group, async) of a reducing collective's call, as torch names them."""
+    """(output, inputs, op, group) of a reducing collective's call, as torch names them."""
     names = ("tensor",) if name == "all_reduce" else ("output", "input")
     rest = ("op", "group", "async_op")
     bound = dict(zip((*names, *rest), args))
@@ -102,10 +105,10 @@ def _arguments(name: str, args: tuple, kwargs: dict):
     op = bound.get("op", dist.ReduceOp.SUM)
     if name == "all_reduce":
         tensor = bound.get("tensor")
-        return tensor, [tensor], op, bound.get("group"), bool(bound.get("async_op"))
+        return tensor, [tensor], op, bound.get("group")
     inputs = bound.get("input", bound.get("input_list"))
     inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-    return bound.get("output"), inputs, op, bound.get("group"), bool(bound.get("async_op"))
+    return bound.get("output"), inputs, op, bound.get("group")
 
 
 def _watching(audit: AuditState) -> bool:
@@ -119,21 +122,23 @@ def _watching(audit: AuditState) -> bool:
 def _collective(audit: AuditState, name: str, args: tuple, kwargs: dict, caller: str) -> None:
     if name not in REDUCING or not dist.is_initialized() or not _watching(audit):
         return
-    output, inputs, op, group, _ = _arguments(name, args, kwargs)
+    output, inputs, op, group = _arguments(name, args, kwargs)
     if not isinstance(output, torch.Tensor) or not all(isinstance(t, torch.Tensor) and tensors.is_plain(t)
                                                        for t in inputs):
         return
     if not all(t.is_floating_point() for t in inputs):
         return
     _TABLES.floats += sum(t.numel() for t in inputs)
+    info = _TABLES.info
+    full = len(_TABLES.seen) >= (PROBE_TENSORS if info is not None else CANDIDATES)
+    if full and (info is None or info.probe is None):
+        return  # nothing left to match this step: a loop reducing each gradient pays for its first few only
     params = _params_of(inputs)
-    if _TABLES.info is not None and params:
+    if info is not None and params:
         # A gradient reduced in the loop changes between backward and the step: that is the reduction's, measured
         # here, not a scaling of the program's (grad_scaling's probe would read the sum as one).
-        _TABLES.info.probe = None
-    if len(_TABLES.seen) >= (PROBE_TENSORS if _TABLES.info is not None else CANDIDATES):
-        return
-    if _TABLES.info is not None and not params:
+        info.probe = None
+    if full or (info is not None and not params):
         return
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     shards = _shards(name, output, inputs, len(ranks))
@@ -141,8 +146,7 @@ def _collective(audit: AuditState, name: str, args: tuple, kwargs: dict, caller:
         return
     # An all-reduce leaves every rank the one shard; a reduce-scatter leaves each its own, in the group's order.
     shard = ranks.index(dist.get_rank()) if name != "all_reduce" and dist.get_rank() in ranks else 0
-    kind = "all_reduce" if name == "all_reduce" else "reduce_scatter"
-    _TABLES.seen.append(_Reduced(kind, name, inputs, output, _op(op), ranks, shard, [_first(s) for s in shards],
+    _TABLES.seen.append(_Reduced(name, inputs, output, _op(op), ranks, shard, [_first(s) for s in shards],
                                  _TABLES.stepping is not None, params))
 
 
@@ -281,8 +285,7 @@ def _module_forward(audit: AuditState, module, args) -> None:
         # The outermost module holding every reduced parameter starts its forward first: the model's root.
         _TABLES.roots[module], _TABLES.placeholder = info, None
         info.module_ref = weakref.ref(module)
-        info.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
-                                    for m in module.modules())
+        info.batchnorm_layers = state.unsynced_batchnorms(module)
     batches.record_training_batch(audit, info, args)
 
 

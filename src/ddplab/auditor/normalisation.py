@@ -83,6 +83,17 @@ def judge(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVER
     if _equal(p.weight for p in parts):
         divisor = float(world_size) if divisor == AVERAGE else divisor
         return _one_normaliser(parts, world_size, step, divisor, total, engine_divides_by)
+    weighting = _weighting(parts)
+    if weighting is None:
+        return None  # not one constant over each part's own count: nothing to attribute
+    code, by_rank, spread = weighting
+    detail = _unequal_detail(parts, by_rank, code == "LOSS_NORMALISED_PER_MICRO_BATCH", total)
+    return Judgement(code, step, detail, spread)
+
+
+def _weighting(parts: list[Part]) -> tuple[str, dict[int, list[Part]], float] | None:
+    """Unequal weights attributed to a count: (the finding, the parts by rank, the spread of the weights); None
+    where no count explains them."""
     by_rank: dict[int, list[Part]] = {}
     for part in parts:
         by_rank.setdefault(part.rank, []).append(part)
@@ -94,10 +105,7 @@ def judge(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVER
     else:
         attributed = _follows([p.weight * p.count for p in parts], spread)
         code = "LOSS_NORMALISED_PER_MICRO_BATCH"
-    if not attributed:
-        return None  # not one constant over each part's own count: nothing to attribute
-    detail = _unequal_detail(parts, by_rank, code == "LOSS_NORMALISED_PER_MICRO_BATCH", total)
-    return Judgement(code, step, detail, spread)
+    return (code, by_rank, spread) if attributed else None
 
 
 def divided_twice(parts: list[Part], world_size: int, step: int, divisor: Divisor = AVERAGE,
@@ -136,12 +144,8 @@ def not_divided(parts: list[Part], world_size: int, step: int, divisor: Divisor 
     micro_batches = {len({p.micro_step for p in parts if p.rank == rank}) for rank in {p.rank for p in parts}}
     if len(micro_batches) != 1 or (steps := micro_batches.pop()) < 2:
         return None
-    by_rank: dict[int, list[Part]] = {}
-    for part in parts:
-        by_rank.setdefault(part.rank, []).append(part)
-    spread = max(p.weight for p in parts) / min(p.weight for p in parts)
-    if all(_equal(p.weight for p in own) for own in by_rank.values()) or \
-            not _follows([p.weight * p.count for p in parts], spread):
+    weighting = _weighting(parts)
+    if weighting is None or weighting[0] != "LOSS_NORMALISED_PER_MICRO_BATCH":
         return None  # one weight per rank, or no count explains the weights: not each micro-batch's own mean
     divisor = float(world_size) if divisor == AVERAGE else divisor
     scale = sum(p.weight * p.count for p in parts) / divisor

@@ -23,6 +23,11 @@ from ddplab.runtime.reduction import Reduction
 DATA_WINDOW_FACTOR = 4
 
 
+def unsynced_batchnorms(module: torch.nn.Module) -> int:
+    """The BatchNorm layers in ``module`` whose statistics each rank keeps for itself (not SyncBatchNorm)."""
+    return sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
+
+
 class WrapperInfo:
     """What the auditor knows about one data-parallel model: a DDP wrapper, or an FSDP2 root module (held weakly:
     it dies with the model)."""
@@ -44,8 +49,7 @@ class WrapperInfo:
         self.loader_batch = 0  # of those, the samples of forwards whose input a DataLoader returned
         self.bypassed = False
         self.syncs_buffers = False
-        self.batchnorm_layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
-                                    for m in module.modules())
+        self.batchnorm_layers = unsynced_batchnorms(module)
         self.micro_steps = 0  # training forwards since the last optimizer step
         self.carried: tuple[str, int] | None = None  # gradients the step's first backward started from
         self.zero_grad_calls = 0  # the process's zero_grad calls as of this model's last optimizer step
