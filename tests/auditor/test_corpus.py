@@ -118,6 +118,10 @@ CORRECT = {
     "class_weighted_global": Case("class_weighted.py"),
     "beta_vae_per_sample_kl": Case("beta_vae.py"),
     "near_count_times_world": Case("near_count.py"),
+    # open_clip's ClipLoss with gather_with_grad: every rank's share summed back into each slice, local loss or not.
+    "clip_gather_with_grad": Case("clip.py", ("--gather-with-grad",)),
+    "clip_local_loss_gather_with_grad": Case("clip.py", ("--local-loss", "--gather-with-grad")),
+    "clip_accum_gather_with_grad": Case("clip.py", ("--accum-freq", "2", "--gather-with-grad")),
     "simclr_autograd_gather": Case("simclr.py", ("--gather", "autograd")),
     "simclr_slice_times_world": Case("simclr.py", ("--gather", "slice-times-world")),
     "tp_dp_mean": Case("tp_dp_sum.py", world_size=4, launchers=("torchrun",)),
@@ -162,7 +166,8 @@ DEFAULT_CORRECT = [
     ("simclr_autograd_gather", "fork"), ("simclr_slice_times_world", "spawn"), ("tp_dp_mean", "torchrun"),
     ("tune_recipe_scaled", "fork"), ("tune_recipe_sum_foreach", "fork"), ("tune_recipe_fsdp_sum_divide", "torchrun"),
     ("by_hand_loop_sum_divide", "fork"), ("by_hand_loop_sum_global_count", "fork"),
-    ("by_hand_optimizer_avg", "torchrun"),
+    ("by_hand_optimizer_avg", "torchrun"), ("clip_gather_with_grad", "torchrun"),
+    ("clip_local_loss_gather_with_grad", "fork"), ("clip_accum_gather_with_grad", "fork"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -273,6 +278,13 @@ MISTAKES = {
     # A GatherLayer whose backward returns only this rank's slice, the loss not × W.
     "simclr_slice_gather": (Case("simclr.py", ("--gather", "slice")), {"GATHERED_LOSS_WITHOUT_WORLD_SIZE": "warning"},
                             {}, "torchrun"),
+    # open_clip's default: dist.all_gather without autograd, this rank's features put back with their graph.
+    "clip_no_grad_gather": (Case("clip.py"), {"GATHERED_LOSS_WITHOUT_WORLD_SIZE": "warning"}, {}, "torchrun"),
+    "clip_no_grad_gather_accum": (Case("clip.py", ("--accum-freq", "2")),
+                                  {"GATHERED_LOSS_WITHOUT_WORLD_SIZE": "warning"}, {}, "fork"),
+    # A local loss whose gather puts the own slice back: the ranks' losses differ, the others' terms are dropped.
+    "clip_local_loss_put_back": (Case("clip.py", ("--local-loss", "--put-back")), {"GATHERED_TERMS_MISSING": "warning"},
+                                 {}, "fork"),
     # The official FSDP + TP example's model(inp).sum() on a dp × tp mesh.
     "tp_dp_hand_sum": (Case("tp_dp_sum.py", ("--loss", "sum"), world_size=4, launchers=("torchrun",)),
                        {"SUM_REDUCTION": "warning"}, {}, "torchrun"),
@@ -348,6 +360,12 @@ MESSAGES = {
     "near_count_without_world": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "elements, where the loss uses"),
     "simclr_slice_gather": ("GATHERED_LOSS_WITHOUT_WORLD_SIZE", "gathered from the 2 ranks, and its backward "
                                                                 "returned only rank"),
+    "clip_no_grad_gather": ("GATHERED_LOSS_WITHOUT_WORLD_SIZE", "every rank's slice kept exactly 1/2 of what the 2 "
+                                                                "ranks' losses sent it (the same loss on every rank)"),
+    "clip_no_grad_gather_accum": ("GATHERED_LOSS_WITHOUT_WORLD_SIZE",
+                                  "at 1/2: 8 parameter tensors (visual.2.bias, text.2.bias, visual.2.weight, …); "
+                                  "reached outside the gather, whole: 1 parameter tensor (logit_scale)"),
+    "clip_local_loss_put_back": ("GATHERED_TERMS_MISSING", "(a scale would be 1/2 at cosine 1)"),
     "tp_dp_hand_sum": ("SUM_REDUCTION", "FSDP2 averages the gradients over the 2 data-parallel ranks"),
     "tune_recipe_no_world": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "the gradient is 1/2 of the global mean's (these "
                                                                 "weights include the program's scaling of the "
@@ -670,6 +688,40 @@ def test_what_the_reduction_findings_say_is_the_gradient_measured_against_one_pr
     tune = alone("tune_recipe.py")
     assert ratio(_plain(CORRECT["tune_recipe_scaled"], "fork"), tune) == pytest.approx(1, rel=1e-4)
     assert ratio(_audited(MISTAKES["tune_recipe_no_world"][0], "fork")[0], tune) == pytest.approx(0.5, rel=1e-4)
+
+
+def _first_step(run: Run) -> tuple[float, float, list[float]]:
+    """clip.py's first step: the towers' gradient norm, the logit scale's gradient, 8 of the towers' elements."""
+    def line(what):
+        return re.search(rf"^step 0 {what} (.+)$", run.stdout, re.MULTILINE).group(1)
+    return float(line("grad norm")), float(line("logit_scale grad")), [float(v) for v in line("grad sample").split()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(6 * LAUNCH_TIMEOUT_S + 60)
+def test_what_the_gather_findings_say_is_the_gradient_measured_against_one_process():
+    """open_clip's ClipLoss on 2 ranks against one process fed the same global batch (one process gathers nothing):
+    with autograd the gradient is one process's; the default's put-back slices give the towers exactly 1/2 and the
+    logit scale all of its gradient, with accumulation too; a local loss over put-back slices is no scale at all."""
+    def alone(*flags):
+        run = _run(Case("clip.py", (*flags, "--batch-size", "16"), world_size=1).command("fork"))
+        assert run.returncode == 0, _why("the program fails on one rank", run, None)
+        return _first_step(run)
+
+    for reference, runs in ((alone(), {"clip_gather_with_grad": 1, "clip_no_grad_gather": 0.5,
+                                       "clip_local_loss_gather_with_grad": 1, "clip_local_loss_put_back": None}),
+                            (alone("--accum-freq", "2"), {"clip_accum_gather_with_grad": 1,
+                                                          "clip_no_grad_gather_accum": 0.5})):
+        for name, factor in runs.items():
+            run = _plain(CORRECT[name], "fork") if name in CORRECT else _plain(MISTAKES[name][0], "fork")
+            norm, logit_scale, sample = _first_step(run)
+            assert logit_scale == pytest.approx(reference[1], rel=1e-5), name
+            ratios = [value / expected for value, expected in zip(sample, reference[2])]
+            if factor is None:  # terms missing: the elements' ratios differ, so no one factor describes it
+                assert max(ratios) - min(ratios) > 0.1, name
+            else:
+                assert norm / reference[0] == pytest.approx(factor, rel=1e-5), name
+                assert ratios == pytest.approx([factor] * len(ratios), rel=1e-4), name
 
 
 @pytest.mark.slow

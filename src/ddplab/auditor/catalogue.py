@@ -191,6 +191,14 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
         "{reduction}: the gradient is 1/{size} of what one process computing the same loss gets",
         "multiply the loss by the world size, or gather with torch.distributed.nn.functional.all_gather, whose "
         "backward all-reduces the gradient of every gathered slice"),
+    "GATHERED_TERMS_MISSING": (
+        WARNING,
+        "the loss is computed over features all-gathered from every rank by a gather without autograd: what each "
+        "rank's loss sends the other ranks' rows is dropped, and the ranks' losses differ (a local loss), so the "
+        "gradient lacks those terms: not a scale of what one process computing the same loss gets, but another "
+        "direction",
+        "gather with torch.distributed.nn.functional.all_gather, whose backward sums what every rank's loss sends "
+        "each slice (with a local loss too: open_clip's --gather-with-grad)"),
     "ACCUMULATION_DIVIDED_TWICE": (
         WARNING,
         "the loss was divided by the gradient accumulation steps, and the engine's backward divided it by them again "

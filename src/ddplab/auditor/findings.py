@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from ddplab.auditor import normalisation
+from ddplab.auditor import normalisation, slice_shares
 from ddplab.auditor.catalogue import (
     CATALOGUE,
     ERROR,
@@ -312,6 +312,12 @@ def cross_rank_findings(records: list[dict[str, Any]], reduction: Reduction | No
     different = _tensor_parallel_batches(records)
     if different is not None:
         out.append(different)
+    gathered = slice_shares.judge(records)
+    if gathered is not None:
+        finding = Finding.make(gathered[0], 0, gathered[1])
+        finding.ranks = sorted(record.get("rank", 0) for record in records)
+        finding.fix = gathered[2] or finding.fix
+        out.append(finding)
     return out
 
 

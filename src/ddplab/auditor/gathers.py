@@ -9,10 +9,17 @@ this rank's rows, so after DDP's average the gradient is 1/W of one process's, u
 Judged by evidence: once the program gathers a tensor that requires grad in the audited window, a hook on each custom
 autograd function near the loss compares what its backward returned with its slice of what it received. The
 hook returns None (the gradient is unchanged) and reads plain tensors only.
+
+A gather without autograd (``dist.all_gather`` into a list, this rank's own features put back in its place with
+their graph, then ``torch.cat``: open_clip's default) leaves a cat whose only input with a gradient is this rank's
+slice. A hook on it copies a few elements of what every slice received; at the merge (:mod:`.slice_shares`) each
+rank's slice is compared with the sum every rank's loss sent it: one share, 1/W, is the same loss on every rank
+(a 1/W scale on the parameters behind the slice); shares that differ are terms missing.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -24,6 +31,10 @@ from ddplab.guest import tensors
 from ddplab.guest.patches import Patches
 
 GATHERS = ("all_gather", "all_gather_into_tensor")
+PUT_BACK = ("CatBackward", "StackBackward")
+SAMPLES = 16  # elements of each slice's gradient copied for the merge
+MAX_SLICE_RECORDS = 32
+PARAMETER_SEARCH = 4096  # autograd nodes walked, once per run, to name the parameters behind a put-back slice
 
 
 def install(patches: Patches) -> None:
@@ -38,27 +49,110 @@ def _on_collective(name: str, args: tuple, kwargs: dict, caller: str) -> None:
 @state.guarded("watching an all_gather")
 def _note_gather(audit, args, kwargs) -> None:
     tensor = args[1] if len(args) > 1 else kwargs.get("tensor", kwargs.get("input_tensor"))
-    if not (audit.armed and isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+    if not (audit.armed and isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
         return
     group = kwargs.get("group", args[2] if len(args) > 2 else None)
-    audit.gathered = (dist.get_rank(group), dist.get_world_size(group))
+    # A detached copy gathered (its own slice put back later) is watched for the put-back cat only.
+    grad = tensor.requires_grad or bool(audit.gathered and audit.gathered[2])
+    audit.gathered = (dist.get_rank(group), dist.get_world_size(group), grad)
 
 
 def before_backward(audit, root, terms: list[scales.Reached]) -> None:
     """Backward from a loss in a step that gathered features: watch the custom functions between them."""
     if audit.gathered is None:
         return
-    rank, size = audit.gathered
+    rank, size, custom = audit.gathered
     loss = next((term for term in terms if term.record.divide_by_count or term.record.summed), None)
-    seen, frontier = set(), [root]
+    backward, audit.gather_backwards = audit.gather_backwards, audit.gather_backwards + 1
+    put_back, seen, frontier = [], set(), collections.deque([root])
     while frontier and len(seen) < scales.SEARCH_NODES:
-        node = frontier.pop()
+        node = frontier.popleft()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if custom and isinstance(node, torch.autograd.function.BackwardCFunction):
             node.register_hook(functools.partial(_compared, loss, rank, size, type(node).__name__))
+        elif _puts_back(node, rank, size):
+            put_back.append(node)
         frontier.extend(child for child, _ in node.next_functions)
+    if not put_back:
+        return
+    if audit.gather_split is None:
+        audit.gather_split = _parameters_split(audit, root, put_back, rank)
+    site = loss.record.site if loss is not None else None
+    for node in put_back:
+        node.register_hook(functools.partial(_sampled, backward, rank, size, _compensated(terms, size), site,
+                                             node.name(), int(getattr(node, "_saved_dim", 0))))
+
+
+def _puts_back(node, rank: int, size: int) -> bool:
+    """A cat (or stack) of one slice per rank where only this rank's own slice carries a gradient."""
+    if size < 2 or not node.name().startswith(PUT_BACK) or len(node.next_functions) != size:
+        return False
+    carrying = [index for index, (child, _) in enumerate(node.next_functions) if child is not None]
+    return carrying == [rank]
+
+
+def _compensated(terms: list[scales.Reached], size: int) -> bool | None:
+    """Whether the loss was multiplied by the world size (True), was not (False), or cannot be told (None)."""
+    if not terms or any(term.scale is None for term in terms):
+        return None
+    return any(multiplier % size == 0 for term in terms for multiplier in term.multipliers)
+
+
+def _parameters_split(audit, root, put_back: list, rank: int) -> dict:
+    """The parameters whose gradient comes only through this rank's put-back slices, and those reached only outside
+    every gather (named as the model names them)."""
+    names = {id(p): name for info in list(audit.wrappers.values()) for name, p in info.params()}
+    through = _parameters(child for node in put_back for child, _ in node.next_functions[rank:rank + 1])
+    outside = _parameters([root], avoid={id(node) for node in put_back})
+    return {"through": [names.get(i, "?") for i in through if i not in outside],
+            "outside": [names.get(i, "?") for i in outside if i not in through]}
+
+
+def _parameters(roots, avoid: frozenset | set = frozenset()) -> list[int]:
+    """ids of the parameters (leaves) backward reaches from ``roots``, in the order reached."""
+    found, seen, frontier = {}, set(avoid), collections.deque(roots)
+    while frontier and len(seen) < PARAMETER_SEARCH:
+        node = frontier.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.setdefault(id(variable), None)
+        frontier.extend(child for child, _ in node.next_functions)
+    return list(found)
+
+
+def _sampled(backward: int, rank: int, size: int, compensated, site, name: str, dim: int, grad_inputs, grad_outputs):
+    _sample(backward, rank, size, compensated, site, name, dim, grad_outputs)
+    return None
+
+
+@state.guarded("copying a gathered slice's gradient")
+def _sample(audit, backward: int, rank: int, size: int, compensated, site, name: str, dim: int, grad_outputs) -> None:
+    received = grad_outputs[0] if grad_outputs else None
+    if not (isinstance(received, torch.Tensor) and tensors.is_plain(received)) or \
+            len(audit.gathered_slices) >= MAX_SLICE_RECORDS:
+        return
+    if name.startswith("StackBackward"):
+        pieces = received.unbind(dim)
+    elif received.dim() and received.shape[dim] % size == 0:
+        pieces = received.split(received.shape[dim] // size, dim)
+    else:
+        return
+    shape = list(pieces[0].shape)
+    count = pieces[0].numel()
+    if not count:
+        return
+    positions = torch.linspace(0, count - 1, min(SAMPLES, count)).round().long().to(received.device)
+    ordinal = sum(1 for entry in audit.gathered_slices
+                  if entry["step"] == audit.steps and entry["backward"] == backward and entry["shape"] == shape)
+    audit.gathered_slices.append({
+        "step": audit.steps, "backward": backward, "shape": shape, "ordinal": ordinal, "kept": rank, "size": size,
+        "samples": [piece.detach().reshape(-1)[positions].double().cpu().tolist() for piece in pieces],
+        "compensated": compensated, "site": site, **(audit.gather_split or {})})
 
 
 def _compared(loss, rank: int, size: int, name: str, grad_inputs, grad_outputs):

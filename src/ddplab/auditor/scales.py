@@ -39,25 +39,33 @@ class Reached:
     """The product of the numbers on the way; None where a tensor of the program's (a count) is among them."""
     python_floats: bool
     """Whether any factor on the way was a Python float (a constant the program wrote, such as β or −½)."""
+    multipliers: tuple[float, ...] = ()
+    """The integers the term was multiplied by on the way (the world size, if the program scales by it)."""
 
 
 def reached(root, loss_dtype: torch.dtype) -> list[Reached]:
     """Every tagged term on a linear path from ``root`` (the autograd node backward starts from)."""
     found: list[Reached] = []
-    stack = [(root, 1.0, False)]
+    stack = [(root, 1.0, False, ())]
     visited = 0
     while stack and visited < SEARCH_NODES:
-        node, scale, floats = stack.pop()
+        node, scale, floats, multipliers = stack.pop()
         visited += 1
         if node is None:
             continue
         record = node.metadata.get(RECORD)
         if record is not None:
-            found.append(Reached(record, scale, floats))
+            found.append(Reached(record, scale, floats, multipliers))
             continue
-        stack.extend((child, None if scale is None or factor is None else scale * factor, floats or is_float)
+        stack.extend((child, None if scale is None or factor is None else scale * factor, floats or is_float,
+                      multipliers + _integer_multiplier(factor, is_float))
                      for child, factor, is_float in _children(node, loss_dtype))
     return found
+
+
+def _integer_multiplier(factor: float | None, is_float: bool) -> tuple[float, ...]:
+    """A factor that multiplies by an integer greater than 1 (a division's factor is below 1: never one)."""
+    return (factor,) if factor is not None and not is_float and factor > 1 and float(factor).is_integer() else ()
 
 
 def _children(node, loss_dtype: torch.dtype) -> list[tuple[object, float | None, bool]]:

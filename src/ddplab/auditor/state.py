@@ -97,8 +97,14 @@ class AuditState:
         self.summed_at_backward = False
         self.weight_records: list = []  # what a loss's elements weigh, this step (:mod:`ddplab.auditor.weights`)
         self.output_nodes: list = []  # autograd nodes of this step's training forwards' outputs
-        # (rank, size) of a gather of features that require grad, this step (:mod:`ddplab.auditor.gathers`).
-        self.gathered: tuple[int, int] | None = None
+        # (rank, size, whether the features required grad) of a gather of floating-point features, this step
+        # (:mod:`ddplab.auditor.gathers`).
+        self.gathered: tuple[int, int, bool] | None = None
+        self.gather_backwards = 0  # backward passes from a loss over gathered features, this step
+        # A few elements of what each put-back slice's cat received, for the merge (:mod:`.slice_shares`), and the
+        # parameters behind those slices and outside them, named once.
+        self.gathered_slices: list[dict] = []
+        self.gather_split: dict | None = None
         self.zero_grad_calls = 0  # Optimizer.zero_grad and Module.zero_grad calls, any optimizer or module
         self.frameworks: set[str] = set()  # the training frameworks the program imported (their fixes' words)
         self.wrappers: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DDP wrapper → WrapperInfo
@@ -169,7 +175,8 @@ class AuditState:
                 "steps_requested": self.steps_to_audit, "total_steps": self.total_steps,
                 "findings": [vars(f) for f in self._with_info()], "windows": self.windows, "batches": self.batches,
                 "index_batches": self.index_batches, "samplers": self.samplers,
-                "audited_batches": self.audited_batches, "joined": self.joined, "frameworks": sorted(self.frameworks),
+                "audited_batches": self.audited_batches, "joined": self.joined,
+                "gathered_slices": self.gathered_slices, "frameworks": sorted(self.frameworks),
                 "peers": self.peers, "interim": self.interim}
 
     def _with_info(self) -> list[fnd.Finding]:

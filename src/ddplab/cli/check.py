@@ -24,10 +24,11 @@ for each run, and compares the gradient each of its first K optimizer steps rece
 update it made, per parameter and module: gradient_ratio (exact) and cosine (from seeded
 sketches, the same on both sides: nothing is gathered). Verdicts: EQUIVALENT, ROUNDING (half
 precision), INCOMPARABLE (the one process drew another first batch), or DIVERGES with its cause
-(SUM_REDUCTION, ACCUMULATION_DIVIDED_TWICE, GATHERED_LOSS_WITHOUT_WORLD_SIZE, GRADIENT_SCALE,
-NO_ALLREDUCE, SAMPLES_DIFFER, INITIALISATION, LR_SCALED_BY_WORLD_SIZE, UPDATE_DIFFERS, or the
-audit's finding on the same run, which runs beside the split run unless --no-audit). Dropout is turned off in both runs
-(said so); each run ends after its K steps.
+(SUM_REDUCTION, ACCUMULATION_DIVIDED_TWICE, ACCUMULATION_NOT_DIVIDED, GATHERED_LOSS_WITHOUT_WORLD_SIZE,
+GATHERED_TERMS_MISSING, GRADIENT_SCALE, NO_ALLREDUCE, SAMPLES_DIFFER, INITIALISATION,
+LR_SCALED_BY_WORLD_SIZE, UPDATE_DIFFERS, or the audit's finding on the same run, which runs beside
+the split run unless --no-audit). Dropout is turned off in both runs (said so); each run ends
+after its K steps.
 
 The spec form: train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
 process on the ranks' batches concatenated in rank order (global batch W·b), both in float64;

@@ -25,9 +25,9 @@ SAME_RATIO = 1e-3
 HALF_TYPES = ("float16", "bfloat16")
 # The audit's findings that say why a gradient differs, in the order they are preferred as the named cause.
 GRADIENT_FINDINGS = ("NO_ALLREDUCE", "SUM_REDUCTION", "GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "DIVIDE_FACTOR",
-                     "GATHERED_LOSS_WITHOUT_WORLD_SIZE", "ACCUMULATION_DIVIDED_TWICE", "LOSS_NORMALISED_PER_DEVICE",
-                     "LOSS_NORMALISED_PER_MICRO_BATCH", "BATCHNORM_NOT_SYNCED", "LR_SCALED_BY_WORLD_SIZE",
-                     "SAME_DATA_ON_ALL_RANKS")
+                     "GATHERED_LOSS_WITHOUT_WORLD_SIZE", "ACCUMULATION_DIVIDED_TWICE", "GATHERED_TERMS_MISSING",
+                     "LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH", "ACCUMULATION_NOT_DIVIDED",
+                     "BATCHNORM_NOT_SYNCED", "LR_SCALED_BY_WORLD_SIZE", "SAME_DATA_ON_ALL_RANKS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +238,8 @@ def _cause(config: CommandCheckConfig, steps: list[StepComparison], step: StepCo
 
 
 # The audit's findings that are a pure scale of the gradient: where the audit names one, its name is the cause.
-SCALE_FINDINGS = ("SUM_REDUCTION", "GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "DIVIDE_FACTOR", "ACCUMULATION_DIVIDED_TWICE")
+SCALE_FINDINGS = ("SUM_REDUCTION", "GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "DIVIDE_FACTOR", "ACCUMULATION_DIVIDED_TWICE",
+                  "ACCUMULATION_NOT_DIVIDED")
 
 
 def _scale_cause(config: CommandCheckConfig, step: StepComparison, named: str | None, audit: str,
@@ -249,6 +250,8 @@ def _scale_cause(config: CommandCheckConfig, step: StepComparison, named: str | 
     measured = f"(ratio {ratio:.6f}, cos {grad.cosine:.6f})"
     fits = [code for code, n in (("SUM_REDUCTION", world), ("ACCUMULATION_DIVIDED_TWICE", micro))
             if n > 1 and abs(ratio * n - 1) <= close.ratio]
+    if not fits and micro > 1 and abs(ratio / micro - 1) <= close.ratio:
+        fits = ["ACCUMULATION_NOT_DIVIDED"]
     cause = named if named in SCALE_FINDINGS else (fits[0] if fits else "GRADIENT_SCALE")
     text = f"from step {step.step} the ranks' gradient is {_fraction(ratio, close)} the one process's {measured}"
     if fits == ["SUM_REDUCTION"] or (cause == "SUM_REDUCTION" and not named):
@@ -256,7 +259,7 @@ def _scale_cause(config: CommandCheckConfig, step: StepComparison, named: str | 
                  "are averaged")
     elif fits == ["ACCUMULATION_DIVIDED_TWICE"]:
         text += f": each of the {micro} micro-batches' losses is divided by {micro} twice"
-    elif micro > 1 and abs(ratio / micro - 1) <= close.ratio:
+    elif fits == ["ACCUMULATION_NOT_DIVIDED"]:
         text += f": {micro}× is the accumulation steps: each micro-batch's loss is not divided by the {micro} of them"
     elif len(fits) == 2:
         text += (f": 1/{world} is both 1/W and 1/K here, a summed loss or a loss divided twice by the accumulation "
