@@ -111,6 +111,19 @@ def test_ranks_that_never_average_their_gradients_are_no_allreduce(capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_micro_batch_means_never_divided_by_the_accumulation_steps_are_k_times_the_gradient(capsys):
+    """Equal micro-batches: each mean undivided is exactly K times the step's mean, a pure scale the audit cannot tell
+    from a constant of the program's; check names it with the audit's name for it."""
+    result = _classifier(capsys, "--grad-accum", "{accumulation_steps}", "--mistake", "accum-undivided",
+                         flags=("--accumulation", "2"))
+    assert (result["verdict"], result["cause"]) == ("DIVERGES", "ACCUMULATION_NOT_DIVIDED")
+    step = _step0(result)
+    assert step["gradient_ratio"] == pytest.approx(2, rel=1e-5) and step["cosine"] > 1 - 1e-6
+    assert "2× is the accumulation steps" in result["explanation"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("gather", ["autograd", "no-grad", "local"])
 def test_a_clip_loss_over_gathered_features_each_way(capsys, gather):
     result = _check(capsys, "clip.py", "--batch-size", "{per_device_batch_size}", "--gather", gather)

@@ -2,9 +2,13 @@
 dropout, SGD with momentum. ``--mistake`` plants one mistake; without it the script is correct.
 
     torchrun --nproc_per_node 2 classifier.py --batch-size 8 [--strategy fsdp|hsdp] [--mistake sum]
+
+``--grad-accum K`` accumulates K micro-batches per step under ``no_sync``, each loss ÷ K; the mistake
+``accum-undivided`` leaves each micro-batch's mean undivided (K times the step's mean).
 """
 
 import argparse
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -13,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-MISTAKES = ("none", "sum", "seed-per-rank", "lr-times-world", "no-ddp")
+MISTAKES = ("none", "sum", "seed-per-rank", "lr-times-world", "no-ddp", "accum-undivided")
 
 
 def parse_args():
@@ -21,6 +25,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=8, help="samples per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--strategy", choices=("ddp", "fsdp", "hsdp"), default="ddp")
     parser.add_argument("--mistake", choices=MISTAKES, default="none")
     parser.add_argument("--autocast", action="store_true", help="the forward in bfloat16 autocast")
@@ -73,12 +78,20 @@ class Trainer:
         reduction = "sum" if self.args.mistake == "sum" else "mean"
         for epoch in range(self.args.epochs):
             self.sampler.set_epoch(epoch)
-            for step, (x, y) in enumerate(self.loader):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.args.autocast):
-                    logits = self.model(x)
-                loss = F.cross_entropy(logits.float(), y, reduction=reduction)
+            batches = iter(self.loader)
+            for step in range(len(self.loader) // self.args.grad_accum):
                 self.optimizer.zero_grad()
-                loss.backward()
+                for micro in range(self.args.grad_accum):
+                    x, y = next(batches)
+                    last = micro == self.args.grad_accum - 1
+                    syncing = last or not isinstance(self.model, DDP)
+                    with contextlib.nullcontext() if syncing else self.model.no_sync():
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.args.autocast):
+                            logits = self.model(x)
+                        loss = F.cross_entropy(logits.float(), y, reduction=reduction)
+                        if self.args.mistake != "accum-undivided":
+                            loss = loss / self.args.grad_accum
+                        loss.backward()
                 self.optimizer.step()
                 if self.rank == 0 and step % 20 == 0:
                     print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
