@@ -122,6 +122,8 @@ CORRECT = {
     "clip_gather_with_grad": Case("clip.py", ("--gather-with-grad",)),
     "clip_local_loss_gather_with_grad": Case("clip.py", ("--local-loss", "--gather-with-grad")),
     "clip_accum_gather_with_grad": Case("clip.py", ("--accum-freq", "2", "--gather-with-grad")),
+    # TRL's DPOTrainer shape: a pair's two sequences in one forward, DPO's mean over the pairs.
+    "preference_pairs": Case("preference_pairs.py"),
     "simclr_autograd_gather": Case("simclr.py", ("--gather", "autograd")),
     "simclr_slice_times_world": Case("simclr.py", ("--gather", "slice-times-world")),
     "tp_dp_mean": Case("tp_dp_sum.py", world_size=4, launchers=("torchrun",)),
@@ -168,6 +170,7 @@ DEFAULT_CORRECT = [
     ("by_hand_loop_sum_divide", "fork"), ("by_hand_loop_sum_global_count", "fork"),
     ("by_hand_optimizer_avg", "torchrun"), ("clip_gather_with_grad", "torchrun"),
     ("clip_local_loss_gather_with_grad", "fork"), ("clip_accum_gather_with_grad", "fork"),
+    ("preference_pairs", "fork"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -285,6 +288,8 @@ MISTAKES = {
     # A local loss whose gather puts the own slice back: the ranks' losses differ, the others' terms are dropped.
     "clip_local_loss_put_back": (Case("clip.py", ("--local-loss", "--put-back")), {"GATHERED_TERMS_MISSING": "warning"},
                                  {}, "fork"),
+    # open_clip's --local-loss without --gather-with-grad: every gathered copy detached, its own too.
+    "clip_local_loss": (Case("clip.py", ("--local-loss",)), {"GATHERED_TERMS_MISSING": "warning"}, {}, "fork"),
     # The official FSDP + TP example's model(inp).sum() on a dp × tp mesh.
     "tp_dp_hand_sum": (Case("tp_dp_sum.py", ("--loss", "sum"), world_size=4, launchers=("torchrun",)),
                        {"SUM_REDUCTION": "warning"}, {}, "torchrun"),
@@ -366,6 +371,8 @@ MESSAGES = {
                                   "at 1/2: 8 parameter tensors (visual.2.bias, text.2.bias, visual.2.weight, …); "
                                   "reached outside the gather, whole: 1 parameter tensor (logit_scale)"),
     "clip_local_loss_put_back": ("GATHERED_TERMS_MISSING", "(a scale would be 1/2 at cosine 1)"),
+    "clip_local_loss": ("GATHERED_TERMS_MISSING", "every gathered copy detached (this rank's own too: nothing put "
+                                                  "back); at step 0 what the product sent the gathered copies had"),
     "tp_dp_hand_sum": ("SUM_REDUCTION", "FSDP2 averages the gradients over the 2 data-parallel ranks"),
     "tune_recipe_no_world": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "the gradient is 1/2 of the global mean's (these "
                                                                 "weights include the program's scaling of the "
@@ -394,7 +401,13 @@ CONFIGURED_LR = {"step_budget_two_passes": 0.02, "nanogpt_eval_all": 3e-3}
 GLOBAL_BATCH = {"token_lm_fsdp_tp_global": 4 * 2 * 2, "gan_freeze": 64, "gan_plain": 64, "trainer_class": 32,
                 # Micro-batch × accumulation steps × the data-parallel size: never the world size when tp > 1.
                 "fsdp_trainer": 8 * 2 * 2, "fsdp_trainer_4": 8 * 2 * 4, "hsdp_reduce_every_micro_batch": 8 * 2 * 4,
-                "tp_dp": 4 * 2, **{name: 4 * 2 * 2 for name in CORRECT if name.startswith("by_hand")}}
+                "tp_dp": 4 * 2, **{name: 4 * 2 * 2 for name in CORRECT if name.startswith("by_hand")},
+                # Counted in the samples the loaders returned, where the forwards took rows made from them.
+                "preference_pairs": 4 * 2, "simclr_autograd_gather": 8 * 2, "clip_gather_with_grad": 8 * 2}
+# What the global batch counts where it is not the forwards' rows (None: it is).
+GLOBAL_BATCH_UNIT = {"preference_pairs": "samples the DataLoaders returned; the model's forwards took 16 rows",
+                     "simclr_autograd_gather": "samples the DataLoaders returned; the model's forwards took 32 rows",
+                     "clip_gather_with_grad": None, "trainer_class": None}
 # The run under a mesh: (data-parallel size, strategy, mesh); DDP runs report their group's size and no mesh.
 SETTING = {"token_lm_fsdp_tp_global": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
            "tp_dp_mean": (2, "fsdp+tp", {"dp": 2, "tp": 2}),
@@ -593,6 +606,9 @@ def test_a_correct_program_runs_unchanged_and_clean_under_audit(name, launcher):
     if name in GLOBAL_BATCH:
         assert report["global_batch_size"] == GLOBAL_BATCH[name], \
             _why(f"GLOBAL BATCH: {report['global_batch_size']}", audited, report)
+    if name in GLOBAL_BATCH_UNIT:
+        assert report["global_batch_unit"] == GLOBAL_BATCH_UNIT[name], \
+            _why(f"GLOBAL BATCH UNIT: {report['global_batch_unit']}", audited, report)
     if name in SETTING:
         setting = (report["data_parallel_size"], report["strategy"], report["mesh"])
         assert setting == SETTING[name], _why(f"SETTING: {setting}", audited, report)
@@ -702,14 +718,16 @@ def _first_step(run: Run) -> tuple[float, float, list[float]]:
 def test_what_the_gather_findings_say_is_the_gradient_measured_against_one_process():
     """open_clip's ClipLoss on 2 ranks against one process fed the same global batch (one process gathers nothing):
     with autograd the gradient is one process's; the default's put-back slices give the towers exactly 1/2 and the
-    logit scale all of its gradient, with accumulation too; a local loss over put-back slices is no scale at all."""
+    logit scale all of its gradient, with accumulation too; a local loss over put-back or detached slices is no
+    scale at all."""
     def alone(*flags):
         run = _run(Case("clip.py", (*flags, "--batch-size", "16"), world_size=1).command("fork"))
         assert run.returncode == 0, _why("the program fails on one rank", run, None)
         return _first_step(run)
 
     for reference, runs in ((alone(), {"clip_gather_with_grad": 1, "clip_no_grad_gather": 0.5,
-                                       "clip_local_loss_gather_with_grad": 1, "clip_local_loss_put_back": None}),
+                                       "clip_local_loss_gather_with_grad": 1, "clip_local_loss_put_back": None,
+                                       "clip_local_loss": None}),
                             (alone("--accum-freq", "2"), {"clip_accum_gather_with_grad": 1,
                                                           "clip_no_grad_gather_accum": 0.5})):
         for name, factor in runs.items():

@@ -186,7 +186,8 @@ class _Stream:
 
     def __init__(self, signature: str | None):
         self.signature = signature
-        self.drawn: deque[str] = deque(maxlen=DRAWN_AHEAD)
+        # (fingerprint, samples) of each index batch drawn; samples None where the loader batches nothing itself.
+        self.drawn: deque[tuple[str, int | None]] = deque(maxlen=DRAWN_AHEAD)
 
 
 def _watched_next_index(original_next_index):
@@ -232,7 +233,7 @@ def _index_drawn(audit, loader_iter, index) -> None:
     if stream is None:
         stream = _TABLES.streams[loader_iter] = _Stream(_signature(getattr(loader_iter, "_dataset", None)))
     if stream.signature is not None:
-        stream.drawn.append(_index_fingerprint(stream.signature, index))
+        stream.drawn.append((_index_fingerprint(stream.signature, index), _samples(index)))
 
 
 @state.guarded("watching a DataLoader's batches")
@@ -241,12 +242,32 @@ def _batch_loaded(audit, loader_iter, batch) -> None:
     if stream is None or not stream.drawn or not _collecting(audit):
         return
     # Loaders return batches in the order their indices were drawn (prefetching draws ahead).
-    fingerprint = stream.drawn.popleft()
+    fingerprint, samples = stream.drawn.popleft()
+    _count_loaded(audit, samples)
     first = _first_tensor(batch)
     if first is not None:
         audit.loaded[tensors.digest(first)] = fingerprint
         while len(audit.loaded) > LOADED_WINDOW:
             audit.loaded.pop(next(iter(audit.loaded)))
+
+
+def _samples(index) -> int | None:
+    """Samples in an index batch the loader's sampler drew; None for one index (the dataset returns a batch)."""
+    if isinstance(index, (list, tuple)):
+        return len(index)
+    if isinstance(index, torch.Tensor) and index.dim() == 1:
+        return int(index.shape[0])
+    return None
+
+
+def _count_loaded(audit, samples: int | None) -> None:
+    """The samples training loaders returned since the last optimizer step, in the program's own unit (pairs,
+    documents before packing): a batch loaded while the newest trained model is in eval mode is no training batch."""
+    info = audit.training_info
+    model = info.root() if info is not None else None
+    if not audit.armed or (model is not None and not model.training):
+        return
+    audit.loaded_samples = None if samples is None or audit.loaded_samples is None else audit.loaded_samples + samples
 
 
 def training_forward(audit, key: str, inputs, window: int) -> bool:

@@ -75,6 +75,8 @@ class Report:
     step of a data-parallel model was audited."""
     unaudited: str | None = None
     """Why a run that started no step ddplab reads was not audited (an engine it does not read); None otherwise."""
+    global_batch_unit: str | None = None
+    """What the global batch counts where it is not the rows of the model's forwards (the loaders' samples)."""
 
     @property
     def audited(self) -> bool:
@@ -108,7 +110,8 @@ class Report:
         reduction = self.reduction
         # The reduction is named where the program chose it: a sum, a divisor of its own, a comm hook.
         chosen = f"; {reduction.describe()}" if reduction is not None and reduction.source else ""
-        return f"{setting}, global batch {self.global_batch_size}, lr {format_lr(self.lr)}, {steps}{chosen}"
+        unit = f" ({self.global_batch_unit})" if self.global_batch_unit else ""
+        return f"{setting}, global batch {self.global_batch_size}{unit}, lr {format_lr(self.lr)}, {steps}{chosen}"
 
     def signature(self) -> list[list]:
         """What a reader would see change between two reports of one run (JSON-shaped)."""
@@ -116,7 +119,8 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "data_parallel_size": self.data_parallel_size,
-                "global_batch_size": self.global_batch_size, "strategy": self.strategy, "mesh": self.mesh,
+                "global_batch_size": self.global_batch_size, "global_batch_unit": self.global_batch_unit,
+                "strategy": self.strategy, "mesh": self.mesh,
                 "lr": self.lr, "steps_audited": self.steps_audited, "steps_requested": self.steps_requested,
                 "findings": [f.to_json() for f in self.findings], "audited": self.audited,
                 "model_parallel_only": self.model_parallel_only,
@@ -153,7 +157,8 @@ def merge(rank_records: list[dict[str, Any]]) -> Report:
                   max((r.get("steps_audited", 0) for r in records), default=0), main.get("steps_requested"), findings,
                   data_parallel_size=main.get("data_parallel_size"), strategy=main.get("strategy"),
                   mesh=main.get("mesh"), model_parallel_only=main.get("model_parallel_only"), reduction=reduction,
-                  unaudited=next((r["unaudited"] for r in records if r.get("unaudited")), None))
+                  unaudited=next((r["unaudited"] for r in records if r.get("unaudited")), None),
+                  global_batch_unit=main.get("global_batch_unit"))
 
 
 def _reword(finding: Finding, reduction: Reduction | None, frameworks: set[str]) -> None:

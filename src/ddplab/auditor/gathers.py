@@ -22,11 +22,12 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from ddplab.auditor import collectives, scales, state
+from ddplab.auditor import collectives, detached, scales, state
 from ddplab.guest import tensors
 from ddplab.guest.patches import Patches
 
@@ -55,6 +56,8 @@ def _note_gather(audit, args, kwargs) -> None:
     # A detached copy gathered (its own slice put back later) is watched for the put-back cat only.
     grad = tensor.requires_grad or bool(audit.gathered and audit.gathered[2])
     audit.gathered = (dist.get_rank(group), dist.get_world_size(group), grad)
+    if tensor.requires_grad and len(audit.gather_inputs) < MAX_SLICE_RECORDS:
+        audit.gather_inputs.append(weakref.ref(tensor))
 
 
 def before_backward(audit, root, terms: list[scales.Reached]) -> None:
@@ -64,7 +67,7 @@ def before_backward(audit, root, terms: list[scales.Reached]) -> None:
     rank, size, custom = audit.gathered
     loss = next((term for term in terms if term.record.divide_by_count or term.record.summed), None)
     backward, audit.gather_backwards = audit.gather_backwards, audit.gather_backwards + 1
-    put_back, seen, frontier = [], set(), collections.deque([root])
+    put_back, products, seen, frontier = [], [], set(), collections.deque([root])
     while frontier and len(seen) < scales.SEARCH_NODES:
         node = frontier.popleft()
         if node is None or id(node) in seen:
@@ -74,12 +77,17 @@ def before_backward(audit, root, terms: list[scales.Reached]) -> None:
             node.register_hook(functools.partial(_compared, loss, rank, size, type(node).__name__))
         elif _puts_back(node, rank, size):
             put_back.append(node)
+        elif custom and (operands := detached.candidate(node)) is not None:
+            products.append((node, operands))
         frontier.extend(child for child, _ in node.next_functions)
+    site = loss.record.site if loss is not None else None
+    inputs = [tensor for ref in audit.gather_inputs if (tensor := ref()) is not None]
+    if products and inputs and size > 1:
+        detached.watch(products, inputs, rank, size, site)
     if not put_back:
         return
     if audit.gather_split is None:
         audit.gather_split = _parameters_split(audit, root, put_back, rank)
-    site = loss.record.site if loss is not None else None
     for node in put_back:
         node.register_hook(functools.partial(_sampled, backward, rank, size, _compensated(terms, size), site,
                                              node.name(), int(getattr(node, "_saved_dim", 0))))

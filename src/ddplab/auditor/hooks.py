@@ -342,11 +342,20 @@ def finish_step(audit: AuditState, info: WrapperInfo, optimizer, global_batch_si
     meshes.note_setting(audit, info)
     # Samples the loader fed: a GAN's discriminator also sees a generated batch, which is no part of the data.
     per_rank_batch = info.loader_batch or info.forward_batch
+    loaded, audit.loaded_samples = audit.loaded_samples, 0
     if global_batch_size is not None:
         audit.global_batch_size = global_batch_size
     elif per_rank_batch:
         # The data-parallel ranks, not the world: tensor-parallel ranks share their batch.
-        audit.global_batch_size = per_rank_batch * len(info.group)
+        size = len(info.group)
+        audit.global_batch_size, audit.global_batch_unit = per_rank_batch * size, None
+        if loaded and loaded != per_rank_batch:
+            # The forwards took rows the program made from its loaders' samples (a pair's two sequences, documents
+            # packed into one row, in its loop or its collate_fn): the batch is counted in the samples the loaders
+            # returned.
+            audit.global_batch_size = loaded * size
+            audit.global_batch_unit = (f"samples the DataLoaders returned; the model's forwards took "
+                                       f"{info.forward_batch * size} rows")
     info.steps += 1
     info.reductions = info.accumulated_reductions = info.forward_batch = info.loader_batch = info.micro_steps = 0
     info.bypassed = False

@@ -248,7 +248,7 @@ def check_step(audit, samples: int, grad_scale: float | None = None) -> None:
     """
     summed, audit.loss_weights = audit.loss_weights, []
     audit.output_nodes.clear()
-    audit.gathered, audit.gather_backwards = None, 0
+    audit.gathered, audit.gather_backwards, audit.gather_inputs = None, 0, []
     at_backward, audit.summed_at_backward = audit.summed_at_backward, False
     if at_backward and grad_scale is not None and _normalised_after_backward(grad_scale, samples, audit.micro_batch):
         # The sum reached backward, but the program divided its gradients by a count of its own before the step

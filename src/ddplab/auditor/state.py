@@ -101,6 +101,7 @@ class AuditState:
         # (:mod:`ddplab.auditor.gathers`).
         self.gathered: tuple[int, int, bool] | None = None
         self.gather_backwards = 0  # backward passes from a loss over gathered features, this step
+        self.gather_inputs: list = []  # weak references to the features this step gathered while they required grad
         # A few elements of what each put-back slice's cat received, for the merge (:mod:`.slice_shares`), and the
         # parameters behind those slices and outside them, named once.
         self.gathered_slices: list[dict] = []
@@ -119,6 +120,9 @@ class AuditState:
         self.ddp_forward_depth = 0
         self.stepping: set[int] = set()
         self.global_batch_size = None
+        # What the global batch counts when it is not the rows of the model's forwards (the loaders' samples).
+        self.global_batch_unit: str | None = None
+        self.loaded_samples: int | None = 0  # samples DataLoaders returned since the last step; None: not countable
         # The data-parallel degree (the factor from the per-rank to the global batch), the parallelism and the device
         # mesh ({dim name: size}, FSDP2 only), as of the newest audited step.
         self.data_parallel_size: int | None = None
@@ -168,6 +172,7 @@ class AuditState:
 
     def record(self) -> dict:
         return {"rank": self.rank, "world_size": self.world_size, "global_batch_size": self.global_batch_size,
+                "global_batch_unit": self.global_batch_unit,
                 "data_parallel_size": self.data_parallel_size, "strategy": self.strategy, "mesh": self.mesh,
                 "tp_groups": self.tp_groups, "model_parallel_only": self.model_parallel_only, "lr": self.lr,
                 "optimizer": self.optimizer, "steps_audited": self.steps, "unaudited": self.unaudited,

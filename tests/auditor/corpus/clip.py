@@ -24,6 +24,8 @@ Mistakes:
                             (GATHERED_LOSS_WITHOUT_WORLD_SIZE). With --accum-freq 2 the same.
   --local-loss --put-back   a local loss whose gather puts this rank's slice back: each rank's loss differs, and
                             what it sends the other ranks' rows is dropped: terms missing (GATHERED_TERMS_MISSING)
+  --local-loss              open_clip's local loss without --gather-with-grad: every gathered column detached, this
+                            rank's own too; what the loss sends them is dropped (GATHERED_TERMS_MISSING)
 
 Rank 0 prints the towers' gradient norm, 8 of its elements and the logit scale's gradient after the first step's
 backward (DDP's averaged .grad), each step's loss, and a checksum of the parameters.
