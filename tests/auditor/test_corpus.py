@@ -122,6 +122,9 @@ CORRECT = {
     "clip_gather_with_grad": Case("clip.py", ("--gather-with-grad",)),
     "clip_local_loss_gather_with_grad": Case("clip.py", ("--local-loss", "--gather-with-grad")),
     "clip_accum_gather_with_grad": Case("clip.py", ("--accum-freq", "2", "--gather-with-grad")),
+    # open_clip's --local-loss without --gather-with-grad: every gathered copy detached, its own too. Wrong against
+    # open_clip alone (which gathers nothing), the same as a program that detaches its copies alone too: an info.
+    "clip_local_loss": Case("clip.py", ("--local-loss",)),
     # TRL's DPOTrainer shape: a pair's two sequences in one forward, DPO's mean over the pairs.
     "preference_pairs": Case("preference_pairs.py"),
     "simclr_autograd_gather": Case("simclr.py", ("--gather", "autograd")),
@@ -170,7 +173,7 @@ DEFAULT_CORRECT = [
     ("by_hand_loop_sum_divide", "fork"), ("by_hand_loop_sum_global_count", "fork"),
     ("by_hand_optimizer_avg", "torchrun"), ("clip_gather_with_grad", "torchrun"),
     ("clip_local_loss_gather_with_grad", "fork"), ("clip_accum_gather_with_grad", "fork"),
-    ("preference_pairs", "fork"),
+    ("preference_pairs", "fork"), ("clip_local_loss", "fork"),
 ]
 
 # id → (case, the finding it must give, findings it may give as a consequence, default launcher)
@@ -288,8 +291,6 @@ MISTAKES = {
     # A local loss whose gather puts the own slice back: the ranks' losses differ, the others' terms are dropped.
     "clip_local_loss_put_back": (Case("clip.py", ("--local-loss", "--put-back")), {"GATHERED_TERMS_MISSING": "warning"},
                                  {}, "fork"),
-    # open_clip's --local-loss without --gather-with-grad: every gathered copy detached, its own too.
-    "clip_local_loss": (Case("clip.py", ("--local-loss",)), {"GATHERED_TERMS_MISSING": "warning"}, {}, "fork"),
     # The official FSDP + TP example's model(inp).sum() on a dp × tp mesh.
     "tp_dp_hand_sum": (Case("tp_dp_sum.py", ("--loss", "sum"), world_size=4, launchers=("torchrun",)),
                        {"SUM_REDUCTION": "warning"}, {}, "torchrun"),
@@ -371,8 +372,6 @@ MESSAGES = {
                                   "at 1/2: 8 parameter tensors (visual.2.bias, text.2.bias, visual.2.weight, …); "
                                   "reached outside the gather, whole: 1 parameter tensor (logit_scale)"),
     "clip_local_loss_put_back": ("GATHERED_TERMS_MISSING", "(a scale would be 1/2 at cosine 1)"),
-    "clip_local_loss": ("GATHERED_TERMS_MISSING", "every gathered copy detached (this rank's own too: nothing put "
-                                                  "back); at step 0 what the product sent the gathered copies had"),
     "tp_dp_hand_sum": ("SUM_REDUCTION", "FSDP2 averages the gradients over the 2 data-parallel ranks"),
     "tune_recipe_no_world": ("GLOBAL_COUNT_WITHOUT_WORLD_SIZE", "the gradient is 1/2 of the global mean's (these "
                                                                 "weights include the program's scaling of the "
@@ -403,7 +402,9 @@ GLOBAL_BATCH = {"token_lm_fsdp_tp_global": 4 * 2 * 2, "gan_freeze": 64, "gan_pla
                 "fsdp_trainer": 8 * 2 * 2, "fsdp_trainer_4": 8 * 2 * 4, "hsdp_reduce_every_micro_batch": 8 * 2 * 4,
                 "tp_dp": 4 * 2, **{name: 4 * 2 * 2 for name in CORRECT if name.startswith("by_hand")},
                 # Counted in the samples the loaders returned, where the forwards took rows made from them.
-                "preference_pairs": 4 * 2, "simclr_autograd_gather": 8 * 2, "clip_gather_with_grad": 8 * 2}
+                "preference_pairs": 4 * 2, "simclr_autograd_gather": 8 * 2, "clip_gather_with_grad": 8 * 2,
+                # An FSDP2 root called with keywords only (torchtune's self._model(**batch)).
+                "tune_recipe_fsdp_sum_divide": 4 * 2 * 2}
 # What the global batch counts where it is not the forwards' rows (None: it is).
 GLOBAL_BATCH_UNIT = {"preference_pairs": "samples the DataLoaders returned; the model's forwards took 16 rows",
                      "simclr_autograd_gather": "samples the DataLoaders returned; the model's forwards took 32 rows",
@@ -421,7 +422,8 @@ DIVISOR = {"by_hand_loop_sum_divide": 2.0, "by_hand_loop_avg": 2.0, "by_hand_loo
 # Runs with model parallelism and no data-parallel dimension: the mesh the report names instead of a DDP model.
 MODEL_PARALLEL_ONLY = {"token_lm_tp_only": {"tp": 2}}
 # Information a correct program must get (and no other, in these programs).
-INFO = {"hsdp_reduce_every_micro_batch": {"ACCUMULATION_REDUCES_EVERY_STEP"}, "fsdp_trainer": set(), "tp_dp": set()}
+INFO = {"hsdp_reduce_every_micro_batch": {"ACCUMULATION_REDUCES_EVERY_STEP"}, "fsdp_trainer": set(), "tp_dp": set(),
+        "clip_local_loss": {"GATHERED_TERMS_MISSING"}, "clip_gather_with_grad": set()}
 
 # What `ddplab audit` itself prints: interim reports, the final report, finding and fix lines.
 REPORT_LINE = re.compile(r"^(ddplab audit\b|\[rank \d+, after |\s*(ERROR|WARNING|INFO)\b|\s*fix:|"

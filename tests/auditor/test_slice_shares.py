@@ -60,3 +60,38 @@ def test_a_cat_seen_on_one_rank_only_or_under_a_larger_world_is_not_judged():
     assert slice_shares.judge(_records([_entry(0, SAME)], [_entry(1, SAME)], [])) is None  # 3 ranks, a group of 2
     other_step = _records([_entry(0, SAME)], [_entry(1, SAME, step=1)])
     assert slice_shares.judge(other_step) is None
+
+
+def test_one_element_off_by_rounding_is_still_a_scale_judged_by_norm_and_cosine():
+    # Slice 1's last element: a full gradient near 0, where the two ranks' float32 sums round apart (share 0.55).
+    rank0 = [[1.0, -2.0, 0.5], [3.0, 0.25, 1e-3]]
+    rank1 = [[1.0, -2.0, 0.5], [3.0, 0.25, 1.2e-3]]
+    code, _, _ = slice_shares.judge(_records([_entry(0, rank0)], [_entry(1, rank1)]))
+    assert code == "GATHERED_LOSS_WITHOUT_WORLD_SIZE"
+
+
+def test_a_loss_scaled_by_a_python_float_or_summed_is_not_judged():
+    from types import SimpleNamespace
+
+    from ddplab.auditor import gathers, scales
+
+    def term(scale=1.0, floats=False, multipliers=(), summed=False):
+        return scales.Reached(SimpleNamespace(summed=summed), scale, floats, multipliers)
+
+    assert gathers._compensated([term(0.5), term(0.5)], 2) is False  # ClipLoss: (CE + CE) / 2
+    assert gathers._compensated([term(1.0, multipliers=(2,)), term(1.0, multipliers=(2,))], 2) is True  # × W
+    assert gathers._compensated([term(1.0, floats=True)], 2) is None  # × float(W)
+    assert gathers._compensated([term(0.125, summed=True)], 2) is None  # reduction='sum' / b
+    assert gathers._compensated([term(None)], 2) is None  # ÷ a count tensor
+    assert gathers._compensated([], 2) is None
+
+
+def test_a_reduction_that_does_not_average_over_w_or_gradients_scaled_after_backward_are_not_judged():
+    from ddplab.auditor import findings
+    from ddplab.runtime.reduction import Reduction
+
+    records = _records([_entry(0, SAME)], [_entry(1, SAME)])
+    assert findings._averaged_as_is(records, Reduction("ddp", 2, 2.0, ""))
+    assert not findings._averaged_as_is(records, Reduction("fsdp", 2, 1.0, "set_gradient_divide_factor(1)"))
+    records[0]["windows"] = [{"grad_scale": 2.0}]
+    assert not findings._averaged_as_is(records, None)

@@ -262,10 +262,11 @@ def _samples(index) -> int | None:
 
 def _count_loaded(audit, samples: int | None) -> None:
     """The samples training loaders returned since the last optimizer step, in the program's own unit (pairs,
-    documents before packing): a batch loaded while the newest trained model is in eval mode is no training batch."""
+    documents before packing): a batch loaded under no_grad, or while the newest trained model is in eval mode, is no
+    training batch."""
     info = audit.training_info
     model = info.root() if info is not None else None
-    if not audit.armed or (model is not None and not model.training):
+    if not audit.armed or not torch.is_grad_enabled() or (model is not None and not model.training):
         return
     audit.loaded_samples = None if samples is None or audit.loaded_samples is None else audit.loaded_samples + samples
 

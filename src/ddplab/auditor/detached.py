@@ -18,19 +18,26 @@ import functools
 import torch
 
 from ddplab.auditor import state
+from ddplab.auditor.catalogue import INFO
 from ddplab.guest import tensors
 
 PRODUCTS = ("MmBackward0",)
 
 
-def candidate(node) -> tuple[torch.Tensor, bool, object] | None:
+def candidate(node, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, bool, object] | None:
     """(the detached operand as rows, whether it is the first operand, the node of the operand with a gradient) of
-    a matrix product with exactly one operand carrying a gradient; None for anything else. Autograd saves only the
-    operand the other's gradient needs: the detached one."""
+    a matrix product with exactly one operand carrying a gradient, fed by features the step gathered (``inputs``);
+    None for anything else. Autograd saves only the operand the other's gradient needs: the detached one. Nothing
+    saved is unpacked before the graph shows the gathered features (unpacking can recompute a checkpointed block)."""
     if node.name() not in PRODUCTS or len(node.next_functions) != 2:
         return None
     children = [child for child, _ in node.next_functions]
     if (children[0] is None) == (children[1] is None):
+        return None
+    child = children[0] if children[0] is not None else children[1]
+    nodes = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    if id(child) not in nodes and not (child.name() == "MulBackward0" and
+                                       any(id(c) in nodes for c, _ in child.next_functions if c is not None)):
         return None
     try:
         operand = node._saved_mat2 if children[0] is not None else node._saved_self
@@ -39,14 +46,17 @@ def candidate(node) -> tuple[torch.Tensor, bool, object] | None:
     if not (isinstance(operand, torch.Tensor) and tensors.is_plain(operand) and operand.dim() == 2):
         return None
     if children[0] is not None:  # features @ gathered.T: the gathered rows are the second operand's columns
-        return operand.T, False, children[0]
-    return operand, True, children[1]  # gathered @ features.T
+        return operand.T, False, child
+    return operand, True, child  # gathered @ features.T
 
 
 def watch(candidates: list, inputs: list[torch.Tensor], rank: int, size: int, site: str | None) -> None:
     """Hook the products whose detached operand holds, at this rank's place, the values of features this step
     gathered while they required grad (``inputs``): every rank's copy, its own detached among them."""
+    audit = state.current()
     for node, (gathered, first, child) in candidates:
+        if audit is None or "GATHERED_TERMS_MISSING" in audit.findings:
+            return
         if gathered.shape[0] % size or gathered.shape[0] == 0:
             continue
         own = gathered.split(gathered.shape[0] // size)[rank]
@@ -82,17 +92,23 @@ def _judge(audit, gathered, first: bool, features, size: int, site, grad_outputs
     grad = grad_outputs[0] if grad_outputs else None
     if "GATHERED_TERMS_MISSING" in audit.findings or not (isinstance(grad, torch.Tensor) and tensors.is_plain(grad)):
         return
-    grad = (grad.T if first else grad).detach().double()  # b×N: this rank's rows against every gathered row
-    kept = grad @ gathered.detach().double()
-    if not float(grad.abs().max()) > 0:
+    grad = (grad.T if first else grad).detach()  # b×N: this rank's rows against every gathered row
+    kept = grad @ gathered.detach().to(grad.dtype)
+    kept_norm = float(kept.norm())
+    if not kept_norm > 0:
         return
     measured = "the product received a nonzero gradient"
     if features is not None and features.shape == kept.shape:
-        dropped = grad.T @ features.detach().double()
-        measured = (f"what the product sent the gathered copies had {float(dropped.norm()) / float(kept.norm()):.3g} "
+        dropped = grad.T @ features.detach().to(grad.dtype)
+        measured = (f"what the product would have sent the gathered copies had {float(dropped.norm()) / kept_norm:.3g} "
                     "times the norm of what it sent this rank's own features")
     where = f"the loss at {site}" if site else "the loss"
+    # An info: a program that detaches the gathered copies on one process too (BLIP's concat_all_gather under
+    # no_grad) computes on N ranks what it computes alone; one that gathers nothing alone (open_clip) does not.
     audit.add("GATHERED_TERMS_MISSING",
               f"{where} multiplies this rank's features by features gathered from the {size} ranks without "
               f"autograd, every gathered copy detached (this rank's own too: nothing put back); at step {audit.steps} "
-              f"{measured}, and the gathered copies' share is dropped on every rank")
+              f"{measured}, and the gathered copies' share is dropped on every rank. Against one process that "
+              "gathers nothing (open_clip at world size 1) the gradient lacks those terms; against one that detaches "
+              "its copies too (a concat_all_gather under no_grad, as BLIP's) it is the same: ddplab check -- COMMAND "
+              "compares the two", severity=INFO)

@@ -110,8 +110,8 @@ class Report:
         reduction = self.reduction
         # The reduction is named where the program chose it: a sum, a divisor of its own, a comm hook.
         chosen = f"; {reduction.describe()}" if reduction is not None and reduction.source else ""
-        unit = f" ({self.global_batch_unit})" if self.global_batch_unit else ""
-        return f"{setting}, global batch {self.global_batch_size}{unit}, lr {format_lr(self.lr)}, {steps}{chosen}"
+        return f"{setting}, {describe_global_batch(self.global_batch_size, self.global_batch_unit)}, " \
+               f"lr {format_lr(self.lr)}, {steps}{chosen}"
 
     def signature(self) -> list[list]:
         """What a reader would see change between two reports of one run (JSON-shaped)."""
@@ -263,6 +263,13 @@ def describe_setting(world_size: int | None, data_parallel_size: int | None, str
     return f"world size {world_size}, {strategy} on mesh {shape} (data-parallel size {data_parallel_size})"
 
 
+def describe_global_batch(size: int | None, unit: str | None) -> str:
+    """The header's global batch, in the unit it counts; unknown where no training forward took a tensor."""
+    if size is None:
+        return "global batch unknown (no training forward took a tensor whose first dimension could be counted)"
+    return f"global batch {size}" + (f" ({unit})" if unit else "")
+
+
 def strategy_name(strategy: str) -> str:
     """How a report names a strategy: DeepSpeed ZeRO-2 for ``deepspeed-zero2``.
 
@@ -317,13 +324,21 @@ def cross_rank_findings(records: list[dict[str, Any]], reduction: Reduction | No
     different = _tensor_parallel_batches(records)
     if different is not None:
         out.append(different)
-    gathered = slice_shares.judge(records)
+    gathered = slice_shares.judge(records) if _averaged_as_is(records, reduction) else None
     if gathered is not None:
         finding = Finding.make(gathered[0], 0, gathered[1])
         finding.ranks = sorted(record.get("rank", 0) for record in records)
         finding.fix = gathered[2] or finding.fix
         out.append(finding)
     return out
+
+
+def _averaged_as_is(records: list[dict[str, Any]], reduction: Reduction | None) -> bool:
+    """Whether the ranks' gradients were averaged over W and not scaled after (a sum, a divisor of the program's, or
+    a factor on the gradients after backward can make a put-back gather's 1/W exact)."""
+    if reduction is not None and reduction.known and reduction.divisor != reduction.data_parallel_size:
+        return False
+    return not any("grad_scale" in window for record in records for window in record.get("windows", []))
 
 
 def _joined(records: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:

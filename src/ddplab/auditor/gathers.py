@@ -67,6 +67,8 @@ def before_backward(audit, root, terms: list[scales.Reached]) -> None:
     rank, size, custom = audit.gathered
     loss = next((term for term in terms if term.record.divide_by_count or term.record.summed), None)
     backward, audit.gather_backwards = audit.gather_backwards, audit.gather_backwards + 1
+    # The features this step gathered while they required grad (open_clip's dist.all_gather of its own features).
+    inputs = [tensor for ref in audit.gather_inputs if (tensor := ref()) is not None]
     put_back, products, seen, frontier = [], [], set(), collections.deque([root])
     while frontier and len(seen) < scales.SEARCH_NODES:
         node = frontier.popleft()
@@ -77,12 +79,11 @@ def before_backward(audit, root, terms: list[scales.Reached]) -> None:
             node.register_hook(functools.partial(_compared, loss, rank, size, type(node).__name__))
         elif _puts_back(node, rank, size):
             put_back.append(node)
-        elif custom and (operands := detached.candidate(node)) is not None:
+        elif inputs and (operands := detached.candidate(node, inputs)) is not None:
             products.append((node, operands))
         frontier.extend(child for child, _ in node.next_functions)
     site = loss.record.site if loss is not None else None
-    inputs = [tensor for ref in audit.gather_inputs if (tensor := ref()) is not None]
-    if products and inputs and size > 1:
+    if products and size > 1:
         detached.watch(products, inputs, rank, size, site)
     if not put_back:
         return
@@ -102,8 +103,10 @@ def _puts_back(node, rank: int, size: int) -> bool:
 
 
 def _compensated(terms: list[scales.Reached], size: int) -> bool | None:
-    """Whether the loss was multiplied by the world size (True), was not (False), or cannot be told (None)."""
-    if not terms or any(term.scale is None for term in terms):
+    """Whether the loss was multiplied by the world size (True), was not (False), or cannot be told (None): a term
+    scaled by a tensor, by a Python float (``* float(W)``) or summed (``reduction='sum') / b`` is W/b·mean) is
+    not judged."""
+    if not terms or any(term.scale is None or term.python_floats or term.record.summed for term in terms):
         return None
     return any(multiplier % size == 0 for term in terms for multiplier in term.multipliers)
 

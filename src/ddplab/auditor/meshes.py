@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ddplab.auditor import batches, losses, state
 from ddplab.auditor.state import AuditState, WrapperInfo
+from ddplab.guest import tensors
 from ddplab.guest.patches import Handles, Patches
 from ddplab.parallel_dims import ParallelDims
 from ddplab.runtime.reduction import Reduction
@@ -160,8 +161,17 @@ def _watched_mesh_init(original_init):
 def _mesh_built(audit: AuditState) -> None:
     # Global module hooks are never stored on the user's modules; this one lives for the data window only.
     if audit.mesh_hook is None and _PATCHES is not None and _TABLES.optimizer_steps < audit.data_window:
-        audit.mesh_hook = _PATCHES.hook(Handles(register_module_forward_pre_hook(_module_forward),
-                                                register_module_forward_hook(_module_forward_done)))
+        done = _forward_done_hook()
+        audit.mesh_hook = _PATCHES.hook(Handles(register_module_forward_pre_hook(_module_forward), done))
+
+
+def _forward_done_hook():
+    """The global forward hook, with the call's keywords where this torch passes them to global hooks (2.6 on)."""
+    try:
+        return register_module_forward_hook(_module_forward_done, with_kwargs=True)
+    except TypeError:
+        return register_module_forward_hook(lambda module, args, output: _module_forward_done(module, args, {},
+                                                                                               output))
 
 
 def _fsdp_module_class() -> type | None:
@@ -188,14 +198,20 @@ def _module_forward(audit: AuditState, module, args) -> None:
             return
         info = _attach(audit, module, fsdp_module)
     if torch.is_grad_enabled():
-        batches.record_training_batch(audit, info, args)
+        # A root called with keywords only has its batch recorded when it returns (_module_forward_done).
+        if tensors.first_dim(args) is not None:
+            batches.record_training_batch(audit, info, args)
         if audit.armed:
             info.synced_micro_steps += _syncs_gradients(module, fsdp_module)
 
 
 @state.guarded("watching FSDP2 outputs")
-def _module_forward_done(audit: AuditState, module, args, output) -> None:
-    training_output(audit, _TABLES.roots.get(module), output)
+def _module_forward_done(audit: AuditState, module, args, kwargs, output) -> None:
+    info = _TABLES.roots.get(module)
+    if info is not None and torch.is_grad_enabled() and tensors.first_dim(args) is None:
+        # torchtune's self._model(**batch): a global pre-hook sees no keywords, this hook does.
+        batches.record_training_batch(audit, info, kwargs)
+    training_output(audit, info, output)
 
 
 def training_output(audit: AuditState, info: WrapperInfo | None, output) -> None:

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 SHARE_TOLERANCE = 1e-3  # relative: float32 gradients summed in another order
+SAME_DIRECTION = 1e-6  # within this of 1, a cosine says the kept part is a scale of the whole
 NEGLIGIBLE = 1e-6  # an element whose full gradient is below this fraction of the largest carries no share
 
 
@@ -25,13 +26,15 @@ def judge(records: list[dict[str, Any]]) -> tuple[str, str, str | None] | None:
             continue
         size = len(entries)
         first = entries[0]
-        if all(math.isclose(share, 1 / size, rel_tol=SHARE_TOLERANCE) for share in shares):
+        norm, cosine = _kept_against_full(entries)
+        one_share = all(math.isclose(share, 1 / size, rel_tol=SHARE_TOLERANCE) for share in shares)
+        # A few elements' rounding (cancellation in a full gradient near 0) does not make a scale a mix.
+        if one_share or (cosine > 1 - SAME_DIRECTION and math.isclose(norm, 1 / size, rel_tol=SHARE_TOLERANCE)):
             if any(entry.get("compensated") is not False for entry in entries):
                 return None  # the loss × W (or a scale unknown): no evidence of a missing factor
             return "GATHERED_LOSS_WITHOUT_WORLD_SIZE", _scale_detail(first, size), _scale_fix(first, size)
         if all(math.isclose(share, 1, rel_tol=SHARE_TOLERANCE) for share in shares):
             return None  # the other ranks' losses send these rows nothing: nothing was dropped
-        norm, cosine = _kept_against_full(entries)
         return "GATHERED_TERMS_MISSING", _missing_detail(first, size, norm, cosine), None
     return None
 
@@ -76,7 +79,9 @@ def _kept_against_full(entries: list[dict]) -> tuple[float, float]:
         full += [sum(values) for values in zip(*(entry["samples"][slice_index] for entry in entries))]
     kept_norm, full_norm = math.sqrt(sum(v * v for v in kept)), math.sqrt(sum(v * v for v in full))
     dot = sum(a * b for a, b in zip(kept, full))
-    return kept_norm / full_norm, dot / (kept_norm * full_norm) if kept_norm else 0.0
+    if not (kept_norm and full_norm):
+        return 0.0, 0.0
+    return kept_norm / full_norm, dot / (kept_norm * full_norm)
 
 
 def _named(names: list[str]) -> str:

@@ -186,8 +186,8 @@ class AuditState:
 
     def _with_info(self) -> list[fnd.Finding]:
         setting = fnd.describe_setting(self.world_size, self.data_parallel_size, self.strategy, self.mesh)
-        info = fnd.Finding.make("RUN_INFO", self.rank, f"{setting}, global batch {self.global_batch_size}, "
-                                f"lr {fnd.format_lr(self.lr)}")
+        batch = fnd.describe_global_batch(self.global_batch_size, self.global_batch_unit)
+        info = fnd.Finding.make("RUN_INFO", self.rank, f"{setting}, {batch}, lr {fnd.format_lr(self.lr)}")
         return list(self.findings.values()) + [info]
 
     def write(self) -> None:

@@ -57,7 +57,7 @@ class Recipe:
         self.step = 0
 
     def _loss_step(self, inputs, labels):
-        logits = self.model(inputs).flatten(0, 1)
+        logits = self.model(tokens=inputs).flatten(0, 1)  # torchtune's self._model(**batch)
         if self.args.loss == "sum":
             return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE, reduction="sum")
         return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE)
