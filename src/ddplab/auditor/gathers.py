@@ -69,19 +69,14 @@ def before_backward(audit, root, terms: list[scales.Reached]) -> None:
     backward, audit.gather_backwards = audit.gather_backwards, audit.gather_backwards + 1
     # The features this step gathered while they required grad (open_clip's dist.all_gather of its own features).
     inputs = [tensor for ref in audit.gather_inputs if (tensor := ref()) is not None]
-    put_back, products, seen, frontier = [], [], set(), collections.deque([root])
-    while frontier and len(seen) < scales.SEARCH_NODES:
-        node = frontier.popleft()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    put_back, products = [], []
+    for node in _nodes([root], scales.SEARCH_NODES):
         if custom and isinstance(node, torch.autograd.function.BackwardCFunction):
             node.register_hook(functools.partial(_compared, loss, rank, size, type(node).__name__))
         elif _puts_back(node, rank, size):
             put_back.append(node)
         elif inputs and (operands := detached.candidate(node, inputs)) is not None:
             products.append((node, operands))
-        frontier.extend(child for child, _ in node.next_functions)
     site = loss.record.site if loss is not None else None
     if products and size > 1:
         detached.watch(products, inputs, rank, size, site)
@@ -123,17 +118,25 @@ def _parameters_split(audit, root, put_back: list, rank: int) -> dict:
 
 def _parameters(roots, avoid: frozenset | set = frozenset()) -> list[int]:
     """ids of the parameters (leaves) backward reaches from ``roots``, in the order reached."""
-    found, seen, frontier = {}, set(avoid), collections.deque(roots)
-    while frontier and len(seen) < PARAMETER_SEARCH:
+    found = {}
+    for node in _nodes(roots, PARAMETER_SEARCH, avoid):
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.setdefault(id(variable), None)
+    return list(found)
+
+
+def _nodes(roots, limit: int, avoid: frozenset | set = frozenset()):
+    """The autograd nodes backward reaches from ``roots``, breadth first, each once, at most ``limit`` of them
+    (``avoid``: nodes neither visited nor walked through)."""
+    seen, frontier = set(avoid), collections.deque(roots)
+    while frontier and len(seen) < limit:
         node = frontier.popleft()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.setdefault(id(variable), None)
+        yield node
         frontier.extend(child for child, _ in node.next_functions)
-    return list(found)
 
 
 def _sampled(backward: int, rank: int, size: int, compensated, site, name: str, dim: int, grad_inputs, grad_outputs):

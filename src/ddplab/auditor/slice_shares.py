@@ -57,26 +57,29 @@ def _groups(records: list[dict[str, Any]]) -> list[list[dict]]:
     return complete
 
 
+def _kept_and_full(entries: list[dict]) -> list[tuple[list[float], list[float]]]:
+    """Per slice, its sampled elements as its own rank kept them and as the W ranks' losses sent them in all."""
+    return [(owner["samples"][slice_index],
+             [sum(values) for values in zip(*(entry["samples"][slice_index] for entry in entries))])
+            for slice_index, owner in enumerate(entries)]
+
+
 def _shares(entries: list[dict]) -> list[float]:
     """kept / full at every sampled element of every slice whose full gradient is not negligible."""
     shares = []
-    for slice_index, owner in enumerate(entries):
-        full = [sum(values) for values in zip(*(entry["samples"][slice_index] for entry in entries))]
+    for kept, full in _kept_and_full(entries):
         largest = max((abs(value) for value in full), default=0.0)
         if not largest:
             continue
-        for kept, whole in zip(owner["samples"][slice_index], full):
-            if abs(whole) > NEGLIGIBLE * largest:
-                shares.append(kept / whole)
+        shares += [part / whole for part, whole in zip(kept, full) if abs(whole) > NEGLIGIBLE * largest]
     return shares
 
 
 def _kept_against_full(entries: list[dict]) -> tuple[float, float]:
     """Over the sampled elements of every slice: the kept part's norm over the full gradient's, and their cosine."""
-    kept, full = [], []
-    for slice_index, owner in enumerate(entries):
-        kept += owner["samples"][slice_index]
-        full += [sum(values) for values in zip(*(entry["samples"][slice_index] for entry in entries))]
+    pairs = _kept_and_full(entries)
+    kept = [value for part, _ in pairs for value in part]
+    full = [value for _, whole in pairs for value in whole]
     kept_norm, full_norm = math.sqrt(sum(v * v for v in kept)), math.sqrt(sum(v * v for v in full))
     dot = sum(a * b for a, b in zip(kept, full))
     if not (kept_norm and full_norm):
