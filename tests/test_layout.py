@@ -21,7 +21,7 @@ PYTHON_ONLY = {"dataset_size", "comm_hook", "via", "start_method", "backend", "r
                "rules_lr"}
 # The guests' voice inside the user's program, where there is no command line to print for it.
 MAY_PRINT = {"auditor/exchange.py", "guest/bootstrap/sitecustomize.py", "guest/extension_builds.py",
-             "integrations/lightning.py"}
+             "integrations/lightning.py", "runtime/op_builds.py"}
 # A field in braces; doubled braces are a literal brace (a placeholder of the user's command), no field.
 FIELD = re.compile(r"(?<!\{)\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?:=[A-Za-z0-9_]+)?)\}(?!\})")
 
@@ -363,12 +363,12 @@ def test_the_strategy_registry_holds_every_strategy_with_every_member_of_the_pro
 
     members = {"name", "wrap", "owns", "module", "data_parallel_group", "data_parallel_size", "data_parallel_rank",
                "no_sync", "syncs", "syncs_buffers", "tap_local_gradients", "reduced_gradient_share",
-               "check_runnable", "divide_factors"}
-    flags = {"collective_forward"}
+               "check_runnable", "divide_factors", "training"}
+    flags = {"collective_forward", "reduces_float64", "owns_optimizer", "taps_local_gradients"}
     declared = {name for name, _ in inspect.getmembers(Strategy) if not name.startswith("_")}
     assert declared == members - {"name"} | flags  # name is a ClassVar: declared by annotation only
     assert "name" in Strategy.__annotations__
-    assert set(strategies.STRATEGIES) == {"ddp", "fsdp", "hsdp"}
+    assert set(strategies.STRATEGIES) == {"ddp", "fsdp", "hsdp", "deepspeed"}
     for name, strategy in strategies.STRATEGIES.items():
         assert isinstance(strategy, Strategy) and strategy.name == name
         assert not inspect.isabstract(type(strategy))

@@ -670,10 +670,11 @@ def test_a_deepspeed_op_build_is_said_once_and_a_stale_lock_is_named(tmp_path, m
 
     from ddplab.guest import extension_builds
     from ddplab.guest.patches import Patches
+    from ddplab.runtime import op_builds
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(extension_builds, "_SAID", set())
+    monkeypatch.setattr(op_builds, "_SAID", set())
     loaded = []
 
     class OpBuilder:
@@ -701,9 +702,9 @@ def test_a_deepspeed_op_build_is_said_once_and_a_stale_lock_is_named(tmp_path, m
         assert capsys.readouterr().err == ""
         (lock.parent / "shm_comm.so").write_text("")
         os.utime(lock, None)
-        assert extension_builds.notes("shm_comm", str(lock.parent)) == []
+        assert op_builds.notes("shm_comm", str(lock.parent)) == []
         # Only rank 0 speaks.
-        monkeypatch.setattr(extension_builds, "_SAID", set())
+        monkeypatch.setattr(op_builds, "_SAID", set())
         monkeypatch.setenv("RANK", "1")
         lock.unlink()
         (lock.parent / "shm_comm.so").unlink()

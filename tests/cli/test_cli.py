@@ -277,7 +277,7 @@ def test_a_field_without_a_docstring_has_no_flag():
 
 
 def test_help_quotes_the_defaults_the_configs_hold():
-    from ddplab.check.config import CheckConfig
+    from ddplab.check.config import FLOAT32_TOLERANCE, FLOAT64_TOLERANCE, CheckConfig
     from ddplab.noise.config import NoiseConfig
     from ddplab.plan.planner import Data, Reference
     from ddplab.study.config import StudyConfig, StudyOptions
@@ -286,7 +286,10 @@ def test_help_quotes_the_defaults_the_configs_hold():
              for path, parser in leaves(build_parser())}
     assert f"(default {CheckConfig.steps})" in helps[("check",)]["--steps"]
     assert f"(default {NoiseConfig.steps})" in helps[("noise",)]["--steps"]
-    assert f"default {CheckConfig.tolerance:g}" in helps[("check",)]["--tolerance"]
+    assert f"default {FLOAT64_TOLERANCE:g} in float64, {FLOAT32_TOLERANCE:g} under deepspeed" in \
+        helps[("check",)]["--tolerance"]
+    assert CheckConfig(spec_path="s.py", per_device_batch_size=1).tolerance == FLOAT64_TOLERANCE
+    assert CheckConfig(spec_path="s.py", per_device_batch_size=1, strategy="deepspeed").tolerance == FLOAT32_TOLERANCE
     assert f"(default {Reference.devices})" in helps[("plan",)]["--ref-devices"]
     assert f"(default {Data.warmup_threshold:g})" in helps[("plan",)]["--warmup-threshold"]
     assert f"(default {StudyOptions.out})" in helps[("study",)]["--out"]

@@ -105,7 +105,7 @@ def test_ddp_wraps_on_two_ranks_and_shows_the_local_and_the_reduced_gradient():
 def test_the_registry_holds_ddp_and_finds_a_model_by_its_wrapper():
     assert strategies.get() is strategies.get("ddp") is strategies.STRATEGIES["ddp"]
     assert strategies.DEFAULT in strategies.STRATEGIES
-    with pytest.raises(UsageError, match="must be one of ddp, fsdp, hsdp, got 'nccl'"):
+    with pytest.raises(UsageError, match="must be one of ddp, deepspeed, fsdp, hsdp, got 'nccl'"):
         strategies.get("nccl")
     # Options are the strategy's dataclass fields, checked by name and value.
     with pytest.raises(UsageError, match="^replicate is not an option of the ddp strategy$"):
@@ -118,6 +118,12 @@ def test_the_registry_holds_ddp_and_finds_a_model_by_its_wrapper():
                                          "size 4 \\(got 3\\)"):
         strategies.get("hsdp", replicate=3).check_runnable(4)
     strategies.get("hsdp", replicate=2).check_runnable(4)
+    with pytest.raises(UsageError, match="^zero_stage is not an option of the fsdp strategy$"):
+        strategies.get("fsdp", zero_stage=3)
+    with pytest.raises(UsageError, match="^zero_stage must be one of 0, 1, 2, 3, got 4$"):
+        strategies.get("deepspeed", zero_stage=4)
+    assert strategies.get("deepspeed").zero_stage == 2 and strategies.get("deepspeed", zero_stage=3).collective_forward
+    assert not strategies.get("deepspeed", zero_stage=2).collective_forward
     assert strategies.get("hsdp", replicate=2).replicate == 2 and strategies.get("hsdp").replicate is None
     assert dataclasses.is_dataclass(strategies.get("ddp"))
     plain = torch.nn.Linear(2, 1)

@@ -14,7 +14,7 @@ import torch
 from ddplab.check.config import CheckConfig
 from ddplab.check.result import Cause, Verdict
 
-Hypothesis = Literal["global", "padding", "per-rank", "per-micro-batch", "divide-factor", "rounding"]
+Hypothesis = Literal["global", "padding", "per-rank", "per-micro-batch", "divide-factor", "rounding", "unused-zero"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Diagnosis:
 
 
 def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int, has_padding: bool,
-             rerun: Callable[[Hypothesis], Any]) -> Diagnosis:
+             rerun: Callable[[Hypothesis], Any], unused: tuple[str, ...] = ()) -> Diagnosis:
     """The first cause whose evidence holds: randomness, an exact gradient factor, or a matching reference."""
     world = cfg.world_size
     if single.used_rng:
@@ -68,6 +68,8 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
         return _per_rank_cause(spec, cfg, per_micro_batch=True)
     if ranks.matches(rerun("per-rank"), cfg.tolerance):
         return _per_rank_cause(spec, cfg)
+    if unused and ranks.matches(rerun("unused-zero"), cfg.tolerance):
+        return _unused_stepped(cfg, unused)
     if factors:
         shown = ", ".join(f"{factor:g}" for factor in sorted(ranks.divide_factors))
         return Diagnosis(
@@ -187,15 +189,35 @@ def _per_rank_cause(spec, cfg: CheckConfig, per_micro_batch: bool = False) -> Di
             "Confirmed by a reference that averages per-micro-batch losses and then matches",
             "divide the summed loss by the step's count, summed over its micro-batches and all-reduced over the "
             "data-parallel ranks, times the data-parallel size (or by len(target) × a constant such as the maximum "
-            "length); see the token-level losses page")
+            f"length){_engine_recipe(cfg)}; see the token-level losses page")
     return Diagnosis(
         "DIVERGES", "LOSS_NORMALISED_PER_DEVICE",
         f"the loss of each {part} is normalised by a count of its own (tokens, positives), and "
         f"{strategy_label(cfg)} averages the {cfg.world_size} ranks' means: not the mean over the global batch's "
         "elements. Confirmed by a reference that averages per-rank losses and then matches",
         "divide the summed loss by the count all-reduced over the data-parallel ranks (and summed over the step's "
-        "micro-batches), times the data-parallel size; or by len(target) × a constant such as the maximum length; see "
-        "the token-level losses page")
+        "micro-batches), times the data-parallel size; or by len(target) × a constant such as the maximum length"
+        f"{_engine_recipe(cfg)}; see the token-level losses page")
+
+
+def _unused_stepped(cfg: CheckConfig, unused: tuple[str, ...]) -> Diagnosis:
+    names = ", ".join(unused[:5]) + (" …" if len(unused) > 5 else "")
+    return Diagnosis(
+        "DIVERGES", "UNUSED_PARAMETERS_STEPPED",
+        f"the forward does not use {names}: one process leaves them without a gradient, so the optimizer skips "
+        f"them, while {strategy_label(cfg)} gives them a zero gradient (DeepSpeed's engine fills one in to reduce "
+        "equal sizes), so weight decay and momentum move them. Confirmed by a reference that gives them zero "
+        "gradients and then matches",
+        "leave the unused parameters out of the optimizer (or set requires_grad=False on them), or train them "
+        "without weight decay; either makes both sides leave them alone")
+
+
+def _engine_recipe(cfg: CheckConfig) -> str:
+    """DeepSpeed's form of the global-count fix: its backward divides by the accumulation steps unless told not to."""
+    if cfg.strategy != "deepspeed":
+        return ""
+    return ("; under DeepSpeed's engine, which divides every loss by gradient_accumulation_steps itself, "
+            "engine.backward(loss_sum * dp_size / count, scale_wrt_gas=False)")
 
 
 def _unit(per_micro_batch: bool) -> str:
@@ -240,8 +262,8 @@ def _per_rank_batch(cfg: CheckConfig) -> str:
 
 
 def strategy_label(cfg: CheckConfig) -> str:
-    """How the texts name the ranks' strategy: DDP, FSDP, HSDP."""
-    return cfg.strategy.upper()
+    """How the texts name the ranks' strategy: DDP, FSDP, HSDP, DeepSpeed ZeRO-2."""
+    return cfg.strategy_text(cfg.world_size) if cfg.strategy == "deepspeed" else cfg.strategy.upper()
 
 
 def one_rank_note(cfg: CheckConfig) -> str | None:

@@ -10,7 +10,6 @@ then matches the ranks.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -29,6 +28,7 @@ from ddplab.runtime.deadline import Deadline
 from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
 from ddplab.runtime.sharding import RankOrder, ReferenceOrder
 from ddplab.runtime.spec import Spec, load_spec
+from ddplab.runtime.strategies.training import Training, flat
 
 CPU = torch.device("cpu")
 
@@ -133,7 +133,8 @@ def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: T
     # Diagnose on the finite steps only: references are compared to the ranks up to there.
     finite_steps = ranks.first(non_finite["step"]) if non_finite else ranks
     found = diagnosis.diagnose(spec, len(dataset), cfg, finite_steps, single, divergent, has_padding,
-                               rerun=lambda hypothesis: reference(spec, dataset, cfg, hypothesis, ranks=finite_steps))
+                               rerun=lambda hypothesis: reference(spec, dataset, cfg, hypothesis, ranks=finite_steps),
+                               unused=tuple(facts.unused_parameters))
     explanation = found.explanation
     if non_finite:
         explanation += (f"; from step {non_finite['step']} the {diagnosis.side_text(cfg, non_finite['side'])} "
@@ -147,18 +148,19 @@ def micro_batches(indices: list[int], cfg: CheckConfig) -> list[list[int]]:
     return [indices[i:i + size] for i in range(0, len(indices), size)]
 
 
-def _accumulate(spec: Spec, strategy: strategies.Strategy, wrapped, dataset, chunks: list[list[int]],
-                device) -> None:
-    """One optimizer step's backward passes: each micro-batch's loss over their number, syncing on the last only."""
+def _accumulate(spec: Spec, training: Training, dataset, chunks: list[list[int]], device, dtype) -> None:
+    """One optimizer step's backward passes: each micro-batch's loss weighed 1/K, reduced on the last only."""
     for index, chunk in enumerate(chunks):
-        batch = rank_tools.collate(dataset, chunk, device, torch.float64, spec.collate)
-        last = index == len(chunks) - 1
-        with contextlib.nullcontext() if last else strategy.no_sync(wrapped):
-            loss = spec.step(wrapped, batch, spec.loss)
-            if len(chunks) > 1:
-                loss = loss / len(chunks)
+        batch = rank_tools.collate(dataset, chunk, device, dtype, spec.collate)
+        with training.micro_batch(last=index == len(chunks) - 1):
+            loss = spec.step(training.model, batch, spec.loss)
             with spec.guard("backward through the loss"):
-                loss.backward()
+                training.backward(loss)
+
+
+def train_dtype(strategy: strategies.Strategy) -> torch.dtype:
+    """float64, so rounding stays far below the tolerance; float32 where the strategy reduces no float64."""
+    return torch.float64 if strategy.reduces_float64 else torch.float32
 
 
 def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
@@ -167,26 +169,27 @@ def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
     show = progress if ctx.is_main else silent
     spec = load_spec(cfg.spec_path)
     dataset = spec.dataset()
-    model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64, device=ctx.device)
     strategy = strategy_of(cfg)
-    wrapped = strategy.wrap(model, ctx, facts)
-    optimizer = spec.optimizer(wrapped.parameters())
+    dtype = train_dtype(strategy)
+    model = rank_tools.seeded_model(spec, cfg.seed, dtype=dtype, device=ctx.device)
+    training = strategy.training(model, spec.optimizer, ctx, facts, accumulation_steps=cfg.accumulation_steps,
+                                 per_device_batch_size=cfg.per_device_batch_size)
     order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
                       per_device_batch_size=cfg.rank_step_batch_size)
-    probe = ReductionProbe(strategy, wrapped, cfg.reduce_dtype) if cfg.reduce_dtype else None
+    probe = ReductionProbe(strategy, training.model, cfg.reduce_dtype) if cfg.reduce_dtype else None
     params, grads, factors = [], [], set()
     for step in range(cfg.steps):
-        optimizer.zero_grad(set_to_none=True)
-        _accumulate(spec, strategy, wrapped, dataset, micro_batches(order.batch(step), cfg), ctx.device)
-        grads.append(_flat_grads(model))
+        _accumulate(spec, training, dataset, micro_batches(order.batch(step), cfg), ctx.device, dtype)
+        grads.append(flat(training.gradients()))
         # Read after the spec's step(): where it changed how the reduction divides, this shows it.
-        factors |= strategy.divide_factors(wrapped)
+        factors |= training.divide_factors()
         if probe is not None:
             probe.close_step(grads[-1])
         with spec.guard("the optimizer's step()"):
-            optimizer.step()
-        params.append(_flat_params(model))
-        show(step + 1, cfg.steps, f"{ctx.world_size} {cfg.strategy.upper()} ranks")
+            training.step()
+        params.append(flat(training.parameters()))
+        show(step + 1, cfg.steps, f"{ctx.world_size} {diagnosis.strategy_label(cfg)} ranks")
+    training.close()
     if not ctx.is_main:
         return None
     measured = {"reduction_errors": probe.errors, "reduction_bounds": probe.bounds} if probe else {}
@@ -239,6 +242,7 @@ def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypot
     'per-micro-batch': average the W·K losses of every rank's K micro-batches, each over its own.
     'divide-factor': every gradient times W / f, where the ``ranks`` divided their sum by f.
     'rounding': every gradient plus the ``ranks``' measured reduction error of that step.
+    'unused-zero': a zero gradient for every parameter the forward left without one, as DeepSpeed's engine gives.
     """
     model = rank_tools.seeded_model(spec, cfg.seed, dtype=torch.float64)
     optimizer = spec.optimizer(model.parameters())
@@ -256,15 +260,20 @@ def reference(spec: Spec, dataset, cfg: CheckConfig, hypothesis: diagnosis.Hypot
         grads.append(_flat_grads(model))
         with spec.guard("the optimizer's step()"):
             optimizer.step()
-        params.append(_flat_params(model))
+        params.append(flat(p.detach() for p in model.parameters()))
         progress(step + 1, cfg.steps, "one process")
     return Trajectory(params, grads, used_rng)
 
 
 def _reproduce_reduction(model, hypothesis: diagnosis.Hypothesis, ranks: Trajectory | None, step: int,
                          world_size: int) -> None:
-    """Change the reference's gradients as the ranks' reduction did, under 'divide-factor' and 'rounding'."""
-    if hypothesis == "divide-factor":
+    """Change the reference's gradients as the ranks' reduction did, under 'divide-factor', 'rounding' and
+    'unused-zero'."""
+    if hypothesis == "unused-zero":
+        for param in model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+    elif hypothesis == "divide-factor":
         (factor,) = ranks.divide_factors
         for param in model.parameters():
             if param.grad is not None:
@@ -309,18 +318,8 @@ def _first_non_finite(ranks: Trajectory, single: Trajectory) -> dict[str, Any] |
     return {"step": step, "side": sides[0] if len(sides) == 1 else "both", "what": what}
 
 
-def _flat_params(model) -> torch.Tensor:
-    return torch.cat([_whole(p.detach()).reshape(-1).cpu() for p in model.parameters()])
-
-
 def _flat_grads(model) -> torch.Tensor:
-    return torch.cat([_whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).cpu()
-                      for p in model.parameters()])
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor (FSDP2's DTensor) gathered whole, on every rank of its mesh (a collective); else itself."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return flat(p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in model.parameters())
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:

@@ -10,7 +10,8 @@ from ddplab.serialize import finite
 
 Verdict = Literal["EQUIVALENT", "ROUNDING", "DIVERGES", "STOCHASTIC", "NON_FINITE"]
 Cause = Literal["SUM_REDUCTION", "GRADIENT_SCALE", "DIVIDE_FACTOR", "REDUCE_PRECISION", "PADDING", "BATCHNORM",
-                "LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH", "RANDOMNESS", "UNKNOWN"]
+                "LOSS_NORMALISED_PER_DEVICE", "LOSS_NORMALISED_PER_MICRO_BATCH", "UNUSED_PARAMETERS_STEPPED",
+                "RANDOMNESS", "UNKNOWN"]
 Side = Literal["ranks", "single_process", "both"]
 
 
@@ -52,11 +53,12 @@ class CheckResult:
         cfg = self.config
         return finite({"verdict": self.verdict, "cause": self.cause, "explanation": self.explanation, "fix": self.fix,
                        "tolerance": cfg.tolerance, "strategy": cfg.strategy, "replicate": cfg.replicate,
-                       "reduce_dtype": cfg.reduce_dtype, "world_size": cfg.world_size,
-                       "data_parallel_size": cfg.world_size,
+                       "reduce_dtype": cfg.reduce_dtype, "zero_stage": cfg.engine_zero_stage,
+                       "world_size": cfg.world_size, "data_parallel_size": cfg.world_size,
                        "per_device_batch_size": cfg.per_device_batch_size, "accumulation_steps": cfg.accumulation_steps,
                        "global_batch_size": cfg.global_batch_size,
                        "steps": cfg.steps, "seed": cfg.seed, "first_divergent_step": self.first_divergent_step,
                        "non_finite": self.non_finite, "unused_parameters": list(self.unused_parameters),
                        "find_unused_parameters": self.find_unused_parameters, "note": self.note,
                        "per_step": self.per_step})
+

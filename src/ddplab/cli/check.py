@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddplab.check.command.config import CommandCheckConfig
-from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
+from ddplab.check.config import DEFAULT_WORLD_SIZE, FLOAT32_TOLERANCE, FLOAT64_TOLERANCE, CheckConfig
 from ddplab.cli import render
 from ddplab.cli.args import HelpFormatter, split_at_command
 from ddplab.cli.options import add_fields, add_launch_flags, fields_given, launch_config
@@ -33,13 +33,14 @@ after its K steps.
 The spec form: train SPEC.py for K steps on W DDP ranks with --batch-size b each, and for K steps in one
 process on the ranks' batches concatenated in rank order (global batch W·b), both in float64;
 compare the parameters after every step. --strategy fsdp trains the ranks with FSDP2
-(fully_shard), --strategy hsdp on a 2-D mesh of --replicate replicas; sharded parameters and
-gradients are gathered whole to be compared.
+(fully_shard), --strategy hsdp on a 2-D mesh of --replicate replicas, --strategy deepspeed with
+DeepSpeed's engine at --zero-stage 0-3 (its own backward, accumulation and step; in float32, which
+is all it reduces: tolerance 1e-5); sharded parameters and gradients are gathered whole to be compared.
 
 Verdicts: EQUIVALENT (within --tolerance); DIVERGES with the cause that a reproducing reference
 confirms (SUM_REDUCTION, GRADIENT_SCALE, DIVIDE_FACTOR, PADDING, BATCHNORM,
-LOSS_NORMALISED_PER_DEVICE, LOSS_NORMALISED_PER_MICRO_BATCH, or UNKNOWN); ROUNDING
-(REDUCE_PRECISION) when FSDP2 reduces in --reduce-dtype and the difference is that dtype's
+LOSS_NORMALISED_PER_DEVICE, LOSS_NORMALISED_PER_MICRO_BATCH, UNUSED_PARAMETERS_STEPPED, or UNKNOWN);
+ROUNDING (REDUCE_PRECISION) when FSDP2 reduces in --reduce-dtype and the difference is that dtype's
 rounding, within its bound; STOCHASTIC when the model draws random numbers in training (dropout);
 NON_FINITE when inf or nan appears on either side (named: the ranks, the single process, or both)
 before any difference. The exit code is 0 whatever the verdict, unless
@@ -62,6 +63,7 @@ examples:
   ddplab check spec.py --batch-size 8 --strategy fsdp                # FSDP2 on 2 ranks
   ddplab check spec.py --batch-size 4 --accumulation 4               # 4 micro-batches of 4 per step
   ddplab check spec.py --batch-size 8 --strategy hsdp --world-size 4 --replicate 2
+  ddplab check spec.py --batch-size 4 --accumulation 2 --strategy deepspeed --zero-stage 3
   torchrun --nproc_per_node 4 -m ddplab check spec.py --batch-size 8
 """
 
@@ -73,13 +75,16 @@ def add_parser(subparsers) -> None:
                                      "seed", "tolerance"), spec_path={"nargs": "?"},
                per_device_batch_size={"required": False},
                steps={"help": "optimizer steps to compare (default 5); with a command after --, 3 by default"},
-               tolerance={"help": "largest relative parameter difference called equal, in float64 (default 1e-09); "
+               tolerance={"help": "largest relative parameter difference called equal (default "
+                                  f"{FLOAT64_TOLERANCE:g} in float64, {FLOAT32_TOLERANCE:g} under deepspeed, in "
+                                  "float32); "
                                   "with a command after --, the gradient's, by default 1e-4 in float32, 1e-9 in "
                                   "float64, 5e-2 in half precision"})
     command_form = parser.add_argument_group("your own command (after --)")
     add_fields(command_form, CommandCheckConfig, ("global_batch_size", "reference_accumulation_steps",
                                                   "run_deadline_s", "audit"))
-    add_fields(parser.add_argument_group("parallelism"), CheckConfig, ("strategy", "replicate", "reduce_dtype"))
+    add_fields(parser.add_argument_group("parallelism"), CheckConfig, ("strategy", "replicate", "reduce_dtype",
+                                                                           "zero_stage"))
     parser.add_argument("--strict", action="store_true", help="exit 3 when the verdict is not EQUIVALENT or ROUNDING")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_launch_flags(parser)
@@ -90,7 +95,8 @@ def add_parser(subparsers) -> None:
 # Flags of one form only.
 COMMAND_FIELDS = ("world_size", "global_batch_size", "accumulation_steps", "reference_accumulation_steps", "steps",
                   "tolerance", "audit", "run_deadline_s")
-SPEC_ONLY = ("per_device_batch_size", "seed", "strategy", "replicate", "reduce_dtype", "pg_timeout_s", "deadline_s")
+SPEC_ONLY = ("per_device_batch_size", "seed", "strategy", "replicate", "reduce_dtype", "zero_stage", "pg_timeout_s",
+             "deadline_s")
 
 
 def config_from_args(args: argparse.Namespace) -> CheckConfig | CommandCheckConfig:
@@ -155,7 +161,8 @@ def _print(result) -> None:
     reduced = f" (gradients reduced in {cfg.reduce_dtype})" if cfg.reduce_dtype else ""
     micro = f" × {cfg.accumulation_steps} micro-batches" if cfg.accumulation_steps > 1 else ""
     title = (f"ddplab check: {count(cfg.world_size, 'rank')} × {cfg.per_device_batch_size}{micro}"
-             f"{f' ({strategy})' if strategy else ''} vs one process × {cfg.global_batch_size}, float64{reduced}, "
+             f"{f' ({strategy})' if strategy else ''} vs one process × {cfg.global_batch_size}, "
+             f"{_dtypes(cfg)}{reduced}, "
              f"tolerance {cfg.tolerance:g}")
     out = render.console()
     out.print(render.table(title, columns, rows))
@@ -167,6 +174,11 @@ def _print(result) -> None:
         out.print(f"[bold]fix:[/] {result.fix}")
     for note in _notes(result):
         out.print(f"note: {note}")
+
+
+def _dtypes(cfg) -> str:
+    """The dtypes the two sides trained in: float64, or the ranks' float32 against the float64 reference."""
+    return "float32 ranks, float64 reference" if cfg.strategy == "deepspeed" else "float64"
 
 
 def _notes(result) -> list[str]:
@@ -182,6 +194,7 @@ def _notes(result) -> list[str]:
         names = ", ".join(result.unused_parameters[:5]) + (" …" if len(result.unused_parameters) > 5 else "")
         # FSDP2 reduce-scatters the gradients that exist: a parameter no rank used has none to reduce.
         how = ("DDP ran with find_unused_parameters=True" if cfg.wraps_in_ddp
+               else "DeepSpeed's engine gives them a zero gradient" if cfg.strategy == "deepspeed"
                else f"{cfg.strategy.upper()} reduces no gradient for them")
         notes.append(f"the forward does not use {names} (no gradient): {how}, and those parameters are compared like "
                      "the rest")

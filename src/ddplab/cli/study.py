@@ -105,7 +105,8 @@ def add_parser(subparsers) -> None:
     add_fields(parser, StudyOptions, ("out", "fresh", "verify_ddp", "verify_world_size", "verify_steps", "threads"),
                verify_ddp={"metavar": "K"})
     add_fields(parser.add_argument_group("engine"), StudyOptions,
-               ("engine", "world_size", "strategy", "replicate", "reduce_dtype", "max_batch_size_per_device", "device"))
+               ("engine", "world_size", "strategy", "replicate", "reduce_dtype", "zero_stage",
+                "max_batch_size_per_device", "device"))
     add_fields(parser, StudyOptions, ("compare", "plots"), compare={"metavar": "STUDY.json"})
     add_fields(parser.add_argument_group("the critical batch from checkpoints (Merrill et al. 2025), instead of the "
                                          "grid"), BranchConfig,
@@ -122,8 +123,8 @@ def add_parser(subparsers) -> None:
 COMMAND_FIELDS = ("metric", "executor", "parallel", "run_deadline_s", "ray_address", "gpus_per_run",
                   "slurm_partition", "slurm_time", "slurm_cluster")
 # Flags of the spec form that a command study has no use for: the command trains as it is written.
-SPEC_ONLY = ("engine", "verify_ddp", "threads", "device", "strategy", "replicate", "reduce_dtype", "dtype",
-             "branch_at", "branch_from")
+SPEC_ONLY = ("engine", "verify_ddp", "threads", "device", "strategy", "replicate", "reduce_dtype", "zero_stage",
+             "dtype", "branch_at", "branch_from")
 
 
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ddplab.errors import LaunchError
+from ddplab.errors import LaunchError, UsageError
 from ddplab.noise import report as noise_report
 from ddplab.noise.config import DEFAULT_WORLD_SIZE, NoiseConfig
 from ddplab.noise.scale import GradientNoiseScale
@@ -41,7 +41,12 @@ def measure_spec(config: NoiseConfig, launch_config: LaunchConfig | None = None,
     """
     config = dataclasses.replace(config, world_size=world_size_for(config.world_size, default=DEFAULT_WORLD_SIZE))
     # A strategy that cannot run here (its options, the world size, this torch) says so before anything starts.
-    strategy_of(config).check_runnable(config.world_size)
+    strategy = strategy_of(config)
+    strategy.check_runnable(config.world_size)
+    if not strategy.taps_local_gradients:
+        raise UsageError(f"the {config.strategy} strategy's local gradients are not read on a spec: measure its noise "
+                         "scale on your own command (ddplab noise -- COMMAND), which reads them where the engine "
+                         "reduces")
     deadline = Deadline.of(launch_config)
     with deadline.guard("loading the spec (its model() and dataset())"):
         # The spec's mistakes surface here, in one sentence, before any rank starts.

@@ -19,13 +19,14 @@ from ddplab.errors import UsageError
 from ddplab.runtime.config import DEFAULT_STRATEGY
 from ddplab.runtime.strategies.base import GradientTap, Strategy
 from ddplab.runtime.strategies.ddp import DDPStrategy
+from ddplab.runtime.strategies.deepspeed import DeepSpeedStrategy
 from ddplab.runtime.strategies.fsdp import FSDPStrategy
 from ddplab.runtime.strategies.hsdp import HSDPStrategy
 
 __all__ = ["DEFAULT", "STRATEGIES", "GradientTap", "Strategy", "get", "no_sync", "of"]
 
 STRATEGIES: dict[str, Strategy] = {strategy.name: strategy
-                                   for strategy in (DDPStrategy(), FSDPStrategy(), HSDPStrategy())}
+                                   for strategy in (DDPStrategy(), FSDPStrategy(), HSDPStrategy(), DeepSpeedStrategy())}
 """Every strategy by name, each with its default options."""
 
 DEFAULT = DEFAULT_STRATEGY

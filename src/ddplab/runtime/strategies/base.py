@@ -15,6 +15,7 @@ model the user wrapped in their own script as on one :meth:`Strategy.wrap` retur
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
+
+from ddplab.runtime.strategies.training import OptimizerFactory, Training, whole
 
 if TYPE_CHECKING:
     from ddplab.runtime.launch import RankContext
@@ -52,6 +55,12 @@ class Strategy(abc.ABC):
     """The name it is registered and chosen by."""
     collective_forward: ClassVar[bool] = False
     """Whether a forward through the user's module (:meth:`module`) is a collective, which every rank must run."""
+    owns_optimizer: ClassVar[bool] = False
+    """Whether its engine builds and steps the optimizer (DeepSpeed's): then only :meth:`training` trains with it."""
+    taps_local_gradients: ClassVar[bool] = True
+    """Whether :meth:`tap_local_gradients` serves (what ddplab's noise scale and AdaScale read on the ranks)."""
+    reduces_float64: ClassVar[bool] = True
+    """Whether it reduces float64 gradients (DeepSpeed's engine reduces float32 at most: the ranks train in it)."""
 
     def check_runnable(self, world_size: int) -> None:
         """Raise UsageError, before any rank starts, where this strategy cannot train on ``world_size`` ranks here."""
@@ -63,6 +72,15 @@ class Strategy(abc.ABC):
 
         ``facts`` are what a trial step of the spec found (parameters that get no gradient), when there was one.
         """
+
+    def training(self, model: torch.nn.Module, make_optimizer: OptimizerFactory, ctx: RankContext,
+                 facts: SpecFacts | None = None, *, accumulation_steps: int = 1,
+                 per_device_batch_size: int | None = None) -> Training:
+        """``model`` wrapped, with the optimizer ``make_optimizer`` builds on its parameters, ready for K micro-batches
+        a step of ``per_device_batch_size`` each (:mod:`ddplab.runtime.strategies.training`); an engine that owns the
+        optimizer builds it its own way."""
+        wrapped = self.wrap(model, ctx, facts)
+        return WrappedTraining(self, wrapped, make_optimizer(wrapped.parameters()), accumulation_steps)
 
     @abc.abstractmethod
     def owns(self, model) -> bool:
@@ -120,6 +138,39 @@ class Strategy(abc.ABC):
         The shares of the ranks of the data-parallel group are disjoint and together the whole averaged
         gradient, so the sum of their squared norms over the group is its squared norm, counted once.
         """
+
+
+class WrappedTraining(Training):
+    """A model the strategy wrapped, stepped by the caller's optimizer: no_sync on all but the last micro-batch."""
+
+    def __init__(self, strategy: Strategy, wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 accumulation_steps: int):
+        self.strategy, self.model, self.optimizer = strategy, wrapped, optimizer
+        self.accumulation_steps = accumulation_steps
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.strategy.module(self.model)
+
+    def micro_batch(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
+        # DDP's no_sync must hold the forward too: its reducer is prepared there.
+        return contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.accumulation_steps == 1 else loss / self.accumulation_steps).backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach() for p in self.module.parameters()]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [whole(p.detach()) for p in self.module.parameters()]
+
+    def divide_factors(self) -> set[float]:
+        return self.strategy.divide_factors(self.model)
 
 
 def flat_shares(tensors: Iterable[torch.Tensor | None], rank: int, world_size: int) -> Iterator[torch.Tensor]:

@@ -69,19 +69,30 @@ def choose_engine(workload: Workload, config: StudyConfig, options: StudyOptions
                             "vectorized, per rank on DDP), so one engine trains every batch size")
         return "vmap", ("asked for" if options.engine == "vmap" else
                         "the model and optimizer vectorize: every run of a batch size trains at once in one process")
+    strategy = strategies.get(options.strategy, **options.strategy_options())
+    if config.dtype == "float64" and not strategy.reduces_float64:
+        raise UsageError(f"the {options.strategy} strategy reduces no float64 gradients: give {{dtype}} float32")
     for rule in registry.of(config):
+        if rule.multi_rank and not strategy.taps_local_gradients:
+            raise UsageError(f"the rule {rule.name} measures the noise scale across ranks, which the "
+                             f"{options.strategy} strategy does not show: drop it from {{rules}}")
         if rule.multi_rank and world_size_for(None, default=options.world_size) < 2:
             raise UsageError(f"the rule {rule.name} on the DDP engine measures the noise scale across ranks: give "
                              "{world_size} 2 or more, or drop it from {rules}")
         if rule.single_process and under_torchrun():
             raise UsageError(f"the rule {rule.name} trains in one process: drop it from {{rules}} under torchrun")
     if options.engine == "ddp":
-        return "ddp", "asked for"
+        return "ddp", "asked for" + (f", on {_strategy_words(options)}" if not options.wraps_in_ddp else "")
     if not options.wraps_in_ddp:
-        return "ddp", f"the {options.strategy} strategy wraps the model on ranks"
+        return "ddp", f"the {_strategy_words(options)} strategy wraps the model on ranks"
     if under_torchrun():
         return "ddp", "under torchrun: the grid's runs train across the job's ranks"
     return "ddp", f"the spec cannot be vectorized: {workload.not_vectorized}"
+
+
+def _strategy_words(options: StudyOptions) -> str:
+    """The strategy as the engine line names it: fsdp, hsdp: 2 replicas × 2 shards, DeepSpeed ZeRO-2."""
+    return options.strategy_text(world_size_for(None, default=options.world_size)) or options.strategy
 
 
 def _has_buffers(workload: Workload) -> bool:

@@ -18,7 +18,6 @@ stop is one all ranks take together, from one all-reduce per evaluation (:class:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -76,6 +75,9 @@ def train_group_ddp(workload: workloads.Workload, config: StudyConfig, group: Ru
         raise UsageError("AdaScale on the DDP engine measures the noise scale across ranks: it needs {world_size} 2 "
                          "or more")
     strategy = strategy or strategies.get()
+    if group.lr_scaling == "gain" and not strategy.taps_local_gradients:
+        raise UsageError(f"AdaScale reads each rank's local gradient, which the {strategy.name} strategy does not "
+                         "show: drop the gain rule from {rules}")
     # Every rank returns the same results (each stop is decided together): rank 0's serve. A spec's error in a
     # rank (its evaluate() raising, say) comes back as the one line it is in one process.
     with rank_errors():
@@ -107,23 +109,24 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
     torch.manual_seed(result.seed)
     model = workload.model().to(torch_dtype(config)).to(ctx.device)
     strategy = strategy or strategies.get()
-    ddp = strategy.wrap(model, ctx)
-    optimizer = run_optimizer(workload, config, ddp.parameters(), result.lr)
+    training = strategy.training(model, lambda params: run_optimizer(workload, config, params, result.lr), ctx,
+                                 accumulation_steps=plan.accumulation_steps,
+                                 per_device_batch_size=plan.per_device_batch_size)
     shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
     # Dropout's masks differ per rank and per run, the same every time the grid runs.
     torch.manual_seed(1_000_003 * result.seed + ctx.rank)
-    noise = _noise_scale(ddp, ctx, plan, config, workload.train_size, every_step=adascale)
-    adascale = _adascale(optimizer, noise, config) if adascale else None
+    noise = _noise_scale(training.model, ctx, plan, config, workload.train_size, every_step=adascale,
+                         strategy=strategy)
+    adascale = _adascale(training.optimizer, noise, config) if adascale else None
     # The step losses since the last evaluation, kept as tensors: read once per evaluation, never per step.
     losses: list[torch.Tensor] = []
     for step in range(config.max_steps):
         index = shards.batch(step).to(ctx.device)
         parts = []
         for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
-            last = micro == plan.accumulation_steps - 1
-            with contextlib.nullcontext() if last else strategy.no_sync(ddp):
-                value = workload.step_fn(ddp, read(part), workload.loss)
-                (value if plan.accumulation_steps == 1 else value / plan.accumulation_steps).backward()
+            with training.micro_batch(last=micro == plan.accumulation_steps - 1):
+                value = workload.step_fn(training.model, read(part), workload.loss)
+                training.backward(value)
             parts.append(value.detach())
         losses.append(parts[0] if len(parts) == 1 else torch.stack(parts).to(torch.float64).mean())
         evaluation = (step + 1) % config.eval_every == 0
@@ -136,15 +139,14 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
         elif noise is not None:
             # Measured at evaluations only; its sums travel in the evaluation's all-reduce.
             sums = noise.local_sums()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training.step()
         if adascale is not None and evaluation:
             applied = adascale.history[-1]
             result.gains.append([step + 1, applied.gain, applied.tau])
         # A diverged step poisons every later one (its gradient is all-reduced), so checking the window's losses
         # at each evaluation stops the same runs; one collective per evaluation instead of one per step.
         if evaluation or step + 1 == config.max_steps:
-            if _evaluated(ctx, workload, config, strategy.module(ddp), result, step + 1, losses, noise, sums,
+            if _evaluated(ctx, workload, config, training.module, result, step + 1, losses, noise, sums,
                           every_rank=strategy.collective_forward):
                 break
             if step + 1 > bound:
@@ -153,7 +155,8 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
             losses.clear()
     if adascale is not None:
         adascale.remove()
-    del ddp, optimizer, model, adascale
+    training.close()
+    del training, model, adascale
 
 
 def _adascale(optimizer, noise, config: StudyConfig):
@@ -217,13 +220,13 @@ def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: R
 
 
 def _noise_scale(ddp, ctx: RankContext, plan: DdpPlan, config: StudyConfig, dataset_size: int, *,
-                 every_step: bool = False):
+                 every_step: bool = False, strategy: strategies.Strategy | None = None):
     """ddplab noise's measurement on this run (each rank's gradient against the all-reduced one), at the steps
     that end with an evaluation (at every step for AdaScale); None on one rank, which has no second batch size to
-    compare."""
+    compare, and under a strategy whose local gradients are not tapped (DeepSpeed's engine)."""
     from ddplab.noise.scale import GradientNoiseScale
 
-    if ctx.world_size < 2:
+    if ctx.world_size < 2 or (strategy is not None and not strategy.taps_local_gradients):
         return None
     noise = GradientNoiseScale(ddp, per_device_batch_size=plan.per_device_batch_size,
                                accumulation_steps=plan.accumulation_steps, every=1 if every_step else config.eval_every,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddplab.errors import UsageError
 from ddplab.runtime import strategies
 from ddplab.runtime.launch import LaunchConfig, RankContext, launch
 from ddplab.runtime.launch_config import under_torchrun
@@ -46,6 +47,9 @@ def train_branches_ddp(workload: workloads.Workload, config: StudyConfig, checkp
     launch: {global batch: {steps: each run's held-out loss after them}}, as the vectorized
     :func:`~ddplab.study.engines.vmap_branches.train_branches`. The batches train in order, and none after one at
     which ``stop`` (every rank holds the same losses, so every rank decides alike) says the judgement is settled."""
+    if engine.strategy.owns_optimizer:
+        raise UsageError(f"branches load the checkpoint's optimizer state into a torch optimizer, which the "
+                         f"{engine.strategy.name} strategy's engine owns and partitions: use ddp, fsdp or hsdp")
     world_size = engine.launch_config.world_size
     plans = {batch: split(batch, world_size, engine.max_per_device) for batch in groups}
     # Under torchrun this process is rank 0 and moves the bar step by step; a forked rank's copy of it must not.
