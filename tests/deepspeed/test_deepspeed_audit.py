@@ -153,7 +153,7 @@ NOISE_SCRIPTS = os.path.join(os.path.dirname(CORPUS), os.pardir, "noise", "scrip
 
 
 @pytest.mark.timeout(2 * RUN_S + 60)
-@pytest.mark.parametrize("stage, accumulation", [(2, 2), (1, 2), (0, 1)])
+@pytest.mark.parametrize("stage, accumulation", [(3, 2), (2, 2), (1, 2), (0, 1)])
 def test_noise_under_deepspeed_finds_d_plus_one_for_noiseless_regression(stage, accumulation):
     sys.path.insert(0, NOISE_SCRIPTS)
     try:
@@ -170,15 +170,17 @@ def test_noise_under_deepspeed_finds_d_plus_one_for_noiseless_regression(stage, 
             out = json.load(fh)
     low, high = out["b_simple_ci95"]
     assert low <= regression.D + 1 <= high and high - low < regression.D + 1, out["b_simple"]
-    # ZeRO-2 reduces every micro-batch: the small batch is one micro-batch of 16, the big one the global 64.
+    # ZeRO 2-3 reduce every micro-batch: the small batch is one micro-batch of 16, the big one the global 64.
     assert (out["strategy"], out["data_parallel_size"], out["per_device_batch_size"], out["accumulation_steps"],
             out["global_batch_size"]) == (f"deepspeed-zero{stage}", 2, 16, accumulation, 32 * accumulation)
     assert out["measured_steps"] == 50 and out["left_out"] == {}
 
 
-@pytest.mark.timeout(RUN_S + 60)
-def test_noise_under_zero3_says_why_it_measures_nothing():
-    script = os.path.join(NOISE_SCRIPTS, "regression_deepspeed.py")
-    run = _run([sys.executable, "-m", "ddplab", "noise", "--start-step", "1", "--steps", "3", "--", *TORCHRUN, script,
-                "--stage", "3", "--steps", "6"])
-    assert "DeepSpeed ZeRO-3 reduces each micro-batch's gradient into partitions" in run.stderr + run.stdout
+def test_zero3s_reduction_is_where_the_noise_guest_reads_it_in_this_deepspeed():
+    """The private method the ZeRO-3 tap wraps exists in the pinned DeepSpeed (else the guest disarms, saying so)."""
+    import deepspeed.runtime.zero.stage3  # noqa: F401 - the engine imports it when it configures ZeRO-3
+
+    from ddplab.noise.guest import deepspeed_tap
+
+    stage3 = deepspeed_tap.zero3_optimizer()
+    assert stage3 is not None and stage3.__name__ == "DeepSpeedZeroOptimizer_Stage3"

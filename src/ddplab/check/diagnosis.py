@@ -208,8 +208,8 @@ def _unused_stepped(cfg: CheckConfig, unused: tuple[str, ...]) -> Diagnosis:
         f"them, while {strategy_label(cfg)} gives them a zero gradient (DeepSpeed's engine fills one in to reduce "
         "equal sizes), so weight decay and momentum move them. Confirmed by a reference that gives them zero "
         "gradients and then matches",
-        "leave the unused parameters out of the optimizer (or set requires_grad=False on them), or train them "
-        "without weight decay; either makes both sides leave them alone")
+        "set requires_grad=False on the unused parameters (at ZeRO 0-2 leaving them out of the optimizer does too; "
+        "ZeRO-3 needs every parameter in it), or train them without weight decay and momentum")
 
 
 def _engine_recipe(cfg: CheckConfig) -> str:

@@ -261,3 +261,48 @@ def test_the_command_and_a_spec_of_the_same_model_agree_within_the_seeds_spread(
     assert max(ours["b_crit_ci95"][0], theirs["b_crit_ci95"][0]) <= min(ours["b_crit_ci95"][1],
                                                                       theirs["b_crit_ci95"][1])
     assert command["scorecard"] is not None
+
+
+SHARDED = os.path.join(HERE, "scripts", "sharded_train.py")
+
+
+def _histories(out) -> dict[tuple[int, float], list]:
+    """Each run's evaluations (step, loss) from its result.json, by (global batch, lr)."""
+    found = {}
+    for run_dir in _run_dirs(out):
+        with open(os.path.join(run_dir, "result.json")) as fh:
+            result = json.load(fh)["result"]
+        found[(result["global_batch_size"], result["lr"])] = [row[:2] for row in result["history"]]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.timeout(900)
+def test_a_command_study_of_an_fsdp2_and_a_deepspeed_script_under_torchrun_measures_what_ddp_does(tmp_path):
+    """One classifier written for DDP, FSDP2 (fully_shard per block) and DeepSpeed ZeRO-2 (deepspeed.initialize,
+    engine.backward and engine.step per micro-batch), AdamW with two parameter groups, the batch of 32 in two
+    micro-batches: the guest counts each engine's optimizer steps once (ZeRO steps the client optimizer per group)
+    and reads the same losses, so the three studies give the same steps to the target and the same curves."""
+    pytest.importorskip("deepspeed")
+    grid = ["--target-loss", "0.5", "--global-batch-sizes", "16,32", "--seeds", "1", "--rules", "constant,linear",
+            "--optimizer", "adamw", "--ref-global-batch-size", "16", "--ref-lr", "1e-2", "--eval-every", "5",
+            "--max-steps", "300", "--no-plots", "--json", "--world-size", "2", "--max-batch-size-per-device", "8"]
+    figures, curves = {}, {}
+    for engine in ("ddp", "fsdp", "deepspeed"):
+        out = tmp_path / engine
+        done = subprocess.run(
+            [os.path.join(BIN, "ddplab"), "study", *grid, "--out", str(out), "--", os.path.join(BIN, "torchrun"),
+             "--nproc_per_node", "{world_size}", "--master_port", "{master_port}", SHARDED, "--engine", engine,
+             "--batch-size", "{per_device_batch_size}", "--grad-accum", "{accumulation_steps}", "--lr", "{lr}",
+             "--seed", "{seed}"], capture_output=True, text=True, timeout=timescale.scaled(600),
+            env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        figures[engine], curves[engine] = _figures(json.loads(done.stdout)), _histories(out)
+    assert all(steps is not None for *_, steps in figures["ddp"]) and len(curves["ddp"]) == 3
+    assert figures["fsdp"] == figures["ddp"] and figures["deepspeed"] == figures["ddp"], figures
+    for engine in ("fsdp", "deepspeed"):
+        for key, curve in curves["ddp"].items():
+            theirs = curves[engine][key]
+            assert [step for step, _ in theirs] == [step for step, _ in curve], (engine, key)
+            assert [loss for _, loss in theirs] == pytest.approx([loss for _, loss in curve], rel=1e-4), (engine, key)

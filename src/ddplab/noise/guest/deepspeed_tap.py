@@ -1,4 +1,4 @@
-"""DeepSpeed's engine, ZeRO 0-2, measured: each rank's local gradient before the engine reduces it, and the norm of
+"""DeepSpeed's engine, ZeRO 0-3, measured: each rank's local gradient before the engine reduces it, and the norm of
 the reduced one after.
 
 Where the engine reduces decides what the small batch is (DeepSpeed 0.19, ``runtime/engine.py`` and
@@ -12,11 +12,15 @@ Where the engine reduces decides what the small batch is (DeepSpeed 0.19, ``runt
   gradient never exists whole: each micro-batch's local gradient is read from the buckets before they are reduced,
   and the small batch is one micro-batch (the engine's 1/K is undone: the step's mean of |g_micro|² is K times the
   sum of the buckets' squared norms over its K micro-batches).
+- ZeRO 3 does the same inside its backward hooks: each bucket's parameters hold their whole local ``.grad`` when
+  ``DeepSpeedZeroOptimizer_Stage3.__reduce_and_partition_ipg_grads`` is called on it, before the reduce-scatter
+  partitions them, and the last bucket of a backward goes through it too; the micro-batch is the small batch, as at
+  ZeRO 2.
 
 The reduced gradient's squared norm is the engine's own: ``engine.get_global_grad_norm()`` after the step at ZeRO
-1-2, which DeepSpeed computes for its clipping anyway (no collective is added); at ZeRO 0 the averaged ``.grad`` is
+1-3, which DeepSpeed computes for its clipping anyway (no collective is added); at ZeRO 0 the averaged ``.grad`` is
 whole on every rank before the optimizer steps. Each rank records 1/W of it, so the shares sum to |G|² as DDP's
-do. ZeRO-3 reduces into partitions inside its backward hooks: it is not measured, and the guest says so.
+do. A DeepSpeed whose ZeRO-3 optimizer has no such method is not measured at that stage, and the guest says so.
 Nothing is written into the engine's tensors; every patch calls through unchanged.
 """
 
@@ -37,7 +41,12 @@ from ddplab.noise.scale import squared_norm
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
 ZERO_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
-MEASURED_STAGES = (0, 1, 2)
+STAGE3_MODULE = "deepspeed.runtime.zero.stage3"
+STAGE3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+"""ZeRO-3's one path from a bucket of whole local gradients to their reduce-scatter (name-mangled: private)."""
+MEASURED_STAGES = (0, 1, 2, 3)
+PER_MICRO_BATCH_STAGES = (2, 3)
+"""Stages that reduce every micro-batch's gradient: there the small batch is one micro-batch."""
 
 
 def is_engine(module) -> bool:
@@ -56,6 +65,19 @@ def patch(patches: Patches, on_step, module) -> None:
         patches.replace(zero, "average_tensor", _watched_average_tensor)
 
 
+def patch_stage3(patches: Patches, module) -> None:
+    """Wrap ZeRO-3's bucket reduction, once the engine imports its ZeRO-3 optimizer (when it configures one)."""
+    stage3 = zero3_optimizer()
+    if stage3 is not None:
+        patches.replace(stage3, STAGE3_REDUCE, _watched_stage3_reduce)
+
+
+def zero3_optimizer() -> type | None:
+    """DeepSpeed's ZeRO-3 optimizer class, imported, where it has the reduction this tap reads; None otherwise."""
+    stage3 = getattr(sys.modules.get(STAGE3_MODULE), "DeepSpeedZeroOptimizer_Stage3", None)
+    return stage3 if isinstance(stage3, type) and callable(getattr(stage3, STAGE3_REDUCE, None)) else None
+
+
 def _watched_allreduce(original):
     @functools.wraps(original)
     def allreduce_gradients(self, *args, **kwargs):
@@ -72,6 +94,15 @@ def _watched_average_tensor(original):
         return original(self, tensor, *args, **kwargs)
 
     return average_tensor
+
+
+def _watched_stage3_reduce(original):
+    @functools.wraps(original)
+    def reduce_and_partition(self, communication_data_type, *args, **kwargs):
+        _local_stage3_bucket(self, communication_data_type)
+        return original(self, communication_data_type, *args, **kwargs)
+
+    return reduce_and_partition
 
 
 def _watched_step(on_step, original):
@@ -109,8 +140,8 @@ class EngineMeasurement:
         samples = self.samples
         if guest.plan.per_device_batch_size is not None:
             samples = guest.plan.per_device_batch_size * self.forwards
-        per_micro_batch = self.stage == 2
-        # ZeRO 2: the buckets held each micro-batch's gradient over K; the mean of |g_micro|² is K·Σ|bucket|².
+        per_micro_batch = self.stage in PER_MICRO_BATCH_STAGES
+        # ZeRO 2-3: the buckets held each micro-batch's gradient over K; the mean of |g_micro|² is K·Σ|bucket|².
         local_sq = self.local_sq * self.forwards if per_micro_batch else self.local_sq
         line = {"step": step, "micro": False, "per_micro_batch": per_micro_batch, "samples": samples,
                 "forwards": self.forwards, "reductions": 1 if per_micro_batch else self.reductions,
@@ -154,6 +185,19 @@ def _local_bucket(guest: GuestState, optimizer, tensor) -> None:
     measurement.guest_s += time.perf_counter() - begun
 
 
+@state.guarded("reading a DeepSpeed ZeRO-3 bucket")
+def _local_stage3_bucket(guest: GuestState, optimizer, communication_data_type) -> None:
+    engine = guest.model()
+    measurement = _measuring(guest, engine)
+    if measurement is None or measurement.stage != 3 or getattr(engine, "optimizer", None) is not optimizer:
+        return
+    begun = time.perf_counter()
+    # Each parameter of the bucket holds its whole local gradient of this micro-batch, not yet reduce-scattered.
+    bucket = optimizer.ipg_buckets[communication_data_type]
+    measurement.local_sq += sum(squared_norm(p.grad.detach()).item() for p in bucket.params if p.grad is not None)
+    measurement.guest_s += time.perf_counter() - begun
+
+
 @state.guarded("reading DeepSpeed's reduced gradient")
 def _before_step(guest: GuestState, engine) -> None:
     measurement = _measuring(guest, engine)
@@ -167,7 +211,7 @@ def _after_step(guest: GuestState, engine, on_step) -> None:
     if guest.model() is not engine:
         return
     measurement = _measuring(guest, engine)
-    if measurement is not None and measurement.stage in (1, 2):
+    if measurement is not None and measurement.stage in (1, 2, 3):
         norm = engine.get_global_grad_norm()
         measurement.share_sq = None if norm is None else float(norm) ** 2 / measurement.size
     on_step(guest)

@@ -54,6 +54,8 @@ def install_from_env() -> GuestState | None:
     imports.when_imported(_PATCHES, deepspeed_tap.ENGINE_MODULE,
                           functools.partial(_guarded_patch, functools.partial(deepspeed_tap.patch, _PATCHES,
                                                                               _model_stepped)))
+    imports.when_imported(_PATCHES, deepspeed_tap.STAGE3_MODULE,
+                          functools.partial(_guarded_patch, functools.partial(deepspeed_tap.patch_stage3, _PATCHES)))
     atexit.register(_at_exit)
     return guest
 
@@ -126,9 +128,11 @@ def _found_engine(guest: GuestState, engine) -> None:
                                          engine.data_parallel_group)
     guest.engine_stage, guest.data_parallel_size = stage, len(group)
     _take(guest, engine, None, params, group, f"deepspeed-zero{stage}")
-    if stage not in deepspeed_tap.MEASURED_STAGES:
-        guest.disarm(f"DeepSpeed ZeRO-{stage} reduces each micro-batch's gradient into partitions inside its backward "
-                     "hooks, so no local gradient can be read whole: the noise scale is measured at ZeRO 0-2")
+    if stage == 3 and deepspeed_tap.zero3_optimizer() is None:
+        guest.disarm("this DeepSpeed's ZeRO-3 optimizer has no __reduce_and_partition_ipg_grads, where its local "
+                     "gradients are read before the reduce-scatter: the noise scale is measured at ZeRO 0-2 here")
+    elif stage not in deepspeed_tap.MEASURED_STAGES:
+        guest.disarm(f"DeepSpeed ZeRO-{stage} is not a stage the noise scale reads: it is measured at ZeRO 0-3")
     elif len(group) < 2:
         guest.disarm("a DeepSpeed engine on one data-parallel rank: measure on 2 or more ranks")
 

@@ -91,7 +91,8 @@ class DeepSpeedStrategy(Strategy):
         # Its lines (the config, "untested optimizer" for the caller's own, its op loaded) are not this command's
         # output, which may be JSON: they are dropped, once per rank.
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+        # ZeRO calls torch's collectives by their deprecated names, each call a warning on stderr.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         if ctx.is_main:
             _say_op_build()
         with contextlib.redirect_stdout(io.StringIO()):
