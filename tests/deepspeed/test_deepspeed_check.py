@@ -113,3 +113,54 @@ def test_what_deepspeed_cannot_serve_is_refused_before_any_rank_starts(tmp_path,
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1, (argv, err)
+
+
+HANGS_ON_RANK_ONE = """import time
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+def dataset():
+    return TensorDataset(torch.randn(64, 6), torch.randint(0, 2, (64,)))
+def loss(output, target):
+    return torch.nn.functional.cross_entropy(output, target)
+def model():
+    return torch.nn.Linear(6, 2)
+def step(model, batch, loss_fn):
+    if dist.is_initialized() and dist.get_rank() == 1:
+        time.sleep(600)  # stuck, say, reading its shard from a slow disk
+    inputs, target = batch
+    return loss_fn(model(inputs), target)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_stops_answering_on_zero2_is_named_within_the_collective_timeout(tmp_path, capsys):
+    """ZeRO-2 reduces over groups DeepSpeed creates itself (torch's 30-minute default): they get the launch's
+    timeout, so rank 0 fails in its collective in seconds and rank 1 is named with where it is stuck."""
+    from ddplab.runtime.timescale import scaled
+
+    spec = tmp_path / "hangs.py"
+    spec.write_text(HANGS_ON_RANK_ONE)
+    assert main(["check", str(spec), "--batch-size", "4", "--steps", "2", "--strategy", "deepspeed", "--zero-stage",
+                 "2", "--timeout", f"{scaled(5):g}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ddplab: rank 1 stopped answering: rank 0 waited in a collective"), err
+    assert "hangs.py" in err and "in step" in err
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_the_ranks_are_torchruns_and_rank_zero_alone_reports():
+    import subprocess
+    import sys
+
+    from ddplab.runtime.timescale import scaled
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "ddplab", "check", os.path.join(SPECS, "correct.py"), "--batch-size", "4",
+                           "--accumulation", "2", "--steps", "3", "--strategy", "deepspeed", "--zero-stage", "3",
+                           "--json"], capture_output=True, text=True, timeout=scaled(200),
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert (out["verdict"], out["world_size"], out["zero_stage"], len(out["per_step"])) == ("EQUIVALENT", 2, 3, 3)
+    assert all(step["max_rel_diff"] <= FLOAT32_AGREEMENT for step in out["per_step"])

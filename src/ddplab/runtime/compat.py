@@ -111,3 +111,12 @@ def fsdp_param_groups(module) -> list:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return list(groups)
+
+
+def world_timeout(device_type: str):
+    """The default process group's collective timeout (a timedelta) on ``device_type``'s backend; None where this
+    torch does not say."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError, TypeError):
+        return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab.errors import UsageError
-from ddplab.runtime import op_builds
+from ddplab.runtime import compat, op_builds
 from ddplab.runtime.config import DEFAULT_ZERO_STAGE
 from ddplab.runtime.strategies.base import Strategy
 from ddplab.runtime.strategies.training import Training, whole
@@ -95,11 +96,16 @@ class DeepSpeedStrategy(Strategy):
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         if ctx.is_main:
             _say_op_build()
-        with contextlib.redirect_stdout(io.StringIO()):
-            engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
-                                              config=self.config(per_device_batch_size or 1, accumulation_steps),
-                                              dist_init_required=False)
-        return EngineTraining(engine, accumulation_steps)
+        bounded = _BoundedNewGroups(compat.world_timeout(ctx.device.type))
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
+                                                  config=self.config(per_device_batch_size or 1, accumulation_steps),
+                                                  dist_init_required=False)
+        except BaseException:
+            bounded.close()
+            raise
+        return EngineTraining(engine, accumulation_steps, bounded)
 
     def wrap(self, model, ctx, facts=None):
         raise UsageError("DeepSpeed's engine owns the optimizer: train it through strategy.training(...)")
@@ -129,6 +135,28 @@ class DeepSpeedStrategy(Strategy):
         raise UsageError("the reduced gradient of DeepSpeed's engine is read whole (EngineTraining.gradients)")
 
 
+class _BoundedNewGroups:
+    """Until :meth:`close`, a process group created without a timeout gets ``timeout`` (None: nothing changes).
+
+    DeepSpeed clones the world into groups of its own (``dist.new_group(ranks)``: torch's 30 minutes) and ZeRO 1-2
+    reduce over them; with the launch's timeout, a rank that stops answering is named in time, as on DDP.
+    """
+
+    def __init__(self, timeout):
+        self.original = dist.new_group
+        if timeout is not None:
+            dist.new_group = functools.partial(_new_group, self.original, timeout)
+
+    def close(self) -> None:
+        dist.new_group = self.original
+
+
+def _new_group(original, timeout, *args, **kwargs):
+    if len(args) < 2 and kwargs.get("timeout") is None:
+        kwargs["timeout"] = timeout
+    return original(*args, **kwargs)
+
+
 def _say_op_build() -> None:
     """That DeepSpeed's CPU communication op builds once (minutes) before it does, or that a killed build's lock
     blocks it; nothing where the op is built, or where this DeepSpeed names its builder otherwise."""
@@ -146,8 +174,8 @@ def _say_op_build() -> None:
 class EngineTraining(Training):
     """A DeepSpeed engine trained as its tutorials do: ``engine.backward(loss); engine.step()`` per micro-batch."""
 
-    def __init__(self, engine, accumulation_steps: int):
-        self.model, self.accumulation_steps = engine, accumulation_steps
+    def __init__(self, engine, accumulation_steps: int, bounded: _BoundedNewGroups | None = None):
+        self.model, self.accumulation_steps, self.bounded = engine, accumulation_steps, bounded
 
     @property
     def module(self) -> torch.nn.Module:
@@ -190,3 +218,5 @@ class EngineTraining(Training):
         destroy = getattr(self.model, "destroy", None)
         if callable(destroy):
             destroy()
+        if self.bounded is not None:
+            self.bounded.close()
