@@ -115,37 +115,17 @@ def test_what_deepspeed_cannot_serve_is_refused_before_any_rank_starts(tmp_path,
         assert said in err and err.count("\n") == 1, (argv, err)
 
 
-HANGS_ON_RANK_ONE = """import time
-import torch
-import torch.distributed as dist
-from torch.utils.data import TensorDataset
-def dataset():
-    return TensorDataset(torch.randn(64, 6), torch.randint(0, 2, (64,)))
-def loss(output, target):
-    return torch.nn.functional.cross_entropy(output, target)
-def model():
-    return torch.nn.Linear(6, 2)
-def step(model, batch, loss_fn):
-    if dist.is_initialized() and dist.get_rank() == 1:
-        time.sleep(600)  # stuck, say, reading its shard from a slow disk
-    inputs, target = batch
-    return loss_fn(model(inputs), target)
-"""
-
-
 @pytest.mark.timeout(120)
-def test_a_rank_that_stops_answering_on_zero2_is_named_within_the_collective_timeout(tmp_path, capsys):
+def test_a_rank_that_stops_answering_on_zero2_is_named_within_the_collective_timeout(capsys):
     """ZeRO-2 reduces over groups DeepSpeed creates itself (torch's 30-minute default): they get the launch's
     timeout, so rank 0 fails in its collective in seconds and rank 1 is named with where it is stuck."""
     from ddplab.runtime.timescale import scaled
 
-    spec = tmp_path / "hangs.py"
-    spec.write_text(HANGS_ON_RANK_ONE)
-    assert main(["check", str(spec), "--batch-size", "4", "--steps", "2", "--strategy", "deepspeed", "--zero-stage",
-                 "2", "--timeout", f"{scaled(5):g}"]) == 1
+    assert main(["check", os.path.join(SPECS, "hangs_on_rank_one.py"), "--batch-size", "4", "--steps", "2",
+                 "--strategy", "deepspeed", "--zero-stage", "2", "--timeout", f"{scaled(5):g}"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("ddplab: rank 1 stopped answering: rank 0 waited in a collective"), err
-    assert "hangs.py" in err and "in step" in err
+    assert "hangs_on_rank_one.py" in err and "in step" in err
 
 
 @pytest.mark.timeout(240)

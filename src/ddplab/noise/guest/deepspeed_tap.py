@@ -58,18 +58,20 @@ def is_engine(module) -> bool:
 def patch(patches: Patches, on_step, module) -> None:
     """Wrap the engine's reduction and step (``on_step(guest)`` after each optimizer step of the measured engine)."""
     engine = module.DeepSpeedEngine
-    patches.replace(engine, "allreduce_gradients", _watched_allreduce)
+    patches.replace(engine, "allreduce_gradients", _first(_before_reduction, passes_argument=False))
     patches.replace(engine, "_take_model_step", functools.partial(_watched_step, on_step))
     zero = getattr(sys.modules.get(ZERO_MODULE), "DeepSpeedZeroOptimizer", None)
     if isinstance(zero, type):
-        patches.replace(zero, "average_tensor", _watched_average_tensor)
+        # The bucket about to be reduced is its first argument.
+        patches.replace(zero, "average_tensor", _first(_local_bucket, passes_argument=True))
 
 
 def patch_stage3(patches: Patches, module) -> None:
     """Wrap ZeRO-3's bucket reduction, once the engine imports its ZeRO-3 optimizer (when it configures one)."""
     stage3 = zero3_optimizer()
     if stage3 is not None:
-        patches.replace(stage3, STAGE3_REDUCE, _watched_stage3_reduce)
+        # The bucket's communication dtype is its first argument.
+        patches.replace(stage3, STAGE3_REDUCE, _first(_local_stage3_bucket, passes_argument=True))
 
 
 def zero3_optimizer() -> type | None:
@@ -78,31 +80,20 @@ def zero3_optimizer() -> type | None:
     return stage3 if isinstance(stage3, type) and callable(getattr(stage3, STAGE3_REDUCE, None)) else None
 
 
-def _watched_allreduce(original):
-    @functools.wraps(original)
-    def allreduce_gradients(self, *args, **kwargs):
-        _before_reduction(self)
-        return original(self, *args, **kwargs)
+def _first(hook, *, passes_argument: bool):
+    """A patch whose method calls ``hook(self)`` (or ``hook(self, its first argument)``), then itself unchanged."""
+    def wrap(original):
+        @functools.wraps(original)
+        def watched(self, *args, **kwargs):
+            if passes_argument:
+                hook(self, *args[:1])
+            else:
+                hook(self)
+            return original(self, *args, **kwargs)
 
-    return allreduce_gradients
+        return watched
 
-
-def _watched_average_tensor(original):
-    @functools.wraps(original)
-    def average_tensor(self, tensor, *args, **kwargs):
-        _local_bucket(self, tensor)
-        return original(self, tensor, *args, **kwargs)
-
-    return average_tensor
-
-
-def _watched_stage3_reduce(original):
-    @functools.wraps(original)
-    def reduce_and_partition(self, communication_data_type, *args, **kwargs):
-        _local_stage3_bucket(self, communication_data_type)
-        return original(self, communication_data_type, *args, **kwargs)
-
-    return reduce_and_partition
+    return wrap
 
 
 def _watched_step(on_step, original):
