@@ -167,25 +167,25 @@ def _grads_sq(guest: GuestState) -> float:
 
 @state.guarded("reading a DeepSpeed ZeRO-2 bucket")
 def _local_bucket(guest: GuestState, optimizer, tensor) -> None:
-    engine = guest.model()
-    measurement = _measuring(guest, engine)
-    if measurement is None or measurement.stage != 2 or getattr(engine, "optimizer", None) is not optimizer:
-        return
-    begun = time.perf_counter()
-    measurement.local_sq += squared_norm(tensor.detach()).item()
-    measurement.guest_s += time.perf_counter() - begun
+    _add_local(guest, optimizer, 2, lambda: [tensor])
 
 
 @state.guarded("reading a DeepSpeed ZeRO-3 bucket")
 def _local_stage3_bucket(guest: GuestState, optimizer, communication_data_type) -> None:
+    # Each parameter of the bucket holds its whole local gradient of this micro-batch, not yet reduce-scattered.
+    _add_local(guest, optimizer, 3, lambda: [p.grad for p in optimizer.ipg_buckets[communication_data_type].params
+                                             if p.grad is not None])
+
+
+def _add_local(guest: GuestState, optimizer, stage: int, tensors) -> None:
+    """Add the squared norms of ``tensors()`` to the step's local sum, where ``optimizer`` is the measured engine's
+    at ``stage``."""
     engine = guest.model()
     measurement = _measuring(guest, engine)
-    if measurement is None or measurement.stage != 3 or getattr(engine, "optimizer", None) is not optimizer:
+    if measurement is None or measurement.stage != stage or getattr(engine, "optimizer", None) is not optimizer:
         return
     begun = time.perf_counter()
-    # Each parameter of the bucket holds its whole local gradient of this micro-batch, not yet reduce-scattered.
-    bucket = optimizer.ipg_buckets[communication_data_type]
-    measurement.local_sq += sum(squared_norm(p.grad.detach()).item() for p in bucket.params if p.grad is not None)
+    measurement.local_sq += sum(squared_norm(tensor.detach()).item() for tensor in tensors())
     measurement.guest_s += time.perf_counter() - begun
 
 
