@@ -353,6 +353,13 @@ def test_an_error_inside_one_rank_comes_back_as_one_line(capsys):
 
 
 @pytest.mark.timeout(120)
+def test_accumulation_over_a_partial_last_step_divides_by_its_own_micro_batches():
+    """10 samples, 2 ranks, micro-batches of 2, accumulation 2: step 1 holds one micro-batch per rank, divided by 1."""
+    result = _check("tiny_dataset", 2, batch=2, steps=2, accumulation_steps=2)
+    assert result.verdict == "EQUIVALENT" and result.partial_steps == [(1, 1)]
+
+
+@pytest.mark.timeout(120)
 def test_strict_fails_a_divergence_and_a_hung_rank_is_named_with_its_stack(capsys):
     assert main(["check", os.path.join(SPECS, "sum_reduction.py"), "--batch-size", "4", "--steps", "2"]) == 0
     assert main(["check", os.path.join(SPECS, "sum_reduction.py"), "--batch-size", "4", "--steps", "2",

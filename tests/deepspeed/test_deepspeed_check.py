@@ -41,6 +41,25 @@ def test_a_correct_spec_on_deepspeed_agrees_with_one_process_at_every_zero_stage
 
 
 @pytest.mark.timeout(240)
+def test_frozen_parameters_partitioned_by_zero3_are_compared_whole(capsys):
+    """ZeRO-3 partitions every parameter here (no persistence threshold), frozen ones too, which have no fp32 master
+    copy: they are gathered whole, and a frozen backbone under a trained head is equivalent."""
+    out = _check(capsys, "frozen_body", 3, steps=3)
+    assert (out["verdict"], out["cause"], out["zero_stage"]) == ("EQUIVALENT", None, 3)
+    assert all(step["max_rel_diff"] <= FLOAT32_AGREEMENT for step in out["per_step"])
+
+
+def test_a_step_the_engine_cannot_count_is_refused_before_any_rank_starts(capsys):
+    """10 samples on 2 ranks in micro-batches of 2, accumulating 2: step 1 ends the epoch with one micro-batch, which
+    would shift the engine's boundary for every later step."""
+    assert main(["check", os.path.join(SPECS, "tiny_dataset.py"), "--batch-size", "2", "--accumulation", "2",
+                 "--steps", "2", "--strategy", "deepspeed"]) == 2
+    err = capsys.readouterr().err
+    assert "step 1 ends an epoch with 1 samples per rank, 1 micro-batch of --batch-size 2" in err
+    assert "give --steps 1 or fewer" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(240)
 def test_planted_mistakes_on_deepspeed_are_named_as_on_ddp(capsys):
     """A summed loss at ZeRO-3 (1/(W·K) exactly, up to float32), a per-micro-batch token mean at ZeRO-2 with the
     engine's own recipe in its fix, and weight decay on an unused head at ZeRO-1: the engine's zero gradient."""

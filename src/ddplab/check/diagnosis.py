@@ -68,7 +68,8 @@ def diagnose(spec, dataset_size: int, cfg: CheckConfig, ranks, single, step: int
         return _per_rank_cause(spec, cfg, per_micro_batch=True)
     if ranks.matches(rerun("per-rank"), cfg.tolerance):
         return _per_rank_cause(spec, cfg)
-    if unused and ranks.matches(rerun("unused-zero"), cfg.tolerance):
+    # Only DeepSpeed's engine fills in a zero gradient for them; DDP and FSDP2 leave them without one.
+    if unused and cfg.strategy == "deepspeed" and ranks.matches(rerun("unused-zero"), cfg.tolerance):
         return _unused_stepped(cfg, unused)
     if factors:
         shown = ", ".join(f"{factor:g}" for factor in sorted(ranks.divide_factors))
@@ -206,8 +207,8 @@ def _unused_stepped(cfg: CheckConfig, unused: tuple[str, ...]) -> Diagnosis:
         "DIVERGES", "UNUSED_PARAMETERS_STEPPED",
         f"the forward does not use {names}: one process leaves them without a gradient, so the optimizer skips "
         f"them, while {strategy_label(cfg)} gives them a zero gradient (DeepSpeed's engine fills one in to reduce "
-        "equal sizes), so weight decay and momentum move them. Confirmed by a reference that gives them zero "
-        "gradients and then matches",
+        "equal sizes; at ZeRO-3 a parameter unused on some steps only keeps its last one), so weight decay and "
+        "momentum move them. Confirmed by a reference that gives them zero gradients and then matches",
         "set requires_grad=False on the unused parameters (at ZeRO 0-2 leaving them out of the optimizer does too; "
         "ZeRO-3 needs every parameter in it), or train them without weight decay and momentum")
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ddplab.check import diagnosis
 from ddplab.check.config import DEFAULT_WORLD_SIZE, CheckConfig
 from ddplab.check.result import CheckResult
+from ddplab.errors import UsageError
 from ddplab.progress import Progress, silent
 from ddplab.runtime import ranks as rank_tools
 from ddplab.runtime import strategies
@@ -29,6 +30,7 @@ from ddplab.runtime.launch import LaunchConfig, RankContext, world_size_for
 from ddplab.runtime.sharding import RankOrder, ReferenceOrder
 from ddplab.runtime.spec import Spec, load_spec
 from ddplab.runtime.strategies.training import Training, flat
+from ddplab.text import count
 
 CPU = torch.device("cpu")
 
@@ -94,6 +96,8 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None,
         facts, dataset = rank_tools.validate(spec, world_size=cfg.world_size, seed=cfg.seed, dtype=torch.float64,
                                              per_device_batch_size=cfg.rank_step_batch_size)
     rank_tools.check_capacity(cfg.world_size, facts)
+    if strategy_of(cfg).owns_optimizer:
+        _refuse_short_steps(len(dataset), cfg)
     launch_config = (launch_config or LaunchConfig()).for_ranks(cfg.world_size)
     with deadline.launching():
         results, facts = rank_tools.launch_spec(_train_on_rank, launch_config, (cfg, progress), facts, deadline)
@@ -108,6 +112,18 @@ def check(cfg: CheckConfig, launch_config: LaunchConfig | None = None,
 def strategy_of(cfg: CheckConfig) -> strategies.Strategy:
     """The strategy the ranks train with, its options given; UsageError naming an option it does not have."""
     return strategies.get(cfg.strategy, **cfg.strategy_options())
+
+
+def _refuse_short_steps(dataset_size: int, cfg: CheckConfig) -> None:
+    """An engine that counts its micro-batches (DeepSpeed's) cannot take a step with fewer: say so before starting."""
+    for step, samples in enumerate(_samples_per_rank(dataset_size, cfg)):
+        parts = -(-samples // cfg.per_device_batch_size)
+        if parts < cfg.accumulation_steps:
+            raise UsageError(
+                f"step {step} ends an epoch with {samples} samples per rank, {count(parts, 'micro-batch')} of "
+                f"{{per_device_batch_size}} {cfg.per_device_batch_size}, and DeepSpeed's engine steps only after "
+                f"{{accumulation_steps}} {cfg.accumulation_steps}: give {{steps}} {step} or fewer, or a batch whose "
+                "micro-batches fill every step")
 
 
 def _compare(spec: Spec, dataset, cfg: CheckConfig, ranks: Trajectory, single: Trajectory,
@@ -155,7 +171,7 @@ def _accumulate(spec: Spec, training: Training, dataset, chunks: list[list[int]]
         with training.micro_batch(last=index == len(chunks) - 1):
             loss = spec.step(training.model, batch, spec.loss)
             with spec.guard("backward through the loss"):
-                training.backward(loss)
+                training.backward(loss, parts=len(chunks))
 
 
 def train_dtype(strategy: strategies.Strategy) -> torch.dtype:
@@ -174,22 +190,24 @@ def _train_on_rank(ctx: RankContext, job: tuple[CheckConfig, Progress],
     model = rank_tools.seeded_model(spec, cfg.seed, dtype=dtype, device=ctx.device)
     training = strategy.training(model, spec.optimizer, ctx, facts, accumulation_steps=cfg.accumulation_steps,
                                  per_device_batch_size=cfg.per_device_batch_size)
-    order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
-                      per_device_batch_size=cfg.rank_step_batch_size)
-    probe = ReductionProbe(strategy, training.model, cfg.reduce_dtype) if cfg.reduce_dtype else None
-    params, grads, factors = [], [], set()
-    for step in range(cfg.steps):
-        _accumulate(spec, training, dataset, micro_batches(order.batch(step), cfg), ctx.device, dtype)
-        grads.append(flat(training.gradients()))
-        # Read after the spec's step(): where it changed how the reduction divides, this shows it.
-        factors |= training.divide_factors()
-        if probe is not None:
-            probe.close_step(grads[-1])
-        with spec.guard("the optimizer's step()"):
-            training.step()
-        params.append(flat(training.parameters()))
-        show(step + 1, cfg.steps, f"{ctx.world_size} {diagnosis.strategy_label(cfg)} ranks")
-    training.close()
+    try:
+        order = RankOrder(len(dataset), world_size=ctx.world_size, rank=ctx.rank, seed=cfg.seed,
+                          per_device_batch_size=cfg.rank_step_batch_size)
+        probe = ReductionProbe(strategy, training.model, cfg.reduce_dtype) if cfg.reduce_dtype else None
+        params, grads, factors = [], [], set()
+        for step in range(cfg.steps):
+            _accumulate(spec, training, dataset, micro_batches(order.batch(step), cfg), ctx.device, dtype)
+            grads.append(flat(training.gradients()))
+            # Read after the spec's step(): where it changed how the reduction divides, this shows it.
+            factors |= training.divide_factors()
+            if probe is not None:
+                probe.close_step(grads[-1])
+            with spec.guard("the optimizer's step()"):
+                training.step()
+            params.append(flat(training.parameters()))
+            show(step + 1, cfg.steps, f"{ctx.world_size} {diagnosis.strategy_label(cfg)} ranks")
+    finally:
+        training.close()
     if not ctx.is_main:
         return None
     measured = {"reduction_errors": probe.errors, "reduction_bounds": probe.bounds} if probe else {}

@@ -26,6 +26,7 @@ Nothing is written into the engine's tensors; every patch calls through unchange
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -38,8 +39,10 @@ from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
 from ddplab.noise.guest.tokens import TokenCount
 from ddplab.noise.scale import squared_norm
+from ddplab.runtime.strategies.deepspeed import ENGINE_MODULE, engine_class
 
-ENGINE_MODULE = "deepspeed.runtime.engine"
+__all__ = ["ENGINE_MODULE", "STAGE3_MODULE", "EngineMeasurement", "is_engine", "patch", "patch_stage3"]
+
 ZERO_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
 STAGE3_MODULE = "deepspeed.runtime.zero.stage3"
 STAGE3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
@@ -51,8 +54,8 @@ PER_MICRO_BATCH_STAGES = (2, 3)
 
 def is_engine(module) -> bool:
     """Whether ``module`` is a DeepSpeed engine (without importing DeepSpeed)."""
-    engine = getattr(sys.modules.get(ENGINE_MODULE), "DeepSpeedEngine", None)
-    return isinstance(engine, type) and isinstance(module, engine)
+    engine = engine_class()
+    return engine is not None and isinstance(module, engine)
 
 
 def patch(patches: Patches, on_step, module) -> None:
@@ -120,6 +123,9 @@ class EngineMeasurement:
     def reset(self) -> None:
         self.local_sq, self.share_sq = 0.0, None
         self.samples = self.forwards = self.reductions = 0
+        # ZeRO 2-3: forwards whose backward reduced no bucket that was read (coalesce_grad_reduction defers them to
+        # one pass a step; ZeRO-2 without contiguous_gradients reduces elsewhere): then no micro-batch was read alone.
+        self.unread_forwards, self.read = 0, True
         self.tokens = TokenCount()
         self.guest_s, self.started = 0.0, time.perf_counter()
 
@@ -127,7 +133,14 @@ class EngineMeasurement:
         for handle in self.handles:
             handle.remove()
 
-    def finish(self, guest: GuestState, step: int) -> dict:
+    def finish(self, guest: GuestState, step: int) -> dict | None:
+        """The step's record; None (the guest disarmed, saying why) where its micro-batches were not read alone."""
+        if self.stage in PER_MICRO_BATCH_STAGES and (self.unread_forwards or not self.read):
+            guest.disarm(f"DeepSpeed ZeRO-{self.stage} reduced no bucket this guest reads after some micro-batches "
+                         "(coalesce_grad_reduction, or ZeRO-2 without contiguous_gradients): each micro-batch's local "
+                         "gradient is not seen alone, so the noise scale is not measured")
+            self.reset()
+            return None
         samples = self.samples
         if guest.plan.per_device_batch_size is not None:
             samples = guest.plan.per_device_batch_size * self.forwards
@@ -172,9 +185,16 @@ def _local_bucket(guest: GuestState, optimizer, tensor) -> None:
 
 @state.guarded("reading a DeepSpeed ZeRO-3 bucket")
 def _local_stage3_bucket(guest: GuestState, optimizer, communication_data_type) -> None:
-    # Each parameter of the bucket holds its whole local gradient of this micro-batch, not yet reduce-scattered.
-    _add_local(guest, optimizer, 3, lambda: [p.grad for p in optimizer.ipg_buckets[communication_data_type].params
-                                             if p.grad is not None])
+    # Each parameter of the bucket holds its whole local gradient of this micro-batch, not yet reduce-scattered; under
+    # overlap_comm the engine copied them in on its reduction stream, so they are read on it, after those copies.
+    with _on(getattr(optimizer, "reduce_and_partition_stream", None)):
+        _add_local(guest, optimizer, 3, lambda: [p.grad for p in optimizer.ipg_buckets[communication_data_type].params
+                                                 if p.grad is not None])
+
+
+def _on(stream):
+    """Run on ``stream`` where it is a CUDA stream (the engine's own); as is on the CPU, where there is none."""
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
 
 
 def _add_local(guest: GuestState, optimizer, stage: int, tensors) -> None:
@@ -186,6 +206,7 @@ def _add_local(guest: GuestState, optimizer, stage: int, tensors) -> None:
         return
     begun = time.perf_counter()
     measurement.local_sq += sum(squared_norm(tensor.detach()).item() for tensor in tensors())
+    measurement.read = True
     measurement.guest_s += time.perf_counter() - begun
 
 
@@ -212,5 +233,8 @@ def _after_step(guest: GuestState, engine, on_step) -> None:
 def _count(guest: GuestState, module, args, kwargs) -> None:
     measurement = guest.measurement
     if isinstance(measurement, EngineMeasurement) and torch.is_grad_enabled():
+        if measurement.forwards and not measurement.read:
+            measurement.unread_forwards += 1
+        measurement.read = False
         measurement.forwards += 1
         measurement.samples += tensors.first_dim((args, kwargs)) or 0

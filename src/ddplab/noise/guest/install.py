@@ -186,7 +186,10 @@ def _model_stepped(guest: GuestState) -> None:
     step, plan = guest.steps, guest.plan
     guest.steps += 1
     if guest.measurement is not None and plan.measures(step):
-        guest.write("step", **guest.measurement.finish(guest, step))
+        record = guest.measurement.finish(guest, step)
+        if record is None:  # the measurement disarmed the guest, saying why
+            return
+        guest.write("step", **record)
     if plan.finished(guest.steps):
         guest.finished = True
         guest.write("end", steps=guest.steps)

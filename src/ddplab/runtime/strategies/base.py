@@ -156,8 +156,8 @@ class WrappedTraining(Training):
         # DDP's no_sync must hold the forward too: its reducer is prepared there.
         return contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss if self.accumulation_steps == 1 else loss / self.accumulation_steps).backward()
+    def backward(self, loss: torch.Tensor, *, parts: int) -> None:
+        (loss if parts == 1 else loss / parts).backward()
 
     def step(self) -> None:
         self.optimizer.step()

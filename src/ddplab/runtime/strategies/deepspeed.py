@@ -78,10 +78,12 @@ class DeepSpeedStrategy(Strategy):
 
     def config(self, per_device_batch_size: int, accumulation_steps: int) -> dict:
         """The engine's config: the caller's optimizer, no clipping, no half precision, no periodic logging."""
-        # gradient_clipping defaults to 1.0 in DeepSpeed's config: a spec is trained as written, unclipped.
+        # gradient_clipping defaults to 1.0 in DeepSpeed's config: a spec is trained as written, unclipped. ZeRO-3
+        # keeps parameters under 1e5 elements whole by default: here every one is partitioned, as a large model's are.
+        zero = {"stage": self.zero_stage, **({"stage3_param_persistence_threshold": 0} if self.zero_stage == 3 else {})}
         return {"train_micro_batch_size_per_gpu": per_device_batch_size,
                 "gradient_accumulation_steps": accumulation_steps, "gradient_clipping": 0.0,
-                "zero_optimization": {"stage": self.zero_stage},
+                "zero_optimization": zero,
                 "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 31 - 1, "wall_clock_breakdown": False}
 
     def training(self, model, make_optimizer, ctx, facts=None, *, accumulation_steps: int = 1,
@@ -143,12 +145,14 @@ class _BoundedNewGroups:
     """
 
     def __init__(self, timeout):
-        self.original = dist.new_group
+        self.original = self.ours = dist.new_group
         if timeout is not None:
-            dist.new_group = functools.partial(_new_group, self.original, timeout)
+            dist.new_group = self.ours = functools.partial(_new_group, self.original, timeout)
 
     def close(self) -> None:
-        dist.new_group = self.original
+        # Put back only what is still ours: a later patch of new_group is its owner's to undo.
+        if dist.new_group is self.ours:
+            dist.new_group = self.original
 
 
 def _new_group(original, timeout, *args, **kwargs):
@@ -171,6 +175,23 @@ def _say_op_build() -> None:
         pass
 
 
+def _whole_parameter(param: torch.Tensor) -> torch.Tensor:
+    """``param`` whole: its fp32 master copy at ZeRO 1-3, gathered from the partitions (a collective); the module's
+    own tensor at ZeRO 0; a frozen parameter, which has no master copy, gathered at ZeRO-3 and itself below."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(param)
+    if full is not None:
+        return full.detach()
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        # ZeRO-3 partitions frozen parameters too.
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.detach().clone()
+    return whole(param.detach())
+
+
 class EngineTraining(Training):
     """A DeepSpeed engine trained as its tutorials do: ``engine.backward(loss); engine.step()`` per micro-batch."""
 
@@ -188,7 +209,11 @@ class EngineTraining(Training):
             # Before the boundary the engine's step only counts the micro-batch; the caller's step() takes the last.
             self.model.step()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, parts: int) -> None:
+        if parts != self.accumulation_steps:
+            # Its boundary is every gradient_accumulation_steps-th micro-batch: a short step shifts every later one.
+            raise UsageError(f"DeepSpeed's engine steps every {self.accumulation_steps} micro-batches, and this step "
+                             f"has {parts}")
         # The engine divides by gradient_accumulation_steps itself (scale_wrt_gas).
         self.model.backward(loss)
 
@@ -204,19 +229,17 @@ class EngineTraining(Training):
                 for g, p in zip(found, self.module.parameters())]
 
     def parameters(self) -> list[torch.Tensor]:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        # ZeRO 1-3 keep the fp32 master copy in partitions; ZeRO 0 steps the module's own parameters.
-        return [full.detach() if (full := safe_get_full_fp32_param(p)) is not None else whole(p.detach())
-                for p in self.module.parameters()]
+        return [_whole_parameter(p) for p in self.module.parameters()]
 
     def divide_factors(self) -> set[float]:
         size = float(dist.get_world_size(self.model.data_parallel_group))
         return {size if getattr(self.model, "gradient_average", True) else 1.0}
 
     def close(self) -> None:
-        destroy = getattr(self.model, "destroy", None)
-        if callable(destroy):
-            destroy()
-        if self.bounded is not None:
-            self.bounded.close()
+        try:
+            destroy = getattr(self.model, "destroy", None)
+            if callable(destroy):
+                destroy()
+        finally:
+            if self.bounded is not None:
+                self.bounded.close()

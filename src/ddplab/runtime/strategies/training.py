@@ -7,7 +7,7 @@ ranks goes through one, so it reads the same on every strategy:
     training = strategy.training(model, make_optimizer, ctx, facts, accumulation_steps=K)
     for index, batch in enumerate(micro_batches):
         with training.micro_batch(last=index == K - 1):
-            training.backward(loss_fn(training.model(x), y))
+            training.backward(loss_fn(training.model(x), y), parts=K)
     gradients = training.gradients()       # whole, reduced: before the step
     training.step()
 """
@@ -41,8 +41,9 @@ class Training(abc.ABC):
         """Around one micro-batch's forward and backward; the gradients are reduced on the ``last`` only."""
 
     @abc.abstractmethod
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward through one micro-batch's mean loss, weighed 1/K among the step's K micro-batches."""
+    def backward(self, loss: torch.Tensor, *, parts: int) -> None:
+        """Backward through one micro-batch's mean loss, weighed 1/``parts`` among this step's ``parts`` micro-batches
+        (fewer than :attr:`accumulation_steps` where an epoch ends in a partial step)."""
 
     @abc.abstractmethod
     def step(self) -> None:

@@ -112,51 +112,54 @@ def _train_one(ctx: RankContext, workload: workloads.Workload, config: StudyConf
     training = strategy.training(model, lambda params: run_optimizer(workload, config, params, result.lr), ctx,
                                  accumulation_steps=plan.accumulation_steps,
                                  per_device_batch_size=plan.per_device_batch_size)
-    shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
-    # Dropout's masks differ per rank and per run, the same every time the grid runs.
-    torch.manual_seed(1_000_003 * result.seed + ctx.rank)
-    noise = _noise_scale(training.model, ctx, plan, config, workload.train_size, every_step=adascale,
-                         strategy=strategy)
-    adascale = _adascale(training.optimizer, noise, config) if adascale else None
-    # The step losses since the last evaluation, kept as tensors: read once per evaluation, never per step.
-    losses: list[torch.Tensor] = []
-    for step in range(config.max_steps):
-        index = shards.batch(step).to(ctx.device)
-        parts = []
-        for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
-            with training.micro_batch(last=micro == plan.accumulation_steps - 1):
-                value = workload.step_fn(training.model, read(part), workload.loss)
-                training.backward(value)
-            parts.append(value.detach())
-        losses.append(parts[0] if len(parts) == 1 else torch.stack(parts).to(torch.float64).mean())
-        evaluation = (step + 1) % config.eval_every == 0
-        sums = None
-        if adascale is not None:
-            # AdaScale's gain for this update needs the step's measurement now.
-            estimate = noise.step()
-            if evaluation:
-                _record(estimate, result)
-        elif noise is not None:
-            # Measured at evaluations only; its sums travel in the evaluation's all-reduce.
-            sums = noise.local_sums()
-        training.step()
-        if adascale is not None and evaluation:
-            applied = adascale.history[-1]
-            result.gains.append([step + 1, applied.gain, applied.tau])
-        # A diverged step poisons every later one (its gradient is all-reduced), so checking the window's losses
-        # at each evaluation stops the same runs; one collective per evaluation instead of one per step.
-        if evaluation or step + 1 == config.max_steps:
-            if _evaluated(ctx, workload, config, training.module, result, step + 1, losses, noise, sums,
-                          every_rank=strategy.collective_forward):
-                break
-            if step + 1 > bound:
-                result.pruned = True
-                break
-            losses.clear()
-    if adascale is not None:
-        adascale.remove()
-    training.close()
-    del training, model, adascale
+    scaler = None
+    try:
+        shards = RankShards(workload.train_size, result.global_batch_size, ctx, result.seed)
+        # Dropout's masks differ per rank and per run, the same every time the grid runs.
+        torch.manual_seed(1_000_003 * result.seed + ctx.rank)
+        noise = _noise_scale(training.model, ctx, plan, config, workload.train_size, every_step=adascale,
+                             strategy=strategy)
+        scaler = _adascale(training.optimizer, noise, config) if adascale else None
+        # The step losses since the last evaluation, kept as tensors: read once per evaluation, never per step.
+        losses: list[torch.Tensor] = []
+        for step in range(config.max_steps):
+            index = shards.batch(step).to(ctx.device)
+            parts = []
+            for micro, part in enumerate(index.chunk(plan.accumulation_steps)):
+                with training.micro_batch(last=micro == plan.accumulation_steps - 1):
+                    value = workload.step_fn(training.model, read(part), workload.loss)
+                    training.backward(value, parts=plan.accumulation_steps)
+                parts.append(value.detach())
+            losses.append(parts[0] if len(parts) == 1 else torch.stack(parts).to(torch.float64).mean())
+            evaluation = (step + 1) % config.eval_every == 0
+            sums = None
+            if scaler is not None:
+                # AdaScale's gain for this update needs the step's measurement now.
+                estimate = noise.step()
+                if evaluation:
+                    _record(estimate, result)
+            elif noise is not None:
+                # Measured at evaluations only; its sums travel in the evaluation's all-reduce.
+                sums = noise.local_sums()
+            training.step()
+            if scaler is not None and evaluation:
+                applied = scaler.history[-1]
+                result.gains.append([step + 1, applied.gain, applied.tau])
+            # A diverged step poisons every later one (its gradient is all-reduced), so checking the window's losses
+            # at each evaluation stops the same runs; one collective per evaluation instead of one per step.
+            if evaluation or step + 1 == config.max_steps:
+                if _evaluated(ctx, workload, config, training.module, result, step + 1, losses, noise, sums,
+                              every_rank=strategy.collective_forward):
+                    break
+                if step + 1 > bound:
+                    result.pruned = True
+                    break
+                losses.clear()
+    finally:
+        if scaler is not None:
+            scaler.remove()
+        training.close()
+    del training, model, scaler
 
 
 def _adascale(optimizer, noise, config: StudyConfig):
