@@ -61,4 +61,3 @@ class CheckResult:
                        "non_finite": self.non_finite, "unused_parameters": list(self.unused_parameters),
                        "find_unused_parameters": self.find_unused_parameters, "note": self.note,
                        "per_step": self.per_step})
-

@@ -39,7 +39,7 @@ from ddplab.noise.guest import state
 from ddplab.noise.guest.state import GuestState
 from ddplab.noise.guest.tokens import TokenCount
 from ddplab.noise.scale import squared_norm
-from ddplab.runtime.strategies.deepspeed import ENGINE_MODULE, engine_class
+from ddplab.runtime.strategies.deepspeed import ENGINE_MODULE, is_engine
 
 __all__ = ["ENGINE_MODULE", "STAGE3_MODULE", "EngineMeasurement", "is_engine", "patch", "patch_stage3"]
 
@@ -50,12 +50,6 @@ STAGE3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 MEASURED_STAGES = (0, 1, 2, 3)
 PER_MICRO_BATCH_STAGES = (2, 3)
 """Stages that reduce every micro-batch's gradient: there the small batch is one micro-batch."""
-
-
-def is_engine(module) -> bool:
-    """Whether ``module`` is a DeepSpeed engine (without importing DeepSpeed)."""
-    engine = engine_class()
-    return engine is not None and isinstance(module, engine)
 
 
 def patch(patches: Patches, on_step, module) -> None:
@@ -139,7 +133,6 @@ class EngineMeasurement:
             guest.disarm(f"DeepSpeed ZeRO-{self.stage} reduced no bucket this guest reads after some micro-batches "
                          "(coalesce_grad_reduction, or ZeRO-2 without contiguous_gradients): each micro-batch's local "
                          "gradient is not seen alone, so the noise scale is not measured")
-            self.reset()
             return None
         samples = self.samples
         if guest.plan.per_device_batch_size is not None:

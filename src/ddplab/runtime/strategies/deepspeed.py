@@ -35,10 +35,10 @@ STAGES = (0, 1, 2, 3)
 INSTALL = "pip install torch==2.13.0 'ddplab[deepspeed]'"
 
 
-def engine_class() -> type | None:
-    """DeepSpeed's engine class where the process has imported it; None otherwise (DeepSpeed is not imported here)."""
+def is_engine(model) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (DeepSpeed is not imported here: only a process that did has one)."""
     engine = getattr(sys.modules.get(ENGINE_MODULE), "DeepSpeedEngine", None)
-    return engine if isinstance(engine, type) else None
+    return isinstance(engine, type) and isinstance(model, engine)
 
 
 def require_deepspeed():
@@ -113,8 +113,7 @@ class DeepSpeedStrategy(Strategy):
         raise UsageError("DeepSpeed's engine owns the optimizer: train it through strategy.training(...)")
 
     def owns(self, model) -> bool:
-        engine = engine_class()
-        return engine is not None and isinstance(model, engine)
+        return is_engine(model)
 
     def module(self, model) -> torch.nn.Module:
         return model.module

@@ -223,13 +223,13 @@ def _evaluated(ctx: RankContext, workload, config: StudyConfig, model, result: R
 
 
 def _noise_scale(ddp, ctx: RankContext, plan: DdpPlan, config: StudyConfig, dataset_size: int, *,
-                 every_step: bool = False, strategy: strategies.Strategy | None = None):
+                 strategy: strategies.Strategy, every_step: bool = False):
     """ddplab noise's measurement on this run (each rank's gradient against the all-reduced one), at the steps
     that end with an evaluation (at every step for AdaScale); None on one rank, which has no second batch size to
     compare, and under a strategy whose local gradients are not tapped (DeepSpeed's engine)."""
     from ddplab.noise.scale import GradientNoiseScale
 
-    if ctx.world_size < 2 or (strategy is not None and not strategy.taps_local_gradients):
+    if ctx.world_size < 2 or not strategy.taps_local_gradients:
         return None
     noise = GradientNoiseScale(ddp, per_device_batch_size=plan.per_device_batch_size,
                                accumulation_steps=plan.accumulation_steps, every=1 if every_step else config.eval_every,
