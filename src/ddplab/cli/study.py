@@ -111,7 +111,8 @@ def add_parser(subparsers) -> None:
     add_fields(parser.add_argument_group("the critical batch from checkpoints (Merrill et al. 2025), instead of the "
                                          "grid"), BranchConfig,
                ("branch_at", "branch_from", "branch_samples", "branch_doublings", "branch_lr_rule", "branch_tolerance",
-                "branch_lag", "branch_every_batch"), branch_at={"type": _fractions, "metavar": "F,F,..."},
+                "branch_lag", "branch_paired", "branch_every_batch"),
+               branch_at={"type": _fractions, "metavar": "F,F,..."},
                branch_from={"type": str, "nargs": "+", "metavar": "CKPT"})
     add_fields(parser.add_argument_group("your own command (after --, with placeholders such as {lr})"),
                CommandOptions, COMMAND_FIELDS, metric={"metavar": "NAME"})
@@ -348,7 +349,7 @@ def _print_branches(values: dict) -> None:
             out.print(f"note: {note}")
     checkpoints = _count(len(values["branches"]), "checkpoint")
     title = (f"ddplab study: {values['workload']}, critical batch from {checkpoints}, "
-             f"branches of {values['branch_samples']} samples at global batches "
+             f"branches of {_lengths(values)} samples at global batches "
              f"{','.join(map(str, values['global_batch_sizes']))}, lrs ×{1 / factor:g},1,{factor:g} of the "
              f"{values['lr_rule']} rule, {_count(values['seeds'], 'seed')}, tolerance: {values['tolerance']}, "
              f"{values['seconds']:.0f} s")
@@ -358,12 +359,13 @@ def _print_branches(values: dict) -> None:
     out.print(render.table(title, ["samples seen", "critical batch", "interval (seeds)", "B_simple",
                                    "reference loss", "tolerance"], rows))
     for b in values["branches"]:
-        losses = ", ".join(f"{r['global_batch_size']}: {_num(r['median_loss'])}{'' if r['matches'] else ' ✗'}"
-                           for r in b["batches"])
+        losses = ", ".join(f"{r['global_batch_size']}: {_num(r['median_loss'])}{_deficit(r)}"
+                           f"{'' if r['matches'] else ' ✗'}" for r in b["batches"])
         skipped = b["untrained_global_batch_sizes"]
         if skipped:
             losses += f"; not trained: {', '.join(map(str, skipped))} (a smaller batch missed with every seed)"
-        out.print(f"at {b['samples_seen']} samples, best median loss by global batch: {losses}")
+        own = f" (branches of {b['length']})" if _lengths(values) != str(values["branch_samples"]) else ""
+        out.print(f"at {b['samples_seen']} samples{own}, best median loss by global batch: {losses}")
     out.print("batch schedule (double when the critical batch reaches twice the batch): " + ", ".join(
         f"from {s['samples_seen']} samples: {s['global_batch_size']} (lr {_lr(s['lr'])})" for s in values["schedule"]))
     out.print(f"Megatron-LM: --step-batch-size-schedule \"{values['step_batch_size_schedule']}\"")
@@ -379,6 +381,19 @@ def _print_branches(values: dict) -> None:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def _lengths(values: dict) -> str:
+    """The branches' length: one for all, or the longest where checkpoints near the run's end train shorter ones."""
+    lengths = {b.get("length", values["branch_samples"]) for b in values["branches"]}
+    return str(values["branch_samples"]) if lengths <= {values["branch_samples"]} else f"up to {max(lengths)}"
+
+
+def _deficit(row: dict) -> str:
+    """A paired judgement's median deficit over the reference batch on the same seeds (none for the reference)."""
+    deficit = row.get("paired_deficit")
+    return "" if deficit is None or row["paired_deficits"] == [0.0] * len(row["paired_deficits"]) else \
+        f" ({deficit:+.3g} paired)"
 
 
 def _lr(value) -> str:

@@ -115,6 +115,34 @@ def test_on_noiseless_regression_the_lag_critical_batch_is_the_exact_one_and_nea
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_branches_never_run_past_the_reference_runs_end_by_default(tmp_path, capsys):
+    # The reference run trains 65 steps of 2 (130 samples). From step 6 (12 samples) 118 are left: 8 steps fit up to
+    # batch 8 (64 samples). From step 39 (78 samples) 52 are left: up to batch 4 (32).
+    workload, config = workloads.regression(dim=DIM), _regression_config()
+    branch = BranchConfig(branch_at=(0.1, 0.6), branch_lr_rule="sqrt", branch_every_batch=True)
+    values = branched_measurement.measure(workload, config, branch, StudyOptions(out=str(tmp_path))).to_json()
+    assert values["reference_run"]["samples"] == 130 and values["branch_samples"] == 8 * 64
+    early, late = values["branches"]
+    assert (early["samples_seen"], early["length"], late["samples_seen"], late["length"]) == (12, 64, 78, 32)
+    assert [r["global_batch_size"] for r in early["batches"]] == [2, 4, 8]
+    assert [r["global_batch_size"] for r in late["batches"]] == [2, 4]
+    assert early["beyond_run_global_batch_sizes"] == [16, 32, 64] and late["beyond_run_global_batch_sizes"] == [
+        8, 16, 32, 64]
+    assert late["notes"][-1] == ("at 78 samples the reference run had 52 samples left: the branches train 32, and "
+                                 "global batches 8, 16, 32, 64, whose 8 steps would not fit, are left out")
+    # Each kept batch trained its lrs × 3 seeds for the checkpoint's own length.
+    for found in (early, late):
+        assert found["branch_samples"] == sum(len(r["lrs"]) for r in found["batches"]) * 3 * found["length"]
+    # A length given is every checkpoint's, and a branch past the run's end says so.
+    given = BranchConfig(branch_at=(0.6,), branch_samples=128, branch_lr_rule="sqrt", branch_doublings=2)
+    past = branched_measurement.measure(workload, config, given, StudyOptions(out=str(tmp_path / "given"))).to_json()
+    assert past["branches"][0]["length"] == 128 and past["branches"][0]["beyond_run_global_batch_sizes"] == []
+    assert past["branches"][0]["notes"][-1] == (
+        "at 78 samples the branches (128 samples) run 76 samples past the reference run's end: they judge each batch "
+        "over training the run does not have, where a larger batch catches up")
+
+
 @pytest.mark.parametrize("optimizer", [OptimizerConfig(momentum=0.9, nesterov=True),
                                        OptimizerConfig(family="adamw", weight_decay=0.1)])
 def test_a_branch_continues_as_torch_optim_would_from_the_saved_optimizer_state(optimizer):

@@ -148,3 +148,38 @@ def test_the_branch_config_checks_its_fields_and_derives_the_grid_and_budget():
         assert field in error.value.fields
     with pytest.raises(UsageError, match="multiple of the largest branched global batch 64"):
         BranchConfig(branch_at=(0.1,), branch_samples=100, branch_doublings=3).samples(8)
+
+
+def test_a_paired_judgement_reads_each_seeds_own_deficit_where_the_seeds_spread_hides_it():
+    # Seed s of every batch trains on the same samples: the reference's seeds spread by 0.3, batch 8 trails its own
+    # seed by 0.1 on every one, batch 16 by 0.02 to 0.05.
+    losses = {4: {0.1: [2.0, 2.3, 2.6]}, 8: {0.2: [2.1, 2.4, 2.7]}, 16: {0.4: [2.02, 2.35, 2.64]}}
+    unpaired = judge(losses, 4)
+    assert unpaired.tolerance == pytest.approx(0.3) and [r["matches"] for r in unpaired.rows] == [True, True, True]
+    paired = judge(losses, 4, tolerance=0.05, paired=True)
+    assert [r["paired_deficits"] for r in paired.rows] == [[0.0, 0.0, 0.0], [0.1, 0.1, 0.1], [0.02, 0.05, 0.04]]
+    assert [r["paired_deficit"] for r in paired.rows] == [0.0, 0.1, 0.04]
+    # 8 misses on every seed, so 16 cannot count: it matches after a miss.
+    assert [r["matches"] for r in paired.rows] == [True, False, True]
+    assert paired.critical_batch_size == 4 and paired.interval == (4, 4)
+    # With a tolerance of 0.1 the worst seeds of 8 match (0.1) and 16's worst (0.05) too: the interval's low end.
+    wider = judge(losses, 4, tolerance=0.1, paired=True)
+    assert wider.critical_batch_size == 16 and wider.interval == (16, 16)
+    # A diverged seed is an infinite deficit: it counts at the interval's low end, not at its median.
+    losses[16][0.4] = [2.02, INF, 2.64]
+    assert judge(losses, 4, tolerance=0.1, paired=True).interval == (8, 16)
+
+
+def test_how_often_a_batch_matches_by_noise_exact_with_two_seeds_and_growing_with_more():
+    from ddplab.study.branched import chance
+
+    # Two seeds, no deficit: 1/2 + atan(1/√2)/π exactly; the simulation agrees within its own error (3σ).
+    assert chance.exact_two_seeds(0.0) == pytest.approx(0.5 + math.atan(1 / math.sqrt(2)) / math.pi, abs=1e-6)
+    for d in (0.0, 1.0, 2.0):
+        p = chance.exact_two_seeds(d)
+        assert chance.simulated(d, 2) == pytest.approx(p, abs=3 * math.sqrt(p * (1 - p) / 20000))
+    assert chance.exact_two_seeds(0.0) > chance.exact_two_seeds(1.0) > chance.exact_two_seeds(2.0)
+    # Half the range widens with more seeds while the medians' noise shrinks: a batch one σ worse matches more often.
+    by_seeds = [chance.simulated(1.0, n) for n in (2, 3, 6)]
+    assert by_seeds == sorted(by_seeds) and by_seeds[-1] - by_seeds[0] > 0.2
+    assert chance.simulated(1.0, 3) == chance.simulated(1.0, 3)  # the same figure every time

@@ -399,6 +399,32 @@ def test_the_ramp_rule_grows_from_the_smallest_batch_and_is_judged_against_the_t
     assert "the ramp starts from the smallest of --global-batch-sizes, 15: it must be even" in capsys.readouterr().err
 
 
+def _accounted(report: dict, runs: list[dict], fixed: dict) -> None:
+    """The schedule's accounting against the best tuned fixed run at its first batch: the median seed's phases as its
+    trajectory shows them, each seed's curve at the samples its steps trained, and at the end each seed's samples
+    against the fixed run's to the target (evaluated every step: within one of its steps)."""
+    accounting = report["schedule_accounting"]
+    assert accounting["start_global_batch_size"] == 16 and accounting["fixed_lr"] == fixed["lr"]
+    middle = sorted(runs, key=lambda r: r["steps_to_target"])[(len(runs) - 1) // 2]
+    at = [t[1] for t in middle["trajectory"]]
+    batches = [16, *at[:-1]]  # the first step's batch, then what each evaluation says the next one's is
+    rows = accounting["phases"]
+    assert [r["global_batch_size"] for r in rows] == [16, 32, 64]
+    assert [r["steps"] for r in rows] == [batches.count(b) for b in (16, 32, 64)]
+    assert sum(r["samples"] for r in rows) == rows[-1]["end_samples"] == middle["samples_to_target"]
+    assert [r["start_samples"] for r in rows[1:]] == [r["end_samples"] for r in rows[:-1]]
+    assert all(r["start_samples"] >= t for r, t in zip(rows[1:], (320, 960)))
+    for run, curve in zip(runs, accounting["curves"]["schedule"]):
+        assert len(curve) == run["steps_to_target"] and curve[-1][0] == run["samples_to_target"]
+    fixed_curves = accounting["curves"]["fixed"]["16"]["seeds"]
+    lows = [run["samples_to_target"] / next(s for s, m in c if m >= report["target"]["value"])
+            for run, c in zip(runs, fixed_curves)]
+    highs = [run["samples_to_target"] / (next(s for s, m in c if m >= report["target"]["value"]) - 16)
+             for run, c in zip(runs, fixed_curves)]
+    low, high = rows[-1]["samples_ratio_range"]
+    assert min(lows) <= low <= min(highs) and max(lows) <= high <= max(highs)
+
+
 def _follows(run: dict, schedule: str | list, lr: float) -> int:
     """Assert the run trained at each step the batch and lr its schedule sets for the samples seen before it (every
     step evaluated), and return the samples it trained."""
@@ -450,6 +476,7 @@ def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_ru
                            "fixed_median_samples": 16 * tuned[16]["median_steps"], "dominated_by": beaten,
                            "front_samples_at_steps": pytest.approx(front, rel=1e-12) if front else None}
     assert adaptive["ramp"]["median_steps"] == report["ramp"]["median_steps"] and "schedule" not in report["fit"]
+    _accounted(report, runs, tuned[16])
     # Again as a person reads it (cached): a line per rule against the front, and the plots with their points.
     monkeypatch.setenv("COLUMNS", "400")
     assert main([*(a for a in argv if a not in ("--json", "--no-plots")), "--schedule", megatron]) == 0
@@ -467,12 +494,18 @@ def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_ru
         assert line.endswith(f"; {side} the tuned fit's front, which needs {render.num(front)} samples at "
                              f"{render.num(summary['median_steps'])} steps"), line
     out = tmp_path / "out"
-    assert {"pareto.png", "ramp.png", "report.html"} <= set(os.listdir(out))
+    assert {"pareto.png", "ramp.png", "schedule.png", "report.html"} <= set(os.listdir(out))
+    phase_lines = printed[printed.index("schedule phase by phase"):].splitlines()[1:4]
+    for line, row in zip(phase_lines, report["schedule_accounting"]["phases"]):
+        assert line.startswith(f"  global batch {row['global_batch_size']} at lr {row['lr']:.4g}: {row['steps']} "
+                               f"steps, samples {row['start_samples']} to {row['end_samples']}; "), line
     with open(out / "report.html") as fh:
-        assert "Batches that change, against the fixed-batch front" in fh.read()
+        page = fh.read()
+    assert "Batches that change, against the fixed-batch front" in page
+    assert "<h2>The schedule phase by phase</h2>" in page and page.count("<tr><td>") >= 3
     cached = [n for n in os.listdir(tmp_path / "out" / "runs") if n.startswith("batch-16-schedule-")]
-    # A schedule with lrs, on the same grid (cached): from the best tuned lr at its first batch, each entry's lr
-    # scaled as the schedule scales it from its first, its runs cached apart.
+    # A schedule with lrs, on the same grid (cached): from the best tuned lr at its first batch, each later entry at
+    # its own lr (what the branches measured there), its runs cached apart.
     schedule = [{"samples_seen": 0, "global_batch_size": 16, "lr": 0.05},
                 {"samples_seen": 320, "global_batch_size": 32, "lr": 0.1},
                 {"samples_seen": 960, "global_batch_size": 64, "lr": 0.2}]
@@ -482,9 +515,12 @@ def test_the_schedule_rule_follows_its_schedule_from_scratch_beside_the_tuned_ru
     report = json.loads(capsys.readouterr().out)
     assert report["tuned_lr"] == list(tuned.values())
     best = tuned[16]["lr"]
+    followed = [{**schedule[0], "lr": best}, *schedule[1:]]
     for run in [r for r in report["runs"] if r["rule"] == "schedule"]:
-        assert run["lr"] == best and _follows(run, schedule, best) == run["samples_to_target"]
-        assert sorted({round(t[2] / best, 12) for t in run["trajectory"]}) == [1, 2, 4]
+        assert run["lr"] == best and _follows(run, followed, best) == run["samples_to_target"]
+        assert {round(t[2], 12) for t in run["trajectory"]} <= {best, 0.1, 0.2}
+        assert {t[1] for t in run["trajectory"]} == {16, 32, 64}
+    assert [round(r["lr"], 12) for r in report["schedule_accounting"]["phases"]] == [best, 0.1, 0.2]
     assert len([n for n in os.listdir(tmp_path / "out" / "runs") if n.startswith("batch-16-schedule-")]) == 2
     assert len(cached) == 1
     # Refused before anything trains: no schedule, or one that starts off the grid.

@@ -13,6 +13,9 @@ from ddplab.validation import at_least, one_of, positive, within, zero_or_more
 
 LrRule = Literal["auto", "linear", "sqrt"]
 
+STEPS_OF_LARGEST = 8
+"""The default branch trains this many steps of its largest batch."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BranchConfig:
@@ -26,7 +29,8 @@ class BranchConfig:
     counted in reference global batches), or what the spec's load(path, model, optimizer) reads."""
     branch_samples: int | None = None
     """Samples every branch trains (the same at every batch; a multiple of the largest branched batch; default 8
-    steps of it)."""
+    steps of it, and under --branch-at never past the reference run's end: the grid is cut at each checkpoint to the
+    batches whose 8 steps fit in what the run has left)."""
     branch_doublings: int = 5
     """How many times the branches double the reference global batch: × 1, 2, 4, … 2^this."""
     branch_lr_rule: LrRule = "auto"
@@ -38,6 +42,9 @@ class BranchConfig:
     branch_lag: float | None = None
     """Instead of a tolerance in loss: a batch matches when its end loss is no worse than where the reference batch
     was this fraction of the budget earlier (0.5: half the samples behind, McCandlish et al.'s B_crit)."""
+    branch_paired: bool = False
+    """Judge each batch by its seeds' own deficits: the median over seeds of its end loss minus the reference batch's
+    on the same seed (the same samples), against the tolerance; the seeds' order of the data cancels in it."""
     branch_every_batch: bool = False
     """Train every batch of the grid. By default the doubling stops at the first batch that misses with every seed:
     no larger batch can change the critical batch or its interval, so their branches would only cost samples."""
@@ -69,11 +76,29 @@ class BranchConfig:
     def samples(self, reference_global_batch_size: int) -> int:
         """Samples per branch: ``branch_samples``, else 8 steps of the largest batch; a multiple of it."""
         largest = self.global_batch_sizes(reference_global_batch_size)[-1]
-        samples = self.branch_samples or 8 * largest
+        samples = self.branch_samples or STEPS_OF_LARGEST * largest
         if samples % largest:
             raise UsageError(f"{{branch_samples}} {samples} must be a multiple of the largest branched global batch "
                              f"{largest}, so that every batch trains on the same samples")
         return samples
+
+    def ladder(self, reference_global_batch_size: int, remaining: int | None) -> tuple[tuple[int, ...], int]:
+        """The batches branched from one checkpoint and the samples each trains. ``branch_samples`` where given, and
+        where nothing says what remains of the run (``remaining`` None: your own checkpoints), the whole grid at
+        :meth:`samples`. Else 8 steps of the largest batch, the grid cut at the largest batch whose 8 steps fit in
+        ``remaining`` (the reference run's samples after the checkpoint, at least two batches): a branch past the
+        run's end would judge a batch over training the run does not have, where the larger batch catches up.
+
+        >>> config = BranchConfig(branch_at=(0.5,), branch_doublings=3)
+        >>> config.ladder(32, None), config.ladder(32, 2000), config.ladder(32, 100)
+        (((32, 64, 128, 256), 2048), ((32, 64, 128), 1024), ((32, 64), 512))
+        """
+        batches = self.global_batch_sizes(reference_global_batch_size)
+        if self.branch_samples is not None or remaining is None:
+            return batches, self.samples(reference_global_batch_size)
+        kept = tuple(b for b in batches if STEPS_OF_LARGEST * b <= remaining) or batches[:1]
+        kept = kept if len(kept) > 1 else batches[:2]
+        return kept, STEPS_OF_LARGEST * kept[-1]
 
     def lr_rule(self, adam: bool) -> Literal["linear", "sqrt"]:
         """The lr rule in force: auto is sqrt for Adam and AdamW, linear for SGD."""

@@ -150,8 +150,13 @@ class Judgement:
         return self.critical_batch_size is not None and self.critical_batch_size == self.rows[-1]["global_batch_size"]
 
 
-def judge(losses: Losses, reference_global_batch: int, tolerance: float | None = None) -> Judgement:
+def judge(losses: Losses, reference_global_batch: int, tolerance: float | None = None,
+          paired: bool = False) -> Judgement:
     """The critical batch, its interval from the seeds and the tolerance used (see the module's docstring).
+
+    ``paired``: judge each batch by its seeds' own deficits instead (:func:`paired_deficits`): a batch matches when the
+    median over seeds of (its loss − the reference batch's on the same seed) is at most the tolerance, and the interval
+    takes its worst and best seed's deficit.
 
     >>> losses = {8: {0.1: [1.00, 1.10, 1.20]}, 16: {0.2: [1.05, 1.12, 1.30]}, 32: {0.4: [1.20, 1.25, 1.40]},
     ...           64: {0.8: [1.25, 1.30, 1.50]}}
@@ -169,20 +174,41 @@ def judge(losses: Losses, reference_global_batch: int, tolerance: float | None =
     if tolerance is None:
         tolerance = seed_tolerance(losses[reference_global_batch].get(ref_lr, [])) if ref_lr is not None else 0.0
     bound = ref_loss + tolerance
+    ref_seeds = _clean(losses[reference_global_batch][ref_lr]) if ref_lr is not None else []
     rows = []
     for batch in batches:
         lr, loss = best(losses[batch])
         seeds = _clean(losses[batch][lr]) if lr is not None else []
         tried = sorted(losses[batch])
-        rows.append({"global_batch_size": batch, "lr": lr, "median_loss": loss, "seed_losses": seeds,
-                     "matches": batch == reference_global_batch or loss <= bound, "lrs": tried,
-                     "lr_at_edge": lr is None or len(tried) > 1 and lr in (tried[0], tried[-1])})
+        row = {"global_batch_size": batch, "lr": lr, "median_loss": loss, "seed_losses": seeds,
+               "matches": batch == reference_global_batch or loss <= bound, "lrs": tried,
+               "lr_at_edge": lr is None or len(tried) > 1 and lr in (tried[0], tried[-1])}
+        if paired:
+            deficits = paired_deficits(seeds, ref_seeds) if lr is not None else [math.inf]
+            row.update(paired_deficits=deficits, paired_deficit=median(deficits),
+                       matches=batch == reference_global_batch or median(deficits) <= tolerance)
+        rows.append(row)
     if not math.isfinite(ref_loss):
         return Judgement(None, (None, None), ref_loss, tolerance, rows)
     critical = _largest_matching(batches, [row["matches"] for row in rows])
-    low, high = (_largest_matching(batches, [b == reference_global_batch or best(losses[b], s)[1] <= bound
-                                             for b in batches]) for s in ("worst", "best"))
+    if paired:
+        low, high = (_largest_matching(batches, [b == reference_global_batch or pick(row["paired_deficits"])
+                                                 <= tolerance for b, row in zip(batches, rows)]) for pick in (max, min))
+    else:
+        low, high = (_largest_matching(batches, [b == reference_global_batch or best(losses[b], s)[1] <= bound
+                                                 for b in batches]) for s in ("worst", "best"))
     return Judgement(critical, (low, high), ref_loss, tolerance, rows)
+
+
+def paired_deficits(seed_losses: Sequence[float], reference_seed_losses: Sequence[float]) -> list[float]:
+    """Each seed's end loss minus the reference batch's on the same seed. At one seed every batch trains on the very
+    same samples, so the data's order, the largest part of the seeds' spread, cancels in the difference.
+
+    >>> paired_deficits([2.10, 2.30, 2.05], [2.00, 2.25, 2.00])
+    [0.1, 0.05, 0.05]
+    """
+    return [round(b - r, 12) if math.isfinite(b) and math.isfinite(r) else math.inf
+            for b, r in zip(seed_losses, reference_seed_losses)]
 
 
 def settled(judgement: Judgement) -> bool:
@@ -218,6 +244,7 @@ class Judge:
     samples: int
     tolerance: float | None
     lag_step: int | None
+    paired: bool = False
     prior: Trained = dataclasses.field(default_factory=dict)
     """Batches trained before: what a later call adds is judged with them."""
 
@@ -229,7 +256,7 @@ class Judge:
             earlier = _by_lr(self.groups[self.reference][0], trained[self.reference][self.lag_step])
             lr, end = best(losses[self.reference])
             tolerance = lag_tolerance(end, median(earlier[lr])) if lr is not None else 0.0
-        return judge(losses, self.reference, tolerance)
+        return judge(losses, self.reference, tolerance, self.paired)
 
     def settled(self, trained: Trained) -> bool:
         """No larger batch can change the judgement (:func:`settled`)."""

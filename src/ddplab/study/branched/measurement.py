@@ -139,9 +139,13 @@ def _measure(setup: _Setup, progress: Progress, launch_config: LaunchConfig | No
             if ctx is not None and ctx.world_size > 1:
                 checkpoints, reference_run = _rank_zeros(checkpoints, reference_run)
             advance.skip_to(reference_steps)
-        found = [_branch_from(workload, config, branch, checkpoint, rule, samples, device,
-                              _Training(train, cache, checkpoint, samples, advance, ctx))
-                 for checkpoint in checkpoints]
+        found = []
+        for checkpoint in checkpoints:
+            remaining = reference_run["samples"] - checkpoint.samples_seen if reference_run else None
+            batches_here, length = branch.ladder(config.reference_global_batch_size, remaining)
+            found.append(_branch_from(workload, config, branch, checkpoint, rule, length, device,
+                                      _Training(train, cache, checkpoint, length, advance, ctx, samples),
+                                      batches_here, remaining))
     advance.finish()
     # A checkpoint whose branches cannot tell its critical batch (its interval spans the grid) takes no schedule step.
     steps = schedule.schedule([(f["samples_seen"], f["critical_batch_size"] if f["resolved"] else None,
@@ -175,19 +179,21 @@ def _rank_zeros(checkpoints: list[Checkpoint], run: dict) -> tuple[list[Checkpoi
 
 
 def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, checkpoint: Checkpoint, rule: str,
-                 samples: int, device: torch.device, train: _Training) -> dict:
-    """One checkpoint's branches, batch after batch up the grid until the judgement is settled, each batch's sweep
-    extended past an edge its best lr sits on; judged."""
+                 samples: int, device: torch.device, train: _Training, batches: tuple[int, ...],
+                 run_left: int | None) -> dict:
+    """One checkpoint's branches, batch after batch up ``batches`` until the judgement is settled, each batch's
+    sweep extended past an edge its best lr sits on; judged. ``run_left``: the reference run's samples after the
+    checkpoint (None for your own checkpoints)."""
     reference = config.reference_global_batch_size
     ref_steps = samples // reference
     lag_step = round((1 - branch.branch_lag) * ref_steps) if branch.branch_lag is not None else None
     groups: Groups = {}
-    for batch in branch.global_batch_sizes(reference):
+    for batch in batches:
         lrs = judgement.sweep(scaled_lr(config.reference_lr, batch, reference, rule), config.sweep_factor)
         groups[batch] = ([(lr, seed) for lr in lrs for seed in range(config.seeds)],
                          {lag_step} if batch == reference and lag_step is not None else set())
     judge = Judge(groups=groups, reference=reference, samples=samples, tolerance=branch.branch_tolerance,
-                  lag_step=lag_step)
+                  lag_step=lag_step, paired=branch.branch_paired)
     trained: Trained = {}
     while True:
         remaining = {batch: group for batch, group in groups.items() if batch not in trained}
@@ -205,14 +211,31 @@ def _branch_from(workload: Workload, config: StudyConfig, branch: BranchConfig, 
     judged = judge(trained)
     b_simple = b_simple_at_checkpoint(workload, config, checkpoint, branch.global_batch_sizes(reference)[-1], device)
     unresolved = judged.unresolved_note(checkpoint.samples_seen)
+    cut = [b for b in branch.global_batch_sizes(reference) if b not in batches]
     return {"samples_seen": checkpoint.samples_seen, "source": checkpoint.source,
-            "notes": [*checkpoint.notes, *([unresolved] if unresolved else [])],
+            "notes": [*checkpoint.notes, *([unresolved] if unresolved else []),
+                      *_length_notes(checkpoint.samples_seen, samples, run_left, cut)],
+            "length": samples, "beyond_run_global_batch_sizes": cut,
             "resolved": judged.resolved,
             "critical_batch_size": judged.critical_batch_size, "interval": list(judged.interval),
             "at_edge": judged.at_edge, "b_simple": b_simple, "reference_loss": judged.reference_loss,
             "tolerance": judged.tolerance, "batches": judged.rows,
             "untrained_global_batch_sizes": [batch for batch in groups if batch not in trained],
             "branch_samples": sum(len(groups[batch][0]) for batch in trained) * samples}
+
+
+def _length_notes(samples_seen: int, length: int, remaining: int | None, cut: list[int]) -> list[str]:
+    """What a checkpoint says of its branches' length against what the reference run had left after it."""
+    notes = []
+    if cut:
+        notes.append(f"at {samples_seen} samples the reference run had {remaining} samples left: the branches train "
+                     f"{length}, and global batch{'es' if len(cut) > 1 else ''} {', '.join(map(str, cut))}, whose 8 "
+                     "steps would not fit, are left out")
+    if remaining is not None and length > remaining:
+        notes.append(f"at {samples_seen} samples the branches ({length} samples) run {length - remaining} samples past "
+                     "the reference run's end: they judge each batch over training the run does not have, where a "
+                     "larger batch catches up")
+    return notes
 
 
 def _extensions(groups: Groups, trained: Trained, samples: int, config: StudyConfig) -> Groups:
@@ -231,10 +254,12 @@ class _Training:
     shared), what it lacks is trained and kept."""
 
     def __init__(self, train: BranchTrainer, cache: BranchCache | None, checkpoint: Checkpoint, samples: int,
-                 advance: _Advance, ctx: RankContext | None):
+                 advance: _Advance, ctx: RankContext | None, setting_samples: int):
         self.train, self.cache, self.checkpoint, self.samples, self.advance = train, cache, checkpoint, samples, advance
         self.shared = ctx is not None and ctx.world_size > 1
-        self.digest = checkpoint_digest(checkpoint.model, checkpoint.optimizer, checkpoint.samples_seen) \
+        # A branch shorter than the cache's setting says (cut to the run's end) is cached under its own length.
+        own = "" if samples == setting_samples else f"|{samples}"
+        self.digest = checkpoint_digest(checkpoint.model, checkpoint.optimizer, checkpoint.samples_seen) + own \
             if cache is not None else None
 
     def __call__(self, groups: Groups, judge: Judge | None) -> Trained:

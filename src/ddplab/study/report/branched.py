@@ -60,7 +60,8 @@ class BranchReport:
             "lr_rule": self.lr_rule, "sweep_factor": cfg.sweep_factor, "seeds": cfg.seeds,
             "branch_samples": self.samples, "dtype": cfg.dtype,
             "tolerance": ("given" if self.branch.branch_tolerance is not None else
-                          f"lag {self.branch.branch_lag:g}" if self.branch.branch_lag is not None else "seeds"),
+                          f"lag {self.branch.branch_lag:g}" if self.branch.branch_lag is not None else "seeds")
+                         + (", paired" if self.branch.branch_paired else ""),
             "reference_run": self.reference_run, "branches": self.branches, "schedule": self.schedule,
             "step_batch_size_schedule": schedule.megatron_schedule(self.schedule),
             "cost": {"branch_samples": self.branch_samples_total, "reference_samples": reference,
